@@ -1,0 +1,1 @@
+"""convoy's training engine: pure PyTorch + pydantic (never imports Prefect or DVC)."""

@@ -1,0 +1,373 @@
+"""Checkpoint store: atomic commit, verified restore, retention, async two-phase save.
+
+Layout of one checkpoint (``checkpoints/step-000001200/``): for each *part* (``state`` — the
+replicated train state written by rank 0 — and ``rank-<r>`` — that rank's RNG) a
+``<part>.safetensors`` with the tensors and a ``<part>.json`` with the JSON skeleton, plus
+``manifest.json`` (step, per-file size + xxh3-128, whole-state digest, fingerprint, world size,
+versions).  A directory without a valid manifest is not a checkpoint.
+
+Commit protocol (DESIGN invariant 1), modelled on torch.distributed.checkpoint, where the
+metadata file written last is the commit record: write into ``.tmp-step-…`` → fsync every file
+→ write + fsync ``manifest.json`` → fsync the dir → rename into place → fsync ``checkpoints/`` →
+move ``LATEST`` → apply retention.  Restore (invariant 2) walks checkpoints newest first and takes
+the first whose manifest and hashes verify; every skipped one is recorded in ``events.jsonl`` and
+left on disk untouched.  Retention (invariant 3) never deletes the newest verified checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training import safetensors_io as st
+from training.codec import join_tree, split_tree
+from training.config import CheckpointConfig
+from training.events import append_event
+from training.fsutil import atomic_write_bytes, fsync_dir, read_json
+
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A save failed (e.g. ENOSPC); raised in the training loop, never swallowed."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def parse_step(name: str) -> int | None:
+    if not name.startswith("step-"):
+        return None
+    digits = name[5:]
+    return int(digits) if digits.isdigit() else None
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def digest(self) -> str:
+        return self.manifest["digest"]
+
+    @property
+    def bytes(self) -> int:
+        return sum(f["size"] for f in self.manifest["files"].values())
+
+
+def state_digest(files: dict[str, dict[str, Any]]) -> str:
+    """Whole-state digest: a hash over every file's content hash, in name order.
+
+    File contents are deterministic functions of the state (sorted headers, no timestamps), so
+    two runs that reach the same state at the same step have the same digest.
+    """
+    h = st.new_hasher()
+    for name in sorted(files):
+        h.update(f"{name}:{files[name]['xxh3_128']}\n".encode())
+    return h.hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    return {"torch": torch.__version__, "python": platform.python_version(), "format": str(FORMAT_VERSION)}
+
+
+@dataclass
+class _Snapshot:
+    step: int
+    skeletons: dict[str, Any]
+    tensors: dict[str, dict[str, torch.Tensor]]
+    extra_manifest: dict[str, Any] = field(default_factory=dict)
+    cuda_event: Any = None
+
+
+class CheckpointStore:
+    """One run's checkpoints.  Exactly one writer process per run (the flow holds a file lock)."""
+
+    def __init__(self, run_dir: str | Path, policy: CheckpointConfig | None = None,
+                 fingerprint: str = "", world_size: int = 1) -> None:
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / "checkpoints"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.policy = policy or CheckpointConfig()
+        self.fingerprint = fingerprint
+        self.world_size = world_size
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_stall_s = 0.0
+        self.last_persist_s = 0.0
+        self.last_committed: Checkpoint | None = None
+
+    # ------------------------------------------------------------------ listing / verifying
+    def step_dirs(self) -> list[tuple[int, Path]]:
+        """Committed-looking checkpoint directories, newest first (validity not checked)."""
+        out = []
+        for p in self.root.iterdir():
+            step = parse_step(p.name)
+            if step is not None and p.is_dir():
+                out.append((step, p))
+        return sorted(out, reverse=True)
+
+    def read_manifest(self, path: Path) -> dict[str, Any]:
+        mpath = path / MANIFEST
+        if not mpath.exists():
+            raise ValueError("no manifest.json (incomplete checkpoint)")
+        try:
+            manifest = read_json(mpath)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"manifest.json unreadable ({exc})") from None
+        for key in ("step", "files", "digest"):
+            if key not in manifest:
+                raise ValueError(f"manifest.json lacks {key!r}")
+        if manifest["step"] != parse_step(path.name):
+            raise ValueError(f"manifest step {manifest['step']} does not match directory {path.name}")
+        if state_digest(manifest["files"]) != manifest["digest"]:
+            raise ValueError("manifest digest does not match its file list")
+        return manifest
+
+    def verify(self, path: Path) -> Checkpoint:
+        """Full verification: manifest + every file's size and hash.  Raises ValueError."""
+        manifest = self.read_manifest(path)
+        for name, info in manifest["files"].items():
+            fpath = path / name
+            if not fpath.exists():
+                raise ValueError(f"{name}: missing")
+            size, digest = st.hash_file(fpath)
+            if size != info["size"]:
+                raise ValueError(f"{name}: size {size} != manifest {info['size']} (truncated or replaced)")
+            if digest != info["xxh3_128"]:
+                raise ValueError(f"{name}: content hash mismatch (corrupt)")
+        return Checkpoint(manifest["step"], path, manifest)
+
+    def _skip(self, path: Path, reason: str) -> None:
+        append_event(self.run_dir, "checkpoint_skipped", checkpoint=path.name, reason=reason)
+
+    def latest_valid(self, record: bool = True) -> Checkpoint | None:
+        """Newest checkpoint that verifies; invalid newer ones are recorded and left alone."""
+        for _step, path in self.step_dirs():
+            try:
+                return self.verify(path)
+            except (ValueError, OSError) as exc:
+                if record:
+                    self._skip(path, str(exc))
+        return None
+
+    def inspect(self) -> list[dict[str, Any]]:
+        """Every checkpoint directory with its verification result (for ``convoy inspect``)."""
+        rows = []
+        for step, path in self.step_dirs():
+            row: dict[str, Any] = {"step": step, "name": path.name}
+            try:
+                ck = self.verify(path)
+                row.update(valid=True, bytes=ck.bytes, digest=ck.digest, reason="")
+            except (ValueError, OSError) as exc:
+                size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+                row.update(valid=False, bytes=size, digest=None, reason=str(exc))
+            rows.append(row)
+        return rows
+
+    # ------------------------------------------------------------------ loading
+    def load(self, path: Path) -> tuple[Checkpoint, dict[str, Any]]:
+        """Verify and load every part, reading each file exactly once.  Never unpickles."""
+        manifest = self.read_manifest(path)
+        parts: dict[str, Any] = {}
+        for name, info in manifest["files"].items():
+            if not name.endswith(".safetensors"):
+                continue
+            part = name.removesuffix(".safetensors")
+            skel_name = f"{part}.json"
+            skel_info = manifest["files"].get(skel_name)
+            if skel_info is None:
+                raise ValueError(f"{skel_name}: not in manifest")
+            skel_buf = st.read_verified(path / skel_name, skel_info["size"], skel_info["xxh3_128"])
+            buf = st.read_verified(path / name, info["size"], info["xxh3_128"])
+            try:
+                tensors, _ = st.parse(buf)
+            except st.SafetensorsFormatError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+            parts[part] = join_tree(json.loads(bytes(skel_buf)), tensors)
+        return Checkpoint(manifest["step"], path, manifest), parts
+
+    def load_latest(self) -> tuple[Checkpoint, dict[str, Any]] | None:
+        """Newest checkpoint that verifies *and* parses; skipped ones are recorded."""
+        for _step, path in self.step_dirs():
+            try:
+                return self.load(path)
+            except (ValueError, OSError, KeyError) as exc:
+                self._skip(path, str(exc))
+        return None
+
+    # ------------------------------------------------------------------ saving
+    def check(self) -> None:
+        """Raise a background save error at the next step boundary (never swallowed)."""
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"checkpoint save failed: {err}") from err
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _snapshot_tensor(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            self._buffers[key] = buf
+        buf.copy_(t, non_blocking=t.is_cuda)
+        return buf
+
+    def save(self, step: int, parts: dict[str, Any], blocking: bool = False,
+             extra_manifest: dict[str, Any] | None = None) -> float:
+        """Snapshot ``parts`` into reused CPU buffers, then persist (in the background unless
+        ``blocking``).  Returns the stall in seconds: the time the caller was held up."""
+        t0 = time.perf_counter()
+        self.wait()  # the buffers are reused: the previous persist must be done
+        skeletons: dict[str, Any] = {}
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        any_cuda = False
+        for part, tree in parts.items():
+            skel, flat = split_tree(tree)
+            skeletons[part] = skel
+            tensors[part] = {}
+            for key, t in flat.items():
+                any_cuda |= t.is_cuda
+                tensors[part][key] = self._snapshot_tensor(f"{part}/{key}", t)
+        snap = _Snapshot(step, skeletons, tensors, extra_manifest or {})
+        if any_cuda:
+            snap.cuda_event = torch.cuda.Event()
+            snap.cuda_event.record()
+        if blocking or not self.policy.async_save:
+            self._persist(snap)
+            self.check()
+        else:
+            self._thread = threading.Thread(target=self._persist, args=(snap,), name="convoy-ckpt", daemon=True)
+            self._thread.start()
+        self.last_stall_s = time.perf_counter() - t0
+        return self.last_stall_s
+
+    def _persist(self, snap: _Snapshot) -> None:
+        t0 = time.perf_counter()
+        tmp = self.root / f".tmp-{checkpoint_name(snap.step)}-{os.getpid()}"
+        try:
+            if snap.cuda_event is not None:
+                snap.cuda_event.synchronize()
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            files: dict[str, dict[str, Any]] = {}
+            for part in sorted(snap.skeletons):
+                skel = (json.dumps(snap.skeletons[part], sort_keys=True, indent=1) + "\n").encode()
+                skel_path = tmp / f"{part}.json"
+                atomic_write_bytes(skel_path, skel, durable=True)
+                files[skel_path.name] = {"size": len(skel), "xxh3_128": st.hash_bytes(skel)}
+                size, digest = st.write_file(tmp / f"{part}.safetensors", snap.tensors[part])
+                files[f"{part}.safetensors"] = {"size": size, "xxh3_128": digest}
+            manifest = {
+                "format": FORMAT_VERSION, "step": snap.step, "created": time.time(),
+                "fingerprint": self.fingerprint, "world_size": self.world_size,
+                "files": files, "digest": state_digest(files), "versions": _versions(),
+                **snap.extra_manifest,
+            }
+            atomic_write_bytes(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+            fsync_dir(tmp)
+            final = self.root / checkpoint_name(snap.step)
+            if final.exists() and self._keep_existing(final, manifest["digest"]):
+                shutil.rmtree(tmp)
+            else:
+                os.rename(tmp, final)
+                fsync_dir(self.root)
+            atomic_write_bytes(self.root / LATEST, (final.name + "\n").encode())
+            committed = Checkpoint(snap.step, final, self.read_manifest(final))
+            self.last_committed = committed
+            self.last_persist_s = time.perf_counter() - t0
+            self.apply_retention(protect=committed)
+        except BaseException as exc:  # noqa: BLE001 - surfaced via check()
+            shutil.rmtree(tmp, ignore_errors=True)  # uncommitted, ours: safe to remove
+            self._error = exc
+
+    def _keep_existing(self, final: Path, new_digest: str) -> bool:
+        """A directory already holds this step (a resumed run re-reaching it).
+
+        Valid with the same digest: keep it, the new copy is redundant.  Otherwise move it aside
+        (never delete): an invalid one is quarantined, a valid one with another digest is kept
+        as evidence of a non-deterministic replay."""
+        try:
+            existing = self.verify(final)
+        except (ValueError, OSError) as exc:
+            kind, reason, old = "invalid", str(exc), None
+        else:
+            if existing.digest == new_digest:
+                return True
+            kind, reason, old = "replaced", "same step, different state digest (non-deterministic replay)", \
+                existing.digest
+        aside = final.with_name(f"{final.name}.{kind}-{int(time.time() * 1000)}")
+        os.rename(final, aside)
+        append_event(self.run_dir, f"checkpoint_{kind}", checkpoint=final.name, moved_to=aside.name,
+                     reason=reason, old_digest=old, new_digest=new_digest)
+        return False
+
+    # ------------------------------------------------------------------ retention
+    def apply_retention(self, protect: Checkpoint) -> list[str]:
+        """Delete committed checkpoints outside the policy; never ``protect`` (newest verified),
+        never a directory that does not verify at manifest level (left for inspection)."""
+        pol = self.policy
+        candidates: list[tuple[int, Path, int]] = []
+        for step, path in self.step_dirs():
+            if path == protect.path or step > protect.step:
+                continue
+            try:
+                manifest = self.read_manifest(path)
+            except (ValueError, OSError):
+                continue
+            candidates.append((step, path, sum(f["size"] for f in manifest["files"].values())))
+        keep_recent = {p for _, p, _ in candidates[: max(pol.keep_last - 1, 0)]}
+        deleted: list[str] = []
+        survivors = []
+        for step, path, size in candidates:
+            if path in keep_recent or (pol.keep_every and step % pol.keep_every == 0):
+                survivors.append((step, path, size))
+                continue
+            self._delete(path, "keep_last")
+            deleted.append(path.name)
+        if pol.max_bytes:
+            total = protect.bytes + sum(s for _, _, s in survivors)
+            for step, path, size in sorted(survivors):  # oldest first
+                if total <= pol.max_bytes:
+                    break
+                self._delete(path, "max_bytes")
+                deleted.append(path.name)
+                total -= size
+        return deleted
+
+    def _delete(self, path: Path, reason: str) -> None:
+        # Rename first so a crash mid-delete never leaves a half-deleted dir named like a checkpoint.
+        doomed = path.with_name(f".deleting-{path.name}")
+        os.rename(path, doomed)
+        shutil.rmtree(doomed)
+        append_event(self.run_dir, "checkpoint_retired", checkpoint=path.name, reason=reason)
+
+    def cleanup_stale_temp(self) -> None:
+        """Remove ``.tmp-*``/``.deleting-*`` left by a killed writer (never committed)."""
+        for p in self.root.iterdir():
+            if p.name.startswith((".tmp-", ".deleting-")):
+                shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,77 @@
+"""Split a nested state tree into (flat tensors, pure-JSON skeleton) and join it back.
+
+This is how convoy avoids pickle entirely: tensors go to safetensors, everything else must be
+plain JSON (str/int/float/bool/None, lists, tuples, dicts).  Anything else raises at *save*
+time, so an unsupported object is caught while the run is healthy rather than at restore.
+
+Markers in the skeleton: ``{"__t__": key}`` a tensor, ``{"__nd__": key}`` a numpy array,
+``{"__tuple__": [...]}`` a tuple, ``{"__map__": [[k, v], ...]}`` a dict with non-str keys
+(optimizer state is keyed by int), ``{"__float__": "nan"}`` non-finite floats.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+_MARKERS = ("__t__", "__nd__", "__tuple__", "__map__", "__float__")
+
+
+def split_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    tensors: dict[str, torch.Tensor] = {}
+
+    def sub(path: str, key: object) -> str:
+        return f"{path}.{key}" if path else str(key)
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            tensors[path] = node.detach()
+            return {"__t__": path}
+        if isinstance(node, np.ndarray):
+            tensors[path] = torch.from_numpy(np.ascontiguousarray(node))
+            return {"__nd__": path}
+        if isinstance(node, bool | int | str) or node is None:
+            return node
+        if isinstance(node, float):
+            return node if math.isfinite(node) else {"__float__": repr(node)}
+        if isinstance(node, np.integer | np.floating):
+            return walk(node.item(), path)
+        if isinstance(node, tuple):
+            return {"__tuple__": [walk(v, sub(path, i)) for i, v in enumerate(node)]}
+        if isinstance(node, list):
+            return [walk(v, sub(path, i)) for i, v in enumerate(node)]
+        if isinstance(node, dict):
+            if all(isinstance(k, str) and k not in _MARKERS for k in node):
+                return {k: walk(v, sub(path, k)) for k, v in node.items()}
+            if all(isinstance(k, int | str) for k in node):
+                return {"__map__": [[k, walk(v, sub(path, k))] for k, v in node.items()]}
+        raise TypeError(
+            f"cannot checkpoint {type(node).__name__} at {path or '<root>'}: only tensors, numpy "
+            "arrays and JSON values are saved (no pickle)"
+        )
+
+    return walk(tree, prefix), tensors
+
+
+def join_tree(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if isinstance(node, dict):
+            if "__t__" in node:
+                return tensors[node["__t__"]]
+            if "__nd__" in node:
+                return tensors[node["__nd__"]].numpy()
+            if "__tuple__" in node:
+                return tuple(walk(v) for v in node["__tuple__"])
+            if "__map__" in node:
+                return {k: walk(v) for k, v in node["__map__"]}
+            if "__float__" in node:
+                return float(node["__float__"])
+            return {k: walk(v) for k, v in node.items()}
+        return node
+
+    return walk(skeleton)

@@ -1,0 +1,267 @@
+"""Validated configuration for a convoy run (``params.yaml`` → :class:`RunConfig`).
+
+Every input goes through pydantic with ``extra='forbid'`` so a typo is an error rather than a
+silently ignored setting.  :func:`load_config` is the single entry point: it reads the YAML,
+applies ``-S section.key=value`` overrides and returns a validated model or raises
+:class:`ConfigError` whose message is one line naming the key, the value and what is allowed.
+
+The *fingerprint* covers only the settings that change the training trajectory (task, data,
+model arguments, optimisation hyper-parameters, seed, global batch).  Chunking, checkpoint
+cadence, heartbeat limits, retries and tracking do not, so they may change between resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+#: Exit code of a training process for a configuration or data error (EX_CONFIG, not retryable).
+EXIT_CONFIG = 78
+#: Exit code of a worker that was preempted (SIGTERM) and saved an emergency checkpoint.
+EXIT_PREEMPTED = 75
+
+
+class ConfigError(ValueError):
+    """A bad configuration; its message is a single line meant for the user."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Strict):
+    """Where the corpus comes from and how it is cut into samples."""
+
+    source: Literal["synthetic", "file"] = "synthetic"
+    #: With ``source: file``: the local text file to train on (must exist).
+    path: str | None = None
+    #: Where ``convoy prepare`` writes the prepared corpus (relative to the working directory).
+    prepared_dir: str = "data"
+    #: Characters of synthetic text to generate.
+    synthetic_chars: int = Field(400_000, gt=1000)
+    #: Fraction of the corpus held out for validation.
+    val_fraction: float = Field(0.05, gt=0, lt=0.5)
+    #: Tokens per training sample (the model sees seq_len inputs and predicts seq_len targets).
+    seq_len: int = Field(64, gt=1)
+    #: DataLoader worker processes (0 = load in the training process).
+    num_workers: int = Field(0, ge=0, le=32)
+
+    @model_validator(mode="after")
+    def _file_needs_path(self) -> DataConfig:
+        if self.source == "file":
+            if not self.path:
+                raise ValueError("data.source 'file' needs data.path (a local text file)")
+            if not Path(self.path).is_file():
+                raise ValueError(f"data.path = {self.path!r}: file not found")
+        return self
+
+
+class TrainConfig(_Strict):
+    """Optimisation settings; most of them are part of the run's fingerprint."""
+
+    total_steps: int = Field(600, gt=0)
+    #: Steps per Prefect chunk task; a failure re-runs only the chunk it happened in.
+    chunk_steps: int = Field(200, gt=0)
+    #: Global batch in samples, split evenly over ranks.
+    batch_size: int = Field(16, gt=0)
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
+    seed: int = Field(1234, ge=0)
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    #: Mixed precision (CUDA only; a GradScaler is part of the saved state).
+    amp: bool = False
+    #: torch.use_deterministic_algorithms + cuDNN deterministic (needed for bitwise CUDA resume).
+    deterministic: bool = True
+    #: Number of ranks per chunk (>1 launches torchrun).
+    ranks: int = Field(1, ge=1, le=64)
+    #: Evaluate on the validation split every this many steps (0 = never).
+    eval_every: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _chunk_fits(self) -> TrainConfig:
+        if self.chunk_steps > self.total_steps:
+            raise ValueError(
+                f"train.chunk_steps = {self.chunk_steps} is larger than train.total_steps = "
+                f"{self.total_steps}; use a chunk of at most total_steps"
+            )
+        if self.batch_size % self.ranks:
+            raise ValueError(
+                f"train.batch_size = {self.batch_size} is not divisible by train.ranks = "
+                f"{self.ranks}; the global batch is split evenly over ranks"
+            )
+        return self
+
+
+class CheckpointConfig(_Strict):
+    """When to save and what to keep.  Never part of the fingerprint."""
+
+    every_steps: int | None = Field(50, gt=0)
+    every_seconds: float | None = Field(None, gt=0)
+    #: Save asynchronously (snapshot into reused buffers, persist on a background thread).
+    async_save: bool = True
+    keep_last: int = Field(3, ge=1)
+    #: Also keep every checkpoint whose step is a multiple of this (0 = off).
+    keep_every: int = Field(0, ge=0)
+    #: Byte cap over all checkpoints (0 = no cap); the newest verified one is always kept.
+    max_bytes: int = Field(0, ge=0)
+
+
+class HeartbeatConfig(_Strict):
+    """Liveness contract between worker and supervisor (seconds)."""
+
+    interval_s: float = Field(0.5, gt=0)
+    #: No step progress for this long in phase ``train`` = hang.
+    stall_s: float = Field(20.0, gt=0)
+    #: No heartbeat at all for this long = dead.
+    timeout_s: float = Field(10.0, gt=0)
+    #: Phase limits for start-up (import, init, restore) and saving.
+    init_timeout_s: float = Field(120.0, gt=0)
+    save_timeout_s: float = Field(120.0, gt=0)
+    #: SIGTERM → SIGKILL grace period when the supervisor stops a worker.
+    grace_s: float = Field(10.0, gt=0)
+
+
+class OrchestrationConfig(_Strict):
+    """How chunks are run and retried by Prefect."""
+
+    mode: Literal["local", "pool"] = "local"
+    retries: int = Field(3, ge=0)
+    retry_delay_seconds: float = Field(1.0, ge=0)
+    backoff: float = Field(2.0, ge=1)
+    jitter: float = Field(0.1, ge=0, le=1)
+    #: Wall-clock limit for one chunk attempt (0 = none).
+    chunk_deadline_s: float = Field(0, ge=0)
+    #: Work pool that chunk flow runs go to in ``mode: pool``.
+    pool: str = "gpu"
+    #: Tag used for the per-GPU-slot concurrency limit in pool mode.
+    concurrency_tag: str = "gpu"
+
+
+class TrackingConfig(_Strict):
+    """MLflow tracking and DVC versioning."""
+
+    mlflow: bool = True
+    #: Tracking URI; empty = $MLFLOW_TRACKING_URI or sqlite:///mlflow.db in the working directory.
+    mlflow_uri: str = ""
+    experiment: str = "convoy"
+    #: Push each committed chunk checkpoint to the DVC remote.
+    dvc: bool = False
+    dvc_remote: str = ""
+
+
+class RunConfig(_Strict):
+    """The whole ``params.yaml``."""
+
+    #: Name of the run directory under ``runs_dir``.
+    run_name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    runs_dir: str = "runs"
+    #: ``package.module:factory`` returning a :class:`training.task.TaskParts`.
+    task: str = Field("training.examples.char_gpt:build", pattern=r"^[\w.]+:\w+$")
+    #: Keyword arguments for the task factory (validated by the task itself).
+    task_args: dict[str, Any] = Field(default_factory=dict)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    heartbeat: HeartbeatConfig = Field(default_factory=HeartbeatConfig)
+    orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _task_importable(self) -> RunConfig:
+        resolve_task_factory(self.task)
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.run_name
+
+    def fingerprint(self) -> str:
+        """Hash of the settings that change the trajectory; see the module docstring."""
+        train = self.train.model_dump(exclude={"chunk_steps", "eval_every", "ranks"})
+        data = self.data.model_dump(exclude={"num_workers", "prepared_dir"})
+        payload = {"task": self.task, "task_args": self.task_args, "data": data, "train": train}
+        blob = json.dumps(payload, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def resolve_task_factory(spec: str) -> Any:
+    """Import ``package.module:factory``; a ValueError names what could not be found."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"task = {spec!r}: cannot import module {module_name!r} ({exc})") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"task = {spec!r}: module {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. train.lr=3e-4")
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set ``a.b.c=value`` entries (values parsed as YAML scalars) into a nested dict."""
+    for text in overrides:
+        path, value = _parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    """One line: where, which key, which value, what is allowed."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return f"{source}: unknown key {loc!r}; remove it or check its spelling"
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) else f" = {value!r}"
+    more = f" (and {len(exc.errors()) - 1} more error(s))" if len(exc.errors()) > 1 else ""
+    return f"{source}: {loc}{shown}: {msg}{more}"
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from None
+
+
+def load_config(path: str | Path | None = "params.yaml", overrides: list[str] | None = None) -> RunConfig:
+    """Read ``path`` (``None`` or missing default = built-in defaults), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if p.exists():
+            source = str(p)
+            try:
+                loaded = yaml.safe_load(p.read_text()) or {}
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"{p}: expected a mapping of sections, got {type(loaded).__name__}")
+            data = loaded
+        elif str(path) != "params.yaml":
+            raise ConfigError(f"{p}: params file not found")
+    data = apply_overrides(data, overrides or [])
+    return config_from_dict(data, source)

@@ -1,0 +1,41 @@
+"""Durable file-system primitives shared by the checkpoint store, heartbeat and run directory.
+
+A rename is only durable once the parent directory is fsynced; these helpers make that the
+default so no caller forgets it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write via a temporary sibling + rename, so readers see the old or the new file, never half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any, durable: bool = True) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode(), durable)
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,63 @@
+"""The run directory: identity (``run.json``), resolved config and the fingerprint check.
+
+``run.json`` pins a run to the fingerprint of the config that created it, so a config that
+changes the trajectory can never silently resume an old run (DESIGN invariant 7).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from training.config import ConfigError, RunConfig, config_from_dict
+from training.events import append_event
+from training.fsutil import atomic_write_json, read_json
+
+RUN_FILE = "run.json"
+CONFIG_FILE = "config.json"
+
+
+def run_info(run_dir: str | Path) -> dict[str, Any] | None:
+    path = Path(run_dir) / RUN_FILE
+    return read_json(path) if path.exists() else None
+
+
+def update_run_info(run_dir: str | Path, **fields: Any) -> dict[str, Any]:
+    info = run_info(run_dir) or {}
+    info.update(fields)
+    atomic_write_json(Path(run_dir) / RUN_FILE, info)
+    return info
+
+
+def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
+    """Create the run directory, or reopen it after checking the fingerprint.
+
+    Non-trajectory settings (chunking, checkpoint cadence, limits) are updated in place.
+    """
+    run_dir = config.run_dir
+    fp = config.fingerprint()
+    info = run_info(run_dir)
+    if info is not None and info.get("fingerprint") != fp:
+        if not allow_config_change:
+            raise ConfigError(
+                f"run {config.run_name!r} was created with config fingerprint {info.get('fingerprint')}, "
+                f"this config has {fp}: it would change the training trajectory; use another "
+                f"run_name, or pass --allow-config-change to resume anyway"
+            )
+        append_event(run_dir, "config_changed", old=info.get("fingerprint"), new=fp)
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (run_dir / "heartbeat").mkdir(exist_ok=True)
+    if info is None:
+        update_run_info(run_dir, name=config.run_name, fingerprint=fp, created=time.time(), mlflow_run_id=None)
+    elif info.get("fingerprint") != fp:
+        update_run_info(run_dir, fingerprint=fp)
+    atomic_write_json(run_dir / CONFIG_FILE, config.model_dump(mode="json"))
+    return run_dir
+
+
+def load_run_config(run_dir: str | Path) -> RunConfig:
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.exists():
+        raise ConfigError(f"{run_dir}: not a convoy run directory (no {CONFIG_FILE}); create it with `convoy train`")
+    return config_from_dict(read_json(path), str(path))

@@ -1,0 +1,144 @@
+"""Streaming safetensors writer/reader with the content hash computed in the same pass.
+
+The files are standard safetensors (readable by ``safetensors.safe_open``), but writing them
+ourselves lets us (a) hash while writing instead of re-reading, (b) write straight from reused
+snapshot buffers with no intermediate ``bytes``, and (c) on restore read each file exactly once,
+hash it and build tensors over that buffer (``torch.frombuffer``): no pickle, no second read.
+The header is deterministic (sorted keys, no timestamps), so equal state gives equal bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+import xxhash
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class SafetensorsFormatError(ValueError):
+    """The file is not a well-formed safetensors file (e.g. a pickle posing as one)."""
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def new_hasher() -> xxhash.xxh3_128:
+    return xxhash.xxh3_128()
+
+
+def hash_bytes(data: bytes) -> str:
+    return xxhash.xxh3_128(data).hexdigest()
+
+
+def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[int, str]:
+    """Write ``tensors`` (CPU) to ``path``, fsync it; return (size, xxh3-128 hex of the bytes)."""
+    header: dict[str, object] = {}
+    offset = 0
+    names = sorted(tensors)
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"tensor {name!r}: dtype {t.dtype} cannot be checkpointed")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = dict(sorted(metadata.items()))
+    blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    blob += b" " * (-len(blob) % 8)  # align the data section like the reference writer
+    hasher = new_hasher()
+    prefix = struct.pack("<Q", len(blob)) + blob
+    with open(path, "wb", buffering=0) as f:
+        f.write(prefix)
+        hasher.update(prefix)
+        for name in names:
+            view = _raw_bytes(tensors[name])
+            hasher.update(view)
+            written = 0
+            while written < len(view):
+                written += f.write(view[written:])
+        os.fsync(f.fileno())
+    return len(prefix) + offset, hasher.hexdigest()
+
+
+def read_verified(path: Path, expected_size: int, expected_hash: str) -> bytearray:
+    """Read the whole file once, checking size and hash; raise ValueError on any mismatch."""
+    size = path.stat().st_size
+    if size != expected_size:
+        raise ValueError(f"{path.name}: size {size} != manifest {expected_size} (truncated or replaced)")
+    buf = bytearray(size)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                raise ValueError(f"{path.name}: file shrank while reading")
+            got += n
+    digest = xxhash.xxh3_128(buf).hexdigest()
+    if digest != expected_hash:
+        raise ValueError(f"{path.name}: content hash {digest[:12]}… != manifest {expected_hash[:12]}… (corrupt)")
+    return buf
+
+
+def hash_file(path: Path, chunk: int = 16 << 20) -> tuple[int, str]:
+    hasher = new_hasher()
+    size = 0
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            hasher.update(view[:n])
+            size += n
+    return size, hasher.hexdigest()
+
+
+def parse(buf: bytearray) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Build tensors over ``buf`` (no copy); never executes anything from the file."""
+    if len(buf) < 8:
+        raise SafetensorsFormatError("file too short for a safetensors header")
+    (hlen,) = struct.unpack("<Q", bytes(buf[:8]))
+    if hlen > min(_MAX_HEADER, len(buf) - 8):
+        raise SafetensorsFormatError("header length out of range: not a safetensors file")
+    try:
+        header = json.loads(bytes(buf[8 : 8 + hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise SafetensorsFormatError("header is not JSON: not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise SafetensorsFormatError("header is not a mapping")
+    metadata = header.pop("__metadata__", {}) or {}
+    base = 8 + hlen
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        try:
+            dtype = _FROM_NAME[info["dtype"]]
+            start, end = info["data_offsets"]
+            shape = [int(s) for s in info["shape"]]
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsFormatError(f"bad header entry for {name!r}") from None
+        if not 0 <= start <= end <= len(buf) - base:
+            raise SafetensorsFormatError(f"{name!r}: data offsets outside the file")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        count = (end - start) // itemsize
+        if count == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        else:
+            flat = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + start)
+            tensors[name] = flat.reshape(shape)
+    return tensors, metadata
