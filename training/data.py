@@ -1,0 +1,127 @@
+"""Deterministic, resumable data order with an O(1) cursor.
+
+* The order of epoch *e* is a pure function of ``(seed, e)`` (a seeded ``randperm``).
+* The cursor is the position of the next *global* batch: ``(epoch, offset)`` in samples.
+  Restoring it costs one permutation of indices; no sample before it is read, no batch replayed.
+* Rank *r* of *W* takes the slice ``[r·B/W, (r+1)·B/W)`` of each fixed global batch of ``B``
+  samples, so changing the world size keeps the global sample sequence.
+* With ``num_workers > 0`` the DataLoader gets its own generator seeded from the cursor, so the
+  trainer's global RNG is never consumed by loader start-up (it would be, once per process, and
+  a resumed run would drift from an uninterrupted one), and worker seeds depend on the cursor.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def mix_seed(*values: int) -> int:
+    """Deterministic 63-bit seed from integers (no Python ``hash``: it is salted per process)."""
+    x = 0x243F6A8885A308D3
+    for v in values:
+        x = ((x ^ (v & 0xFFFFFFFFFFFFFFFF)) * _GOLDEN + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 29
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Position of the next global batch."""
+
+    epoch: int = 0
+    offset: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, int]) -> Cursor:
+        return cls(int(d["epoch"]), int(d["offset"]))
+
+    def advance(self, batch_size: int, num_samples: int) -> Cursor:
+        """Next cursor; the partial batch at an epoch's end is dropped (fixed global batch)."""
+        offset = self.offset + batch_size
+        if offset + batch_size > num_samples:
+            return Cursor(self.epoch + 1, 0)
+        return Cursor(self.epoch, offset)
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(mix_seed(seed, epoch))
+    return torch.randperm(num_samples, generator=g)
+
+
+class ResumableBatchSampler(Sampler[list[int]]):
+    """Infinite stream of this rank's slice of each global batch, starting at ``start``."""
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int, start: Cursor,
+                 rank: int = 0, world_size: int = 1) -> None:
+        if batch_size % world_size:
+            raise ValueError(f"global batch {batch_size} is not divisible by world size {world_size}")
+        if batch_size > num_samples:
+            raise ValueError(f"global batch {batch_size} is larger than the dataset ({num_samples} samples)")
+        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
+        self.start, self.rank, self.world_size = start, rank, world_size
+        self.per_rank = batch_size // world_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        cursor = self.start
+        order = epoch_order(self.num_samples, self.seed, cursor.epoch)
+        lo = self.rank * self.per_rank
+        while True:
+            batch = order[cursor.offset + lo : cursor.offset + lo + self.per_rank]
+            yield batch.tolist()
+            nxt = cursor.advance(self.batch_size, self.num_samples)
+            if nxt.epoch != cursor.epoch:
+                order = epoch_order(self.num_samples, self.seed, nxt.epoch)
+            cursor = nxt
+
+    def __len__(self) -> int:  # infinite; DataLoader only needs it for len(loader)
+        return 2**62
+
+
+def _worker_init(worker_id: int) -> None:
+    # DataLoader already seeded torch in this worker from the loader's generator (a function of
+    # the cursor); derive python/numpy from it.  Ignore SIGTERM here: preemption is handled by the
+    # main process (emergency checkpoint), and a worker dying first would abort that step.
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def make_loader(dataset: Dataset, batch_size: int, seed: int, start: Cursor, rank: int = 0,
+                world_size: int = 1, num_workers: int = 0) -> DataLoader:
+    sampler = ResumableBatchSampler(len(dataset), batch_size, seed, start, rank, world_size)  # type: ignore[arg-type]
+    generator = torch.Generator().manual_seed(mix_seed(seed, start.epoch, start.offset, rank))
+    return DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, generator=generator,
+        worker_init_fn=_worker_init if num_workers else None, prefetch_factor=2 if num_workers else None,
+    )
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` tokens → (input, target) pairs."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.reads = 0  # how many samples were materialised (tests count this)
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reads += 1
+        start = i * self.seq_len
+        chunk = self.tokens[start : start + self.seq_len + 1].long()
+        return chunk[:-1], chunk[1:]

@@ -1,0 +1,218 @@
+"""The worker process: restore the newest valid checkpoint, train to ``--until-step``, commit.
+
+``python -m training.worker --run-dir D --until-step N`` (also ``convoy worker``).  The
+configuration is the run directory's ``config.json``.  Exit codes (the supervisor contract):
+``0`` reached N and committed it; ``75`` preempted (SIGTERM) after an emergency checkpoint;
+``78`` configuration or data error; anything else is a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.checkpoint import CheckpointStore
+from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
+from training.data import make_loader
+from training.events import append_event
+from training.heartbeat import Heartbeat
+from training.metrics import JsonlBackend, MetricBackend, StepMetricLogger
+from training.rundir import load_run_config, run_info
+from training.state import TrainState, configure_determinism, seed_everything
+from training.task import build_task
+
+
+class _Preempt:
+    """SIGTERM sets a flag; the loop saves at the next step boundary (never mid-update)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+
+def pick_device(config: RunConfig) -> torch.device:
+    want = config.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device = 'cuda' but no CUDA device is visible; use cpu or auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def metric_backends(config: RunConfig, run_dir: Path) -> list[MetricBackend]:
+    backends: list[MetricBackend] = [JsonlBackend(run_dir / "metrics.jsonl")]
+    if config.tracking.mlflow:
+        from training.mlflow_backend import MlflowBackend  # imported lazily: ~3 s
+
+        run_id = (run_info(run_dir) or {}).get("mlflow_run_id")
+        if run_id:
+            backends.append(MlflowBackend(config, run_id))
+    return backends
+
+
+class Worker:
+    def __init__(self, run_dir: Path, until_step: int, rank: int = 0, world_size: int = 1) -> None:
+        self.run_dir, self.until, self.rank, self.world = run_dir, until_step, rank, world_size
+        self.config = load_run_config(run_dir)
+        if until_step < 1 or until_step > self.config.train.total_steps:
+            raise ConfigError(f"--until-step = {until_step}: must be in 1..train.total_steps "
+                              f"({self.config.train.total_steps})")
+        self.hb = Heartbeat(run_dir, rank, self.config.heartbeat.interval_s).start()
+        self.preempt = _Preempt()
+
+    def log(self, msg: str) -> None:
+        print(f"[worker rank {self.rank}] {msg}", flush=True)
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.device = pick_device(cfg)
+        configure_determinism(cfg.train.deterministic, self.device)
+        seed_everything(cfg.train.seed)
+        self.parts = build_task(cfg, self.device)
+        amp = cfg.train.amp and self.device.type == "cuda"
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp)
+        self.autocast_dtype = torch.bfloat16 if amp and torch.cuda.is_bf16_supported() else torch.float16
+        self.amp = amp
+        self.state = TrainState(self.parts, self.scaler)
+        self.store = CheckpointStore(self.run_dir, cfg.checkpoint, cfg.fingerprint(), self.world)
+        self.store.cleanup_stale_temp()
+
+    def restore(self) -> None:
+        self.hb.set(phase="load")
+        t0 = time.perf_counter()
+        loaded = self.store.load_latest()
+        if loaded is None:
+            self.log("no valid checkpoint: starting from step 0")
+            append_event(self.run_dir, "started", rank=self.rank, until_step=self.until)
+            return
+        ck, parts = loaded
+        accepted = (run_info(self.run_dir) or {}).get("accepted_fingerprints", [])
+        if ck.manifest.get("fingerprint") not in (self.config.fingerprint(), *accepted):
+            raise ConfigError(
+                f"checkpoint {ck.path.name} has config fingerprint {ck.manifest.get('fingerprint')}, this run "
+                f"has {self.config.fingerprint()}; refusing to resume a different configuration")
+        self.state.restore(parts, self.rank)
+        dt = time.perf_counter() - t0
+        self.log(f"resumed from step {ck.step} (checkpoint {ck.path.name}, verified in {dt:.2f} s)")
+        append_event(self.run_dir, "resumed", rank=self.rank, step=ck.step, checkpoint=ck.path.name,
+                     digest=ck.digest, load_s=round(dt, 4), until_step=self.until)
+
+    def train_step(self, batch: Any) -> dict[str, float]:
+        p, cfg = self.parts, self.config.train
+        p.model.train()
+        batch = tuple(b.to(self.device, non_blocking=True) for b in batch) if isinstance(batch, list | tuple) \
+            else batch.to(self.device)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
+            loss = p.loss_fn(p.model, batch)
+        p.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(p.optimizer)
+        params = [q for q in p.model.parameters() if q.grad is not None]
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.scaler.step(p.optimizer)
+        self.scaler.update()
+        lr = p.optimizer.param_groups[0]["lr"]
+        if p.scheduler is not None:
+            p.scheduler.step()
+        return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "lr": float(lr)}
+
+    def save_due(self, step: int, last_save_time: float) -> bool:
+        ck = self.config.checkpoint
+        if ck.every_steps and step % ck.every_steps == 0:
+            return True
+        return bool(ck.every_seconds and time.time() - last_save_time >= ck.every_seconds)
+
+    def save(self, blocking: bool) -> float:
+        self.hb.set(phase="save")
+        parts = self.state.checkpoint_parts(self.rank, include_replicated=self.rank == 0)
+        stall = self.store.save(self.state.step, parts, blocking=blocking)
+        self.hb.set(phase="train")
+        return stall
+
+    def run(self) -> int:
+        self.setup()
+        self.restore()
+        st, cfg = self.state, self.config
+        if st.step >= self.until:
+            self.log(f"already at step {st.step} >= {self.until}: nothing to train")
+            return self.finish(loss=None)
+        metrics = StepMetricLogger(metric_backends(cfg, self.run_dir), self.run_dir)
+        loader = make_loader(self.parts.train_data, cfg.train.batch_size, cfg.train.seed, st.cursor,
+                             self.rank, self.world, cfg.data.num_workers)
+        batches = iter(loader)
+        n_samples = len(self.parts.train_data)  # type: ignore[arg-type]
+        self.hb.set(phase="train", step=st.step)
+        last_save = time.time()
+        loss = None
+        while st.step < self.until:
+            if self.preempt.requested:
+                return self.emergency_exit(metrics)
+            self.store.check()
+            t0 = time.perf_counter()
+            out = self.train_step(next(batches))
+            st.step += 1
+            st.cursor = st.cursor.advance(cfg.train.batch_size, n_samples)
+            st.tokens_seen += cfg.train.batch_size * self.parts.tokens_per_sample
+            dt = time.perf_counter() - t0
+            out.update(step_time_s=dt, tokens_per_s=cfg.train.batch_size * self.parts.tokens_per_sample / dt)
+            loss = out["loss"]
+            metrics.log(st.step, out)
+            self.hb.set(step=st.step)
+            if st.step < self.until and self.save_due(st.step, last_save):
+                self.save(blocking=False)
+                last_save = time.time()
+        self.save(blocking=True)
+        metrics.close()
+        if metrics.replayed:
+            append_event(self.run_dir, "replay_verified" if not metrics.mismatches else "replay_mismatch",
+                         values_compared=metrics.replayed, mismatches=len(metrics.mismatches))
+        return self.finish(loss=loss)
+
+    def emergency_exit(self, metrics: StepMetricLogger) -> int:
+        self.log(f"SIGTERM: saving an emergency checkpoint at step {self.state.step}")
+        self.save(blocking=True)
+        metrics.close()
+        append_event(self.run_dir, "preempted", rank=self.rank, step=self.state.step)
+        self.hb.stop("done")
+        return EXIT_PREEMPTED
+
+    def finish(self, loss: float | None) -> int:
+        self.store.wait()
+        ck = self.store.last_committed or self.store.latest_valid(record=False)
+        digest = ck.digest if ck else None
+        append_event(self.run_dir, "worker_done", rank=self.rank, step=self.state.step, digest=digest, loss=loss)
+        self.log(f"done at step {self.state.step} (digest {digest})")
+        self.hb.stop("done")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m training.worker", description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", required=True, type=Path)
+    ap.add_argument("--until-step", required=True, type=int)
+    args = ap.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        return Worker(args.run_dir, args.until_step, rank, world).run()
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        append_event(args.run_dir, "config_error", rank=rank, message=str(exc))
+        return EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())
