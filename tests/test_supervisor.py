@@ -1,0 +1,220 @@
+"""Supervisor unit tests against a *stand-in* worker (no torch, no Prefect, starts in ~50 ms).
+
+The stand-in speaks the worker's contract — heartbeat JSON in ``heartbeat/rank-0.json``, exit
+codes 0/75/78 — and misbehaves on request, so every detection path and the process-group cleanup
+are exercised with real signals in a few seconds.  The real worker is covered by test_flow.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tasks.supervisor import ChunkFailed, Limits, classify_exit, supervise
+from training.events import read_events
+
+STANDIN = textwrap.dedent(
+    r'''
+    """Stand-in worker for supervisor tests: beats like training.worker, misbehaves on request."""
+    import json, os, signal, subprocess, sys, threading, time
+    run_dir, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    hb = os.path.join(run_dir, "heartbeat", "rank-0.json")
+    os.makedirs(os.path.dirname(hb), exist_ok=True)
+    state = {"step": 0, "phase": "init", "progress_time": time.time(), "beating": True}
+    def beat():
+        tmp = hb + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"pid": os.getpid(), "rank": 0, "step": state["step"], "phase": state["phase"],
+                       "time": time.time(), "progress_time": state["progress_time"]}, f)
+        os.replace(tmp, hb)
+    def beater():
+        while True:
+            if state["beating"]:
+                beat()
+            time.sleep(0.05)
+    def on_term(*_):
+        print("emergency checkpoint", flush=True)
+        sys.exit(75)
+    if mode == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, on_term)
+    beat()
+    threading.Thread(target=beater, daemon=True).start()
+    if mode in ("children", "setsid-child"):
+        for _ in range(2):
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", run_dir],
+                             start_new_session=(mode == "setsid-child"))
+    if mode == "config":
+        print("config error: data.path = 'x': file not found", file=sys.stderr, flush=True)
+        sys.exit(78)
+    if mode == "no-beat":
+        state["beating"] = False
+        time.sleep(600)
+    if mode == "slow-save":
+        state["phase"] = "save"; time.sleep(1.5)
+    state["phase"] = "train"
+    for i in range(1, steps + 1):
+        time.sleep(0.05)
+        state["step"] = i; state["progress_time"] = time.time()
+        print(f"step {i}", flush=True)
+        if i == steps // 2:
+            if mode == "crash":
+                print("Traceback: boom", file=sys.stderr, flush=True); sys.exit(3)
+            if mode == "oom-text":
+                print("RuntimeError: CUDA out of memory", file=sys.stderr, flush=True); sys.exit(1)
+            if mode == "segv":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            if mode in ("hang", "children", "setsid-child", "ignore-term"):
+                time.sleep(600)  # alive, beating, no progress
+            if mode == "silent":
+                state["beating"] = False; time.sleep(600)
+            if mode == "preempt-self":
+                os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)
+    state["phase"] = "done"; beat()
+    sys.exit(0)
+    '''
+)
+
+FAST = Limits(stall_s=1.0, timeout_s=1.0, init_timeout_s=3.0, save_timeout_s=3.0, grace_s=1.0, poll_s=0.05)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "run"
+    (d / "heartbeat").mkdir(parents=True)
+    (d / "checkpoints").mkdir()
+    return d
+
+
+def standin(tmp_path: Path, run_dir: Path, mode: str, steps: int = 20) -> list[str]:
+    script = tmp_path / "standin_worker.py"
+    script.write_text(STANDIN)
+    return [sys.executable, str(script), str(run_dir), mode, str(steps)]
+
+
+def leftovers(run_dir: Path) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(p.info["cmdline"] or []):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def run(tmp_path: Path, run_dir: Path, mode: str, limits: Limits = FAST, steps: int = 20) -> ChunkFailed | float:
+    t0 = time.monotonic()
+    try:
+        supervise(standin(tmp_path, run_dir, mode, steps), run_dir, limits, run_dir / "logs" / "x.log", chunk=0, attempt=1)
+    except ChunkFailed as exc:
+        assert not leftovers(run_dir), f"processes left after {mode}"
+        return exc
+    assert not leftovers(run_dir)
+    return time.monotonic() - t0
+
+
+def test_success_tees_output(tmp_path: Path, run_dir: Path) -> None:
+    assert isinstance(run(tmp_path, run_dir, "ok"), float)
+    log = (run_dir / "logs" / "x.log").read_text()
+    assert "step 20" in log and "# convoy exit=0" in log
+    assert not read_events(run_dir, "failure")
+
+
+@pytest.mark.parametrize(
+    ("mode", "kind"),
+    [("crash", "crash"), ("config", "config"), ("oom-text", "oom"), ("segv", "crash"), ("preempt-self", "preempted")],
+)
+def test_exit_classification(tmp_path: Path, run_dir: Path, mode: str, kind: str) -> None:
+    exc = run(tmp_path, run_dir, mode)
+    assert isinstance(exc, ChunkFailed) and exc.kind == kind, exc
+    ev = read_events(run_dir, "failure")[-1]
+    assert ev["failure"] == kind and ev["chunk"] == 0 and ev["attempt"] == 1
+    assert ev["last_beat_step"] is not None or mode == "config"
+    if kind == "config":
+        assert "file not found" in exc.message and not exc.retryable
+
+
+def test_hang_is_detected_and_group_stopped(tmp_path: Path, run_dir: Path) -> None:
+    exc = run(tmp_path, run_dir, "hang")
+    assert isinstance(exc, ChunkFailed) and exc.kind == "hang", exc
+    assert "no step progress" in exc.message
+    assert 1.0 <= exc.details["detected_after_s"] < 2.0
+    assert exc.details["last_beat_step"] == 10
+
+
+def test_silent_worker_is_dead(tmp_path: Path, run_dir: Path) -> None:
+    # stall_s > timeout_s so the missing beat, not the missing progress, is what fires.
+    exc = run(tmp_path, run_dir, "silent", Limits(**{**FAST.__dict__, "stall_s": 5.0}))
+    assert isinstance(exc, ChunkFailed) and exc.kind == "dead", exc
+
+
+def test_never_beating_worker_is_dead(tmp_path: Path, run_dir: Path) -> None:
+    exc = run(tmp_path, run_dir, "no-beat", Limits(**{**FAST.__dict__, "timeout_s": 0.5, "init_timeout_s": 60}))
+    # The first beat is written before the beat thread starts; after that silence = dead.
+    assert isinstance(exc, ChunkFailed) and exc.kind == "dead", exc
+
+
+def test_save_phase_has_its_own_limit(tmp_path: Path, run_dir: Path) -> None:
+    # A 1.5 s save with stall_s 1: must not count as a stalled step afterwards.
+    assert isinstance(run(tmp_path, run_dir, "slow-save"), float)
+    exc = run(tmp_path, run_dir, "slow-save", Limits(**{**FAST.__dict__, "save_timeout_s": 0.5}))
+    assert isinstance(exc, ChunkFailed) and exc.kind == "hang" and "phase save" in exc.message
+
+
+def test_deadline(tmp_path: Path, run_dir: Path) -> None:
+    exc = run(tmp_path, run_dir, "ok", Limits(**{**FAST.__dict__, "deadline_s": 0.4}), steps=100)
+    assert isinstance(exc, ChunkFailed) and exc.kind == "timeout"
+
+
+@pytest.mark.parametrize("mode", ["children", "setsid-child", "ignore-term"])
+def test_every_descendant_is_reaped(tmp_path: Path, run_dir: Path, mode: str) -> None:
+    """Grandchildren (also ones that left the group) and a SIGTERM-ignoring worker all end."""
+    exc = run(tmp_path, run_dir, mode)
+    assert isinstance(exc, ChunkFailed) and exc.kind == "hang"
+    assert read_events(run_dir, "failure")[-1]["leftover_pids"] == []
+
+
+def test_external_sigkill_is_killed(tmp_path: Path, run_dir: Path) -> None:
+    import threading
+
+    def killer() -> None:
+        for _ in range(200):
+            time.sleep(0.05)
+            try:
+                pid = int(__import__("json").loads((run_dir / "heartbeat" / "rank-0.json").read_text())["pid"])
+            except (OSError, ValueError):
+                continue
+            os.kill(pid, signal.SIGKILL)
+            return
+
+    t = threading.Thread(target=killer)
+    t.start()
+    exc = run(tmp_path, run_dir, "ok", steps=200)
+    t.join()
+    assert isinstance(exc, ChunkFailed) and exc.kind == "killed" and "SIGKILL" in exc.message
+
+
+def test_classify_exit_oom_counter() -> None:
+    assert classify_exit(-9, [], 0, 1) == "oom"
+    assert classify_exit(137, [], 3, 4) == "oom"
+    assert classify_exit(-9, [], 0, 0) == "killed"
+    assert classify_exit(-9, [], None, None) == "killed"
+    assert classify_exit(137, [], None, None) == "killed"
+    assert classify_exit(-11, [], None, None) == "crash"
+    assert classify_exit(1, ["MemoryError"], None, None) == "oom"
+
+
+def test_chunk_failed_pickles() -> None:
+    import pickle
+
+    exc = pickle.loads(pickle.dumps(ChunkFailed("hang", "chunk 1 hang: x", {"a": 1})))
+    assert exc.kind == "hang" and exc.details == {"a": 1} and str(exc) == "chunk 1 hang: x"
