@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from training import faults
 from training import safetensors_io as st
 from training.codec import join_tree, split_tree
 from training.config import CheckpointConfig
@@ -274,6 +275,7 @@ class CheckpointStore:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
+            faults.check_disk_full(snap.step)
             files: dict[str, dict[str, Any]] = {}
             for part in sorted(snap.skeletons):
                 skel = (json.dumps(snap.skeletons[part], sort_keys=True, indent=1) + "\n").encode()
@@ -290,6 +292,7 @@ class CheckpointStore:
             }
             atomic_write_bytes(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
             fsync_dir(tmp)
+            faults.persist_delay()
             final = self.root / checkpoint_name(snap.step)
             if final.exists() and self._keep_existing(final, manifest["digest"]):
                 shutil.rmtree(tmp)
@@ -351,7 +354,7 @@ class CheckpointStore:
             deleted.append(path.name)
         if pol.max_bytes:
             total = protect.bytes + sum(s for _, _, s in survivors)
-            for step, path, size in sorted(survivors):  # oldest first
+            for _step, path, size in sorted(survivors):  # oldest first
                 if total <= pol.max_bytes:
                     break
                 self._delete(path, "max_bytes")

@@ -231,11 +231,13 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
     msg = err["msg"].removeprefix("Value error, ")
+    more = f" (and {len(exc.errors()) - 1} more error(s))" if len(exc.errors()) > 1 else ""
     if err["type"] == "extra_forbidden":
         return f"{source}: unknown key {loc!r}; remove it or check its spelling"
+    if err["type"] == "value_error":  # our own validators already name the key and the value
+        return f"{source}: {msg}{more}"
     value = err.get("input")
     shown = "" if isinstance(value, dict) else f" = {value!r}"
-    more = f" (and {len(exc.errors()) - 1} more error(s))" if len(exc.errors()) > 1 else ""
     return f"{source}: {loc}{shown}: {msg}{more}"
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from training import faults
 from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
 from training.data import make_loader
@@ -162,6 +163,7 @@ class Worker:
                 return self.emergency_exit(metrics)
             self.store.check()
             t0 = time.perf_counter()
+            faults.slow_step(st.step + 1)
             out = self.train_step(next(batches))
             st.step += 1
             st.cursor = st.cursor.advance(cfg.train.batch_size, n_samples)

@@ -1,0 +1,44 @@
+"""Injected faults for chaos testing, switched on only by the ``CONVOY_FAULTS`` variable.
+
+``CONVOY_FAULTS="persist_delay=0.5,diskfull_from_step=120,slow_step=40:3"`` — each entry is
+read where the fault belongs: a slow background persist (to land a kill inside it), a save
+that fails with ENOSPC from a given step on (an injected writer error, not a real full disk),
+and one stalled training step (``step:seconds``).  Unset in normal runs: every check is one
+dict lookup.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from functools import cache
+
+
+@cache
+def _faults() -> dict[str, str]:
+    spec = os.environ.get("CONVOY_FAULTS", "")
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        key, _, value = item.partition("=")
+        out[key] = value
+    return out
+
+
+def persist_delay() -> None:
+    if "persist_delay" in _faults():
+        time.sleep(float(_faults()["persist_delay"]))
+
+
+def check_disk_full(step: int) -> None:
+    start = _faults().get("diskfull_from_step")
+    if start is not None and step >= int(start):
+        raise OSError(errno.ENOSPC, f"No space left on device (injected by CONVOY_FAULTS at step {step})")
+
+
+def slow_step(step: int) -> None:
+    spec = _faults().get("slow_step")
+    if spec:
+        at, _, seconds = spec.partition(":")
+        if step == int(at):
+            time.sleep(float(seconds or 5))
