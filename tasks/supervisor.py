@@ -167,27 +167,39 @@ def _child_setup(parent_pid: int) -> Callable[[], None]:
     return setup
 
 
-def _tee(
-    stream: Any,
-    name: str,
-    log: Any,
-    lock: threading.Lock,
+def _follow(
+    path: Path,
+    offset: int,
+    stop: threading.Event,
     tail: collections.deque[str],
-    errtail: collections.deque[str] | None,
     on_line: Callable[[str, str], None] | None,
 ) -> None:
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
-        with lock:
-            log.write(f"{line}\n" if name == "out" else f"[stderr] {line}\n")
-            log.flush()
-            tail.append(line)
-            if errtail is not None:
-                errtail.append(line)
-        if on_line is not None:
-            with contextlib.suppress(Exception):
-                on_line(name, line)
-    stream.close()
+    """Tail the worker's log file: keep the last lines, hand each one to ``on_line``.
+
+    The worker writes to the file itself (not to a pipe of ours), so its output, and its
+    emergency save, survive the supervisor's death: a print into a widowed pipe would raise.
+    """
+    with open(path, "rb") as f:
+        f.seek(offset)
+        buf = b""
+        while True:
+            chunk = f.readline()
+            if chunk:
+                buf += chunk
+                if not buf.endswith(b"\n"):
+                    continue
+                line = buf.decode(errors="replace").rstrip("\n")
+                buf = b""
+                tail.append(line)
+                if on_line is not None:
+                    with contextlib.suppress(Exception):
+                        on_line("out", line)
+            elif stop.is_set():
+                if buf:
+                    tail.append(buf.decode(errors="replace"))
+                return
+            else:
+                time.sleep(0.05)
 
 
 def _beats(run_dir: Path, ranks: int, since: float) -> list[dict[str, Any]]:
@@ -268,6 +280,14 @@ def classify_exit(returncode: int, tail: Sequence[str], oom_before: int | None, 
         # A shell or launcher reporting its child's signal as 128+n.
         return "crash" if returncode - 128 in _CRASH_SIGNALS else "killed"
     return "crash"
+
+
+def _config_message(tail: Sequence[str]) -> str:
+    """The worker's one-line config message (it prints ``config error: ...`` last, on stderr)."""
+    for line in reversed(tail):
+        if line.startswith("config error"):
+            return line
+    return next((line for line in reversed(tail) if line.strip()), "configuration error (exit 78)")
 
 
 def _signame(returncode: int) -> str:
@@ -405,52 +425,46 @@ def supervise(
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     oom_before = _oom_kills()
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-    errtail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-    lock = threading.Lock()
     started = time.time()
-    with open(log_path, "a", buffering=1) as log:
-        log.write(f"# convoy chunk={chunk} attempt={attempt} started={started:.3f} cmd={' '.join(cmd)}\n")
+    with open(log_path, "ab") as log:
+        log.write(f"# convoy chunk={chunk} attempt={attempt} started={started:.3f} cmd={' '.join(cmd)}\n".encode())
+        log.flush()
+        offset = log.tell()
         proc = subprocess.Popen(
             list(cmd),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=cwd,
             env=full_env,
             start_new_session=True,
             preexec_fn=_child_setup(os.getpid()),
         )
-        readers = [
-            threading.Thread(
-                target=_tee, args=(proc.stdout, "out", log, lock, tail, None, on_line), daemon=True
-            ),
-            threading.Thread(
-                target=_tee, args=(proc.stderr, "err", log, lock, tail, errtail, on_line), daemon=True
-            ),
-        ]
-        for t in readers:
-            t.start()
-        watch = _Watch(started=started, phase_since=started, progress=started)
-        failure: tuple[str, str, float] | None = None
-        last_seen_running = started
-        try:
-            while proc.poll() is None:
-                last_seen_running = time.time()
-                failure = _check(watch, _beats(run_dir, ranks, started), ranks, limits, last_seen_running)
-                if failure is not None:
-                    break
-                time.sleep(limits.poll_s)
-            exit_seen = time.time()
-        finally:
-            if proc.poll() is None:
-                leftover = stop_group(proc, limits.grace_s)
-            else:
-                leftover = stop_group(proc, min(limits.grace_s, 2.0))  # the group may outlive its leader
-            for t in readers:
-                t.join(timeout=5)
-        seconds = time.time() - started
-        rc = proc.returncode
-        log.write(f"# convoy exit={rc} after {seconds:.2f} s\n")
+    stop_follow = threading.Event()
+    follower = threading.Thread(target=_follow, args=(log_path, offset, stop_follow, tail, on_line), daemon=True)
+    follower.start()
+    watch = _Watch(started=started, phase_since=started, progress=started)
+    failure: tuple[str, str, float] | None = None
+    last_seen_running = exit_seen = started
+    try:
+        while proc.poll() is None:
+            last_seen_running = time.time()
+            failure = _check(watch, _beats(run_dir, ranks, started), ranks, limits, last_seen_running)
+            if failure is not None:
+                break
+            time.sleep(limits.poll_s)
+        exit_seen = time.time()
+    finally:
+        if proc.poll() is None:
+            leftover = stop_group(proc, limits.grace_s)
+        else:
+            leftover = stop_group(proc, min(limits.grace_s, 2.0))  # the group may outlive its leader
+        stop_follow.set()
+        follower.join(timeout=5)
+    seconds = time.time() - started
+    rc = proc.returncode
+    with open(log_path, "ab") as log:
+        log.write(f"# convoy exit={rc} after {seconds:.2f} s\n".encode())
     if leftover:
         append_event(run_dir, "reap_failed", chunk=chunk, attempt=attempt, pids=leftover)
     if failure is None and rc == 0:
@@ -460,7 +474,7 @@ def supervise(
     else:
         kind = classify_exit(rc, list(tail), oom_before, _oom_kills())
         reason = {
-            "config": (errtail[-1] if errtail else "configuration error"),
+            "config": _config_message(tail),
             "preempted": "preempted (exit 75) after saving an emergency checkpoint",
         }.get(kind, _signame(rc))
         detected_after = exit_seen - last_seen_running  # upper bound: the exit happened in between

@@ -114,7 +114,8 @@ def leftovers(run_dir: Path) -> list[psutil.Process]:
 def run(tmp_path: Path, run_dir: Path, mode: str, limits: Limits = FAST, steps: int = 20) -> ChunkFailed | float:
     t0 = time.monotonic()
     try:
-        supervise(standin(tmp_path, run_dir, mode, steps), run_dir, limits, run_dir / "logs" / "x.log", chunk=0, attempt=1)
+        cmd = standin(tmp_path, run_dir, mode, steps)
+        supervise(cmd, run_dir, limits, run_dir / "logs" / "x.log", chunk=0, attempt=1)
     except ChunkFailed as exc:
         assert not leftovers(run_dir), f"processes left after {mode}"
         return exc

@@ -1,0 +1,1 @@
+"""Prefect flows (``train``), deployments and the ``convoy`` CLI."""

@@ -1,0 +1,209 @@
+"""Flow ``train``: a long run as a sequence of chunk tasks that each resume from a checkpoint.
+
+Why chunks: a failure inside chunk k costs at most chunk k's steps since its last checkpoint, and
+Prefect retries only that task (DESIGN invariant 6).  The flow itself keeps no training state:
+which chunks are done is read from the checkpoint store (the newest *verified* checkpoint), so a
+flow that died, or a re-run of a finished run, repeats nothing (a finished run trains nothing).
+
+One writer per run (invariant 8): the flow holds a non-blocking file lock on
+``runs/<name>/.lock`` for its whole life; a second flow on the same run is refused at once.  The
+OS drops the lock when the holder dies, however it dies.
+
+Entry points: :func:`run_training` (what ``convoy train`` calls) and ``python -m flows.train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
+
+from tasks.artifacts import publish_chunk_table
+from tasks.chunk import configured
+from tasks.hooks import flow_crashed, flow_failed, remember
+from tasks.supervisor import ChunkFailed, last_committed_step, reap_stale_worker
+from training.config import ConfigError, RunConfig, load_config
+from training.events import append_event, read_events
+from training.rundir import open_run
+
+LOCK_FILE = ".lock"
+
+
+class RunLocked(ConfigError):
+    """Another flow holds the run's lock.
+
+    A :class:`ConfigError` subclass so every entry point already prints it as one line and exits
+    non-zero; it is never retried.
+    """
+
+
+def plan_chunks(total_steps: int, chunk_steps: int) -> list[tuple[int, int, int]]:
+    """``[(chunk, start, end)]`` with chunks numbered from 1; the last one may be shorter."""
+    return [(i + 1, s, min(s + chunk_steps, total_steps)) for i, s in enumerate(range(0, total_steps, chunk_steps))]
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path, run_name: str) -> Iterator[None]:
+    """Hold ``run_dir/.lock`` (non-blocking) and note the holder's pid for the refusal message."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(run_dir / LOCK_FILE), timeout=0)
+    owner = run_dir / f"{LOCK_FILE}.owner"
+    try:
+        lock.acquire()
+    except Timeout:
+        holder = owner.read_text().strip() if owner.exists() else "unknown"
+        raise RunLocked(
+            f"run {run_name!r} is already being trained by another flow (lock {run_dir / LOCK_FILE} held by "
+            f"{holder}); wait for it to finish or stop it first"
+        ) from None
+    try:
+        owner.write_text(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            owner.unlink()
+        lock.release()
+
+
+def _failure_kinds(run_dir: Path, chunk: int, since: float) -> list[str]:
+    return [
+        e["failure"] for e in read_events(run_dir, "failure") if e.get("chunk") == chunk and e.get("time", 0) >= since
+    ]
+
+
+@flow(name="train", on_failure=[flow_failed], on_crashed=[flow_crashed], log_prints=True)
+def train(
+    params: str | None = "params.yaml",
+    overrides: list[str] | None = None,
+    config: RunConfig | None = None,
+    allow_config_change: bool = False,
+) -> dict[str, Any]:
+    """Train (or continue) the run described by ``config``, or by ``params`` + ``overrides``."""
+    logger = get_run_logger()
+    cfg = config if config is not None else load_config(params, overrides or [])
+    t0 = time.time()
+    ctx = FlowRunContext.get()
+    flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else None
+    with run_lock(cfg.run_dir, cfg.run_name):
+        run_dir = open_run(cfg, allow_config_change=allow_config_change).resolve()
+        if flow_run_id:
+            remember(flow_run_id, run_dir=run_dir, run_name=cfg.run_name, chunk=None)
+        if reap_stale_worker(run_dir, cfg.train.ranks):
+            logger.warning("stopped a worker of this run left over from a flow that died")
+        chunks = plan_chunks(cfg.train.total_steps, cfg.train.chunk_steps)
+        committed = last_committed_step(run_dir) or 0
+        append_event(run_dir, "flow_started", flow_run_id=flow_run_id, committed_step=committed, chunks=len(chunks))
+        logger.info(
+            "run %s: %d chunk(s) of %d steps; newest verified checkpoint: step %d",
+            cfg.run_name,
+            len(chunks),
+            cfg.train.chunk_steps,
+            committed,
+        )
+        task = configured(cfg)
+        rows: list[dict[str, Any]] = []
+        try:
+            for chunk, start, end in chunks:
+                row: dict[str, Any] = {
+                    "chunk": chunk,
+                    "start_step": start,
+                    "end_step": end,
+                    "attempts": 0,
+                    "failure_kinds": [],
+                    "seconds": 0.0,
+                    "digest": None,
+                    "loss": None,
+                }
+                rows.append(row)
+                if committed >= end:
+                    row["status"] = "skipped (committed)"
+                    continue
+                c0 = time.time()
+                try:
+                    rec = task(str(run_dir), chunk, start, end)
+                except BaseException:
+                    row.update(
+                        status="failed", seconds=time.time() - c0, failure_kinds=_failure_kinds(run_dir, chunk, c0)
+                    )
+                    row["attempts"] = len(row["failure_kinds"]) or 1
+                    raise
+                row.update(
+                    status="trained",
+                    attempts=rec["attempt"],
+                    seconds=time.time() - c0,
+                    digest=rec["digest"],
+                    loss=rec["loss"],
+                    failure_kinds=_failure_kinds(run_dir, chunk, c0),
+                )
+                committed = end
+        finally:
+            publish_chunk_table(cfg.run_name, rows)
+        final_step = last_committed_step(run_dir) or 0
+        from training.checkpoint import CheckpointStore
+
+        latest = CheckpointStore(run_dir).latest_valid(record=False)
+        summary = {
+            "run_name": cfg.run_name,
+            "run_dir": str(run_dir),
+            "flow_run_id": flow_run_id,
+            "final_step": final_step,
+            "digest": latest.digest if latest is not None else None,
+            "trained_chunks": sum(r["status"] == "trained" for r in rows),
+            "skipped_chunks": sum(r["status"].startswith("skipped") for r in rows),
+            "attempts": {r["chunk"]: r["attempts"] for r in rows},
+            "losses": {r["chunk"]: r["loss"] for r in rows if r["loss"] is not None},
+            "failures": [{"chunk": r["chunk"], "kinds": r["failure_kinds"]} for r in rows if r["failure_kinds"]],
+            "chunks": rows,
+            "seconds": round(time.time() - t0, 3),
+        }
+        append_event(
+            run_dir,
+            "flow_done",
+            final_step=final_step,
+            digest=summary["digest"],
+            trained_chunks=summary["trained_chunks"],
+            flow_run_id=flow_run_id,
+        )
+        return summary
+
+
+def run_training(config: RunConfig, allow_config_change: bool = False) -> dict[str, Any]:
+    """Run flow ``train`` for ``config`` in this process and return its summary.
+
+    Without ``PREFECT_API_URL`` Prefect starts its embedded ephemeral API; its start-up on a fresh
+    ``PREFECT_HOME`` runs migrations that outlast the default 20 s, hence the longer default.
+    Raises :class:`RunLocked` / :class:`ConfigError` (one-line messages) or :class:`ChunkFailed`.
+    """
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    return train(config=config, allow_config_change=allow_config_change)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flows.train [PARAMS] [-S k=v ...]``: the flow without the CLI (used by tests)."""
+    ap = argparse.ArgumentParser(prog="python -m flows.train")
+    ap.add_argument("params", nargs="?", default="params.yaml")
+    ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--allow-config-change", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.params, args.overrides)
+        summary = run_training(cfg, args.allow_config_change)
+    except (ConfigError, ChunkFailed) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2 if isinstance(exc, ConfigError) else 1
+    print(json.dumps(summary, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

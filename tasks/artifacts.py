@@ -1,0 +1,65 @@
+"""Prefect artifacts for a run: the per-chunk table and the failure/resume notes.
+
+Artifacts sharing a key form a versioned history in the UI, so every flow run of one training run
+publishes under the same keys: ``convoy-<run>-chunks`` and ``convoy-<run>-failures``.  Publishing
+is best effort: an artifact that cannot be written must never fail a chunk that trained fine.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+log = logging.getLogger("convoy.artifacts")
+
+
+def artifact_key(run_name: str, what: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", run_name.lower()).strip("-") or "run"
+    return f"convoy-{slug}-{what}"
+
+
+def publish_chunk_table(run_name: str, rows: list[dict[str, Any]]) -> str | None:
+    """Table: chunk, step range, attempts, failure kinds, seconds, checkpoint digest."""
+    from prefect.artifacts import create_table_artifact
+
+    table = [
+        {
+            "chunk": r["chunk"],
+            "steps": f"[{r['start_step']}, {r['end_step']})",
+            "status": r.get("status", ""),
+            "attempts": r.get("attempts", 0),
+            "failures": ", ".join(r.get("failure_kinds", [])) or "-",
+            "seconds": round(float(r.get("seconds", 0.0)), 1),
+            "digest": r.get("digest") or "-",
+        }
+        for r in rows
+    ]
+    try:
+        return str(
+            create_table_artifact(
+                table=table,
+                key=artifact_key(run_name, "chunks"),
+                description=f"convoy run {run_name}: chunks of this flow run",
+            )
+        )
+    except Exception as exc:  # noqa: BLE001 - audit must not break training
+        log.warning("could not publish the chunk table artifact: %s", exc)
+        return None
+
+
+def publish_failure_note(run_name: str, title: str, lines: list[str]) -> str | None:
+    """Markdown note naming a failure and the step the next attempt resumes from."""
+    from prefect.artifacts import create_markdown_artifact
+
+    body = f"### {title}\n\n" + "\n".join(f"- {line}" for line in lines) + "\n"
+    try:
+        return str(
+            create_markdown_artifact(
+                markdown=body, key=artifact_key(run_name, "failures"), description=f"convoy run {run_name}: {title}"
+            )
+        )
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not publish the failure artifact: %s", exc)
+        return None

@@ -1,0 +1,198 @@
+"""Prefect task ``run_chunk``: one step range, one supervised worker, retried on its own.
+
+Retry policy comes from ``orchestration.*`` via :func:`configured` (``with_options``): ``retries``,
+delays ``retry_delay_seconds * backoff**i`` with Prefect's ``retry_jitter_factor = jitter``, and a
+``retry_condition_fn`` that never retries a ``config`` failure (same input, same error).
+
+Preemption (exit 75) is not a fault of the chunk and must be re-submitted at once.  Prefect picks
+a retry's delay by attempt index only, not by exception, so a per-kind delay is not expressible
+through its retry options.  ``run_chunk`` therefore re-spawns a preempted worker itself, at once,
+inside the same task attempt (at most ``retries`` times in a row, each logged and recorded as a
+``resubmitted`` event); a preemption beyond that raises and goes through the normal retry path.
+The worker resumes from the emergency checkpoint it wrote, so nothing is lost either way.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.context import TaskRunContext
+
+from tasks.artifacts import publish_failure_note
+from tasks.hooks import chunk_failed, remember
+from tasks.supervisor import (
+    ChunkFailed,
+    Limits,
+    last_committed_step,
+    reap_stale_worker,
+    supervise,
+    worker_command,
+)
+from training.config import ConfigError, RunConfig
+from training.events import append_event, read_events
+from training.rundir import load_run_config
+
+#: Worker output lines echoed to the Prefect log (everything goes to the chunk's log file).
+_ECHO = ("resumed from", "no valid checkpoint", "SIGTERM", "config error", "done at step", "already at step")
+
+
+def retry_delays(config: RunConfig) -> list[float]:
+    """Exponential backoff: ``retry_delay_seconds * backoff**i`` for each retry."""
+    o = config.orchestration
+    return [round(o.retry_delay_seconds * o.backoff**i, 3) for i in range(max(o.retries, 1))]
+
+
+def should_retry(task: Any, task_run: Any, state: Any) -> bool:
+    """``retry_condition_fn``: retry every failure except a configuration error."""
+    exc = getattr(state, "data", None)
+    if not isinstance(exc, BaseException):
+        try:
+            exc = state.result(raise_on_failure=False)
+        except Exception:  # noqa: BLE001 - unknown failure: retrying is the safe default
+            return True
+    if isinstance(exc, ChunkFailed):
+        return exc.retryable
+    return not isinstance(exc, ConfigError)
+
+
+def _attempt() -> int:
+    ctx = TaskRunContext.get()
+    return max(1, ctx.task_run.run_count) if ctx is not None else 1
+
+
+def _loss_at(run_dir: Path, step: int) -> float | None:
+    for ev in reversed(read_events(run_dir, "worker_done")):
+        if ev.get("step") == step:
+            return ev.get("loss")
+    return None
+
+
+def _committed_digest(run_dir: Path, step: int) -> str | None:
+    """Digest of the verified checkpoint at exactly ``step`` (None if missing or invalid)."""
+    from training.checkpoint import CheckpointStore, checkpoint_name
+
+    store = CheckpointStore(run_dir)
+    try:
+        return store.verify(store.root / checkpoint_name(step)).digest
+    except (ValueError, OSError):
+        return None
+
+
+@task(name="run_chunk", task_run_name="chunk-{chunk}", on_failure=[chunk_failed])
+def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[str, Any]:
+    """Train steps ``[start_step, end_step)`` of the run in ``run_dir``; return the chunk's record.
+
+    The worker resumes from the newest valid checkpoint, which after a failure may lie inside this
+    chunk (or, if a checkpoint turned out corrupt, before it): only the lost steps are redone.
+    """
+    rd = Path(run_dir)
+    logger = get_run_logger()
+    cfg = load_run_config(rd)
+    ctx = TaskRunContext.get()
+    if ctx is not None:
+        remember(ctx.task_run.id, run_dir=rd, run_name=cfg.run_name, chunk=chunk)
+    attempt = _attempt()
+    limits = Limits.from_config(cfg)
+    reap_stale_worker(rd, cfg.train.ranks)
+    started = time.time()
+    preemptions = 0
+    while True:
+        resume = last_committed_step(rd) or 0
+        if resume < start_step:
+            logger.warning(
+                "chunk %d: newest valid checkpoint is step %d, before the chunk start %d", chunk, resume, start_step
+            )
+        sub = f"{attempt}" + (f"-{preemptions}" if preemptions else "")
+        log_path = rd / "logs" / f"chunk-{chunk}-attempt-{sub}.log"
+
+        def echo(stream: str, line: str) -> None:
+            if any(m in line for m in _ECHO):
+                logger.info("chunk %d: %s", chunk, line)
+
+        try:
+            outcome = supervise(
+                worker_command(rd.resolve(), end_step, cfg.train.ranks),
+                rd,
+                limits,
+                log_path,
+                ranks=cfg.train.ranks,
+                chunk=chunk,
+                attempt=attempt,
+                on_line=echo,
+            )
+        except ChunkFailed as exc:
+            resume_at = exc.details.get("last_committed_step") or 0
+            if exc.kind == "preempted" and preemptions < cfg.orchestration.retries:
+                preemptions += 1
+                logger.warning("chunk %d preempted; re-submitting at once, resuming from step %d", chunk, resume_at)
+                append_event(rd, "resubmitted", chunk=chunk, attempt=attempt, reason="preempted", resume_step=resume_at)
+                continue
+            _report(logger, cfg, exc, chunk, attempt, resume_at)
+            raise
+        break
+    digest = _committed_digest(rd, end_step)
+    if digest is None:
+        raise ChunkFailed(
+            "crash",
+            f"chunk {chunk}: worker exited 0 but no valid checkpoint at step {end_step}",
+            {"last_committed_step": last_committed_step(rd), "log": str(log_path)},
+        )
+    record = {
+        "chunk": chunk,
+        "start_step": start_step,
+        "end_step": end_step,
+        "attempt": attempt,
+        "preemptions": preemptions,
+        "resumed_from": resume,
+        "digest": digest,
+        "loss": _loss_at(rd, end_step),
+        "seconds": round(time.time() - started, 3),
+        "worker_seconds": round(outcome.seconds, 3),
+    }
+    append_event(rd, "chunk_done", **record)
+    logger.info("chunk %d done: steps [%d, %d) digest %s (attempt %d)", chunk, start_step, end_step, digest, attempt)
+    return record
+
+
+def _report(logger: Any, cfg: RunConfig, exc: ChunkFailed, chunk: int, attempt: int, resume_at: int) -> None:
+    """One log line per recovery, plus a markdown note (the final failure is the hook's job)."""
+    d = exc.details
+    short = d.get("reason", exc.message)
+    will_retry = exc.retryable and attempt <= cfg.orchestration.retries
+    if will_retry:
+        logger.warning(
+            "chunk %d %s detected after %.1f s (%s); resuming from step %d",
+            chunk,
+            exc.kind,
+            d.get("detected_after_s") or 0.0,
+            short,
+            resume_at,
+        )
+        publish_failure_note(
+            cfg.run_name,
+            f"chunk {chunk} attempt {attempt}: {exc.kind}",
+            [
+                f"{short}",
+                f"detected after {d.get('detected_after_s')} s; last beat step {d.get('last_beat_step')}",
+                f"retrying; resumes from step {resume_at} (steps lost: {d.get('steps_lost')})",
+            ],
+        )
+    else:
+        logger.error(
+            "chunk %d %s after %.1f s (%s); not retrying", chunk, exc.kind, d.get("detected_after_s") or 0.0, short
+        )
+
+
+def configured(config: RunConfig) -> Any:
+    """``run_chunk`` with this run's retry policy."""
+    o = config.orchestration
+    return run_chunk.with_options(
+        retries=o.retries,
+        retry_delay_seconds=retry_delays(config),
+        retry_jitter_factor=o.jitter or None,
+        retry_condition_fn=should_retry,
+        tags=["convoy", f"run:{config.run_name}"],
+    )

@@ -1,0 +1,120 @@
+"""Prefect state hooks that write the audit when a chunk or the whole flow ends badly.
+
+Hooks run in the flow's own process, so they never run if that process is SIGKILLed (the
+supervisor's events and the heartbeat-based flow liveness cover that case).  Each hook appends an
+event to ``events.jsonl`` and publishes a markdown artifact naming the failure and the step the
+next attempt resumes from.
+
+Hooks receive ``(task_or_flow, run, state)`` only; the run directory is looked up in
+:data:`_RUNS`, which the task/flow body fills in, with the flow's parameters as a fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from tasks.artifacts import publish_failure_note
+from tasks.supervisor import ChunkFailed, last_committed_step
+from training.events import append_event
+
+log = logging.getLogger("convoy.hooks")
+
+#: run id (str) → {"run_dir": Path, "run_name": str, "chunk": int | None}
+_RUNS: dict[str, dict[str, Any]] = {}
+
+
+def remember(run_id: Any, **info: Any) -> None:
+    _RUNS[str(run_id)] = info
+
+
+def _exception(state: Any) -> BaseException | None:
+    data = getattr(state, "data", None)
+    if isinstance(data, BaseException):
+        return data
+    with contextlib.suppress(Exception):
+        res = state.result(raise_on_failure=False)
+        if isinstance(res, BaseException):
+            return res
+    return None
+
+
+def _describe(exc: BaseException | None, state: Any) -> tuple[str, str]:
+    if isinstance(exc, ChunkFailed):
+        return exc.kind, exc.message
+    if exc is not None:
+        return type(exc).__name__, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return getattr(state, "type", "FAILED").__str__().lower(), getattr(state, "message", "") or ""
+
+
+def _run_dir_from_flow_params(params: dict[str, Any]) -> tuple[Path, str] | None:
+    with contextlib.suppress(Exception):
+        from training.config import config_from_dict, load_config
+
+        cfg = params.get("config")
+        if cfg is not None:
+            cfg = config_from_dict(cfg if isinstance(cfg, dict) else cfg.model_dump(mode="json"))
+        else:
+            cfg = load_config(params.get("params"), params.get("overrides") or [])
+        return cfg.run_dir, cfg.run_name
+    return None
+
+
+def _audit(kind: str, info: dict[str, Any], exc: BaseException | None, state: Any) -> None:
+    if type(exc).__name__ == "RunLocked":
+        return  # a refused second flow: the run itself did not fail, its holder is still going
+    run_dir: Path = info["run_dir"]
+    failure, message = _describe(exc, state)
+    try:
+        resume = last_committed_step(run_dir) or 0
+    except Exception:  # noqa: BLE001
+        resume = None
+    append_event(run_dir, kind, failure=failure, message=message, chunk=info.get("chunk"), resume_step=resume)
+    where = f"chunk {info['chunk']}" if info.get("chunk") is not None else "flow"
+    title = f"{where} of run {info['run_name']} {'crashed' if kind == 'flow_crashed' else 'failed'}: {failure}"
+    lines = [f"error: `{message}`", f"next attempt resumes from step {resume} (newest verified checkpoint)"]
+    if isinstance(exc, ChunkFailed):
+        d = exc.details
+        lines.append(
+            f"detected after {d.get('detected_after_s')} s; last beat step {d.get('last_beat_step')}; "
+            f"steps lost {d.get('steps_lost')}; worker log `{d.get('log')}`"
+        )
+        if not exc.retryable:
+            lines.append("not retryable: fix the configuration or data, then run `convoy train` again")
+    publish_failure_note(info["run_name"], title, lines)
+
+
+def chunk_failed(task: Any, task_run: Any, state: Any) -> None:
+    """Task ``on_failure``: the chunk failed for good (retries exhausted or not retryable)."""
+    info = _RUNS.get(str(task_run.id))
+    if info is None:
+        return
+    try:
+        _audit("chunk_failed", info, _exception(state), state)
+    except Exception as exc:  # noqa: BLE001 - a hook must not mask the real failure
+        log.warning("chunk failure hook: %s", exc)
+
+
+def _flow_hook(kind: str, flow_run: Any, state: Any) -> None:
+    info = _RUNS.get(str(flow_run.id))
+    if info is None:
+        found = _run_dir_from_flow_params(dict(flow_run.parameters or {}))
+        if found is None or not found[0].exists():
+            return
+        info = {"run_dir": found[0], "run_name": found[1], "chunk": None}
+    try:
+        _audit(kind, {**info, "chunk": None}, _exception(state), state)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("flow %s hook: %s", kind, exc)
+
+
+def flow_failed(flow: Any, flow_run: Any, state: Any) -> None:
+    """Flow ``on_failure``."""
+    _flow_hook("flow_failed", flow_run, state)
+
+
+def flow_crashed(flow: Any, flow_run: Any, state: Any) -> None:
+    """Flow ``on_crashed`` (e.g. the flow process got SIGTERM)."""
+    _flow_hook("flow_crashed", flow_run, state)

@@ -1,0 +1,103 @@
+"""Shared fixtures: ONE real Prefect API server for the whole test session.
+
+Why not Prefect's ephemeral mode: every process that runs a flow would start its own uvicorn
+server (12–28 s each, migrations may outlast the default start-up timeout, and a killed flow
+process orphans it).  Against one running ``prefect server`` a flow starts in about 2 s.
+
+The server runs in its own process group with a throw-away ``PREFECT_HOME``; the session ends by
+killing that group.  The fixture is lazy: only tests that ask for ``prefect_api`` pay for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Start ``prefect server start`` on 127.0.0.1:<free port>; yield its API URL."""
+    import prefect.context
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",
+        "PREFECT_API_URL": url,
+    }
+    prefect_bin = Path(sys.executable).parent / "prefect"
+    log = open(home / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen(
+        [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
+        os.environ["PREFECT_API_URL"] = url  # for subprocesses (flows started by tests)
+        os.environ["PREFECT_HOME"] = str(home)
+        # For this process, *including* Prefect's background threads (API log and event workers),
+        # which read the process-global settings, not the test thread's context: with a
+        # thread-local override they fell back to an ephemeral server of their own.
+        prefect.context.refresh_global_settings_context()
+        try:
+            yield url
+        finally:
+            from prefect.logging.handlers import APILogHandler
+
+            with contextlib.suppress(Exception):
+                APILogHandler.flush()  # deliver pending logs while the server is still up
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            os.environ["PREFECT_LOGGING_TO_API_ENABLED"] = "false"  # nothing may reach a dead server
+            prefect.context.refresh_global_settings_context()
+    finally:
+        procs = []
+        with contextlib.suppress(psutil.Error):
+            procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        _gone, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        log.close()

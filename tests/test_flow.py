@@ -1,0 +1,274 @@
+"""End-to-end tests of flow ``train``: real Prefect API, the real worker, real signals.
+
+Every test uses a tiny char-GPT run (3 chunks of 20 steps, checkpoints every 5 steps, 5 s hang /
+dead limits) and checks at the end that no process of its run is left.  The uninterrupted
+reference digest comes from one worker run straight to the last step: exact resume (invariant 4)
+means any chunking and any number of failures must land on the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from training.events import read_events
+from training.heartbeat import read_heartbeat
+
+pytestmark = pytest.mark.slow
+
+TOTAL, CHUNK = 60, 20
+REPO = Path(__file__).resolve().parents[1]
+
+
+def params(tmp: Path, data_dir: Path, name: str, **sections: dict[str, Any]) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "run_name": name,
+        "runs_dir": str(tmp / "runs"),
+        "task_args": {"n_layer": 1, "n_head": 2, "d_model": 32, "dropout": 0.1},
+        "data": {"prepared_dir": str(data_dir), "synthetic_chars": 20000, "seq_len": 32},
+        "train": {"total_steps": TOTAL, "chunk_steps": CHUNK, "batch_size": 8, "warmup_steps": 5},
+        "checkpoint": {"every_steps": 5, "async_save": True, "keep_last": 3},
+        "heartbeat": {"interval_s": 0.2, "stall_s": 5, "timeout_s": 5, "init_timeout_s": 90,
+                      "save_timeout_s": 30, "grace_s": 3},
+        "orchestration": {"retries": 2, "retry_delay_seconds": 0.5, "backoff": 2, "jitter": 0.1},
+        "tracking": {"mlflow": False},
+    }
+    for section, values in sections.items():
+        base[section] = {**base.get(section, {}), **values} if isinstance(values, dict) else values
+    return base
+
+
+def config(p: dict[str, Any]) -> Any:
+    from training.config import config_from_dict
+
+    return config_from_dict(p)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from training.corpus import prepare
+
+    d = tmp_path_factory.mktemp("data")
+    cfg = config(params(d, d, "prep"))
+    prepare(cfg.data, cfg.train.seed)
+    return d
+
+
+@pytest.fixture(scope="session")
+def reference_digest(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> str:
+    """Digest after TOTAL steps trained by one uninterrupted worker (no Prefect, no chunks)."""
+    from training.checkpoint import CheckpointStore
+    from training.rundir import open_run
+
+    tmp = tmp_path_factory.mktemp("reference")
+    run_dir = open_run(config(params(tmp, data_dir, "reference"))).resolve()
+    rc = subprocess.run([sys.executable, "-m", "training.worker", "--run-dir", str(run_dir), "--until-step",
+                         str(TOTAL)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert rc.returncode == 0, rc.stderr[-2000:]
+    ck = CheckpointStore(run_dir).latest_valid(record=False)
+    assert ck is not None and ck.step == TOTAL
+    return ck.digest
+
+
+def leftovers(marker: Path) -> list[str]:
+    out = []
+    for p in psutil.process_iter(["cmdline", "status", "pid"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(marker) in cmd and p.pid != os.getpid():
+                out.append(f"{p.pid} {cmd}")
+        except psutil.Error:
+            continue
+    return out
+
+
+def assert_no_leftovers(marker: Path, wait_s: float = 10.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while leftovers(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers(marker), leftovers(marker)
+
+
+def task_runs(flow_run_id: str) -> dict[str, Any]:
+    """Task runs of one flow run, read back from the Prefect API, by name (``chunk-<k>``)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name: r for r in runs}
+
+
+def wait_for_step(run_dir: Path, step: int, timeout: float = 240) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        beat = read_heartbeat(run_dir, 0)
+        if beat and beat.get("phase") == "train" and int(beat.get("step", 0)) >= step:
+            return beat
+        time.sleep(0.05)
+    raise AssertionError(f"worker never reached step {step}")
+
+
+def in_thread(fn: Any) -> threading.Thread:
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.errors = errors  # type: ignore[attr-defined]
+    t.start()
+    return t
+
+
+def test_sigkill_mid_chunk_3_retries_only_chunk_3(prefect_api: str, data_dir: Path, tmp_path: Path,
+                                                  reference_digest: str) -> None:
+    from flows.train import run_training
+
+    cfg = config(params(tmp_path, data_dir, "kill9"))
+    run_dir = cfg.run_dir.resolve()
+    killed: dict[str, Any] = {}
+
+    def killer() -> None:
+        beat = wait_for_step(run_dir, 2 * CHUNK + 8)  # chunk 3 = steps [40, 60)
+        killed.update(pid=beat["pid"], step=beat["step"], time=time.time())
+        os.kill(beat["pid"], signal.SIGKILL)
+
+    t = in_thread(killer)
+    summary = run_training(cfg)
+    t.join(timeout=5)
+    assert not t.errors, t.errors  # type: ignore[attr-defined]
+    assert killed, "the killer never fired"
+    assert summary["final_step"] == TOTAL
+    assert summary["digest"] == reference_digest, "resumed run diverged from the uninterrupted one"
+    assert summary["attempts"] == {1: 1, 2: 1, 3: 2}
+    runs = task_runs(summary["flow_run_id"])
+    assert {name: r.run_count for name, r in runs.items()} == {"chunk-1": 1, "chunk-2": 1, "chunk-3": 2}
+    assert all(r.state.is_completed() for r in runs.values())
+    fail = read_events(run_dir, "failure")
+    assert [(e["chunk"], e["failure"]) for e in fail] == [(3, "killed")]
+    assert fail[0]["last_committed_step"] >= 2 * CHUNK and fail[0]["steps_lost"] >= 0
+    resumed = [e["step"] for e in read_events(run_dir, "resumed")]
+    assert resumed[-1] == fail[0]["last_committed_step"]  # the retry resumed inside chunk 3
+    print(f"\nSIGKILL at step {killed['step']}: detected after {fail[0]['detected_after_s']} s, "
+          f"resumed from step {resumed[-1]}, {fail[0]['steps_lost']} step(s) lost")
+    assert_no_leftovers(run_dir)
+
+
+def test_sigstop_is_a_hang_and_is_retried(prefect_api: str, data_dir: Path, tmp_path: Path) -> None:
+    from flows.train import run_training
+
+    cfg = config(params(tmp_path, data_dir, "stop", train={"total_steps": 30, "chunk_steps": 30},
+                        heartbeat={"stall_s": 3, "timeout_s": 6}))
+    run_dir = cfg.run_dir.resolve()
+    stopped: dict[str, Any] = {}
+
+    def stopper() -> None:
+        beat = wait_for_step(run_dir, 12)
+        stopped.update(pid=beat["pid"], step=beat["step"], time=time.time())
+        os.kill(beat["pid"], signal.SIGSTOP)
+
+    t = in_thread(stopper)
+    summary = run_training(cfg)
+    t.join(timeout=5)
+    assert stopped and summary["final_step"] == 30
+    fail = read_events(run_dir, "failure")
+    assert [e["failure"] for e in fail] == ["hang"]
+    latency = fail[0]["time"] - stopped["time"]
+    print(f"\nSIGSTOP at step {stopped['step']}: hang detected {latency:.2f} s after the stop "
+          f"(stall_s = 3, detector's own figure {fail[0]['detected_after_s']} s)")
+    assert 2.5 <= latency < 3 + 2.0
+    assert task_runs(summary["flow_run_id"])["chunk-1"].run_count == 2
+    assert_no_leftovers(run_dir)
+
+
+def test_config_error_is_not_retried(prefect_api: str, data_dir: Path, tmp_path: Path) -> None:
+    from flows.train import run_training
+    from tasks.supervisor import ChunkFailed
+
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    cfg = config(params(tmp_path, data_dir, "cfgerr", data={"prepared_dir": str(empty)}))
+    with pytest.raises(ChunkFailed) as info:
+        run_training(cfg)
+    assert info.value.kind == "config"
+    assert "run `convoy prepare` first" in str(info.value)
+    run_dir = cfg.run_dir.resolve()
+    fail = read_events(run_dir, "failure")
+    assert [e["failure"] for e in fail] == ["config"]  # exactly one attempt
+    assert [e["kind"] for e in read_events(run_dir) if e["kind"] in ("chunk_failed", "flow_failed")] == [
+        "chunk_failed", "flow_failed"]
+    flow_run_id = read_events(run_dir, "flow_started")[-1]["flow_run_id"]
+    runs = task_runs(flow_run_id)
+    assert runs["chunk-1"].run_count == 1 and runs["chunk-1"].state.is_failed()
+    assert "chunk-2" not in runs
+    assert_no_leftovers(run_dir)
+
+
+def test_killed_flow_resumes_and_second_flow_is_refused(prefect_api: str, data_dir: Path, tmp_path: Path,
+                                                        reference_digest: str) -> None:
+    p = params(tmp_path, data_dir, "flowkill")
+    pfile = tmp_path / "params.yaml"
+    pfile.write_text(yaml.safe_dump(p))
+    run_dir = config(p).run_dir.resolve()
+    cmd = [sys.executable, "-m", "flows.train", str(pfile)]
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        wait_for_step(run_dir, CHUNK + 8)  # chunk 1 committed, inside chunk 2
+        second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr
+        assert "already being trained by another flow" in second.stderr
+        assert first.poll() is None, "the second flow disturbed the first"
+        before = [e["chunk"] for e in read_events(run_dir, "chunk_done")]
+        assert before == [1]
+        os.kill(first.pid, signal.SIGKILL)  # the flow's machine "dies"; the worker must not live on
+        first.wait(timeout=10)
+        assert_no_leftovers(run_dir, wait_s=30)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    from tasks.supervisor import last_committed_step
+
+    committed_at_kill = last_committed_step(run_dir)
+    assert committed_at_kill is not None and committed_at_kill > CHUNK  # periodic or emergency checkpoint
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert summary["final_step"] == TOTAL
+    assert summary["digest"] == reference_digest
+    assert summary["skipped_chunks"] == 1 and summary["trained_chunks"] == 2
+    done = [e["chunk"] for e in read_events(run_dir, "chunk_done")]
+    assert done == [1, 2, 3], done  # chunk 1 never trained twice
+    resumed = read_events(run_dir, "resumed")
+    assert resumed[-2]["step"] == committed_at_kill  # chunk 2 continued from its newest checkpoint
+    assert_no_leftovers(tmp_path)
+
+
+def test_finished_run_trains_nothing(prefect_api: str, data_dir: Path, tmp_path: Path) -> None:
+    from flows.train import run_training
+
+    cfg = config(params(tmp_path, data_dir, "again", train={"total_steps": 10, "chunk_steps": 5}))
+    first = run_training(cfg)
+    assert first["trained_chunks"] == 2 and first["final_step"] == 10
+    spawned = len(read_events(cfg.run_dir, "worker_done"))
+    second = run_training(cfg)
+    assert second["trained_chunks"] == 0 and second["skipped_chunks"] == 2
+    assert second["digest"] == first["digest"]
+    assert len(read_events(cfg.run_dir, "worker_done")) == spawned  # no worker was started
+    assert_no_leftovers(cfg.run_dir.resolve())
