@@ -124,6 +124,113 @@ def verify(run_dir: Path) -> None:
     console.print(f"ok: {path.name} verified (step {step}, {ck.bytes:,} bytes, digest {ck.digest})")
 
 
+@app.command()
+def plan(
+    gpus: int = typer.Option(8, help="number of GPUs (N)"),
+    failure_rate_per_day: float = typer.Option(0.001, help="failures per GPU per day (lambda)"),
+    job_hours: float = typer.Option(24.0, help="job length in hours"),
+    save_hours: float | None = typer.Option(None, help="checkpoint save time in hours"),
+    params: float | None = typer.Option(None, help="model parameters, to estimate size and save time"),
+    bandwidth_gb_s: float = typer.Option(1.0, help="storage bandwidth (GB/s) for the estimate"),
+    restart_minutes: float = typer.Option(5.0, help="time to detect, reload and rebuild (MTTR)"),
+    interval_hours: float | None = typer.Option(None, help="your checkpoint interval, to compare"),
+    keep_last: int = typer.Option(3, help="checkpoints kept (storage estimate)"),
+    from_run: Path | None = typer.Option(None, help="fill measured save time and failures from a run dir"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Failure probability, MTBF, Young/Daly interval, overhead, availability for a job."""
+    from pydantic import ValidationError
+
+    from training.reliability import PlanInput
+    from training.reliability import plan as make_plan
+
+    values = {k: v for k, v in dict(
+        gpus=gpus, failure_rate_per_day=failure_rate_per_day, job_hours=job_hours, save_hours=save_hours,
+        params=params, bandwidth_gb_s=bandwidth_gb_s, restart_minutes=restart_minutes,
+        interval_hours=interval_hours, keep_last=keep_last).items() if v is not None}
+    if from_run is not None:
+        values.update(_measured_from_run(from_run, values))
+    try:
+        inp = PlanInput(**values)
+    except ValidationError as exc:
+        from training.config import format_validation_error
+
+        raise fail(format_validation_error(exc, "plan").replace("plan: ", "", 1).replace("_", "-")) from None
+    out = make_plan(inp)
+    if as_json:
+        sys.stdout.write(json.dumps(out, indent=1) + "\n")
+        return
+    table = Table(title=f"convoy plan: {inp.gpus} GPUs, {inp.job_hours:g} h job")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for key, value in out.items():
+        shown = f"{value:.6g}" if isinstance(value, float) else str(value)
+        table.add_row(key.replace("_", " "), shown)
+    console.print(table)
+
+
+def _measured_from_run(run_dir: Path, values: dict) -> dict:
+    """Median measured blocking-save time and observed failure rate from a run's events."""
+    from statistics import median
+
+    from training.events import read_events
+
+    events = read_events(run_dir)
+    if not events:
+        raise fail(f"{run_dir}: no events.jsonl; run training first")
+    saves = [e["persist_s"] + e["stall_s"] for e in events if e["kind"] == "checkpoint_saved"]
+    failures = [e for e in events if e["kind"] == "failure" and e.get("failure") != "config"]
+    out: dict = {}
+    if saves:
+        out["save_hours"] = median(saves) / 3600
+    hours = (events[-1]["time"] - events[0]["time"]) / 3600
+    if failures and hours > 0:
+        out["failure_rate_per_day"] = len(failures) / hours * 24 / values.get("gpus", 8)
+    console.print(f"from {run_dir}: {len(saves)} saves (median {median(saves) if saves else 0:.3f} s), "
+                  f"{len(failures)} failures in {hours:.3f} h")
+    return out
+
+
+@app.command()
+def status(run_dir: Path) -> None:
+    """Where a run stands: progress, newest valid checkpoint, failures per chunk, lost steps, ETA."""
+    from training.checkpoint import CheckpointStore
+    from training.events import read_events
+    from training.rundir import load_run_config
+
+    try:
+        cfg = load_run_config(run_dir)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    store = CheckpointStore(run_dir)
+    newest = store.latest_valid(record=False)
+    done = newest.step if newest else 0
+    total = cfg.train.total_steps
+    events = read_events(run_dir)
+    failures = [e for e in events if e["kind"] == "failure"]
+    per_chunk: dict[int, list[str]] = {}
+    for e in failures:
+        per_chunk.setdefault(int(e.get("chunk", -1)), []).append(str(e.get("failure")))
+    lost = sum(int(e.get("steps_lost") or 0) for e in failures)
+    bar_w = 30
+    filled = int(bar_w * done / total)
+    console.print(f"run {cfg.run_name}: \\[{'#' * filled}{'.' * (bar_w - filled)}] {done}/{total} steps "
+                  f"({100 * done / total:.0f}%)")
+    console.print(f"newest valid checkpoint: {newest.path.name + ' ' + newest.digest if newest else 'none'}")
+    steps_times = [(e["step"], e["time"]) for e in events if e["kind"] == "checkpoint_saved"]
+    if len(steps_times) >= 2 and done < total:
+        (s0, t0), (s1, t1) = steps_times[0], steps_times[-1]
+        rate = (s1 - s0) / max(t1 - t0, 1e-9)
+        console.print(f"ETA: {(total - done) / rate:.0f} s at {rate:.2f} steps/s (wall, failures included)")
+    interval = [e for e in events if e["kind"] == "interval_chosen"]
+    every = cfg.checkpoint.every_steps
+    console.print(f"checkpoint interval: {interval[-1]['interval_steps'] if interval else every} steps"
+                  f"{' (auto)' if every == 'auto' else ''}")
+    console.print(f"failures: {len(failures)}, steps lost: {lost}")
+    for chunk, kinds in sorted(per_chunk.items()):
+        console.print(f"  chunk {chunk}: {len(kinds) + 1} attempts, failures: {', '.join(kinds)}")
+
+
 def main() -> None:  # pragma: no cover - console script
     app()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 #: Exit code of a training process for a configuration or data error (EX_CONFIG, not retryable).
 EXIT_CONFIG = 78
@@ -103,7 +103,18 @@ class TrainConfig(_Strict):
 class CheckpointConfig(_Strict):
     """When to save and what to keep.  Never part of the fingerprint."""
 
-    every_steps: int | None = Field(50, gt=0)
+    @field_validator("every_steps")
+    @classmethod
+    def _positive(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v <= 0:
+            raise ValueError(f"checkpoint.every_steps = {v}: must be a positive number of steps, auto, or null")
+        return v
+
+    #: Save every N steps, or ``auto`` (interval from measured save cost and MTBF), or null.
+    every_steps: int | Literal["auto"] | None = Field(50)
+    #: For ``auto``: MTBF assumed until failures are observed, and the overhead budget.
+    mtbf_hours: float = Field(24.0, gt=0)
+    max_overhead: float = Field(0.02, gt=0, lt=1)
     every_seconds: float | None = Field(None, gt=0)
     #: Save asynchronously (snapshot into reused buffers, persist on a background thread).
     async_save: bool = True

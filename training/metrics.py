@@ -95,6 +95,13 @@ class StepMetricLogger:
         if len(self._buffer) >= self.flush_every:
             self.flush()
 
+    def log_extra(self, step: int, metrics: dict[str, float]) -> None:
+        """Add values to a step already logged in this process (e.g. the chosen interval)."""
+        if self._buffer and self._buffer[-1][0] == step:
+            self._buffer[-1][1].update(metrics)
+        else:
+            self._buffer.append((step, dict(metrics)))
+
     def _verify_replay(self, step: int, metrics: dict[str, float]) -> None:
         for hist in self._logged:
             for key in DETERMINISTIC_KEYS:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from training import faults
+from training.adaptive import AdaptiveInterval, estimate_mtbf_s
 from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
 from training.data import make_loader
@@ -89,6 +90,11 @@ class Worker:
         self.state = TrainState(self.parts, self.scaler)
         self.store = CheckpointStore(self.run_dir, cfg.checkpoint, cfg.fingerprint(), self.world)
         self.store.cleanup_stale_temp()
+        ck = cfg.checkpoint
+        self.adaptive = None
+        if ck.every_steps == "auto":
+            mtbf = estimate_mtbf_s(self.run_dir, ck.mtbf_hours * 3600)
+            self.adaptive = AdaptiveInterval(mtbf, ck.max_overhead)
 
     def restore(self) -> None:
         self.hb.set(phase="load")
@@ -130,9 +136,12 @@ class Worker:
             p.scheduler.step()
         return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "lr": float(lr)}
 
-    def save_due(self, step: int, last_save_time: float) -> bool:
+    def save_due(self, step: int, last_save_step: int, last_save_time: float) -> bool:
         ck = self.config.checkpoint
-        if ck.every_steps and step % ck.every_steps == 0:
+        if self.adaptive is not None:
+            if step - last_save_step >= self.adaptive.interval_steps():
+                return True
+        elif ck.every_steps and step % ck.every_steps == 0:
             return True
         return bool(ck.every_seconds and time.time() - last_save_time >= ck.every_seconds)
 
@@ -141,7 +150,23 @@ class Worker:
         parts = self.state.checkpoint_parts(self.rank, include_replicated=self.rank == 0)
         stall = self.store.save(self.state.step, parts, blocking=blocking)
         self.hb.set(phase="train")
+        if self.rank == 0:
+            append_event(self.run_dir, "checkpoint_saved", step=self.state.step, stall_s=round(stall, 5),
+                         blocking=blocking, persist_s=round(self.store.last_persist_s, 5))
         return stall
+
+    def tune_interval(self, stall: float, metrics: StepMetricLogger) -> None:
+        """Feed the adaptive interval; record each new choice (event + metric)."""
+        if self.adaptive is None:
+            return
+        old = self.adaptive.interval_steps()
+        self.adaptive.observe_save(stall)
+        new = self.adaptive.interval_steps()
+        if new != old:
+            append_event(self.run_dir, "interval_chosen", step=self.state.step, interval_steps=new,
+                         interval_s=self.adaptive.interval_seconds(), cost_s=self.adaptive.cost_s,
+                         step_s=self.adaptive.step_s, mtbf_s=self.adaptive.mtbf_s)
+            metrics.log_extra(self.state.step, {"ckpt_interval_steps": float(new)})
 
     def run(self) -> int:
         self.setup()
@@ -156,7 +181,7 @@ class Worker:
         batches = iter(loader)
         n_samples = len(self.parts.train_data)  # type: ignore[arg-type]
         self.hb.set(phase="train", step=st.step)
-        last_save = time.time()
+        last_save, last_save_step = time.time(), st.step
         loss = None
         while st.step < self.until:
             if self.preempt.requested:
@@ -173,9 +198,11 @@ class Worker:
             loss = out["loss"]
             metrics.log(st.step, out)
             self.hb.set(step=st.step)
-            if st.step < self.until and self.save_due(st.step, last_save):
-                self.save(blocking=False)
-                last_save = time.time()
+            if self.adaptive is not None:
+                self.adaptive.observe_step(dt, self.store.in_flight)
+            if st.step < self.until and self.save_due(st.step, last_save_step, last_save):
+                self.tune_interval(self.save(blocking=False), metrics)
+                last_save, last_save_step = time.time(), st.step
         self.save(blocking=True)
         metrics.close()
         if metrics.replayed:
