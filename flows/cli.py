@@ -64,7 +64,8 @@ def prepare(params: ParamsArg = Path("params.yaml"), set_: SetOpt = None) -> Non
 
 @app.command()
 def train(params: ParamsArg = Path("params.yaml"), set_: SetOpt = None,
-          allow_config_change: bool = typer.Option(False, help="resume a run whose trajectory settings changed")) -> None:
+          allow_config_change: bool = typer.Option(
+              False, help="resume a run whose trajectory settings changed")) -> None:
     """Run (or continue) a training run as a Prefect flow of chunk tasks."""
     cfg = config_or_exit(params, set_)
     from flows.train import run_training

@@ -104,10 +104,11 @@ def train(
         committed = last_committed_step(run_dir) or 0
         append_event(run_dir, "flow_started", flow_run_id=flow_run_id, committed_step=committed, chunks=len(chunks))
         logger.info(
-            "run %s: %d chunk(s) of %d steps; newest verified checkpoint: step %d",
+            "run %s: %d chunk(s) of %d steps (%s mode); newest verified checkpoint: step %d",
             cfg.run_name,
             len(chunks),
             cfg.train.chunk_steps,
+            cfg.orchestration.mode,
             committed,
         )
         task = configured(cfg)
@@ -130,7 +131,12 @@ def train(
                     continue
                 c0 = time.time()
                 try:
-                    rec = task(str(run_dir), chunk, start, end)
+                    if cfg.orchestration.mode == "pool":
+                        from flows.pool import dispatch_chunk
+
+                        rec = dispatch_chunk(cfg, run_dir, chunk, start, end)
+                    else:
+                        rec = task(str(run_dir), chunk, start, end)
                 except BaseException:
                     row.update(
                         status="failed", seconds=time.time() - c0, failure_kinds=_failure_kinds(run_dir, chunk, c0)
@@ -143,8 +149,10 @@ def train(
                     seconds=time.time() - c0,
                     digest=rec["digest"],
                     loss=rec["loss"],
-                    failure_kinds=_failure_kinds(run_dir, chunk, c0),
+                    failure_kinds=rec.get("failure_kinds") or _failure_kinds(run_dir, chunk, c0),
                 )
+                if "flow_runs" in rec:  # pool mode: one flow run per attempt
+                    row["flow_runs"] = rec["flow_runs"]
                 committed = end
         finally:
             publish_chunk_table(cfg.run_name, rows)

@@ -453,6 +453,7 @@ def supervise(
             if failure is not None:
                 break
             time.sleep(limits.poll_s)
+        # Wall time of the detection (exit seen or limit crossed), before the stop takes its grace.
         exit_seen = time.time()
     finally:
         if proc.poll() is None:
@@ -489,6 +490,7 @@ def supervise(
         attempt=attempt,
         returncode=rc,
         detected_after_s=round(detected_after, 3),
+        detected_at=round(exit_seen, 3),
         last_beat_step=watch.last_step,
         last_committed_step=committed,
         steps_lost=lost,

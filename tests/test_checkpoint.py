@@ -44,7 +44,8 @@ def test_roundtrip_is_exact_and_files_are_standard_safetensors(tmp_path: Path) -
     for k, v in parts["state"]["model"].items():
         assert torch.equal(loaded["state"]["model"][k], v)
     assert loaded["state"]["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
-    assert torch.equal(loaded["state"]["optimizer"]["state"][0]["exp_avg"], parts["state"]["optimizer"]["state"][0]["exp_avg"])
+    moments = loaded["state"]["optimizer"]["state"][0]["exp_avg"]
+    assert torch.equal(moments, parts["state"]["optimizer"]["state"][0]["exp_avg"])
     with safe_open(str(ck.path / "state.safetensors"), "pt") as f:  # interoperable with the reference reader
         assert "model.weight" in f.keys()
     manifest = json.loads((ck.path / MANIFEST).read_text())

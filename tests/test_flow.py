@@ -188,10 +188,10 @@ def test_sigstop_is_a_hang_and_is_retried(prefect_api: str, data_dir: Path, tmp_
     assert stopped and summary["final_step"] == 30
     fail = read_events(run_dir, "failure")
     assert [e["failure"] for e in fail] == ["hang"]
-    latency = fail[0]["time"] - stopped["time"]
+    latency = fail[0]["detected_at"] - stopped["time"]
     print(f"\nSIGSTOP at step {stopped['step']}: hang detected {latency:.2f} s after the stop "
           f"(stall_s = 3, detector's own figure {fail[0]['detected_after_s']} s)")
-    assert 2.5 <= latency < 3 + 2.0
+    assert 2.5 <= latency < 3 + 1.5
     assert task_runs(summary["flow_run_id"])["chunk-1"].run_count == 2
     assert_no_leftovers(run_dir)
 

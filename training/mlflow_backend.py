@@ -81,14 +81,27 @@ def client_for(uri: str) -> MlflowClient:
         return _clients[uri]
 
 
-def ensure_experiment(client: MlflowClient, name: str) -> str:
+def default_artifact_location(uri: str, experiment: str) -> str | None:
+    """Artifacts of a SQLite store go next to the database (``<db dir>/mlartifacts/<experiment>``).
+
+    MLflow's own default is ``./mlruns`` of whatever directory the *creating* process ran in;
+    tying it to the database keeps a run's artifacts with its metrics.  Servers decide themselves.
+    """
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and ":memory:" not in uri:
+        db = Path(uri[len(prefix):])
+        return (db.parent / "mlartifacts" / experiment).resolve().as_uri()
+    return None
+
+
+def ensure_experiment(client: MlflowClient, name: str, uri: str = "") -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         if exp.lifecycle_stage == "deleted":
             client.restore_experiment(exp.experiment_id)
         return exp.experiment_id
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, artifact_location=default_artifact_location(uri, name))
     except MlflowException:  # created concurrently by another process
         exp = client.get_experiment_by_name(name)
         if exp is None:
@@ -138,7 +151,7 @@ def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> s
     if run_id:
         print(f"WARNING: MLflow run {run_id} of {run_dir} is not in {uri}; creating a new MLflow run",
               file=sys.stderr, flush=True)
-    exp_id = ensure_experiment(client, config.tracking.experiment)
+    exp_id = ensure_experiment(client, config.tracking.experiment, uri)
     tags = {
         "mlflow.runName": config.run_name,
         f"{TAG_PREFIX}run_name": config.run_name,
