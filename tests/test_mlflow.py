@@ -1,0 +1,247 @@
+"""MLflow: one run per training run, each (metric, step) exactly once across real SIGKILLs,
+replay verification, non-determinism reported, nested attempt runs and the resume audit.
+
+Real MLflow on a SQLite file in a tmp dir; real ``python -m training.worker`` processes killed
+with SIGKILL.  The kill point is made deterministic with the ``slow_step`` fault (the worker
+sleeps before that step, the test kills it while it sleeps).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
+from training.audit import analyse_events, end_attempt, refresh_audit, start_attempt
+from training.events import append_event, read_events
+from training.mlflow_backend import (
+    MlflowBackend,
+    client_for,
+    ensure_mlflow_run,
+    resolve_tracking_uri,
+    split_batches,
+)
+from training.rundir import load_run_config, run_info
+
+TOTAL = 150
+KEYS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s")
+DETERMINISTIC = ("loss", "lr", "grad_norm")
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One SQLite store per module: creating the schema costs ~10 s."""
+    db = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    client_for(uri).search_experiments()  # runs the migrations once
+    return uri
+
+
+def mlflow_run(tmp: Path, name: str, uri: str, extra: list[str] | None = None) -> tuple[Path, str]:
+    overrides = [f"train.total_steps={TOTAL}", f"train.chunk_steps={TOTAL // 2}", "checkpoint.every_steps=40",
+                 "checkpoint.keep_last=3", "tracking.mlflow=true", f"tracking.mlflow_uri={uri}",
+                 "tracking.experiment=convoy-test", *(extra or [])]
+    run_dir = make_run(tmp, name, overrides)
+    return run_dir, ensure_mlflow_run(load_run_config(run_dir), run_dir)
+
+
+def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client_for(uri).get_metric_history(run_id, key))
+
+
+def load_table(uri: str, experiment_id: str, run_id: str):
+    """``MlflowClient.load_table`` searches with the *global* tracking URI (MLflow 3.17): set it."""
+    import mlflow
+
+    saved = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        return client_for(uri).load_table(experiment_id, "convoy/resume_events.json", run_ids=[run_id])
+    finally:
+        mlflow.set_tracking_uri(saved)
+
+
+def kill_at(run_dir: Path, until: int, step: int) -> None:
+    """Start a worker, let it stall just before ``step`` (fault), SIGKILL it there."""
+    p = start_worker(run_dir, until, {"CONVOY_FAULTS": f"slow_step={step}:60"})
+    try:
+        reached = wait_for_step(run_dir, p, step - 1, timeout=180)
+        assert reached == step - 1, f"worker ended before step {step}: {p.communicate()[0]}"
+        time.sleep(1.0)  # the MLflow thread sends what was flushed; an async save commits
+    finally:
+        kill_group(p)
+        p.wait()
+
+
+def attempt(cfg, run_dir: Path, chunk: int, number: int, start: int, end: int, kill_step: int | None) -> None:
+    """What the flow does around one chunk attempt, with a real worker (killed or not)."""
+    child = start_attempt(cfg, run_dir, chunk, number, start, end)
+    t0 = time.time()
+    if kill_step is not None:
+        kill_at(run_dir, end, kill_step)
+        end_attempt(child, "FAILED", "killed", steps=kill_step - 1 - start, seconds=time.time() - t0)
+    else:
+        code, out = run_worker(run_dir, end)
+        assert code == 0, out
+        end_attempt(child, "FINISHED", None, steps=end - start, seconds=time.time() - t0)
+    refresh_audit(cfg, run_dir)
+
+
+@pytest.mark.slow
+def test_two_kills_exactly_one_point_per_step_and_audit(tmp_path: Path, tracking_uri: str) -> None:
+    ref_dir, ref_id = mlflow_run(tmp_path, "reference", tracking_uri)
+    code, out = run_worker(ref_dir, TOTAL)
+    assert code == 0, out
+
+    run_dir, run_id = mlflow_run(tmp_path, "killed", tracking_uri)
+    cfg = load_run_config(run_dir)
+    half = TOTAL // 2
+    # Chunk 1 [0, 75): killed at step 55 (checkpoint 40, metrics flushed through 50) → resumed.
+    attempt(cfg, run_dir, 1, 1, 0, half, kill_step=55)
+    attempt(cfg, run_dir, 1, 2, 0, half, kill_step=None)
+    # Chunk 2 [75, 150): killed at step 131 (checkpoint 120, flushed through 125) → resumed.
+    attempt(cfg, run_dir, 2, 1, half, TOTAL, kill_step=131)
+    attempt(cfg, run_dir, 2, 2, half, TOTAL, kill_step=None)
+
+    assert final_digest(run_dir) == final_digest(ref_dir)
+    # The same MLflow run was used by every worker (id in run.json).
+    assert run_info(run_dir)["mlflow_run_id"] == run_id
+    assert ensure_mlflow_run(cfg, run_dir) == run_id
+    # Exactly one point per (metric, step), 1..N, equal to the uninterrupted run's values.
+    for key in KEYS:
+        points = history(tracking_uri, run_id, key)
+        assert [s for s, _ in points] == list(range(1, TOTAL + 1)), key
+    for key in DETERMINISTIC:
+        assert history(tracking_uri, run_id, key) == history(tracking_uri, ref_id, key), key
+
+    events = read_events(run_dir)
+    assert [e["step"] for e in events if e["kind"] == "resumed"] == [40, 75, 120]
+    verified = [e for e in events if e["kind"] == "replay_verified"]
+    assert len(verified) == 2 and all(e["values_compared"] > 0 and e["mismatches"] == 0 for e in verified)
+    assert not [e for e in events if e["kind"] in ("replay_mismatch", "nondeterministic_resume")]
+
+    client = client_for(tracking_uri)
+    parent = client.get_run(run_id)
+    tags = parent.data.tags
+    assert tags["convoy.resumes"] == "2"
+    assert tags["convoy.failures"] == "2"
+    assert tags["convoy.replay_verified"] == "2"
+    assert "convoy.nondeterministic" not in tags
+    assert tags["convoy.fingerprint"] == cfg.fingerprint()
+    assert parent.data.params["train.total_steps"] == str(TOTAL)
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
+    statuses = sorted((c.data.tags["convoy.chunk"], c.data.tags["convoy.attempt"], c.info.status) for c in children)
+    assert statuses == [("1", "1", "FAILED"), ("1", "2", "FINISHED"), ("2", "1", "FAILED"), ("2", "2", "FINISHED")]
+    failed = [c for c in children if c.info.status == "FAILED"]
+    assert all(c.data.tags["convoy.failure_kind"] == "killed" for c in failed)
+    assert all(c.data.metrics["seconds"] > 0 for c in children)
+    # The resume table (MLflow table artifact) and the timeline picture.
+    table = load_table(tracking_uri, parent.info.experiment_id, run_id)
+    assert len(table) == 2
+    assert list(table["resumed_from_step"]) == [40, 120]
+    assert list(table["replay_verified"]) == [True, True]
+    assert all(table["checkpoint_digest"].str.len() > 0)
+    names = {a.path for a in client.list_artifacts(run_id, "convoy")}
+    assert names == {"convoy/resume_events.json", "convoy/timeline.png"}
+    png = Path(client.download_artifacts(run_id, "convoy/timeline.png", str(tmp_path)))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A refresh is idempotent: the table is replaced, not appended to.
+    refresh_audit(cfg, run_dir)
+    assert len(load_table(tracking_uri, parent.info.experiment_id, run_id)) == 2
+
+
+@pytest.mark.slow
+def test_nondeterministic_task_is_reported(tmp_path: Path, tracking_uri: str) -> None:
+    run_dir, run_id = mlflow_run(tmp_path, "noisy", tracking_uri, ["task_args.noise=true"])
+    cfg = load_run_config(run_dir)
+    kill_at(run_dir, TOTAL // 2, 55)
+    code, out = run_worker(run_dir, TOTAL // 2)
+    assert code == 0, out
+    assert "non-deterministic resume at step 41" in out
+    kinds = [e["kind"] for e in read_events(run_dir)]
+    assert "nondeterministic_resume" in kinds and "replay_mismatch" in kinds
+    summary = refresh_audit(cfg, run_dir)
+    assert summary["nondeterministic"] and summary["rows"][0]["replay_verified"] is False
+    tags = client_for(tracking_uri).get_run(run_id).data.tags
+    assert tags["convoy.nondeterministic"] == "true"
+    assert tags["convoy.nondeterministic_first_step"] == "41"
+    # Even so, the history keeps exactly one point per step (the first value is kept).
+    assert [s for s, _ in history(tracking_uri, run_id, "loss")] == list(range(1, TOTAL // 2 + 1))
+
+
+def test_tracking_uri_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from training.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = load_config(None, [f"runs_dir={tmp_path / 'runs'}"])
+    assert resolve_tracking_uri(cfg) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert resolve_tracking_uri(cfg) == "http://127.0.0.1:5000"
+    cfg = load_config(None, ["tracking.mlflow_uri=sqlite:///rel/x.db"])
+    assert resolve_tracking_uri(cfg) == f"sqlite:///{tmp_path.resolve()}/rel/x.db"  # absolute for workers
+
+
+def test_backend_batches_and_history_roundtrip(tmp_path: Path, tracking_uri: str) -> None:
+    from training.config import load_config
+
+    cfg = load_config(None, [f"runs_dir={tmp_path}", "run_name=unit", f"tracking.mlflow_uri={tracking_uri}",
+                             "tracking.experiment=convoy-unit"])
+    (tmp_path / "unit").mkdir()
+    run_id = ensure_mlflow_run(cfg, tmp_path / "unit")
+    assert ensure_mlflow_run(cfg, tmp_path / "unit") == run_id  # idempotent
+    backend = MlflowBackend(cfg, run_id)
+    values = [0.1 + 1e-17 * i for i in range(3)] + [1 / 3, 2.0**-40, 123456.789e-7]
+    rows = [(s, {"loss": values[s % len(values)] * s, "lr": 0.5 / s}) for s in range(1, 601)]
+    for i in range(0, 600, 50):
+        backend.write(rows[i:i + 50])
+    backend.close()
+    hist = backend.history(("loss", "lr", "missing"))
+    assert hist["missing"] == {}
+    assert hist["loss"] == {s: m["loss"] for s, m in rows}  # bit-exact float round trip
+    assert backend.calls <= 12 and backend.values == 1200
+
+
+def test_split_batches_never_splits_a_step() -> None:
+    from mlflow.entities import Metric
+
+    metrics = [Metric(f"k{j}", 1.0, 0, s) for s in range(1, 301) for j in range(7)]
+    batches = split_batches(metrics, limit=1000)
+    assert sum(len(b) for b in batches) == len(metrics)
+    assert all(len(b) <= 1000 for b in batches)
+    for a, b in zip(batches, batches[1:], strict=False):
+        assert a[-1].step != b[0].step
+
+
+def test_analyse_events_with_supervisor_failures(tmp_path: Path) -> None:
+    run = tmp_path
+    append_event(run, "started", rank=0, until_step=100)
+    append_event(run, "worker_done", rank=0, step=100, digest="d1")
+    append_event(run, "resumed", rank=0, step=100, checkpoint="step-000000100", digest="d1", load_s=0.1)
+    append_event(run, "failure", failure="hang", detected_after_s=20.5, last_beat_step=130, last_committed_step=120,
+                 steps_lost=10, chunk=2, attempt=1)
+    append_event(run, "resumed", rank=0, step=120, checkpoint="step-000000120", digest="d2", load_s=0.2)
+    append_event(run, "replay_verified", values_compared=30, mismatches=0)
+    append_event(run, "preempted", rank=0, step=150)
+    append_event(run, "failure", failure="preempted", detected_after_s=0.1, last_beat_step=150,
+                 last_committed_step=150, steps_lost=0, chunk=2, attempt=2)
+    append_event(run, "resumed", rank=0, step=150, checkpoint="step-000000150", digest="d3", load_s=0.2)
+    append_event(run, "worker_done", rank=0, step=200, digest="d4")
+    s = analyse_events(read_events(run))
+    assert (s["resumes"], s["failures"], s["steps_lost"]) == (2, 2, 10)
+    first, second = s["rows"]
+    assert first["kind"] == "hang" and first["detected_after_s"] == 20.5 and first["resumed_from_step"] == 120
+    assert first["replay_verified"] is True and first["chunk"] == 2 and first["recovery_s"] is not None
+    assert second["kind"] == "preempted" and second["lost_steps"] == 0 and second["replay_verified"] is None
+    # Without MLflow the audit files are still written.
+    from training.config import load_config
+
+    cfg = load_config(None, ["tracking.mlflow=false"])
+    refresh_audit(cfg, run)
+    table = json.loads((run / "audit" / "resume_events.json").read_text())
+    assert len(table["data"]) == 2 and "replay_verified" in table["columns"]
+    assert (run / "audit" / "timeline.png").stat().st_size > 1000

@@ -1,0 +1,196 @@
+"""Outputs of the DVC pipeline: the final model, train metrics, loss curve, and its evaluation.
+
+``python -m training.evaluate export [PARAMS] [-S k=v]`` (end of the ``train`` stage):
+  * ``models/model.safetensors`` — the model tensors of the newest *verified* checkpoint, with
+    step, state digest and config fingerprint in the safetensors metadata (no optimizer, no RNG);
+  * ``metrics/train.json`` — final step, digest, final loss, resumes/failures/steps lost;
+  * ``plots/loss.csv`` — step,loss,lr,grad_norm from ``metrics.jsonl`` (one row per step).
+``python -m training.evaluate evaluate [PARAMS] [-S k=v]`` (``evaluate`` stage):
+  * ``metrics/eval.json`` — validation loss (nats/token) of ``models/model.safetensors``.
+
+Exit codes: 0 ok, 78 configuration/data error (one line on stderr).  Never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.checkpoint import CheckpointStore
+from training.config import EXIT_CONFIG, ConfigError, RunConfig, load_config
+from training.events import read_events
+
+MODEL_PATH = Path("models/model.safetensors")
+TRAIN_METRICS = Path("metrics/train.json")
+EVAL_METRICS = Path("metrics/eval.json")
+LOSS_PLOT = Path("plots/loss.csv")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -> dict[str, Any]:
+    """Write the model tensors of the run's newest valid checkpoint to ``out_path`` (safetensors).
+
+    Tied/shared tensors are written as separate copies (safetensors forbids aliasing); loading
+    with ``load_state_dict`` restores the tie.  The file is a deterministic function of the state.
+    """
+    from safetensors.torch import save
+
+    loaded = CheckpointStore(run_dir).load_latest()
+    if loaded is None:
+        raise ConfigError(f"{run_dir}: no valid checkpoint to export; train first (`convoy train`)")
+    ck, parts = loaded
+    model = parts["state"]["model"]
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in sorted(model.items())}
+    meta = {"step": str(ck.step), "digest": ck.digest, "fingerprint": str(ck.manifest.get("fingerprint", "")),
+            "checkpoint": ck.path.name, "format": "convoy-model-1"}
+    _atomic_write(Path(out_path), save(tensors, metadata=meta))
+    return {"path": str(out_path), "step": ck.step, "digest": ck.digest, "tensors": len(tensors),
+            "parameters": sum(t.numel() for t in tensors.values())}
+
+
+def load_model_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        return {k: f.get_tensor(k) for k in f.keys()}, meta  # noqa: SIM118 - safe_open has no __iter__
+
+
+def metric_rows(run_dir: str | Path) -> list[tuple[int, dict[str, float]]]:
+    """``metrics.jsonl`` as (step, metrics) sorted by step; the first value of a step wins."""
+    path = Path(run_dir) / "metrics.jsonl"
+    by_step: dict[int, dict[str, float]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            by_step.setdefault(int(rec["step"]), rec.get("metrics", {}))
+    return sorted(by_step.items())
+
+
+def write_loss_plot(run_dir: str | Path, out_path: str | Path = LOSS_PLOT) -> int:
+    cols = ("loss", "lr", "grad_norm")
+    lines = [",".join(("step", *cols))]
+    rows = metric_rows(run_dir)
+    for step, m in rows:
+        lines.append(",".join([str(step), *(repr(float(m[c])) if c in m else "" for c in cols)]))
+    _atomic_write(Path(out_path), ("\n".join(lines) + "\n").encode())
+    return len(rows)
+
+
+def train_metrics(config: RunConfig, run_dir: str | Path, export: dict[str, Any]) -> dict[str, Any]:
+    from training.audit import analyse_events
+
+    rows = metric_rows(run_dir)
+    tail = [m["loss"] for _, m in rows[-20:] if "loss" in m]
+    audit = analyse_events(read_events(run_dir))
+    return {
+        "final_step": export["step"],
+        "total_steps": config.train.total_steps,
+        "digest": export["digest"],
+        "final_loss": rows[-1][1].get("loss") if rows else None,
+        "final_loss_avg20": sum(tail) / len(tail) if tail else None,
+        "logged_steps": len(rows),
+        "resumes": audit["resumes"],
+        "failures": audit["failures"],
+        "steps_lost": audit["steps_lost"],
+        "nondeterministic": audit["nondeterministic"],
+    }
+
+
+def export_outputs(config: RunConfig, run_dir: str | Path | None = None, model_path: Path = MODEL_PATH,
+                   metrics_path: Path = TRAIN_METRICS, plot_path: Path = LOSS_PLOT) -> dict[str, Any]:
+    run_dir = Path(run_dir) if run_dir is not None else config.run_dir
+    export = export_final_model(run_dir, model_path)
+    if export["step"] != config.train.total_steps:
+        raise ConfigError(f"{run_dir}: newest valid checkpoint is step {export['step']}, not train.total_steps = "
+                          f"{config.train.total_steps}; the run is not finished (run `convoy train` again)")
+    metrics = train_metrics(config, run_dir, export)
+    _atomic_write(Path(metrics_path), (json.dumps(metrics, indent=1, sort_keys=True) + "\n").encode())
+    write_loss_plot(run_dir, plot_path)
+    return metrics
+
+
+@torch.no_grad()
+def validation_loss(config: RunConfig, model_path: str | Path = MODEL_PATH, batch_size: int = 64,
+                    max_batches: int = 200) -> dict[str, Any]:
+    """Mean loss (the task's ``loss_fn``) of the exported model over the validation split."""
+    from training.state import configure_determinism, seed_everything
+    from training.task import build_task
+
+    device = torch.device("cpu")
+    configure_determinism(True, device)
+    seed_everything(config.train.seed)
+    parts = build_task(config, device)
+    if parts.val_data is None or len(parts.val_data) == 0:  # type: ignore[arg-type]
+        raise ConfigError(f"task {config.task!r} has no validation data (val_data); nothing to evaluate")
+    tensors, meta = load_model_file(model_path)
+    if meta.get("fingerprint") and meta["fingerprint"] != config.fingerprint():
+        raise ConfigError(f"{model_path} was trained with config fingerprint {meta['fingerprint']}, params have "
+                          f"{config.fingerprint()}; re-run the train stage")
+    parts.model.load_state_dict(tensors)
+    parts.model.eval()
+    loader = torch.utils.data.DataLoader(parts.val_data, batch_size=batch_size, shuffle=False)
+    total, n = 0.0, 0
+    for i, batch in enumerate(loader):
+        if i >= max_batches:
+            break
+        size = len(batch[0]) if isinstance(batch, list | tuple) else len(batch)
+        total += float(parts.loss_fn(parts.model, batch)) * size
+        n += size
+    val = total / n
+    out = {"val_loss": val, "val_bits_per_token": val / math.log(2), "val_samples": n,
+           "step": int(meta.get("step", 0)), "digest": meta.get("digest")}
+    floor = _entropy_floor(config)
+    if floor is not None:
+        out["entropy_floor_nats"] = floor
+        out["val_loss_above_floor"] = val - floor
+    return out
+
+
+def _entropy_floor(config: RunConfig) -> float | None:
+    meta = Path(config.data.prepared_dir) / "corpus.json"
+    if not meta.exists():
+        return None
+    return json.loads(meta.read_text()).get("entropy_floor_nats_per_char")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__.splitlines()[0])
+    ap.add_argument("command", choices=("export", "evaluate"))
+    ap.add_argument("params", nargs="?", default="params.yaml")
+    ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--run-dir", type=Path, default=None, help="run directory (default runs_dir/run_name)")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.params, args.overrides)
+        if args.command == "export":
+            result = export_outputs(cfg, args.run_dir)
+        else:
+            result = validation_loss(cfg)
+            _atomic_write(EVAL_METRICS, (json.dumps(result, indent=1, sort_keys=True) + "\n").encode())
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
