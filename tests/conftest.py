@@ -58,7 +58,11 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = open(home / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 180
@@ -101,3 +105,32 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example corpus, prepared once for every end-to-end test."""
+    from tests.flow_util import config, params
+    from training.corpus import prepare
+
+    d = tmp_path_factory.mktemp("data")
+    cfg = config(params(d, d, "prep"))
+    prepare(cfg.data, cfg.train.seed)
+    return d
+
+
+@pytest.fixture(scope="session")
+def reference_digest(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> str:
+    """Digest after TOTAL steps trained by one uninterrupted worker (no Prefect, no chunks)."""
+    from tests.flow_util import REPO, TOTAL, config, params
+    from training.checkpoint import CheckpointStore
+    from training.rundir import open_run
+
+    tmp = tmp_path_factory.mktemp("reference")
+    run_dir = open_run(config(params(tmp, data_dir, "reference"))).resolve()
+    cmd = [sys.executable, "-m", "training.worker", "--run-dir", str(run_dir), "--until-step", str(TOTAL)]
+    rc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert rc.returncode == 0, rc.stderr[-2000:]
+    ck = CheckpointStore(run_dir).latest_valid(record=False)
+    assert ck is not None and ck.step == TOTAL
+    return ck.digest

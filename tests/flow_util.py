@@ -1,0 +1,74 @@
+"""Helpers for the end-to-end flow and deployment tests (tiny real runs, process checks)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from training.heartbeat import read_heartbeat
+
+REPO = Path(__file__).resolve().parents[1]
+TOTAL, CHUNK = 60, 20
+
+
+def params(tmp: Path, data_dir: Path, name: str, **sections: dict[str, Any]) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "run_name": name,
+        "runs_dir": str(tmp / "runs"),
+        "task_args": {"n_layer": 1, "n_head": 2, "d_model": 32, "dropout": 0.1},
+        "data": {"prepared_dir": str(data_dir), "synthetic_chars": 20000, "seq_len": 32},
+        "train": {"total_steps": TOTAL, "chunk_steps": CHUNK, "batch_size": 8, "warmup_steps": 5},
+        "checkpoint": {"every_steps": 5, "async_save": True, "keep_last": 3},
+        "heartbeat": {
+            "interval_s": 0.2,
+            "stall_s": 5,
+            "timeout_s": 5,
+            "init_timeout_s": 90,
+            "save_timeout_s": 30,
+            "grace_s": 3,
+        },
+        "orchestration": {"retries": 2, "retry_delay_seconds": 0.5, "backoff": 2, "jitter": 0.1},
+        "tracking": {"mlflow": False},
+    }
+    for section, values in sections.items():
+        base[section] = {**base.get(section, {}), **values} if isinstance(values, dict) else values
+    return base
+
+
+def config(p: dict[str, Any]) -> Any:
+    from training.config import config_from_dict
+
+    return config_from_dict(p)
+
+
+def leftovers(marker: Path) -> list[str]:
+    out = []
+    for p in psutil.process_iter(["cmdline", "status", "pid"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(marker) in cmd and p.pid != os.getpid():
+                out.append(f"{p.pid} {cmd}")
+        except psutil.Error:
+            continue
+    return out
+
+
+def assert_no_leftovers(marker: Path, wait_s: float = 10.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while leftovers(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers(marker), leftovers(marker)
+
+
+def wait_for_step(run_dir: Path, step: int, timeout: float = 240) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        beat = read_heartbeat(run_dir, 0)
+        if beat and beat.get("phase") == "train" and int(beat.get("step", 0)) >= step:
+            return beat
+        time.sleep(0.05)
+    raise AssertionError(f"worker never reached step {step}")
