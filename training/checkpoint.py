@@ -33,7 +33,7 @@ from training import safetensors_io as st
 from training.codec import join_tree, split_tree
 from training.config import CheckpointConfig
 from training.events import append_event
-from training.fsutil import atomic_write_bytes, fsync_dir, read_json
+from training.fsutil import atomic_write_bytes, atomic_write_json, fsync_dir, read_json
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
@@ -99,13 +99,15 @@ class CheckpointStore:
     """One run's checkpoints.  Exactly one writer process per run (the flow holds a file lock)."""
 
     def __init__(self, run_dir: str | Path, policy: CheckpointConfig | None = None,
-                 fingerprint: str = "", world_size: int = 1) -> None:
+                 fingerprint: str = "", world_size: int = 1, rank: int = 0, gather_timeout_s: float = 300) -> None:
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
         self.policy = policy or CheckpointConfig()
         self.fingerprint = fingerprint
         self.world_size = world_size
+        self.rank = rank
+        self.gather_timeout_s = gather_timeout_s
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -267,14 +269,20 @@ class CheckpointStore:
         return self.last_stall_s
 
     def _persist(self, snap: _Snapshot) -> None:
+        """Write this process's parts; rank 0 then gathers every rank's file list and commits.
+
+        Ranks meet through files, not collectives: this runs on a background thread while the
+        main thread may be inside a DDP all-reduce, and mixing the two on one process group is
+        unsafe.  Each rank fsyncs its files, then publishes ``.rank-<r>.files.json``; rank 0
+        waits for all of them before writing the manifest (the commit record)."""
         t0 = time.perf_counter()
-        tmp = self.root / f".tmp-{checkpoint_name(snap.step)}-{os.getpid()}"
+        tmp = self.root / f".tmp-{checkpoint_name(snap.step)}"
         try:
             if snap.cuda_event is not None:
                 snap.cuda_event.synchronize()
-            if tmp.exists():
+            if self.world_size == 1 and tmp.exists():
                 shutil.rmtree(tmp)
-            tmp.mkdir()
+            tmp.mkdir(exist_ok=True)
             faults.check_disk_full(snap.step)
             files: dict[str, dict[str, Any]] = {}
             for part in sorted(snap.skeletons):
@@ -284,6 +292,12 @@ class CheckpointStore:
                 files[skel_path.name] = {"size": len(skel), "xxh3_128": st.hash_bytes(skel)}
                 size, digest = st.write_file(tmp / f"{part}.safetensors", snap.tensors[part])
                 files[f"{part}.safetensors"] = {"size": size, "xxh3_128": digest}
+            if self.world_size > 1:
+                atomic_write_json(tmp / f".rank-{self.rank}.files.json", files)
+                if self.rank != 0:
+                    self.last_persist_s = time.perf_counter() - t0
+                    return
+                files = self._gather_rank_files(tmp, snap.step)
             manifest = {
                 "format": FORMAT_VERSION, "step": snap.step, "created": time.time(),
                 "fingerprint": self.fingerprint, "world_size": self.world_size,
@@ -305,8 +319,23 @@ class CheckpointStore:
             self.last_persist_s = time.perf_counter() - t0
             self.apply_retention(protect=committed)
         except BaseException as exc:  # noqa: BLE001 - surfaced via check()
-            shutil.rmtree(tmp, ignore_errors=True)  # uncommitted, ours: safe to remove
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # uncommitted, ours: safe to remove
             self._error = exc
+
+    def _gather_rank_files(self, tmp: Path, step: int) -> dict[str, dict[str, Any]]:
+        deadline = time.time() + self.gather_timeout_s
+        markers = [tmp / f".rank-{r}.files.json" for r in range(self.world_size)]
+        while not all(m.exists() for m in markers):
+            if time.time() > deadline:
+                missing = [m.name for m in markers if not m.exists()]
+                raise TimeoutError(f"step {step}: ranks did not finish writing in {self.gather_timeout_s} s: {missing}")
+            time.sleep(0.01)
+        files: dict[str, dict[str, Any]] = {}
+        for m in markers:
+            files.update(read_json(m))
+            m.unlink()
+        return files
 
     def _keep_existing(self, final: Path, new_digest: str) -> bool:
         """A directory already holds this step (a resumed run re-reaching it).

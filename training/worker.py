@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from training import faults
+from training import distributed, faults
 from training.adaptive import AdaptiveInterval, estimate_mtbf_s
 from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
-from training.data import make_loader
+from training.data import make_loader, mix_seed
 from training.events import append_event
 from training.heartbeat import Heartbeat
 from training.metrics import JsonlBackend, MetricBackend, StepMetricLogger
@@ -81,17 +81,30 @@ class Worker:
         cfg = self.config
         self.device = pick_device(cfg)
         configure_determinism(cfg.train.deterministic, self.device)
-        seed_everything(cfg.train.seed)
+        distributed.init(self.world, self.device)
+        seed_everything(cfg.train.seed)  # identical model init on every rank
         self.parts = build_task(cfg, self.device)
+        if self.rank > 0:  # rank 0 keeps the single-process stream; others get their own (dropout)
+            seed_everything(mix_seed(cfg.train.seed, self.rank))
+        self.model = self.parts.model
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.model = DistributedDataParallel(self.parts.model,
+                                                 device_ids=[self.device.index] if self.device.type == "cuda" else None)
         amp = cfg.train.amp and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp)
         self.autocast_dtype = torch.bfloat16 if amp and torch.cuda.is_bf16_supported() else torch.float16
         self.amp = amp
         self.state = TrainState(self.parts, self.scaler)
-        self.store = CheckpointStore(self.run_dir, cfg.checkpoint, cfg.fingerprint(), self.world)
-        self.store.cleanup_stale_temp()
+        self.store = CheckpointStore(self.run_dir, cfg.checkpoint, cfg.fingerprint(), self.world, self.rank,
+                                     gather_timeout_s=cfg.heartbeat.save_timeout_s)
+        if self.rank == 0:
+            self.store.cleanup_stale_temp()
+        distributed.barrier()  # no rank starts saving before rank 0 cleaned up
         ck = cfg.checkpoint
         self.adaptive = None
+        self.world_changed = False
         if ck.every_steps == "auto":
             mtbf = estimate_mtbf_s(self.run_dir, ck.mtbf_hours * 3600)
             self.adaptive = AdaptiveInterval(mtbf, ck.max_overhead)
@@ -110,7 +123,16 @@ class Worker:
             raise ConfigError(
                 f"checkpoint {ck.path.name} has config fingerprint {ck.manifest.get('fingerprint')}, this run "
                 f"has {self.config.fingerprint()}; refusing to resume a different configuration")
-        self.state.restore(parts, self.rank)
+        saved_world = int(ck.manifest.get("world_size", 1))
+        has_rng = f"rank-{self.rank}" in parts
+        self.state.restore(parts, self.rank, restore_rng_state=has_rng)
+        if not has_rng:  # more ranks than when saved: a fresh, deterministic stream for this rank
+            seed_everything(mix_seed(self.config.train.seed, self.rank, ck.step))
+        distributed.check_same_step(self.state.step)
+        self.world_changed = saved_world != self.world
+        if self.world_changed and self.rank == 0:
+            self.log(f"world size changed {saved_world} -> {self.world}: same global batch and sample position")
+            append_event(self.run_dir, "world_size_changed", step=ck.step, old=saved_world, new=self.world)
         dt = time.perf_counter() - t0
         self.log(f"resumed from step {ck.step} (checkpoint {ck.path.name}, verified in {dt:.2f} s)")
         append_event(self.run_dir, "resumed", rank=self.rank, step=ck.step, checkpoint=ck.path.name,
@@ -118,11 +140,11 @@ class Worker:
 
     def train_step(self, batch: Any) -> dict[str, float]:
         p, cfg = self.parts, self.config.train
-        p.model.train()
+        self.model.train()
         batch = tuple(b.to(self.device, non_blocking=True) for b in batch) if isinstance(batch, list | tuple) \
             else batch.to(self.device)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
-            loss = p.loss_fn(p.model, batch)
+            loss = p.loss_fn(self.model, batch)
         p.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(p.optimizer)
@@ -134,7 +156,7 @@ class Worker:
         lr = p.optimizer.param_groups[0]["lr"]
         if p.scheduler is not None:
             p.scheduler.step()
-        return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "lr": float(lr)}
+        return {"loss": distributed.mean(float(loss.detach())), "grad_norm": float(grad_norm), "lr": float(lr)}
 
     def save_due(self, step: int, last_save_step: int, last_save_time: float) -> bool:
         ck = self.config.checkpoint
@@ -175,7 +197,8 @@ class Worker:
         if st.step >= self.until:
             self.log(f"already at step {st.step} >= {self.until}: nothing to train")
             return self.finish(loss=None)
-        metrics = StepMetricLogger(metric_backends(cfg, self.run_dir), self.run_dir)
+        metrics = StepMetricLogger(metric_backends(cfg, self.run_dir) if self.rank == 0 else [], self.run_dir,
+                                   exact=not self.world_changed)
         loader = make_loader(self.parts.train_data, cfg.train.batch_size, cfg.train.seed, st.cursor,
                              self.rank, self.world, cfg.data.num_workers)
         batches = iter(loader)
@@ -184,7 +207,8 @@ class Worker:
         last_save, last_save_step = time.time(), st.step
         loss = None
         while st.step < self.until:
-            if self.preempt.requested:
+            (stop,) = distributed.agree_any(self.preempt.requested)
+            if stop:
                 return self.emergency_exit(metrics)
             self.store.check()
             t0 = time.perf_counter()
@@ -200,12 +224,16 @@ class Worker:
             self.hb.set(step=st.step)
             if self.adaptive is not None:
                 self.adaptive.observe_step(dt, self.store.in_flight)
-            if st.step < self.until and self.save_due(st.step, last_save_step, last_save):
+            (due,) = distributed.agree_any(st.step < self.until and self.save_due(st.step, last_save_step, last_save))
+            if due:
                 self.tune_interval(self.save(blocking=False), metrics)
                 last_save, last_save_step = time.time(), st.step
         self.save(blocking=True)
         metrics.close()
-        if metrics.replayed:
+        if metrics.replayed and not metrics.exact:
+            append_event(self.run_dir, "replay_after_resize", values_compared=metrics.replayed,
+                         max_abs_diff=metrics.max_abs_diff)
+        elif metrics.replayed:
             append_event(self.run_dir, "replay_verified" if not metrics.mismatches else "replay_mismatch",
                          values_compared=metrics.replayed, mismatches=len(metrics.mismatches))
         return self.finish(loss=loss)
@@ -216,15 +244,17 @@ class Worker:
         metrics.close()
         append_event(self.run_dir, "preempted", rank=self.rank, step=self.state.step)
         self.hb.stop("done")
+        distributed.shutdown()
         return EXIT_PREEMPTED
 
     def finish(self, loss: float | None) -> int:
         self.store.wait()
-        ck = self.store.last_committed or self.store.latest_valid(record=False)
+        ck = (self.store.last_committed or self.store.latest_valid(record=False)) if self.rank == 0 else None
         digest = ck.digest if ck else None
         append_event(self.run_dir, "worker_done", rank=self.rank, step=self.state.step, digest=digest, loss=loss)
         self.log(f"done at step {self.state.step} (digest {digest})")
         self.hb.stop("done")
+        distributed.shutdown()
         return 0
 
 
