@@ -67,6 +67,17 @@ def test_deploy_and_pool_mode_rerun_chunk_as_new_flow_run(
         prefect_cli("work-pool", "create", pool, "--type", "process", "--overwrite", env=env)
     out = prefect_cli("--no-prompt", "deploy", "--all", env=env)
     assert "train/nightly" in out.stdout and "train-chunk/gpu" in out.stdout, out.stdout
+    from prefect.client.orchestration import get_client
+
+    from flows.liveness import CRASH_NAME, RESTART_NAME, ensure_liveness_automations
+
+    first_ids = ensure_liveness_automations("train/nightly", within_s=90)
+    ids = ensure_liveness_automations("train/nightly", within_s=90)  # replaces, never duplicates
+    assert len(ids) == 2 and set(ids).isdisjoint(first_ids)
+    with get_client(sync_client=True) as client:
+        for name in (CRASH_NAME, RESTART_NAME):
+            found = client.read_automations_by_name(name=f"{name} (train/nightly)")
+            assert len(found) == 1 and found[0].enabled and str(found[0].id) in ids
 
     p = params(
         tmp_path,

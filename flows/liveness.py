@@ -1,0 +1,82 @@
+"""Flow-level liveness: if the machine running flow ``train`` dies, crash the run and start it again.
+
+The chunk supervisor covers a dying *worker*; nothing inside a dead flow process can report its
+own death (hooks never run on SIGKILL or power loss) and its flow run would stay ``Running``
+forever.  Prefect's answer is flow-run heartbeats (``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``, at least
+30 s, emitted by flow runs started from deployments) plus two automations, created here as code:
+
+1. *convoy: crash silent flow runs* — a proactive trigger: after a ``prefect.flow-run.heartbeat``
+   of a ``train`` flow run, expect another heartbeat or a terminal event within ``within_s``;
+   otherwise set the run ``Crashed``.  Measured on the open-source server: marked ~76 s after the
+   last beat with ``within=75``.
+2. *convoy: restart crashed training* — on ``prefect.flow-run.Crashed`` of the deployment, run
+   the deployment again.  The new flow run takes the run lock (the dead one's lock died with it),
+   stops any orphaned worker and continues from the newest verified checkpoint.
+
+Run :func:`ensure_liveness_automations` once per deployment (e.g. from ``convoy prefect-setup``).
+There is no restart budget in an automation: a run that crashes every time is restarted every
+time, so watch the Crashed count in the UI.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+CRASH_NAME = "convoy: crash silent flow runs"
+RESTART_NAME = "convoy: restart crashed training"
+_TERMINAL = ("Completed", "Failed", "Cancelled", "Crashed")
+
+
+def liveness_automations(deployment_id: Any, within_s: float = 90.0) -> list[Any]:
+    """The two automations (not yet created) for one deployment of flow ``train``."""
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState, RunDeployment
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    dep = f"prefect.deployment.{deployment_id}"
+    crash = Automation(
+        name=CRASH_NAME,
+        description="Mark a convoy flow run Crashed when its heartbeats stop (its machine died).",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *(f"prefect.flow-run.{s}" for s in _TERMINAL)},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            match_related=ResourceSpecification({"prefect.resource.id": dep}),
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=within_s),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=f"no heartbeat for {within_s:g} s")],
+    )
+    restart = Automation(
+        name=RESTART_NAME,
+        description="Start the training deployment again after a crash; it resumes from the newest checkpoint.",
+        trigger=EventTrigger(
+            expect={"prefect.flow-run.Crashed"},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            match_related=ResourceSpecification({"prefect.resource.id": dep}),
+            posture=Posture.Reactive,
+            threshold=1,
+        ),
+        actions=[RunDeployment(source="selected", deployment_id=deployment_id)],
+    )
+    return [crash, restart]
+
+
+def ensure_liveness_automations(deployment: str = "train/nightly", within_s: float = 90.0) -> list[str]:
+    """Create (or replace, matched by name + deployment) the automations; return their ids."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(deployment)
+        ids = []
+        for auto in liveness_automations(dep.id, within_s):
+            auto.name = f"{auto.name} ({deployment})"
+            for old in client.read_automations_by_name(name=auto.name):
+                client.delete_automation(old.id)
+            ids.append(str(auto.create().id))
+    return ids
