@@ -11,7 +11,10 @@ chunk trains (:func:`version_checkpoint_async`, or ``version_chunk.submit(...)``
 Remote selection: ``tracking.dvc_remote`` may be the *name* of a configured DVC remote, or a URL
 / directory path (``/mnt/shared/dvc``, ``s3://bucket/prefix``, ...) which is configured as the remote
 ``convoy`` in the repository's local config.  Empty: the repository's default remote
-(``dvc remote add -d``).  The run directory must not be a declared output of a running
+(``dvc remote add -d``), or if there is none a local directory remote (``$CONVOY_DVC_REMOTE``,
+default ``~/.cache/convoy/dvc-remote``).  Git must not ignore ``checkpoints/step-N.dvc`` files
+(DVC refuses to create them); ignore ``runs/**`` but re-include ``runs/**/`` and the ``.dvc`` files.
+The run directory must not be a declared output of a running
 ``dvc repro`` stage (DVC refuses to ``add`` a path inside a stage's outs).
 
 DVC calls in one process are serialised (one lock) and retried when another DVC process holds the
@@ -57,7 +60,7 @@ def _find_root(path: Path) -> Path:
 def _with_repo(repo_root: str | Path | None, anchor: Path, fn: Any, retries: int = 30) -> Any:
     """Run ``fn(repo)`` under the process-wide DVC lock, retrying while another process holds the
     repository lock (e.g. ``dvc status`` in a terminal)."""
-    from dvc.exceptions import LockError
+    from dvc.lock import LockError
     from dvc.repo import Repo
 
     root = Path(repo_root).resolve() if repo_root else _find_root(anchor.resolve())
@@ -75,33 +78,43 @@ def _with_repo(repo_root: str | Path | None, anchor: Path, fn: Any, retries: int
     raise AssertionError("unreachable")
 
 
+def default_remote_dir() -> Path:
+    """The local directory remote used when nothing is configured (``$CONVOY_DVC_REMOTE`` overrides)."""
+    return Path(os.environ.get("CONVOY_DVC_REMOTE") or Path.home() / ".cache" / "convoy" / "dvc-remote")
+
+
 def resolve_remote(repo: Any, remote: str | None) -> str | None:
-    """The remote *name* to push to; configures ``convoy`` when ``remote`` is a URL or path."""
+    """The remote *name* to push to / pull from.
+
+    ``remote`` empty: the repository's default remote, else a local directory remote
+    (:func:`default_remote_dir`) configured as ``convoy``.  A name: that remote.  A URL or path:
+    configured as the remote ``convoy`` (in ``.dvc/config.local``, never committed).
+    """
+    remotes = repo.config.get("remote", {})
     if not remote:
-        core = repo.config.get("core", {})
-        if not core.get("remote"):
+        if repo.config.get("core", {}).get("remote"):
+            return None  # DVC uses the default
+        remote = str(default_remote_dir())
+    elif not _is_url(remote):
+        if remote not in remotes:
             raise VersioningError(
-                "no DVC remote: set tracking.dvc_remote (a remote name, a directory or a URL), or "
-                "configure a default with `dvc remote add -d NAME URL`")
-        return None  # DVC uses the default
-    if not _is_url(remote):
-        if remote not in repo.config.get("remote", {}):
-            raise VersioningError(f"tracking.dvc_remote = {remote!r}: no DVC remote of that name "
-                                  f"(known: {sorted(repo.config.get('remote', {})) or 'none'})")
+                f"tracking.dvc_remote = {remote!r}: no DVC remote of that name "
+                f"(known: {sorted(remotes) or 'none'}); give a name, a directory or a URL"
+            )
         return remote
     url = remote
     if "://" not in url:
         url = str(Path(url).expanduser().resolve())
         Path(url).mkdir(parents=True, exist_ok=True)
-    current = repo.config.get("remote", {}).get(URL_REMOTE_NAME, {}).get("url")
-    if current != url:
+    if remotes.get(URL_REMOTE_NAME, {}).get("url") != url:
         with repo.config.edit("local") as conf:
             conf.setdefault("remote", {})[URL_REMOTE_NAME] = {"url": url}
     return URL_REMOTE_NAME
 
 
-def version_checkpoint(repo_root: str | Path | None, checkpoint_path: str | Path,
-                       remote: str | None = None, push: bool = True) -> dict[str, Any]:
+def version_checkpoint(
+    repo_root: str | Path | None, checkpoint_path: str | Path, remote: str | None = None, push: bool = True
+) -> dict[str, Any]:
     """``dvc add`` a committed checkpoint directory and ``dvc push`` it; returns what was done.
 
     The checkpoint is verified first (manifest + hashes): an invalid or half-written directory is
@@ -129,15 +142,29 @@ def version_checkpoint(repo_root: str | Path | None, checkpoint_path: str | Path
             t1 = time.perf_counter()
             pushed = repo.push(targets=[str(stages[0].path)], remote=remote_name)
             push_s = time.perf_counter() - t1
-        return {"checkpoint": ckpt.name, "step": step, "digest": manifest["digest"], "dvc_md5": md5,
-                "dvcfile": str(stages[0].path), "remote": (remote_name or "(default)") if push else None,
-                "files_pushed": pushed, "add_s": round(add_s, 3), "push_s": round(push_s, 3)}
+        return {
+            "checkpoint": ckpt.name,
+            "step": step,
+            "digest": manifest["digest"],
+            "dvc_md5": md5,
+            "dvcfile": str(stages[0].path),
+            "remote": (remote_name or "(default)") if push else None,
+            "files_pushed": pushed,
+            "add_s": round(add_s, 3),
+            "push_s": round(push_s, 3),
+        }
 
     try:
         result = _with_repo(repo_root, ckpt, work)
     except VersioningError:
         raise
     except Exception as exc:  # DVC raises many types; the caller needs one line
+        if type(exc).__name__ == "FileIsGitIgnored":
+            raise VersioningError(
+                f"git ignores {ckpt.name}.dvc, so DVC refuses to track {ckpt.name}: in .gitignore replace a "
+                f"blanket 'runs/' with 'runs/**', '!runs/**/', '!runs/*/checkpoints/*.dvc', "
+                f"'!runs/*/checkpoints/.gitignore'"
+            ) from None
         if not ckpt.exists():
             raise VersioningError(f"{ckpt.name} was retired (deleted by retention) while versioning it") from None
         raise VersioningError(f"dvc add/push of {ckpt.name} failed: {type(exc).__name__}: {exc}") from exc
@@ -145,8 +172,9 @@ def version_checkpoint(repo_root: str | Path | None, checkpoint_path: str | Path
     return result
 
 
-def version_checkpoint_async(repo_root: str | Path | None, checkpoint_path: str | Path,
-                             remote: str | None = None) -> concurrent.futures.Future[dict[str, Any]]:
+def version_checkpoint_async(
+    repo_root: str | Path | None, checkpoint_path: str | Path, remote: str | None = None
+) -> concurrent.futures.Future[dict[str, Any]]:
     """Same as :func:`version_checkpoint` on one background thread (in submission order)."""
     global _executor
     if _executor is None:
@@ -163,8 +191,9 @@ def checkpoint_dvcfiles(run_dir: str | Path) -> list[Path]:
     return sorted(files, key=lambda p: parse_step(p.name.removesuffix(".dvc")) or 0)
 
 
-def pull_run(repo_root: str | Path | None, run_dir: str | Path, remote: str | None = None,
-             latest_only: bool = False) -> dict[str, Any]:
+def pull_run(
+    repo_root: str | Path | None, run_dir: str | Path, remote: str | None = None, latest_only: bool = False
+) -> dict[str, Any]:
     """Restore a run's versioned checkpoints from the DVC remote (``convoy pull RUN``).
 
     Pulls every ``checkpoints/step-N.dvc`` of the run (only the newest with ``latest_only``) and
@@ -173,8 +202,10 @@ def pull_run(repo_root: str | Path | None, run_dir: str | Path, remote: str | No
     run_dir = Path(run_dir).resolve()
     dvcfiles = checkpoint_dvcfiles(run_dir)
     if not dvcfiles:
-        raise VersioningError(f"{run_dir}: no checkpoints/step-*.dvc files; nothing was versioned for this run "
-                              f"(or the .dvc files were not copied/committed)")
+        raise VersioningError(
+            f"{run_dir}: no checkpoints/step-*.dvc files; nothing was versioned for this run "
+            f"(or the .dvc files were not copied/committed)"
+        )
     if latest_only:
         dvcfiles = dvcfiles[-1:]
 
@@ -197,8 +228,12 @@ def pull_run(repo_root: str | Path | None, run_dir: str | Path, remote: str | No
             verified.append({"checkpoint": path.name, "digest": store.verify(path).digest})
         except (ValueError, OSError) as exc:
             raise VersioningError(f"pulled {path.name} does not verify: {exc}") from None
-    result = {"run_dir": str(run_dir), "checkpoints": verified, "pull_s": round(time.perf_counter() - t0, 3),
-              "fetched": (stats or {}).get("fetched") if isinstance(stats, dict) else None}
+    result = {
+        "run_dir": str(run_dir),
+        "checkpoints": verified,
+        "pull_s": round(time.perf_counter() - t0, 3),
+        "fetched": (stats or {}).get("fetched") if isinstance(stats, dict) else None,
+    }
     append_event(run_dir, "checkpoints_pulled", checkpoints=[v["checkpoint"] for v in verified])
     return result
 
@@ -208,6 +243,8 @@ def pull_run(repo_root: str | Path | None, run_dir: str | Path, remote: str | No
 def version_chunk(repo_root: str | None, checkpoint_path: str, remote: str | None = None) -> dict[str, Any]:
     """Version one committed checkpoint; ``version_chunk.submit(...)`` overlaps it with the next chunk."""
     result = version_checkpoint(repo_root, checkpoint_path, remote)
-    print(f"versioned {result['checkpoint']} (dvc md5 {result['dvc_md5']}): add {result['add_s']} s, "
-          f"push {result['push_s']} s to {result['remote']}")
+    print(
+        f"versioned {result['checkpoint']} (dvc md5 {result['dvc_md5']}): add {result['add_s']} s, "
+        f"push {result['push_s']} s to {result['remote']}"
+    )
     return result

@@ -14,7 +14,6 @@ Exit codes: 0 ok, 78 configuration/data error (one line on stderr).  Never unpic
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -27,6 +26,7 @@ import torch
 from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, ConfigError, RunConfig, load_config
 from training.events import read_events
+from training.safetensors_io import write_file
 
 MODEL_PATH = Path("models/model.safetensors")
 TRAIN_METRICS = Path("metrics/train.json")
@@ -45,10 +45,10 @@ def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -
     """Write the model tensors of the run's newest valid checkpoint to ``out_path`` (safetensors).
 
     Tied/shared tensors are written as separate copies (safetensors forbids aliasing); loading
-    with ``load_state_dict`` restores the tie.  The file is a deterministic function of the state.
+    with ``load_state_dict`` restores the tie.  Written with convoy's own writer (sorted header —
+    the reference writer orders metadata by a randomised hash map), so the file is a deterministic
+    function of the state and DVC sees an unchanged model as unchanged.
     """
-    from safetensors.torch import save
-
     loaded = CheckpointStore(run_dir).load_latest()
     if loaded is None:
         raise ConfigError(f"{run_dir}: no valid checkpoint to export; train first (`convoy train`)")
@@ -57,7 +57,11 @@ def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in sorted(model.items())}
     meta = {"step": str(ck.step), "digest": ck.digest, "fingerprint": str(ck.manifest.get("fingerprint", "")),
             "checkpoint": ck.path.name, "format": "convoy-model-1"}
-    _atomic_write(Path(out_path), save(tensors, metadata=meta))
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    write_file(tmp, tensors, meta)
+    os.replace(tmp, out)
     return {"path": str(out_path), "step": ck.step, "digest": ck.digest, "tensors": len(tensors),
             "parameters": sum(t.numel() for t in tensors.values())}
 

@@ -6,7 +6,7 @@
   the same store as the flow that created the run.
 * :func:`ensure_mlflow_run` — creates the MLflow run of a training run once (name = run_name,
   ``convoy.*`` tags, params logged once) and stores its id and URI in ``run.json``; later calls,
-  from any process or attempt, reuse it.
+  from any process or attempt, reuse it (or the id a checkpoint manifest carries, after a pull).
 * :class:`MlflowBackend` — ``write`` only enqueues; a background thread sends the rows with
   ``MlflowClient.log_batch`` (≤ 1000 values per call, split at step boundaries).  A call that
   fails is retried with the *same* Metric objects: the store's primary key (key, timestamp,
@@ -20,6 +20,7 @@ Imports MLflow (~3 s), so the worker imports this module lazily; it never import
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import sys
@@ -134,6 +135,24 @@ def _run_exists(client: MlflowClient, run_id: str) -> bool:
     return True
 
 
+def run_id_from_checkpoints(run_dir: str | Path) -> str | None:
+    """The MLflow run id recorded in the newest checkpoint manifest that has one (``mlflow_run_id``).
+
+    On another machine the checkpoints arrive (``convoy pull``) without ``run.json``; the id in the
+    manifest keeps every resume logging into the same MLflow run."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    for path in sorted(root.glob("step-*/manifest.json"), reverse=True):
+        try:
+            run_id = json.loads(path.read_text()).get("mlflow_run_id")
+        except (OSError, ValueError):
+            continue
+        if run_id:
+            return str(run_id)
+    return None
+
+
 def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> str:
     """The MLflow run id of this training run, creating the run (and recording it) if needed.
 
@@ -145,8 +164,10 @@ def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> s
     uri = resolve_tracking_uri(config, run_dir)
     client = client_for(uri)
     info = run_info(run_dir) or {}
-    run_id = info.get("mlflow_run_id")
+    run_id = info.get("mlflow_run_id") or run_id_from_checkpoints(run_dir)
     if run_id and info.get("mlflow_tracking_uri", uri) == uri and _run_exists(client, run_id):
+        if info.get("mlflow_run_id") != run_id or info.get("mlflow_tracking_uri") != uri:
+            update_run_info(run_dir, mlflow_run_id=run_id, mlflow_tracking_uri=uri)
         return run_id
     if run_id:
         print(f"WARNING: MLflow run {run_id} of {run_dir} is not in {uri}; creating a new MLflow run",

@@ -1,0 +1,191 @@
+"""DVC: checkpoint versioning (dvc add + push, concurrent with training), restore on a "fresh
+machine" (local checkpoints and cache deleted, pulled back) and resume to the same final digest;
+the pipeline in dvc.yaml (a real ``dvc repro`` in a temporary clone, when the CLI exists).
+
+Real git + DVC repositories and a local directory remote in a tmp dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker
+from training.checkpoint import CheckpointStore
+from training.evaluate import export_final_model, load_model_file, write_loss_plot
+from training.events import read_events
+
+ROOT = Path(__file__).resolve().parents[1]
+GITIGNORE = "runs/**\n!runs/**/\n!runs/*/checkpoints/*.dvc\n!runs/*/checkpoints/.gitignore\ndata/\n"
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+def dvc_repo(path: Path) -> Path:
+    from dvc.repo import Repo
+
+    path.mkdir(parents=True, exist_ok=True)
+    git(path, "init", "-q")
+    (path / ".gitignore").write_text(GITIGNORE)
+    Repo.init(str(path)).close()
+    return path
+
+
+@pytest.mark.slow
+def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
+    from tasks.version import checkpoint_dvcfiles, pull_run, version_checkpoint, version_checkpoint_async
+
+    repo = dvc_repo(tmp_path / "repo")
+    remote = tmp_path / "remote"
+    run_dir = make_run(repo, "run", ["checkpoint.keep_last=50"])
+    code, out = run_worker(run_dir, 60)
+    assert code == 0, out
+    ck60 = run_dir / "checkpoints" / "step-000000060"
+
+    # Version step 60 while the next chunk trains (a background thread, as the flow does).
+    p = start_worker(run_dir, 120)
+    future = version_checkpoint_async(repo, ck60, str(remote))
+    result = future.result(timeout=120)
+    p_out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, p_out
+    digest_b = final_digest(run_dir)
+    assert result["step"] == 60 and result["files_pushed"] >= 1 and result["dvc_md5"].endswith(".dir")
+    assert (run_dir / "checkpoints" / "step-000000060.dvc").exists()
+    assert any(remote.rglob("*")), "nothing arrived in the DVC remote"
+    assert "step-000000060.dvc" in git(repo, "status", "--porcelain", "-uall")  # not git-ignored: committable
+    # Content-addressed: versioning the same checkpoint again sends nothing.
+    again = version_checkpoint(repo, ck60, str(remote))
+    assert again["files_pushed"] == 0 and again["dvc_md5"] == result["dvc_md5"]
+    assert [e["checkpoint"] for e in read_events(run_dir, "checkpoint_versioned")] == ["step-000000060"] * 2
+
+    # "Another machine": no local checkpoints, no DVC cache.  Pull, verify, resume.
+    for path in (run_dir / "checkpoints").iterdir():
+        if path.is_dir():
+            shutil.rmtree(path)
+    (run_dir / "checkpoints" / "LATEST").unlink(missing_ok=True)
+    shutil.rmtree(repo / ".dvc" / "cache")
+    assert CheckpointStore(run_dir).latest_valid(record=False) is None
+    assert [p.name for p in checkpoint_dvcfiles(run_dir)] == ["step-000000060.dvc"]
+    pulled = pull_run(repo, run_dir, remote=str(remote))
+    assert pulled["checkpoints"] == [{"checkpoint": "step-000000060", "digest": result["digest"]}]
+    code, out = run_worker(run_dir, 120)
+    assert code == 0, out
+    assert "resumed from step 60" in out
+    assert final_digest(run_dir) == digest_b
+
+    # The exported model is the newest checkpoint's model, deterministic bytes.
+    m1, m2 = tmp_path / "m1.safetensors", tmp_path / "m2.safetensors"
+    info = export_final_model(run_dir, m1)
+    export_final_model(run_dir, m2)
+    assert info["step"] == 120 and info["digest"] == digest_b
+    assert m1.read_bytes() == m2.read_bytes()
+    tensors, meta = load_model_file(m1)
+    assert meta["digest"] == digest_b and "tok.weight" in tensors and "head.weight" in tensors
+    assert write_loss_plot(run_dir, tmp_path / "loss.csv") == 120
+
+
+def test_version_refuses_invalid_and_unknown_remote(tmp_path: Path) -> None:
+    from tasks.version import VersioningError, pull_run, version_checkpoint
+
+    repo = dvc_repo(tmp_path / "repo")
+    run_dir = repo / "runs" / "r"
+    bad = run_dir / "checkpoints" / "step-000000010"
+    bad.mkdir(parents=True)
+    (bad / "state.safetensors").write_bytes(b"garbage")
+    with pytest.raises(VersioningError, match="does not verify"):
+        version_checkpoint(repo, bad, str(tmp_path / "remote"))
+    with pytest.raises(VersioningError, match="not a checkpoint directory"):
+        version_checkpoint(repo, run_dir, str(tmp_path / "remote"))
+    with pytest.raises(VersioningError, match="nothing was versioned"):
+        pull_run(repo, run_dir)
+
+
+def test_dvc_yaml_stages_read_params() -> None:
+    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    stages = spec["stages"]
+    assert list(stages) == ["prepare", "train", "evaluate"]
+    assert "convoy train" in stages["train"]["cmd"] and "convoy prepare" in stages["prepare"]["cmd"]
+    train_outs = [o if isinstance(o, str) else next(iter(o)) for o in stages["train"]["outs"]]
+    assert train_outs == ["models/model.safetensors"]
+    assert not any(str(o).startswith("runs") for o in train_outs), "runs/ must stay outside outs (resume)"
+    assert "train" in stages["train"]["params"] and "data" in stages["prepare"]["params"]
+    assert [next(iter(m)) for m in stages["train"]["metrics"]] == ["metrics/train.json"]
+    assert [next(iter(m)) for m in stages["train"]["plots"]] == ["plots/loss.csv"]
+    assert "models/model.safetensors" in stages["evaluate"]["deps"]
+
+
+SMALL_PARAMS = {
+    "task_args": {"n_layer": 1, "n_head": 2, "d_model": 32, "dropout": 0.1},
+    "data": {"synthetic_chars": 60000, "seq_len": 32},
+    "train": {"total_steps": 60, "chunk_steps": 30, "batch_size": 8, "warmup_steps": 5},
+    "checkpoint": {"every_steps": 10},
+    "heartbeat": {"interval_s": 0.2},
+}
+
+
+def _cli_has_train() -> bool:
+    cli = ROOT / "flows" / "cli.py"
+    return cli.exists() and "def train(" in cli.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _cli_has_train(), reason="`convoy train` not available yet")
+def test_dvc_repro_in_a_clone(tmp_path: Path, prefect_api: str) -> None:
+    """Fresh clone: an interrupted `dvc repro` resumes rather than restarts when repeated (the run
+    dir is not an output); it produces model, metrics, plots; then `dvc repro` has nothing to do."""
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(ROOT), str(clone))
+    for name in ("dvc.yaml", "params.yaml"):  # the working tree's versions (may be uncommitted)
+        shutil.copy(ROOT / name, clone / name)
+    if not (clone / ".dvc").is_dir():
+        subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=clone, check=True)
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    for section, values in SMALL_PARAMS.items():
+        params.setdefault(section, {}).update(values)
+    params.setdefault("tracking", {})["mlflow_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+    def repro() -> str:
+        proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=clone, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        return proc.stdout
+
+    # Interrupt the first `dvc repro` once chunk 1 is committed (kill its whole process group).
+    run_dir = clone / params.get("runs_dir", "runs") / params.get("run_name", "demo")
+    first = subprocess.Popen([sys.executable, "-m", "dvc", "repro"], cwd=clone, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while (CheckpointStore(run_dir).latest_valid(record=False) if (run_dir / "checkpoints").is_dir()
+               else None) is None or CheckpointStore(run_dir).latest_valid(record=False).step < 30:
+            assert first.poll() is None, first.communicate()[0][-4000:]
+            assert time.time() < deadline, "chunk 1 never committed"
+            time.sleep(0.2)
+    finally:
+        kill_group(first)
+        first.wait()
+    out = repro()  # resumes: chunk 1 is not trained again
+    assert "Running stage 'train'" in out and "Running stage 'evaluate'" in out
+    events = read_events(run_dir)
+    assert len([e for e in events if e["kind"] == "started"]) == 1, "training restarted from step 0"
+    flows = [e for e in events if e["kind"] == "flow_started"]
+    assert len(flows) == 2 and flows[1]["committed_step"] >= 30
+    metrics = json.loads((clone / "metrics" / "train.json").read_text())
+    assert metrics["final_step"] == 60 and metrics["logged_steps"] == 60
+    assert metrics["digest"] == final_digest(run_dir)
+    assert (clone / "models" / "model.safetensors").exists()
+    assert json.loads((clone / "metrics" / "eval.json").read_text())["val_loss"] > 0
+    assert (clone / "plots" / "loss.csv").read_text().count("\n") == 61
+    assert "Data and pipelines are up to date" in repro()
