@@ -40,8 +40,11 @@ def config_or_exit(params: Path, overrides: list[str] | None) -> RunConfig:
 
 
 @app.command()
-def validate(params: ParamsArg = Path("params.yaml"), set_: SetOpt = None,
-             show: bool = typer.Option(False, "--show", help="print the resolved config")) -> None:
+def validate(
+    params: ParamsArg = Path("params.yaml"),
+    set_: SetOpt = None,
+    show: bool = typer.Option(False, "--show", help="print the resolved config"),
+) -> None:
     """Check PARAMS (and overrides) without running anything."""
     cfg = config_or_exit(params, set_)
     if show:
@@ -63,9 +66,11 @@ def prepare(params: ParamsArg = Path("params.yaml"), set_: SetOpt = None) -> Non
 
 
 @app.command()
-def train(params: ParamsArg = Path("params.yaml"), set_: SetOpt = None,
-          allow_config_change: bool = typer.Option(
-              False, help="resume a run whose trajectory settings changed")) -> None:
+def train(
+    params: ParamsArg = Path("params.yaml"),
+    set_: SetOpt = None,
+    allow_config_change: bool = typer.Option(False, help="resume a run whose trajectory settings changed"),
+) -> None:
     """Run (or continue) a training run as a Prefect flow of chunk tasks."""
     cfg = config_or_exit(params, set_)
     from flows.train import run_training
@@ -78,8 +83,10 @@ def train(params: ParamsArg = Path("params.yaml"), set_: SetOpt = None,
 
 
 @app.command()
-def worker(run_dir: Annotated[Path, typer.Option(help="run directory")],
-           until_step: Annotated[int, typer.Option(help="train up to this global step")]) -> None:
+def worker(
+    run_dir: Annotated[Path, typer.Option(help="run directory")],
+    until_step: Annotated[int, typer.Option(help="train up to this global step")],
+) -> None:
     """Run one worker process in the foreground (what the chunk supervisor spawns)."""
     from training.worker import main
 
@@ -105,8 +112,13 @@ def inspect(run_dir: Path, as_json: bool = typer.Option(False, "--json", help="m
     for col in ("step", "name", "bytes", "valid", "digest / reason"):
         table.add_column(col)
     for r in rows:
-        table.add_row(str(r["step"]), r["name"], f"{r['bytes']:,}", "yes" if r["valid"] else "[red]no[/]",
-                      r["digest"] if r["valid"] else r["reason"])
+        table.add_row(
+            str(r["step"]),
+            r["name"],
+            f"{r['bytes']:,}",
+            "yes" if r["valid"] else "[red]no[/]",
+            r["digest"] if r["valid"] else r["reason"],
+        )
     console.print(table)
 
 
@@ -145,10 +157,21 @@ def plan(
     from training.reliability import PlanInput
     from training.reliability import plan as make_plan
 
-    values = {k: v for k, v in dict(
-        gpus=gpus, failure_rate_per_day=failure_rate_per_day, job_hours=job_hours, save_hours=save_hours,
-        params=params, bandwidth_gb_s=bandwidth_gb_s, restart_minutes=restart_minutes,
-        interval_hours=interval_hours, keep_last=keep_last).items() if v is not None}
+    values = {
+        k: v
+        for k, v in dict(
+            gpus=gpus,
+            failure_rate_per_day=failure_rate_per_day,
+            job_hours=job_hours,
+            save_hours=save_hours,
+            params=params,
+            bandwidth_gb_s=bandwidth_gb_s,
+            restart_minutes=restart_minutes,
+            interval_hours=interval_hours,
+            keep_last=keep_last,
+        ).items()
+        if v is not None
+    }
     if from_run is not None:
         values.update(_measured_from_run(from_run, values))
     try:
@@ -187,8 +210,10 @@ def _measured_from_run(run_dir: Path, values: dict) -> dict:
     hours = (events[-1]["time"] - events[0]["time"]) / 3600
     if failures and hours > 0:
         out["failure_rate_per_day"] = len(failures) / hours * 24 / values.get("gpus", 8)
-    console.print(f"from {run_dir}: {len(saves)} saves (median {median(saves) if saves else 0:.3f} s), "
-                  f"{len(failures)} failures in {hours:.3f} h")
+    console.print(
+        f"from {run_dir}: {len(saves)} saves (median {median(saves) if saves else 0:.3f} s), "
+        f"{len(failures)} failures in {hours:.3f} h"
+    )
     return out
 
 
@@ -215,8 +240,10 @@ def status(run_dir: Path) -> None:
     lost = sum(int(e.get("steps_lost") or 0) for e in failures)
     bar_w = 30
     filled = int(bar_w * done / total)
-    console.print(f"run {cfg.run_name}: \\[{'#' * filled}{'.' * (bar_w - filled)}] {done}/{total} steps "
-                  f"({100 * done / total:.0f}%)")
+    console.print(
+        f"run {cfg.run_name}: \\[{'#' * filled}{'.' * (bar_w - filled)}] {done}/{total} steps "
+        f"({100 * done / total:.0f}%)"
+    )
     console.print(f"newest valid checkpoint: {newest.path.name + ' ' + newest.digest if newest else 'none'}")
     steps_times = [(e["step"], e["time"]) for e in events if e["kind"] == "checkpoint_saved"]
     if len(steps_times) >= 2 and done < total:
@@ -225,11 +252,75 @@ def status(run_dir: Path) -> None:
         console.print(f"ETA: {(total - done) / rate:.0f} s at {rate:.2f} steps/s (wall, failures included)")
     interval = [e for e in events if e["kind"] == "interval_chosen"]
     every = cfg.checkpoint.every_steps
-    console.print(f"checkpoint interval: {interval[-1]['interval_steps'] if interval else every} steps"
-                  f"{' (auto)' if every == 'auto' else ''}")
+    console.print(
+        f"checkpoint interval: {interval[-1]['interval_steps'] if interval else every} steps"
+        f"{' (auto)' if every == 'auto' else ''}"
+    )
     console.print(f"failures: {len(failures)}, steps lost: {lost}")
     for chunk, kinds in sorted(per_chunk.items()):
         console.print(f"  chunk {chunk}: {len(kinds) + 1} attempts, failures: {', '.join(kinds)}")
+
+
+@app.command()
+def chaos(
+    params: ParamsArg = Path("params.yaml"),
+    set_: SetOpt = None,
+    faults: str = typer.Option(
+        "kill,term,hang,slow,corrupt,delete,diskfull,flowkill", help="comma-separated faults, or all"
+    ),
+    seed: int = typer.Option(0, help="seed for the moments of injection"),
+    timeout_s: float = typer.Option(1800, help="give up on the chaos run after this long"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Train through the real flow while injecting real faults; compare with a fault-free run."""
+    from flows.chaos import ChaosRunner, parse_faults
+
+    config_or_exit(params, set_)
+    try:
+        kinds = parse_faults(faults)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    runner = ChaosRunner(
+        params, set_ or [], kinds, seed, log=(lambda m: err.print(f"[chaos] {m}", highlight=False)), timeout_s=timeout_s
+    )
+    report = runner.run()
+    if as_json:
+        sys.stdout.write(json.dumps(report.to_dict(), indent=1) + "\n")
+    else:
+        table = Table(title=f"convoy chaos: {runner.cfg.run_name}")
+        for col in (
+            "fault",
+            "at step",
+            "detected as",
+            "detected after s",
+            "steps lost",
+            "recovery s",
+            "survived",
+            "note",
+        ):
+            table.add_column(col)
+        for f in report.faults:
+            table.add_row(
+                f.kind,
+                str(f.injected_step if f.injected_step is not None else "-"),
+                str(f.detected_as or "-"),
+                str(f.detected_after_s if f.detected_after_s is not None else "-"),
+                str(f.steps_lost or 0),
+                str(f.recovery_s if f.recovery_s is not None else "-"),
+                "yes" if f.survived else "[red]NO[/]",
+                f.note,
+            )
+        console.print(table)
+        same = report.final_digest == report.reference_digest
+        console.print(
+            f"final digest {report.final_digest} {'==' if same else '!='} reference {report.reference_digest}"
+        )
+        console.print(
+            f"metrics logged exactly once per step: {report.metrics_exactly_once}; "
+            f"goodput {report.goodput}; wall {report.wall_s} s; flow exit {report.exit_code}"
+        )
+        console.print("[bold green]SURVIVED[/]" if report.survived else "[bold red]NOT SURVIVED[/]")
+    raise typer.Exit(0 if report.survived else 1)
 
 
 def main() -> None:  # pragma: no cover - console script

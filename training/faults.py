@@ -1,6 +1,6 @@
 """Injected faults for chaos testing, switched on only by the ``CONVOY_FAULTS`` variable.
 
-``CONVOY_FAULTS="persist_delay=0.5,diskfull_from_step=120,slow_step=40:3"`` — each entry is
+``CONVOY_FAULTS="persist_delay=0.5,diskfull_from_step=120,diskfull_flag=PATH,slow_step=40:3"`` — each entry is
 read where the fault belongs: a slow background persist (to land a kill inside it), a save
 that fails with ENOSPC from a given step on (an injected writer error, not a real full disk),
 and one stalled training step (``step:seconds``).  Unset in normal runs: every check is one
@@ -31,9 +31,15 @@ def persist_delay() -> None:
 
 
 def check_disk_full(step: int) -> None:
+    """``diskfull_from_step=N``: every save from step N fails.  ``diskfull_flag=PATH``: the next
+    save fails once if PATH exists (``convoy chaos`` creates it to inject a transient ENOSPC)."""
     start = _faults().get("diskfull_from_step")
     if start is not None and step >= int(start):
         raise OSError(errno.ENOSPC, f"No space left on device (injected by CONVOY_FAULTS at step {step})")
+    flag = _faults().get("diskfull_flag")
+    if flag and os.path.exists(flag):
+        os.unlink(flag)
+        raise OSError(errno.ENOSPC, f"No space left on device (injected once by CONVOY_FAULTS at step {step})")
 
 
 def slow_step(step: int) -> None:

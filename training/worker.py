@@ -226,8 +226,10 @@ class Worker:
                 self.adaptive.observe_step(dt, self.store.in_flight)
             (due,) = distributed.agree_any(st.step < self.until and self.save_due(st.step, last_save_step, last_save))
             if due:
+                metrics.flush()  # metrics up to a committed step are durable before the commit
                 self.tune_interval(self.save(blocking=False), metrics)
                 last_save, last_save_step = time.time(), st.step
+        metrics.flush()
         self.save(blocking=True)
         metrics.close()
         if metrics.replayed and not metrics.exact:
@@ -240,6 +242,7 @@ class Worker:
 
     def emergency_exit(self, metrics: StepMetricLogger) -> int:
         self.log(f"SIGTERM: saving an emergency checkpoint at step {self.state.step}")
+        metrics.flush()
         self.save(blocking=True)
         metrics.close()
         append_event(self.run_dir, "preempted", rank=self.rank, step=self.state.step)

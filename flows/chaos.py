@@ -1,0 +1,293 @@
+"""``convoy chaos``: a real training run through the real flow, with real faults injected.
+
+The seeds' acceptance test — kill -9 the training mid-run and check it comes back by itself near
+where it died — generalised to every failure convoy claims to survive.  Two runs are made from
+the same params: ``<run_name>-reference`` (fault-free, reused when already complete) and
+``<run_name>-chaos`` (fresh), in which the faults are injected at seeded random steps:
+
+=========  =================================================================================
+kill       SIGKILL the worker
+term       SIGTERM the worker (preemption: emergency checkpoint, exit 75, re-submitted at once)
+hang       SIGSTOP the worker (the supervisor must see no step progress and kill it)
+slow       one step stalls for half of ``heartbeat.stall_s`` (must *not* be called a hang)
+corrupt    flip a byte in the newest checkpoint, then SIGKILL (resume must skip it)
+delete     remove the newest checkpoint directory, then SIGKILL (resume from an older one)
+diskfull   the next save fails with ENOSPC — an injected writer error (CONVOY_FAULTS
+           ``diskfull_flag``), not a size-capped filesystem
+flowkill   SIGKILL the flow process itself (and its Prefect API), then run ``convoy train`` again
+=========  =================================================================================
+
+The verdict: the chaos run's final state digest equals the reference's, every (metric, step) was
+logged exactly once, and goodput (useful step time / wall time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from training.checkpoint import CheckpointStore
+from training.config import RunConfig, load_config
+from training.events import read_events
+from training.heartbeat import read_heartbeat
+
+FAULT_KINDS = ("kill", "term", "hang", "slow", "corrupt", "delete", "diskfull", "flowkill")
+
+
+@dataclass
+class Fault:
+    kind: str
+    at_step: int
+    injected_at: float | None = None
+    injected_step: int | None = None
+    detected_as: str | None = None
+    detected_after_s: float | None = None
+    steps_lost: int | None = None
+    recovery_s: float | None = None
+    survived: bool | None = None
+    note: str = ""
+
+
+@dataclass
+class ChaosReport:
+    faults: list[Fault] = field(default_factory=list)
+    reference_digest: str | None = None
+    final_digest: str | None = None
+    final_step: int = 0
+    metrics_exactly_once: bool = False
+    goodput: float | None = None
+    wall_s: float = 0.0
+    exit_code: int | None = None
+
+    @property
+    def survived(self) -> bool:
+        return (
+            self.exit_code == 0
+            and self.final_digest is not None
+            and self.final_digest == self.reference_digest
+            and self.metrics_exactly_once
+            and all(f.survived for f in self.faults)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "survived": self.survived}
+
+
+def parse_faults(spec: str) -> list[str]:
+    kinds = [k.strip() for k in spec.split(",") if k.strip()]
+    if kinds == ["all"]:
+        return list(FAULT_KINDS)
+    bad = [k for k in kinds if k not in FAULT_KINDS]
+    if bad or not kinds:
+        raise ValueError(f"--faults {spec!r}: unknown fault(s) {bad}; choose from {', '.join(FAULT_KINDS)} or all")
+    return kinds
+
+
+def plan_faults(kinds: list[str], total_steps: int, seed: int) -> list[Fault]:
+    """Distinct, seeded steps spread over the middle of the run, in the order given."""
+    rng = random.Random(seed)
+    lo, hi = max(2, total_steps // 10), max(3, total_steps * 9 // 10)
+    slots = sorted(rng.sample(range(lo, hi), len(kinds))) if hi - lo >= len(kinds) else list(range(lo, lo + len(kinds)))
+    return [Fault(kind, step) for kind, step in zip(kinds, slots, strict=True)]
+
+
+class ChaosRunner:
+    def __init__(
+        self, params: Path, overrides: list[str], kinds: list[str], seed: int, log: Any = print, timeout_s: float = 1800
+    ) -> None:
+        self.params, self.overrides, self.seed, self.log, self.timeout_s = params, overrides, seed, log, timeout_s
+        base = load_config(params, overrides)
+        self.ref_cfg = load_config(params, [*overrides, f"run_name={base.run_name}-reference"])
+        self.cfg = load_config(params, [*overrides, f"run_name={base.run_name}-chaos"])
+        self.faults = plan_faults(kinds, self.cfg.train.total_steps, seed)
+        self.run_dir = self.cfg.run_dir
+        self.flag = (self.run_dir / ".fault-diskfull").resolve()
+        slow = next((f for f in self.faults if f.kind == "slow"), None)
+        self.env = {
+            **os.environ,
+            "CONVOY_FAULTS": ",".join(
+                filter(
+                    None,
+                    [
+                        f"diskfull_flag={self.flag}",
+                        f"slow_step={slow.at_step}:{self.cfg.heartbeat.stall_s / 2}" if slow else "",
+                    ],
+                )
+            ),
+        }
+
+    # ------------------------------------------------------------------ processes
+    def _train_cmd(self, cfg: RunConfig) -> list[str]:
+        cmd = [sys.executable, "-m", "flows.cli", "train", str(self.params)]
+        for o in [*self.overrides, f"run_name={cfg.run_name}"]:
+            cmd += ["-S", o]
+        return cmd
+
+    def _start(self, cfg: RunConfig, env: dict[str, str] | None = None) -> subprocess.Popen:
+        logf = open(Path(cfg.runs_dir) / f"{cfg.run_name}.chaos.log", "a")  # noqa: SIM115 - kept by Popen
+        return subprocess.Popen(
+            self._train_cmd(cfg),
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env or dict(os.environ),
+            start_new_session=True,
+        )
+
+    @staticmethod
+    def _killpg(p: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def reference(self) -> str:
+        store = CheckpointStore(self.ref_cfg.run_dir) if (self.ref_cfg.run_dir / "checkpoints").exists() else None
+        ck = store.latest_valid(record=False) if store else None
+        if ck is None or ck.step != self.ref_cfg.train.total_steps:
+            self.log(f"reference run {self.ref_cfg.run_name}: training fault-free")
+            Path(self.ref_cfg.runs_dir).mkdir(parents=True, exist_ok=True)
+            p = self._start(self.ref_cfg)
+            if p.wait(timeout=self.timeout_s) != 0:
+                raise RuntimeError(f"reference run failed (exit {p.returncode}); see {self.ref_cfg.run_name}.chaos.log")
+            ck = CheckpointStore(self.ref_cfg.run_dir).latest_valid(record=False)
+        else:
+            self.log(f"reference run {self.ref_cfg.run_name}: reusing its final checkpoint")
+        assert ck is not None
+        return ck.digest
+
+    # ------------------------------------------------------------------ injection
+    def _worker_pid(self) -> int | None:
+        hb = read_heartbeat(self.run_dir, 0)
+        return int(hb["pid"]) if hb and hb.get("phase") != "done" else None
+
+    def _signal_worker(self, sig: int) -> bool:
+        pid = self._worker_pid()
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def _inject(self, fault: Fault, flow: subprocess.Popen) -> subprocess.Popen:
+        store = CheckpointStore(self.run_dir)
+        newest = store.step_dirs()[0][1] if store.step_dirs() else None
+        if fault.kind == "kill":
+            self._signal_worker(signal.SIGKILL)
+        elif fault.kind == "term":
+            self._signal_worker(signal.SIGTERM)
+        elif fault.kind == "hang":
+            self._signal_worker(signal.SIGSTOP)
+        elif fault.kind == "slow":
+            fault.note = f"step {fault.at_step} stalls {self.cfg.heartbeat.stall_s / 2:g} s (injected in the worker)"
+        elif fault.kind in ("corrupt", "delete"):
+            if newest is None:
+                fault.note = "no checkpoint yet to damage"
+            elif fault.kind == "corrupt":
+                target = newest / "state.safetensors"
+                data = bytearray(target.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                target.write_bytes(bytes(data))
+                fault.note = f"flipped a byte in {newest.name}"
+            else:
+                shutil.rmtree(newest)
+                fault.note = f"deleted {newest.name}"
+            self._signal_worker(signal.SIGKILL)
+        elif fault.kind == "diskfull":
+            self.flag.touch()
+            fault.note = "next save fails with ENOSPC (injected writer error)"
+        elif fault.kind == "flowkill":
+            self._killpg(flow)
+            flow.wait()
+            self.log("flow process killed; starting `convoy train` again")
+            flow = self._start(self.cfg, self.env)
+        return flow
+
+    def _wait_for_step(self, step: int, flow: subprocess.Popen, deadline: float) -> int | None:
+        while time.time() < deadline and flow.poll() is None:
+            hb = read_heartbeat(self.run_dir, 0)
+            if hb and hb.get("phase") == "train" and hb["step"] >= step:
+                return int(hb["step"])
+            time.sleep(0.02)
+        return None
+
+    # ------------------------------------------------------------------ verdict
+    def _score(self, report: ChaosReport, t_start: float) -> None:
+        events = read_events(self.run_dir)
+        failures = [e for e in events if e["kind"] == "failure"]
+        resumes = [e for e in events if e["kind"] == "resumed" and e.get("rank", 0) == 0]
+        for f in report.faults:
+            if f.injected_at is None:
+                f.survived = False
+                f.note = f.note or "never injected (the run ended or failed before this step)"
+                continue
+            nxt = next((e for e in failures if e["time"] >= f.injected_at - 0.5), None)
+            if f.kind == "slow":
+                window = [
+                    e
+                    for e in failures
+                    if f.injected_at - 0.5 <= e["time"] <= f.injected_at + self.cfg.heartbeat.stall_s
+                ]
+                f.survived = not window
+                f.detected_as = window[0]["failure"] if window else "no failure (correct)"
+                continue
+            if f.kind == "flowkill":
+                nxt = None
+            if nxt is not None:
+                f.detected_as, f.detected_after_s, f.steps_lost = (
+                    nxt["failure"],
+                    nxt.get("detected_after_s"),
+                    nxt.get("steps_lost"),
+                )
+            res = next((e for e in resumes if e["time"] >= f.injected_at), None)
+            f.recovery_s = round(res["time"] - f.injected_at, 2) if res else None
+            if f.kind == "flowkill" and res:
+                f.detected_as = "flow restarted"
+                f.steps_lost = max(0, (f.injected_step or 0) - int(res["step"]))
+            f.survived = res is not None or report.final_step == self.cfg.train.total_steps
+        rows = []
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        steps = [r["step"] for r in rows]
+        total = self.cfg.train.total_steps
+        report.metrics_exactly_once = steps == list(range(1, total + 1))
+        useful = sum(r["metrics"].get("step_time_s", 0.0) for r in rows)
+        report.goodput = round(useful / report.wall_s, 4) if report.wall_s else None
+
+    def run(self) -> ChaosReport:
+        report = ChaosReport(faults=self.faults)
+        report.reference_digest = self.reference()
+        if self.run_dir.exists():
+            shutil.rmtree(self.run_dir)
+        self.log(f"chaos run {self.cfg.run_name}: faults " + ", ".join(f"{f.kind}@{f.at_step}" for f in self.faults))
+        t0 = time.time()
+        deadline = t0 + self.timeout_s
+        flow = self._start(self.cfg, self.env)
+        for fault in self.faults:
+            reached = self._wait_for_step(fault.at_step, flow, deadline)
+            if reached is None:
+                break
+            fault.injected_at, fault.injected_step = time.time(), reached
+            self.log(f"inject {fault.kind} at step {reached}")
+            flow = self._inject(fault, flow)
+        try:
+            report.exit_code = flow.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            self._killpg(flow)
+            report.exit_code = flow.wait()
+        report.wall_s = round(time.time() - t0, 2)
+        ck = CheckpointStore(self.run_dir).latest_valid(record=False)
+        report.final_digest, report.final_step = (ck.digest, ck.step) if ck else (None, 0)
+        self._score(report, t0)
+        return report
