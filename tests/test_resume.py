@@ -6,6 +6,7 @@ uninterrupted run's; the whole-state digest covers all of it.
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import time
@@ -26,6 +27,11 @@ def reference_digest(tmp_path: Path, extra: list[str]) -> str:
     code, out = run_worker(run_dir, TOTAL)
     assert code == 0, out
     return final_digest(run_dir)
+
+
+def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["metrics"]["loss"]) for r in rows]
 
 
 def wait_for_persist(run_dir: Path, p, timeout: float = 60) -> bool:
@@ -67,6 +73,10 @@ def test_sigkill_at_random_moments_ends_bitwise_equal(tmp_path: Path, num_worker
     assert len(kills) >= 6, kills
     print(f"killed at {kills}; resumes: {len(read_events(run_dir, 'resumed'))}")
     assert final_digest(run_dir) == ref
+    # Step-aligned metrics: one point per step, equal to the uninterrupted run's values.
+    logged = logged_losses(run_dir)
+    assert [s for s, _ in logged] == list(range(1, TOTAL + 1))
+    assert logged == logged_losses(tmp_path / "runs" / "reference")
     assert CheckpointStore(run_dir).latest_valid().step == TOTAL
 
 
