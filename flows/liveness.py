@@ -10,10 +10,12 @@ forever.  Prefect's answer is flow-run heartbeats (``PREFECT_FLOWS_HEARTBEAT_FRE
    otherwise set the run ``Crashed``.  Measured on the open-source server: marked ~76 s after the
    last beat with ``within=75``.
 2. *convoy: restart crashed training* — on ``prefect.flow-run.Crashed`` of the deployment, run
-   the deployment again.  The new flow run takes the run lock (the dead one's lock died with it),
+   the deployment again (with its default parameters).  The new flow run takes the run lock (the dead one's lock died with it),
    stops any orphaned worker and continues from the newest verified checkpoint.
 
 Run :func:`ensure_liveness_automations` once per deployment (e.g. from ``convoy prefect-setup``).
+The window must exceed the heartbeat period (default 180 s, so 450 s by default); set
+``PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30`` on flow machines for a ~75 s detection.
 There is no restart budget in an automation: a run that crashes every time is restarted every
 time, so watch the Crashed count in the UI.
 """
@@ -28,14 +30,33 @@ RESTART_NAME = "convoy: restart crashed training"
 _TERMINAL = ("Completed", "Failed", "Cancelled", "Crashed")
 
 
-def liveness_automations(deployment_id: Any, within_s: float = 90.0) -> list[Any]:
+def default_within_s() -> float:
+    """2.5 heartbeat periods of *this* process's ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` (default 180 s).
+
+    Flow machines must use the same frequency (or a shorter one) as the machine that creates the
+    automation; a window shorter than the period crashes healthy runs between two beats.
+    """
+    from prefect.settings import get_current_settings
+
+    return 2.5 * float(get_current_settings().flows.heartbeat_frequency or 180)
+
+
+def liveness_automations(deployment_id: Any, within_s: float | None = None) -> list[Any]:
     """The two automations (not yet created) for one deployment of flow ``train``."""
     from prefect.automations import Automation
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState, RunDeployment
     from prefect.events.schemas.automations import EventTrigger, Posture
     from prefect.events.schemas.events import ResourceSpecification
+    from prefect.settings import get_current_settings
 
+    period = float(get_current_settings().flows.heartbeat_frequency or 180)
+    within_s = within_s if within_s is not None else default_within_s()
+    if within_s <= period:
+        raise ValueError(
+            f"liveness window {within_s:g} s must exceed the flow heartbeat period {period:g} s "
+            f"(PREFECT_FLOWS_HEARTBEAT_FREQUENCY), or healthy runs are crashed between two beats"
+        )
     dep = f"prefect.deployment.{deployment_id}"
     crash = Automation(
         name=CRASH_NAME,
@@ -50,7 +71,7 @@ def liveness_automations(deployment_id: Any, within_s: float = 90.0) -> list[Any
             threshold=1,
             within=timedelta(seconds=within_s),
         ),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=f"no heartbeat for {within_s:g} s")],
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=f"convoy: no heartbeat for {within_s:g} s")],
     )
     restart = Automation(
         name=RESTART_NAME,
@@ -67,7 +88,7 @@ def liveness_automations(deployment_id: Any, within_s: float = 90.0) -> list[Any
     return [crash, restart]
 
 
-def ensure_liveness_automations(deployment: str = "train/nightly", within_s: float = 90.0) -> list[str]:
+def ensure_liveness_automations(deployment: str = "train/nightly", within_s: float | None = None) -> list[str]:
     """Create (or replace, matched by name + deployment) the automations; return their ids."""
     from prefect.client.orchestration import get_client
 

@@ -65,7 +65,7 @@ def _attempt() -> int:
 
 def _loss_at(run_dir: Path, step: int) -> float | None:
     for ev in reversed(read_events(run_dir, "worker_done")):
-        if ev.get("step") == step:
+        if ev.get("step") == step and ev.get("rank", 0) == 0:
             return ev.get("loss")
     return None
 

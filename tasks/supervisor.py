@@ -32,6 +32,7 @@ import collections
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,7 +46,7 @@ from typing import Any
 import psutil
 
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED
-from training.events import append_event
+from training.events import append_event, read_events
 from training.heartbeat import heartbeat_path, read_heartbeat
 
 FAILURE_KINDS = ("crash", "killed", "oom", "hang", "dead", "preempted", "timeout", "config")
@@ -282,6 +283,25 @@ def classify_exit(returncode: int, tail: Sequence[str], oom_before: int | None, 
     return "crash"
 
 
+def _launcher_exit(run_dir: Path, returncode: int, tail: Sequence[str], since: float) -> int:
+    """The exit that matters when torchrun stands between us and the ranks.
+
+    torchrun exits 1 whatever its ranks did, so the ranks' own audit events decide first (a
+    config error, an emergency checkpoint), then the "Root Cause" exit code in its failure report.
+    """
+    if returncode in (0, EXIT_CONFIG, EXIT_PREEMPTED):
+        return returncode
+    recent = [e for e in read_events(run_dir) if e.get("time", 0) >= since]
+    if any(e["kind"] == "config_error" for e in recent):
+        return EXIT_CONFIG
+    if any(e["kind"] == "preempted" for e in recent):
+        return EXIT_PREEMPTED
+    text = "\n".join(tail)
+    root = text[text.find("Root Cause") :] if "Root Cause" in text else text
+    m = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+    return int(m.group(1)) if m else returncode
+
+
 def _config_message(tail: Sequence[str]) -> str:
     """The worker's one-line config message (it prints ``config error: ...`` last, on stderr)."""
     for line in reversed(tail):
@@ -408,7 +428,7 @@ def supervise(
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
     on_line: Callable[[str, str], None] | None = None,
-    tail_lines: int = 40,
+    tail_lines: int = 80,
 ) -> Outcome:
     """Run ``cmd`` to completion under watch; return on exit 0, raise :class:`ChunkFailed` otherwise.
 
@@ -473,11 +493,12 @@ def supervise(
     if failure is not None:
         kind, reason, detected_after = failure
     else:
-        kind = classify_exit(rc, list(tail), oom_before, _oom_kills())
+        code = rc if ranks <= 1 else _launcher_exit(run_dir, rc, list(tail), started)
+        kind = classify_exit(code, list(tail), oom_before, _oom_kills())
         reason = {
             "config": _config_message(tail),
             "preempted": "preempted (exit 75) after saving an emergency checkpoint",
-        }.get(kind, _signame(rc))
+        }.get(kind, _signame(code) + ("" if code == rc else f" in a rank (launcher {_signame(rc)})"))
         detected_after = exit_seen - last_seen_running  # upper bound: the exit happened in between
     committed = last_committed_step(run_dir)
     lost = (watch.last_step - committed) if (watch.last_step is not None and committed is not None) else None

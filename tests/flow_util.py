@@ -64,10 +64,11 @@ def assert_no_leftovers(marker: Path, wait_s: float = 10.0) -> None:
     assert not leftovers(marker), leftovers(marker)
 
 
-def wait_for_step(run_dir: Path, step: int, timeout: float = 240) -> dict[str, Any]:
+def wait_for_step(run_dir: Path, step: int, timeout: float = 240, rank: int = 0) -> dict[str, Any]:
+    """The first heartbeat of ``rank`` in phase train at ``step`` or later."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        beat = read_heartbeat(run_dir, 0)
+        beat = read_heartbeat(run_dir, rank)
         if beat and beat.get("phase") == "train" and int(beat.get("step", 0)) >= step:
             return beat
         time.sleep(0.05)

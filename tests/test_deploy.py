@@ -71,13 +71,17 @@ def test_deploy_and_pool_mode_rerun_chunk_as_new_flow_run(
 
     from flows.liveness import CRASH_NAME, RESTART_NAME, ensure_liveness_automations
 
-    first_ids = ensure_liveness_automations("train/nightly", within_s=90)
-    ids = ensure_liveness_automations("train/nightly", within_s=90)  # replaces, never duplicates
+    with pytest.raises(ValueError, match="must exceed the flow heartbeat period"):
+        ensure_liveness_automations("train/nightly", within_s=30)
+    first_ids = ensure_liveness_automations("train/nightly")
+    ids = ensure_liveness_automations("train/nightly")  # replaces, never duplicates
     assert len(ids) == 2 and set(ids).isdisjoint(first_ids)
     with get_client(sync_client=True) as client:
         for name in (CRASH_NAME, RESTART_NAME):
             found = client.read_automations_by_name(name=f"{name} (train/nightly)")
             assert len(found) == 1 and found[0].enabled and str(found[0].id) in ids
+            # The restart automation would re-run this test's deployment after a deliberate crash.
+            client.delete_automation(found[0].id)
 
     p = params(
         tmp_path,

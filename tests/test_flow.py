@@ -86,7 +86,19 @@ def test_sigkill_mid_chunk_3_retries_only_chunk_3(
         f"\nSIGKILL at step {killed['step']}: detected after {fail[0]['detected_after_s']} s, "
         f"resumed from step {resumed[-1]}, {fail[0]['steps_lost']} step(s) lost"
     )
+    table, note = artifacts("convoy-kill9-chunks"), artifacts("convoy-kill9-failures")
+    text = table[0].data if isinstance(table[0].data, str) else json.dumps(table[0].data)
+    assert len(table) == 1 and '"failures": "killed"' in text and summary["digest"] in text
+    assert note and "resumes from step" in str(note[-1].data)
     assert_no_leftovers(run_dir)
+
+
+def artifacts(key: str) -> list[Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
 
 
 def test_sigstop_is_a_hang_and_is_retried(prefect_api: str, data_dir: Path, tmp_path: Path) -> None:
@@ -212,3 +224,27 @@ def test_finished_run_trains_nothing(prefect_api: str, data_dir: Path, tmp_path:
     assert second["digest"] == first["digest"]
     assert len(read_events(cfg.run_dir, "worker_done")) == spawned  # no worker was started
     assert_no_leftovers(cfg.run_dir.resolve())
+
+
+def test_two_ranks_a_killed_rank_fails_the_chunk_and_is_retried(prefect_api: str, data_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """torchrun exits 1 whatever its ranks did; the supervisor still names the rank's SIGKILL."""
+    from flows.train import run_training
+
+    cfg = config(params(tmp_path, data_dir, "ranks2", train={"total_steps": 30, "chunk_steps": 30, "ranks": 2}))
+    run_dir = cfg.run_dir.resolve()
+    killed: dict[str, Any] = {}
+
+    def killer() -> None:
+        beat = wait_for_step(run_dir, 12, rank=1)
+        killed.update(pid=beat["pid"], step=beat["step"])
+        os.kill(beat["pid"], signal.SIGKILL)
+
+    t = in_thread(killer)
+    summary = run_training(cfg)
+    t.join(timeout=5)
+    assert killed and summary["final_step"] == 30 and summary["attempts"] == {1: 2}
+    fail = read_events(run_dir, "failure")
+    assert [e["failure"] for e in fail] == ["killed"], fail
+    assert "SIGKILL in a rank" in fail[0]["reason"]
+    assert_no_leftovers(run_dir)
