@@ -10,12 +10,13 @@ forever.  Prefect's answer is flow-run heartbeats (``PREFECT_FLOWS_HEARTBEAT_FRE
    otherwise set the run ``Crashed``.  Measured on the open-source server: marked ~76 s after the
    last beat with ``within=75``.
 2. *convoy: restart crashed training* — on ``prefect.flow-run.Crashed`` of the deployment, run
-   the deployment again (with its default parameters).  The new flow run takes the run lock (the dead one's lock died with it),
-   stops any orphaned worker and continues from the newest verified checkpoint.
+   the deployment again (with its default parameters).  The new flow run takes the run lock
+   (the dead one's lock died with it), stops any orphaned worker and continues from the newest
+   verified checkpoint.
 
 Run :func:`ensure_liveness_automations` once per deployment (e.g. from ``convoy prefect-setup``).
 The window must exceed the heartbeat period (default 180 s, so 450 s by default); set
-``PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30`` on flow machines for a ~75 s detection.
+``PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30`` on flow machines (and here) for a ~75 s detection.
 There is no restart budget in an automation: a run that crashes every time is restarted every
 time, so watch the Crashed count in the UI.
 """
