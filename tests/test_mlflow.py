@@ -245,3 +245,31 @@ def test_analyse_events_with_supervisor_failures(tmp_path: Path) -> None:
     table = json.loads((run / "audit" / "resume_events.json").read_text())
     assert len(table["data"]) == 2 and "replay_verified" in table["columns"]
     assert (run / "audit" / "timeline.png").stat().st_size > 1000
+
+
+def test_backend_reconciles_mlflow_with_metrics_jsonl(tmp_path: Path, tracking_uri: str) -> None:
+    """A worker killed right after a checkpoint commit may leave queued MLflow rows unsent; steps at
+    or below the checkpoint are never replayed, so the next worker copies them from metrics.jsonl."""
+    from training.config import load_config
+    from training.metrics import JsonlBackend, StepMetricLogger
+
+    cfg = load_config(None, [f"runs_dir={tmp_path}", "run_name=rec", f"tracking.mlflow_uri={tracking_uri}",
+                             "tracking.experiment=convoy-unit"])
+    run_dir = tmp_path / "rec"
+    run_dir.mkdir()
+    run_id = ensure_mlflow_run(cfg, run_dir)
+    rows = [(s, {"loss": 1.0 / s, "lr": 0.1, "grad_norm": 2.0, "step_time_s": 0.01}) for s in range(1, 61)]
+    JsonlBackend(run_dir / "metrics.jsonl").write(rows)  # the local log reached step 60 (checkpoint)
+    first = MlflowBackend(cfg, run_id, asynchronous=False)
+    first._reconciled = True  # the dying worker: only steps 1..40 reached MLflow
+    first.write(rows[:40])
+    second = MlflowBackend(cfg, run_id)  # the resumed worker
+    logger = StepMetricLogger([JsonlBackend(run_dir / "metrics.jsonl"), second], run_dir)
+    assert second.backfilled == 20 * 4 and logger._high == [60, 60]
+    for s in range(51, 71):  # resumed from a checkpoint at 50: replay 51..60, then new steps
+        logger.log(s, {"loss": 1.0 / s, "lr": 0.1, "grad_norm": 2.0, "step_time_s": 0.02})
+    logger.close()
+    assert not logger.mismatches and logger.replayed > 0
+    for key in ("loss", "step_time_s"):
+        assert [s for s, _ in history(tracking_uri, run_id, key)] == list(range(1, 71)), key
+    assert dict(history(tracking_uri, run_id, "step_time_s"))[55] == 0.01  # the first logged value

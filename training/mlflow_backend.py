@@ -221,10 +221,13 @@ class MlflowBackend:
     """MetricBackend writing ``(step, {key: value})`` rows to one MLflow run, off the training thread."""
 
     def __init__(self, config: RunConfig | None, run_id: str, tracking_uri: str | None = None,
-                 asynchronous: bool = True, max_retries: int = 5) -> None:
+                 asynchronous: bool = True, max_retries: int = 5, run_dir: str | Path | None = None) -> None:
         self.run_id = run_id
-        self.uri = tracking_uri or resolve_tracking_uri(config)
+        self.uri = tracking_uri or resolve_tracking_uri(config, run_dir)
         self.client = client_for(self.uri)
+        self.run_dir = self._find_run_dir(config, run_dir)
+        self.backfilled = 0
+        self._reconciled = False
         self.max_retries = max_retries
         self.asynchronous = asynchronous
         self.write_s = 0.0  # time spent in log_batch (on the background thread when asynchronous)
@@ -239,6 +242,12 @@ class MlflowBackend:
 
     # ------------------------------------------------------------------ MetricBackend
     def history(self, keys: tuple[str, ...]) -> dict[str, dict[int, float]]:
+        if not self._reconciled:
+            self._reconciled = True
+            self.reconcile()
+        return self._history(keys)
+
+    def _history(self, keys: Any) -> dict[str, dict[int, float]]:
         out: dict[str, dict[int, float]] = {}
         for key in keys:
             points: dict[int, float] = {}
@@ -246,6 +255,54 @@ class MlflowBackend:
                 points.setdefault(int(m.step), float(m.value))  # first logged value wins
             out[key] = points
         return out
+
+    def reconcile(self) -> int:
+        """Copy into MLflow the ``metrics.jsonl`` points it lacks; returns how many.
+
+        ``metrics.jsonl`` is written synchronously before every checkpoint commit; MLflow is written
+        from a queue.  A worker killed right after a commit can leave MLflow behind the checkpoint,
+        and steps at or below a checkpoint are never replayed — so at start-up (the only writer of
+        the run is this worker) MLflow is brought level with the local log first.  The copied
+        values are the ones logged before the failure, i.e. what MLflow would have received."""
+        if self.run_dir is None:
+            return 0
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return 0
+        rows: dict[int, dict[str, float]] = {}
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a torn last line
+            step = int(rec["step"])
+            for key, value in rec.get("metrics", {}).items():
+                rows.setdefault(step, {}).setdefault(key, float(value))
+        if not rows:
+            return 0
+        have = self._history(sorted({k for m in rows.values() for k in m}))
+        missing = []
+        for step, m in sorted(rows.items()):
+            lacking = {k: v for k, v in m.items() if step not in have.get(k, {})}
+            if lacking:
+                missing.append((step, lacking))
+        if missing:
+            ts = int(time.time() * 1000)
+            self._send([Metric(k, v, ts, step) for step, m in missing for k, v in sorted(m.items())])
+            self.backfilled = sum(len(m) for _, m in missing)
+            print(f"MLflow run {self.run_id}: copied {self.backfilled} value(s) of {len(missing)} step(s) from "
+                  f"metrics.jsonl that the tracking store lacked (a worker died before sending them)", flush=True)
+        return self.backfilled
+
+    def _find_run_dir(self, config: RunConfig | None, run_dir: str | Path | None) -> Path | None:
+        """The run directory whose ``run.json`` names this MLflow run (None: no reconciliation)."""
+        candidates = [Path(run_dir)] if run_dir is not None else []
+        if config is not None:
+            candidates.append(config.run_dir)
+        for cand in candidates:
+            if (run_info(cand) or {}).get("mlflow_run_id") == self.run_id:
+                return cand
+        return None
 
     def write(self, rows: list[tuple[int, dict[str, float]]]) -> None:
         ts = int(time.time() * 1000)
