@@ -1,0 +1,634 @@
+#!/usr/bin/env python
+"""Checkpoint I/O benchmark: training.checkpoint.CheckpointStore against same-run raw baselines.
+
+Run from the repository root::
+
+    .venv/bin/python bench/checkpoint.py                 # ~100M params + AdamW (~1.2 GB)
+    .venv/bin/python bench/checkpoint.py --params 5e6    # quick smoke run
+
+A stack of fp32 ``nn.Linear`` layers gets one AdamW step (so ``exp_avg``/``exp_avg_sq`` exist);
+its state is saved through the store exactly as the worker does (parts ``state`` + ``rank-0``).
+Each figure is measured beside a baseline doing the same bytes the plainest way, interleaved
+(baseline, subject, baseline, subject, ...) so disk drift hits both; medians over ``--repeats``.
+
+* async stall: ``save(blocking=False)`` in steady state (buffers already allocated) vs
+  ``copy_`` of the same tensors into preallocated buffers.  Goal ratio <= 1.2.
+* sync save: ``save(blocking=True)`` (write + hash + fsync + manifest + rename) vs one raw
+  ``write`` + ``fsync`` of the same bytes.  Goal GB/s ratio >= 0.8.
+* restore: ``load()`` (read + xxh3-128 verify + frombuffer tensors) vs raw ``readinto`` of the
+  same files into a preallocated buffer (and, for reference, into a fresh ``bytearray``), warm
+  page cache and cold (``drop_caches``, needs root).  ``load_state_dict`` reported separately.
+  Goal GB/s ratio >= 0.8.
+* verify: ``verify()`` vs ``xxh3_128`` over an in-memory buffer (informational).
+
+``--prototypes`` also times candidate fixes built from the store's own pieces (see the report).
+Temporary files go to ``--tmp`` (default ``<repo>/.bench-tmp``, removed at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import xxhash  # noqa: E402
+
+from training import safetensors_io as st  # noqa: E402
+from training.checkpoint import CheckpointStore  # noqa: E402
+from training.codec import join_tree, split_tree  # noqa: E402
+from training.config import CheckpointConfig  # noqa: E402
+from training.state import capture_rng  # noqa: E402
+
+GB = 1e9
+
+
+# ---------------------------------------------------------------------------- helpers
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+LAST_CPU = [0.0]  # process CPU seconds (all threads) of the latest timed() call
+
+
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn(*args)
+    LAST_CPU[0] = time.process_time() - c0
+    return time.perf_counter() - t0, out
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
+def drop_caches() -> bool:
+    """Flush dirty pages and drop the page cache; False if not permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def raw_views(tensors: list[torch.Tensor]) -> list[memoryview]:
+    return [memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B") for t in tensors if t.numel()]
+
+
+def raw_write(path: Path, views: list[memoryview]) -> int:
+    n = 0
+    with open(path, "wb", buffering=0) as f:
+        for v in views:
+            done = 0
+            while done < len(v):
+                done += f.write(v[done:])
+            n += done
+        os.fsync(f.fileno())
+    return n
+
+
+def raw_readinto(path: Path, view: memoryview) -> int:
+    got = 0
+    with open(path, "rb", buffering=0) as f:
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    return got
+
+
+# ---------------------------------------------------------------------------- model
+def build_state(params: float, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+    torch.manual_seed(seed)
+    width = 2048
+    while width > 64 and params / (width * width + width) < 4:
+        width //= 2
+    layers = max(1, round(params / (width * width + width)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, width)).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt, width
+
+
+def make_parts(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    """The shape TrainState.checkpoint_parts(rank=0) produces."""
+    return {
+        "rank-0": {"rng": capture_rng(), "step": step},
+        "state": {
+            "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": None,
+            "scaler": {"scale": 1.0, "growth_tracker": 0}, "step": step, "tokens_seen": 0,
+            "cursor": {"epoch": 0, "position": 0},
+        },
+    }
+
+
+def flat_tensors(parts: dict[str, Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for part in sorted(parts):
+        _, flat = split_tree(parts[part])
+        out.extend(flat[k] for k in sorted(flat))
+    return out
+
+
+# ---------------------------------------------------------------------------- prototypes
+# Candidate fixes for training/, built from the store's own pieces (see RESULTS.md).
+def _check(path: Path, size: int, expected_size: int) -> None:
+    if size != expected_size:
+        raise ValueError(f"{path.name}: size {size} != manifest {expected_size} (truncated or replaced)")
+
+
+def proto_read_verified_empty(path: Path, expected_size: int, expected_hash: str) -> memoryview:
+    """st.read_verified with an uninitialised torch buffer (no bytearray zero-fill pass) and the hash
+    computed per 8 MiB chunk right after it is read (still in cache)."""
+    _check(path, path.stat().st_size, expected_size)
+    buf = torch.empty(expected_size, dtype=torch.uint8)
+    view = memoryview(buf.numpy()).cast("B")
+    hasher = xxhash.xxh3_128()
+    chunk = 8 << 20
+    with open(path, "rb", buffering=0) as f:
+        got = 0
+        while got < expected_size:
+            n = f.readinto(view[got:got + chunk])
+            if not n:
+                raise ValueError(f"{path.name}: file shrank while reading")
+            hasher.update(view[got:got + n])
+            got += n
+    if hasher.hexdigest() != expected_hash:
+        raise ValueError(f"{path.name}: content hash mismatch (corrupt)")
+    return view
+
+
+def proto_read_verified_mmap(path: Path, expected_size: int, expected_hash: str) -> Any:
+    """st.read_verified as a private (copy-on-write) file mapping: hashing maps page-cache pages
+    instead of copying them into fresh memory; tensors from torch.frombuffer stay writable."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        _check(path, size, expected_size)
+        if size == 0:
+            return bytearray()
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    if xxhash.xxh3_128(m).hexdigest() != expected_hash:
+        raise ValueError(f"{path.name}: content hash mismatch (corrupt)")
+    return m
+
+
+def proto_hash_file_mmap(path: Path, chunk: int = 0) -> tuple[int, str]:
+    """st.hash_file over a read-only mapping (no copy into a chunk buffer)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return 0, xxhash.xxh3_128(b"").hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return size, xxhash.xxh3_128(m).hexdigest()
+
+
+def proto_write_file_overlap(path: Path, tensors: dict[str, torch.Tensor],
+                              metadata: dict[str, str] | None = None) -> tuple[int, str]:
+    """st.write_file that writes the bytes first, then hashes them while os.fsync (which releases
+    the GIL and waits on the disk) runs on a helper thread: the hash pass hides behind the flush."""
+    header: dict[str, object] = {}
+    offset = 0
+    names = sorted(tensors)
+    for name in names:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": st._DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = dict(sorted(metadata.items()))
+    blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    blob += b" " * (-len(blob) % 8)
+    prefix = struct.pack("<Q", len(blob)) + blob
+    views = [st._raw_bytes(tensors[name]) for name in names]
+    with open(path, "wb", buffering=0) as f:
+        f.write(prefix)
+        for view in views:
+            written = 0
+            while written < len(view):
+                written += f.write(view[written:])
+        err: list[BaseException] = []
+
+        def flush() -> None:
+            try:
+                os.fsync(f.fileno())
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                err.append(exc)
+
+        th = threading.Thread(target=flush)
+        th.start()
+        hasher = st.new_hasher()
+        hasher.update(prefix)
+        for view in views:
+            hasher.update(view)
+        th.join()
+        if err:
+            raise err[0]
+    return len(prefix) + offset, hasher.hexdigest()
+
+
+def proto_load_into(store: CheckpointStore, path: Path, live: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """load() that reads each tensor straight into a caller-supplied tensor of the right shape
+    (the model's own parameters) and into ``torch.empty`` for the rest, hashing per chunk as it
+    reads: no bytearray zero-fill, no separate hash pass, no load_state_dict copy for the model.
+    On a hash mismatch the destinations hold garbage: the caller must fall back / re-init."""
+    manifest = store.read_manifest(path)
+    parts: dict[str, Any] = {}
+    chunk = 8 << 20
+    for name, info in manifest["files"].items():
+        if not name.endswith(".safetensors"):
+            continue
+        part = name.removesuffix(".safetensors")
+        skel_info = manifest["files"][f"{part}.json"]
+        skel = json.loads(bytes(st.read_verified(path / f"{part}.json", skel_info["size"], skel_info["xxh3_128"])))
+        dests = live.get(part, {})
+        hasher = st.new_hasher()
+        tensors: dict[str, torch.Tensor] = {}
+        with open(path / name, "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size != info["size"]:
+                raise ValueError(f"{name}: size mismatch")
+            head = f.read(8)
+            (hlen,) = struct.unpack("<Q", head)
+            hb = f.read(hlen)
+            hasher.update(head)
+            hasher.update(hb)
+            header = json.loads(hb)
+            header.pop("__metadata__", None)
+            pos = 0
+            for key, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                dtype, shape = st._FROM_NAME[meta["dtype"]], [int(x) for x in meta["shape"]]
+                start, end = meta["data_offsets"]
+                if start != pos:
+                    raise ValueError(f"{name}: gap in the data section")
+                dst = dests.get(key)
+                if dst is None or dst.dtype != dtype or list(dst.shape) != shape or not dst.is_contiguous():
+                    dst = torch.empty(shape, dtype=dtype)
+                tensors[key] = dst
+                view = memoryview(dst.reshape(-1).view(torch.uint8).numpy()).cast("B") if end > start else None
+                got = 0
+                while got < end - start:
+                    n = f.readinto(view[got:got + chunk])
+                    if not n:
+                        raise ValueError(f"{name}: file shrank while reading")
+                    hasher.update(view[got:got + n])
+                    got += n
+                pos = end
+        if hasher.hexdigest() != info["xxh3_128"]:
+            raise ValueError(f"{name}: content hash mismatch (corrupt)")
+        parts[part] = join_tree(skel, tensors)
+    return parts
+
+
+@contextlib.contextmanager
+def patched(name: str, fn: Callable[..., Any]) -> Iterator[None]:
+    old = getattr(st, name)
+    setattr(st, name, fn)
+    try:
+        yield
+    finally:
+        setattr(st, name, old)
+
+
+class NoSnapshotStore(CheckpointStore):
+    """Blocking save straight from the live CPU tensors: the caller waits anyway, so the snapshot
+    copy into the reused buffers (and, on a first save, their allocation) is pure overhead."""
+
+    def _snapshot_tensor(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        return super()._snapshot_tensor(key, t) if t.is_cuda else t
+
+
+# ---------------------------------------------------------------------------- benchmark
+class Timings:
+    def __init__(self) -> None:
+        self.t: dict[str, list[float]] = {}
+        self.nbytes: dict[str, int] = {}
+        self.load: dict[str, float] = {}
+        self.cpu: dict[str, list[float]] = {}
+
+    def add(self, name: str, seconds: float, nbytes: int = 0, cpu: bool = False) -> None:
+        """Record one timing; ``cpu``: also the process CPU time of the timed() call just made."""
+        self.t.setdefault(name, []).append(seconds)
+        if cpu:
+            self.cpu.setdefault(name, []).append(LAST_CPU[0])
+        if nbytes:
+            self.nbytes[name] = nbytes
+
+    def med(self, name: str) -> float:
+        return med(self.t[name])
+
+    def best(self, name: str) -> float:
+        return min(self.t[name])
+
+    def gbps(self, name: str, best: bool = False) -> float:
+        return self.nbytes[name] / (self.best(name) if best else self.med(name)) / GB
+
+
+def interleave(i: int, items: list[Any]) -> list[Any]:
+    """Alternate the order each repeat so drift and warm-up do not favour one side."""
+    return items if i % 2 == 0 else items[::-1]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    R = args.repeats
+    tmp = Path(args.tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    T = Timings()
+    res: dict[str, Any] = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+    t_build, (model, opt, width) = timed(lambda: build_state(args.params))
+    n_params = sum(p.numel() for p in model.parameters())
+    parts = make_parts(model, opt, 0)
+    tensors = flat_tensors(parts)
+    nb = sum(t.numel() * t.element_size() for t in tensors)
+    res.update(params=n_params, width=width, layers=len(model), tensor_count=len(tensors), tensor_bytes=nb,
+               build_s=t_build, repeats=R, torch_threads=torch.get_num_threads())
+    print(f"model: {len(model)} x Linear({width},{width}) = {n_params / 1e6:.1f}M params; "
+          f"state {len(tensors)} tensors, {nb / GB:.3f} GB; built in {t_build:.1f}s; "
+          f"torch threads {torch.get_num_threads()}", flush=True)
+
+    store = CheckpointStore(tmp / "run", CheckpointConfig(keep_last=10**6))
+    nosnap = NoSnapshotStore(tmp / "run", CheckpointConfig(keep_last=10**6))
+
+    def retire_all() -> None:
+        for _step, p in store.step_dirs():
+            T.add("retention_rmtree", timed(lambda p=p: shutil.rmtree(p))[0])
+
+    # ---- 1. async stall vs plain copy into preallocated buffers -----------------------------
+    T.load["async"] = os.getloadavg()[0]
+    print("[1/4] async save stall vs copy_ into preallocated buffers ...", flush=True)
+    first_stall = store.save(1, make_parts(model, opt, 1), blocking=False)  # allocates the buffers
+    store.wait()
+    res["first_async"] = dict(stall_s=first_stall, persist_s=store.last_persist_s)
+    bufs = [torch.empty_like(t) for t in tensors]
+    copy_all(bufs, tensors)  # first touch outside the timing
+    step = 1
+    for i in range(R):
+        retire_all()
+        os.sync()
+        for kind in interleave(i, ["copy", "save"]):
+            if kind == "copy":
+                T.add("copy", timed(copy_all, bufs, tensors)[0], nb, cpu=True)
+                continue
+            step += 1
+            dt, p = timed(make_parts, model, opt, step)
+            T.add("parts_build", dt)
+            T.add("stall", timed(store.save, step, p, False)[1], cpu=True)
+            store.wait()
+            T.add("persist", store.last_persist_s, store.last_committed.bytes)
+    del bufs
+    gc.collect()
+
+    # ---- 2. sync save vs raw write + fsync ---------------------------------------------------
+    T.load["sync"] = os.getloadavg()[0]
+    print("[2/4] sync save vs raw write+fsync ...", flush=True)
+    views = raw_views(tensors)
+    raw_path = tmp / "raw.bin"
+    kinds = ["raw", "save"] + (["nosnap", "nosnap_overlap"] if args.prototypes else [])
+    for i in range(R):
+        for kind in interleave(i, kinds):
+            retire_all()
+            raw_path.unlink(missing_ok=True)
+            os.sync()
+            if kind == "raw":
+                T.add("raw_write", timed(raw_write, raw_path, views)[0], nb, cpu=True)
+                continue
+            step += 1
+            p = make_parts(model, opt, step)
+            s = store if kind == "save" else nosnap
+            with patched("write_file", proto_write_file_overlap) if kind == "nosnap_overlap" else \
+                    contextlib.nullcontext():
+                dt, _ = timed(s.save, step, p, True)
+            T.add(f"sync_{kind}", dt, s.last_committed.bytes, cpu=True)
+    raw_path.unlink(missing_ok=True)
+    retire_all()
+    step += 1
+    store.save(step, make_parts(model, opt, step), blocking=True)  # the checkpoint the restore reads
+    ck = store.last_committed
+    res["checkpoint_bytes"] = ck.bytes
+    del views
+
+    # ---- 3. restore vs raw read ---------------------------------------------------------------
+    print("[3/4] restore vs raw read ...", flush=True)
+    files = sorted(ck.path.iterdir())
+    sizes = {f: f.stat().st_size for f in files}
+    data_files = [f for f in files if f.name != "manifest.json"]  # what load() reads
+    data_bytes = sum(sizes[f] for f in data_files)
+    pre = torch.empty(max(sizes.values()), dtype=torch.uint8)
+    pre.fill_(0)  # first touch outside the timing
+    pre_view = memoryview(pre.numpy()).cast("B")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # so one optimizer step after the restore touches all its state
+
+    def raw_read_pre() -> int:
+        return sum(raw_readinto(f, pre_view[: sizes[f]]) for f in data_files)
+
+    def raw_read_fresh() -> int:  # uninitialised memory: the allocation floor any fresh restore pays
+        return sum(raw_readinto(f, memoryview(torch.empty(sizes[f], dtype=torch.uint8).numpy()).cast("B"))
+                   for f in data_files)
+
+    variants = {"load": None}
+    if args.prototypes:
+        variants.update(load_empty=proto_read_verified_empty, load_mmap=proto_read_verified_mmap, load_into=None)
+    live = {"state": {f"model.{k}": v for k, v in model.state_dict().items()}}
+    cold_ok = not args.no_cold and drop_caches()
+    res["cold_available"] = cold_ok
+    res["cold_skipped"] = args.no_cold
+    for mode in (["warm", "cold"] if cold_ok else ["warm"]):
+        T.load[mode] = os.getloadavg()[0]
+        raw_read_pre()  # warm: everything cached; cold: dropped again before each measurement
+        for i in range(R):
+            for kind in interleave(i, ["raw_pre", "raw_fresh", *variants]):
+                gc.collect()
+                if mode == "cold":
+                    drop_caches()
+                if kind == "raw_pre":
+                    T.add(f"{mode}_raw_pre", timed(raw_read_pre)[0], data_bytes, cpu=True)
+                    continue
+                if kind == "raw_fresh":
+                    T.add(f"{mode}_raw_fresh", timed(raw_read_fresh)[0], data_bytes, cpu=True)
+                    continue
+                fn = variants[kind]
+                if kind == "load_into":
+                    dt, loaded = timed(proto_load_into, store, ck.path, live)
+                    _c = None
+                else:
+                    with patched("read_verified", fn) if fn else contextlib.nullcontext():
+                        dt, (_c, loaded) = timed(store.load, ck.path)
+                T.add(f"{mode}_{kind}", dt, data_bytes, cpu=True)
+                s = loaded["state"]
+                # load_into already wrote the model's own parameters: no load_state_dict copy needed
+                lm = 0.0 if kind == "load_into" else timed(model.load_state_dict, s["model"])[0]
+                lo = timed(opt.load_state_dict, s["optimizer"])[0]
+                ls = timed(opt.step)[0]
+                T.add(f"{mode}_{kind}_lsd_model", lm)
+                T.add(f"{mode}_{kind}_lsd_opt", lo)
+                T.add(f"{mode}_{kind}_first_step", ls)
+                T.add(f"{mode}_{kind}_resume", dt + lm + lo + ls)
+                del loaded, s, _c
+                opt.state.clear()  # drop every reference to the loaded buffer (a mapping would pin the cache)
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+
+    # ---- 4. verify vs raw xxh3_128 -----------------------------------------------------------
+    T.load["verify"] = os.getloadavg()[0]
+    print("[4/4] verify vs xxh3_128 over an in-memory buffer ...", flush=True)
+    big = max(data_files, key=lambda f: sizes[f])
+    raw_readinto(big, pre_view[: sizes[big]])
+    hv = pre_view[: sizes[big]]
+    verify_bytes = sum(sizes.values())
+    raw_read_pre()  # warm
+    for i in range(R):
+        kinds = ["xxh3", "verify"] + (["verify_mmap"] if args.prototypes else [])
+        for kind in interleave(i, kinds):
+            if kind == "xxh3":
+                T.add("xxh3", timed(lambda: xxhash.xxh3_128(hv).hexdigest())[0], sizes[big])
+            elif kind == "verify":
+                T.add("verify", timed(lambda: store.verify(ck.path))[0], verify_bytes)
+            else:
+                with patched("hash_file", proto_hash_file_mmap):
+                    T.add("verify_mmap", timed(lambda: store.verify(ck.path))[0], verify_bytes)
+
+    res["t"], res["nbytes"], res["loadavg"], res["cpu"] = T.t, T.nbytes, T.load, T.cpu
+    res["machine"] = dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
+                          torch=torch.__version__, xxhash=xxhash.VERSION)
+    if not args.keep:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return res
+
+
+def report(res: dict[str, Any]) -> str:
+    T = Timings()
+    T.t, T.nbytes = res["t"], res["nbytes"]
+    lines: list[str] = []
+    add = lines.append
+    add(f"{res['date_utc']}; {res['machine']['cpus']} CPUs, {res['machine']['platform']}, torch "
+        f"{res['machine']['torch']} ({res['torch_threads']} intra-op threads), xxhash {res['machine']['xxhash']}")
+    add(f"{res['params'] / 1e6:.1f}M params ({res['layers']} x Linear {res['width']}) + AdamW state = "
+        f"{res['tensor_bytes'] / GB:.3f} GB in {res['tensor_count']} tensors; checkpoint "
+        f"{res['checkpoint_bytes'] / GB:.3f} GB; {res['repeats']} interleaved repeats; "
+        f"1-min load average at each section: " + ", ".join(f"{k} {v:.1f}" for k, v in res["loadavg"].items()))
+    add("")
+    add("| measurement | convoy store (median / best) | same-run baseline (median / best) | ratio median (best) "
+        "| goal |")
+    add("|---|---|---|---|---|")
+
+    def ms(name: str) -> str:
+        return f"{T.med(name) * 1e3:.0f} / {T.best(name) * 1e3:.0f} ms"
+
+    def bw(name: str) -> str:
+        return f"{T.gbps(name):.2f} / {T.gbps(name, best=True):.2f} GB/s"
+
+    def row(name: str, subj: str, base: str, r_med: float, r_best: float, goal: str, ok: bool | None) -> None:
+        mark = "" if ok is None else (" met" if ok else " **missed**")
+        add(f"| {name} | {subj} | {base} | {r_med:.2f}x ({r_best:.2f}x) | {goal}{mark} |")
+
+    r = T.med("stall") / T.med("copy")
+    row("async save stall, steady state", ms("stall"), f"copy_ into preallocated: {ms('copy')}", r,
+        T.best("stall") / T.best("copy"), "<= 1.2x", r <= 1.2)
+    r = T.gbps("sync_save") / T.gbps("raw_write")
+    row("sync save (snapshot+write+hash+fsync+manifest+rename)", bw("sync_save"), f"raw write+fsync: {bw('raw_write')}",
+        r, T.gbps("sync_save", True) / T.gbps("raw_write", True), ">= 0.8x", r >= 0.8)
+    for name, label in (("sync_nosnap", "  prototype: sync save without snapshot copy"),
+                        ("sync_nosnap_overlap", "  prototype: ... and hash overlapped with fsync")):
+        if name in T.t:
+            r = T.gbps(name) / T.gbps("raw_write")
+            row(label, bw(name), f"raw write+fsync: {bw('raw_write')}", r,
+                T.gbps(name, True) / T.gbps("raw_write", True), ">= 0.8x", r >= 0.8)
+    for mode in ("warm", "cold"):
+        if f"{mode}_load" not in T.t:
+            continue
+        base = f"{mode}_raw_pre"
+        for kind, label in (("load", "restore `load()`"), ("load_empty", "  prototype: torch.empty + chunked hash"),
+                            ("load_mmap", "  prototype: private mmap"),
+                            ("load_into", "  prototype: read into model params + torch.empty")):
+            name = f"{mode}_{kind}"
+            if name not in T.t:
+                continue
+            r = T.gbps(name) / T.gbps(base)
+            row(f"{label} ({mode} cache)", bw(name), f"raw readinto preallocated: {bw(base)}", r,
+                T.gbps(name, True) / T.gbps(base, True), ">= 0.8x", r >= 0.8)
+        fresh = f"{mode}_raw_fresh"
+        r = T.gbps(f"{mode}_load") / T.gbps(fresh)
+        row(f"restore `load()` ({mode}) vs fresh buffer", bw(f"{mode}_load"), f"raw read into new torch.empty: "
+            f"{bw(fresh)}", r, T.gbps(f"{mode}_load", True) / T.gbps(fresh, True), "(info)", None)
+    r = T.gbps("verify") / T.gbps("xxh3")
+    row("`verify()` (warm cache)", bw("verify"), f"xxh3_128 in memory: {bw('xxh3')}", r,
+        T.gbps("verify", True) / T.gbps("xxh3", True), "(info)", None)
+    if "verify_mmap" in T.t:
+        r = T.gbps("verify_mmap") / T.gbps("xxh3")
+        row("  prototype: verify hashing an mmap", bw("verify_mmap"), f"xxh3_128 in memory: {bw('xxh3')}", r,
+            T.gbps("verify_mmap", True) / T.gbps("xxh3", True), "(info)", None)
+    add("")
+    cpu = res.get("cpu", {})
+    if cpu:
+        add("Process CPU seconds (all threads, median) - less sensitive than wall time to other load on the box:")
+        add("")
+        add("| operation | CPU s | wall s |")
+        add("|---|---|---|")
+        for name in cpu:
+            add(f"| {name} | {med(cpu[name]):.2f} | {T.med(name):.2f} |")
+        add("")
+    fa = res["first_async"]
+    add(f"- first async save (allocates the snapshot buffers): stall {fa['stall_s']:.2f} s, persist "
+        f"{fa['persist_s']:.2f} s")
+    add(f"- steady async: background persist {ms('persist')} ({bw('persist')}); caller-side parts build "
+        f"(state_dict + RNG capture) {T.med('parts_build') * 1e3:.1f} ms")
+    if "retention_rmtree" in T.t:
+        add(f"- retention delete (rmtree) of one checkpoint: {ms('retention_rmtree')} (outside the save timings)")
+    for mode in ("warm", "cold"):
+        for kind in ("load", "load_empty", "load_mmap", "load_into"):
+            n = f"{mode}_{kind}"
+            if n in T.t:
+                add(f"- resume ({mode}, {kind}): load {ms(n)}, model.load_state_dict {ms(n + '_lsd_model')}, "
+                    f"optimizer.load_state_dict {ms(n + '_lsd_opt')}, first optimizer.step {ms(n + '_first_step')}; "
+                    f"total {ms(n + '_resume')}")
+    if not res["cold_available"]:
+        add("- cold-cache restore not measured: " + ("--no-cold" if res.get("cold_skipped") else
+                                                     "/proc/sys/vm/drop_caches is not writable"))
+    return "\n".join(lines)
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=100e6, help="model parameters (default 100e6)")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats per measurement (median reported)")
+    ap.add_argument("--tmp", default=str(ROOT / ".bench-tmp"), help="scratch dir on the same disk as the repo")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch dir")
+    ap.add_argument("--prototypes", action="store_true", help="also time candidate fixes")
+    ap.add_argument("--no-cold", action="store_true",
+                    help="skip cold-cache restore (it drops the whole machine's page cache, needs root)")
+    ap.add_argument("--json", help="write all raw timings here")
+    args = ap.parse_args()
+    res = run(args)
+    print()
+    print(report(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
