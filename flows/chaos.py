@@ -221,6 +221,20 @@ class ChaosRunner:
             time.sleep(0.02)
         return None
 
+    def _wait_for_recovery(self, fault: Fault, flow: subprocess.Popen, deadline: float) -> None:
+        """One fault at a time: the next is injected only once this one was detected and the run
+        resumed (a slow step: once the step after it began).  Otherwise two faults overlap and
+        neither is measured — e.g. a flowkill orphaning the worker that would hit the ENOSPC."""
+        if fault.kind == "slow":
+            self._wait_for_step(fault.at_step + 1, flow, deadline)
+            return
+        while time.time() < deadline and flow.poll() is None:
+            resumed = [e for e in read_events(self.run_dir, "resumed")
+                       if e.get("rank", 0) == 0 and e["time"] >= (fault.injected_at or 0)]
+            if resumed:
+                return
+            time.sleep(0.1)
+
     # ------------------------------------------------------------------ verdict
     def _score(self, report: ChaosReport, t_start: float) -> None:
         events = read_events(self.run_dir)
@@ -244,11 +258,8 @@ class ChaosRunner:
             if f.kind == "flowkill":
                 nxt = None
             if nxt is not None:
-                f.detected_as, f.detected_after_s, f.steps_lost = (
-                    nxt["failure"],
-                    nxt.get("detected_after_s"),
-                    nxt.get("steps_lost"),
-                )
+                f.detected_as, f.detected_after_s = nxt["failure"], nxt.get("detected_after_s")
+                f.steps_lost = max(0, int(nxt.get("steps_lost") or 0))
             res = next((e for e in resumes if e["time"] >= f.injected_at), None)
             f.recovery_s = round(res["time"] - f.injected_at, 2) if res else None
             if f.kind == "flowkill" and res:
@@ -281,6 +292,7 @@ class ChaosRunner:
             fault.injected_at, fault.injected_step = time.time(), reached
             self.log(f"inject {fault.kind} at step {reached}")
             flow = self._inject(fault, flow)
+            self._wait_for_recovery(fault, flow, deadline)
         try:
             report.exit_code = flow.wait(timeout=max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
