@@ -192,7 +192,11 @@ def run_training(config: RunConfig, allow_config_change: bool = False) -> dict[s
     ``PREFECT_HOME`` runs migrations that outlast the default 20 s, hence the longer default.
     Raises :class:`RunLocked` / :class:`ConfigError` (one-line messages) or :class:`ChunkFailed`.
     """
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" not in os.environ:
+        import prefect.context
+
+        os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
+        prefect.context.refresh_global_settings_context()  # settings were read when prefect was imported
     return train(config=config, allow_config_change=allow_config_change)
 
 

@@ -129,6 +129,8 @@ class _Watch:
     last_step: int | None = None
     last_beat: float | None = None
     progress: float = 0.0
+    #: rank → when we first saw its process gone while the launcher still ran (multi-rank only)
+    rank_gone: dict[int, float] = field(default_factory=dict)
 
 
 def worker_command(run_dir: Path, until_step: int, ranks: int = 1) -> list[str]:
@@ -237,9 +239,12 @@ def _check(
     # Progress in the current phase counts from when we first saw the phase: a long save must not
     # look like a stalled step once training resumes.
     w.progress = max(progress, w.phase_since)
+    lost = _lost_rank(w, beats, ranks, now)
+    if lost is not None:
+        return lost
     if phase == "train" and now - w.progress > lim.stall_s:
         return "hang", f"no step progress for {now - w.progress:.1f} s at step {step}", now - w.progress
-    if now - oldest > lim.timeout_s:
+    if phases != {"done"} and now - oldest > lim.timeout_s:  # a finished rank stops beating by design
         return "dead", f"no heartbeat for {now - oldest:.1f} s (phase {phase})", now - oldest
     if len(beats) < ranks and now - w.started > lim.init_timeout_s:
         return (
@@ -260,6 +265,40 @@ def _check(
             f"stuck in phase {phase} for {now - w.phase_since:.1f} s (limit {limit:g} s)",
             now - w.phase_since - limit,
         )
+    return None
+
+
+#: How long a launcher (torchrun) gets to end the job itself after one of its ranks vanished; past
+#: it, the survivors are blocked in a collective and torchrun waits out its own 30 s grace.
+RANK_GONE_GRACE_S = 2.0
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+def _lost_rank(w: _Watch, beats: list[dict[str, Any]], ranks: int, now: float) -> tuple[str, str, float] | None:
+    """A rank whose process is gone (not finished) while the launcher runs: a crash of that rank.
+
+    Detected by pid within one poll instead of after ``stall_s``; the launcher first gets
+    :data:`RANK_GONE_GRACE_S` to exit by itself, so its exit code and the ranks' audit events
+    (config error, emergency checkpoint) classify the failure when they can.
+    """
+    if ranks <= 1:
+        return None  # the worker is our own child: its exit is seen directly
+    for b in beats:
+        rank = int(b.get("rank", 0))
+        if b.get("phase") == "done" or not _pid_gone(int(b.get("pid", 0))):
+            continue
+        first = w.rank_gone.setdefault(rank, now)
+        if now - first >= RANK_GONE_GRACE_S:
+            since = float(b["time"])
+            return "crash", f"rank {rank} (pid {b.get('pid')}) is gone; the other ranks are blocked", now - since
     return None
 
 
@@ -492,6 +531,8 @@ def supervise(
         return Outcome(rc, seconds, watch.last_step, log_path, list(tail))
     if failure is not None:
         kind, reason, detected_after = failure
+        if kind == "crash" and ranks > 1 and _launcher_exit(run_dir, 1, list(tail), started) == EXIT_CONFIG:
+            kind, reason = "config", _config_message(tail)  # a rank's config error: never retried
     else:
         code = rc if ranks <= 1 else _launcher_exit(run_dir, rc, list(tail), started)
         kind = classify_exit(code, list(tail), oom_before, _oom_kills())

@@ -226,8 +226,9 @@ def test_finished_run_trains_nothing(prefect_api: str, data_dir: Path, tmp_path:
     assert_no_leftovers(cfg.run_dir.resolve())
 
 
-def test_two_ranks_a_killed_rank_fails_the_chunk_and_is_retried(prefect_api: str, data_dir: Path,
-                                                                 tmp_path: Path) -> None:
+def test_two_ranks_a_killed_rank_fails_the_chunk_and_is_retried(
+    prefect_api: str, data_dir: Path, tmp_path: Path
+) -> None:
     """torchrun exits 1 whatever its ranks did; the supervisor still names the rank's SIGKILL."""
     from flows.train import run_training
 
@@ -245,6 +246,9 @@ def test_two_ranks_a_killed_rank_fails_the_chunk_and_is_retried(prefect_api: str
     t.join(timeout=5)
     assert killed and summary["final_step"] == 30 and summary["attempts"] == {1: 2}
     fail = read_events(run_dir, "failure")
-    assert [e["failure"] for e in fail] == ["killed"], fail
-    assert "SIGKILL in a rank" in fail[0]["reason"]
+    # Either torchrun reports the rank's SIGKILL before we look, or the supervisor sees the rank's pid
+    # gone while rank 0 sits blocked in an all-reduce: detected within ~2 s, not after stall_s.
+    assert [e["failure"] for e in fail] in (["killed"], ["crash"]), fail
+    assert "SIGKILL in a rank" in fail[0]["reason"] or "rank 1" in fail[0]["reason"], fail
+    assert fail[0]["detected_after_s"] < 4.5, fail
     assert_no_leftovers(run_dir)

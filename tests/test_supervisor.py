@@ -79,6 +79,8 @@ STANDIN = textwrap.dedent(
             if mode == "preempt-self":
                 os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)
     state["phase"] = "done"; beat()
+    if mode == "linger-after-done":  # beats stop at "done" by design; the exit may take a while
+        state["beating"] = False; time.sleep(1.5)
     sys.exit(0)
     '''
 )
@@ -219,3 +221,28 @@ def test_chunk_failed_pickles() -> None:
 
     exc = pickle.loads(pickle.dumps(ChunkFailed("hang", "chunk 1 hang: x", {"a": 1})))
     assert exc.kind == "hang" and exc.details == {"a": 1} and str(exc) == "chunk 1 hang: x"
+
+
+def test_done_phase_without_beats_is_not_dead(tmp_path: Path, run_dir: Path) -> None:
+    assert isinstance(run(tmp_path, run_dir, "linger-after-done"), float)
+
+
+def test_a_vanished_rank_is_a_crash_after_the_launcher_grace() -> None:
+    """Multi-rank: a rank's pid gone (not finished) while the launcher still runs."""
+    import subprocess
+
+    from tasks.supervisor import RANK_GONE_GRACE_S, _lost_rank, _Watch
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    now = time.time()
+    beats = [
+        {"rank": 0, "pid": os.getpid(), "phase": "train", "step": 5, "time": now},
+        {"rank": 1, "pid": gone.pid, "phase": "train", "step": 5, "time": now - 0.1},
+    ]
+    w = _Watch(started=now - 10)
+    assert _lost_rank(w, beats, 2, now) is None  # the launcher gets its grace first
+    kind, reason, after = _lost_rank(w, beats, 2, now + RANK_GONE_GRACE_S)
+    assert kind == "crash" and "rank 1" in reason and after >= RANK_GONE_GRACE_S
+    assert _lost_rank(_Watch(started=now), [{**beats[1], "phase": "done"}], 2, now + 10) is None
+    assert _lost_rank(_Watch(started=now), beats, 1, now + 10) is None  # single rank: exit code decides
