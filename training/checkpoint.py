@@ -231,7 +231,9 @@ class CheckpointStore:
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _snapshot_tensor(self, key: str, t: torch.Tensor) -> torch.Tensor:
+    def _snapshot_tensor(self, key: str, t: torch.Tensor, blocking: bool) -> torch.Tensor:
+        if blocking and not t.is_cuda:
+            return t  # the caller waits for the write: no copy needed (CUDA still needs host memory)
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
@@ -254,7 +256,7 @@ class CheckpointStore:
             tensors[part] = {}
             for key, t in flat.items():
                 any_cuda |= t.is_cuda
-                tensors[part][key] = self._snapshot_tensor(f"{part}/{key}", t)
+                tensors[part][key] = self._snapshot_tensor(f"{part}/{key}", t, blocking or not self.policy.async_save)
         snap = _Snapshot(step, skeletons, tensors, extra_manifest or {})
         if any_cuda:
             snap.cuda_event = torch.cuda.Event()
