@@ -8,7 +8,9 @@ interleaved blocks (so machine load drifts hit every variant alike), for three v
 * ``none``        — no logging at all (the baseline);
 * ``async``       — ``StepMetricLogger([JsonlBackend, MlflowBackend])`` as the worker uses it:
                     rows are buffered, flushed every 50 steps, MLflow writes on a background thread;
-* ``sync``        — the same with ``MlflowBackend(asynchronous=False)``: ``log_batch`` in the loop.
+* ``async/1``     — the same, but the logger hands every step over (``flush_every=1``: metrics.jsonl
+                    written each step; the MLflow thread still batches, every 2 s);
+* ``sync``        — flush every 50 with ``MlflowBackend(asynchronous=False)``: ``log_batch`` in the loop.
 
 Printed: median step time; the time spent *inside* the logging calls per step (what the training
 loop waits for) as a % of the step; the MLflow ``log_batch`` time per step (on the background
@@ -76,15 +78,18 @@ def main() -> int:
 
     loggers = {}
     backends = {}
-    for variant, asynchronous in (("async", True), ("sync", False)):
-        run_dir = open_run(cfg.model_copy(update={"run_name": f"bench-{variant}"}))
-        run_id = ensure_mlflow_run(cfg.model_copy(update={"run_name": f"bench-{variant}"}), run_dir)
+    for variant, asynchronous, flush_every in (("async", True, 50), ("async/1", True, 1), ("sync", False, 50)):
+        vcfg = cfg.model_copy(update={"run_name": f"bench-{variant.replace('/', '-')}"})
+        run_dir = open_run(vcfg)
+        run_id = ensure_mlflow_run(vcfg, run_dir)
         backends[variant] = MlflowBackend(cfg, run_id, tracking_uri=uri, asynchronous=asynchronous)
-        loggers[variant] = StepMetricLogger([JsonlBackend(run_dir / "metrics.jsonl"), backends[variant]], run_dir)
+        loggers[variant] = StepMetricLogger([JsonlBackend(run_dir / "metrics.jsonl"), backends[variant]], run_dir,
+                                            flush_every=flush_every)
 
     for _ in range(10):  # warm-up (first Adam step imports dynamo, allocations)
         step()
-    times: dict[str, list[float]] = {v: [] for v in ("none", "async", "sync")}
+    variants = ("async", "async/1", "sync")
+    times: dict[str, list[float]] = {v: [] for v in ("none", *variants)}
     in_log: dict[str, float] = {v: 0.0 for v in times}
     counters = {v: 0 for v in times}
     done = 0
@@ -103,7 +108,7 @@ def main() -> int:
                     in_log[variant] += time.perf_counter() - t1
                 times[variant].append(time.perf_counter() - t0)
         done += n
-    for variant in ("async", "sync"):
+    for variant in variants:
         t1 = time.perf_counter()
         loggers[variant].close()
         in_log[variant] += time.perf_counter() - t1  # the worker's close() at chunk end waits too
@@ -117,7 +122,7 @@ def main() -> int:
     print(f"baseline step: median {base * 1e3:.1f} ms, mean {mean_base * 1e3:.1f} ms")
     print(f"{'variant':8} {'in-loop ms/step':>16} {'% of step':>10} {'log_batch ms/step':>18} {'% of step':>10} "
           f"{'calls':>6} {'wall Δ ms/step':>15}")
-    for variant in ("async", "sync"):
+    for variant in variants:
         per = in_log[variant] / args.steps
         bg = backends[variant].write_s / args.steps
         wall = statistics.fmean(times[variant]) - mean_base

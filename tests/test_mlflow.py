@@ -16,6 +16,7 @@ import pytest
 
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
 from training.audit import analyse_events, end_attempt, refresh_audit, start_attempt
+from training.evaluate import metric_rows
 from training.events import append_event, read_events
 from training.mlflow_backend import (
     MlflowBackend,
@@ -27,6 +28,12 @@ from training.mlflow_backend import (
 from training.rundir import load_run_config, run_info
 
 TOTAL = 150
+#: Checkpoint cadence.  The worker flushes metrics every 50 steps and before each checkpoint, so a
+#: kill can only leave logged-but-uncommitted steps to replay if a checkpoint interval holds a
+#: 50-step flush: with 70, chunk 1 is killed at 55 before its first checkpoint (metrics logged
+#: through 50: restart from 0, replay 1..50) and chunk 2 at 131 (checkpoint 75, logged through
+#: 125: replay 76..125).  With per-step flushing the same kills replay 1..54 and 76..130.
+EVERY = 70
 KEYS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s")
 DETERMINISTIC = ("loss", "lr", "grad_norm")
 
@@ -41,7 +48,7 @@ def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def mlflow_run(tmp: Path, name: str, uri: str, extra: list[str] | None = None) -> tuple[Path, str]:
-    overrides = [f"train.total_steps={TOTAL}", f"train.chunk_steps={TOTAL // 2}", "checkpoint.every_steps=40",
+    overrides = [f"train.total_steps={TOTAL}", f"train.chunk_steps={TOTAL // 2}", f"checkpoint.every_steps={EVERY}",
                  "checkpoint.keep_last=3", "tracking.mlflow=true", f"tracking.mlflow_uri={uri}",
                  "tracking.experiment=convoy-test", *(extra or [])]
     run_dir = make_run(tmp, name, overrides)
@@ -92,17 +99,18 @@ def attempt(cfg, run_dir: Path, chunk: int, number: int, start: int, end: int, k
 
 @pytest.mark.slow
 def test_two_kills_exactly_one_point_per_step_and_audit(tmp_path: Path, tracking_uri: str) -> None:
-    ref_dir, ref_id = mlflow_run(tmp_path, "reference", tracking_uri)
-    code, out = run_worker(ref_dir, TOTAL)
+    ref_dir = make_run(tmp_path, "reference", [f"train.total_steps={TOTAL}", f"train.chunk_steps={TOTAL // 2}"])
+    code, out = run_worker(ref_dir, TOTAL)  # uninterrupted, no MLflow (its metrics.jsonl is the reference)
     assert code == 0, out
+    reference = metric_rows(ref_dir)
 
     run_dir, run_id = mlflow_run(tmp_path, "killed", tracking_uri)
     cfg = load_run_config(run_dir)
     half = TOTAL // 2
-    # Chunk 1 [0, 75): killed at step 55 (checkpoint 40, metrics flushed through 50) → resumed.
+    # Chunk 1 [0, 75): killed at step 55 (no checkpoint yet, metrics logged through 50) → restarted.
     attempt(cfg, run_dir, 1, 1, 0, half, kill_step=55)
     attempt(cfg, run_dir, 1, 2, 0, half, kill_step=None)
-    # Chunk 2 [75, 150): killed at step 131 (checkpoint 120, flushed through 125) → resumed.
+    # Chunk 2 [75, 150): killed at step 131 (checkpoint 75, logged through 125) → resumed.
     attempt(cfg, run_dir, 2, 1, half, TOTAL, kill_step=131)
     attempt(cfg, run_dir, 2, 2, half, TOTAL, kill_step=None)
 
@@ -115,10 +123,11 @@ def test_two_kills_exactly_one_point_per_step_and_audit(tmp_path: Path, tracking
         points = history(tracking_uri, run_id, key)
         assert [s for s, _ in points] == list(range(1, TOTAL + 1)), key
     for key in DETERMINISTIC:
-        assert history(tracking_uri, run_id, key) == history(tracking_uri, ref_id, key), key
+        assert history(tracking_uri, run_id, key) == [(s, m[key]) for s, m in reference], key
 
     events = read_events(run_dir)
-    assert [e["step"] for e in events if e["kind"] == "resumed"] == [40, 75, 120]
+    assert len([e for e in events if e["kind"] == "started"]) == 2
+    assert [e["step"] for e in events if e["kind"] == "resumed"] == [75, 75]
     verified = [e for e in events if e["kind"] == "replay_verified"]
     assert len(verified) == 2 and all(e["values_compared"] > 0 and e["mismatches"] == 0 for e in verified)
     assert not [e for e in events if e["kind"] in ("replay_mismatch", "nondeterministic_resume")]
@@ -142,9 +151,9 @@ def test_two_kills_exactly_one_point_per_step_and_audit(tmp_path: Path, tracking
     # The resume table (MLflow table artifact) and the timeline picture.
     table = load_table(tracking_uri, parent.info.experiment_id, run_id)
     assert len(table) == 2
-    assert list(table["resumed_from_step"]) == [40, 120]
+    assert list(table["resumed_from_step"]) == [0, 75]
     assert list(table["replay_verified"]) == [True, True]
-    assert all(table["checkpoint_digest"].str.len() > 0)
+    assert table["checkpoint_digest"].iloc[1] == next(e["digest"] for e in events if e["kind"] == "resumed")
     names = {a.path for a in client.list_artifacts(run_id, "convoy")}
     assert names == {"convoy/resume_events.json", "convoy/timeline.png"}
     png = Path(client.download_artifacts(run_id, "convoy/timeline.png", str(tmp_path)))
@@ -161,14 +170,14 @@ def test_nondeterministic_task_is_reported(tmp_path: Path, tracking_uri: str) ->
     kill_at(run_dir, TOTAL // 2, 55)
     code, out = run_worker(run_dir, TOTAL // 2)
     assert code == 0, out
-    assert "non-deterministic resume at step 41" in out
+    assert "non-deterministic resume at step 1:" in out
     kinds = [e["kind"] for e in read_events(run_dir)]
     assert "nondeterministic_resume" in kinds and "replay_mismatch" in kinds
     summary = refresh_audit(cfg, run_dir)
     assert summary["nondeterministic"] and summary["rows"][0]["replay_verified"] is False
     tags = client_for(tracking_uri).get_run(run_id).data.tags
     assert tags["convoy.nondeterministic"] == "true"
-    assert tags["convoy.nondeterministic_first_step"] == "41"
+    assert tags["convoy.nondeterministic_first_step"] == "1"
     # Even so, the history keeps exactly one point per step (the first value is kept).
     assert [s for s, _ in history(tracking_uri, run_id, "loss")] == list(range(1, TOTAL // 2 + 1))
 
@@ -204,6 +213,15 @@ def test_backend_batches_and_history_roundtrip(tmp_path: Path, tracking_uri: str
     assert hist["missing"] == {}
     assert hist["loss"] == {s: m["loss"] for s, m in rows}  # bit-exact float round trip
     assert backend.calls <= 12 and backend.values == 1200
+    # A logger that hands over every step: the background thread still sends few batches.
+    per_step = MlflowBackend(cfg, run_id)
+    per_step.write([(s, {"per_step": float(s)}) for s in range(1, 2)])
+    for s in range(2, 301):
+        per_step.write([(s, {"per_step": float(s)})])
+    per_step.sync()  # everything written so far is in MLflow now
+    assert [m.step for m in per_step.client.get_metric_history(run_id, "per_step")] == list(range(1, 301))
+    assert per_step.calls <= 3
+    per_step.close()
 
 
 def test_split_batches_never_splits_a_step() -> None:

@@ -8,7 +8,8 @@
   ``convoy.*`` tags, params logged once) and stores its id and URI in ``run.json``; later calls,
   from any process or attempt, reuse it (or the id a checkpoint manifest carries, after a pull).
 * :class:`MlflowBackend` — ``write`` only enqueues; a background thread sends the rows with
-  ``MlflowClient.log_batch`` (≤ 1000 values per call, split at step boundaries).  A call that
+  ``MlflowClient.log_batch`` at most every ``batch_interval_s`` (or per 1000 values; split at step
+  boundaries), so the logger may hand over every single step.  A call that
   fails is retried with the *same* Metric objects: the store's primary key (key, timestamp,
   step, value) makes a retried insert a no-op, so a retry never adds a second point.  Rows still
   queued when the process is SIGKILLed are lost, which is safe: the MLflow high-water mark is
@@ -221,7 +222,8 @@ class MlflowBackend:
     """MetricBackend writing ``(step, {key: value})`` rows to one MLflow run, off the training thread."""
 
     def __init__(self, config: RunConfig | None, run_id: str, tracking_uri: str | None = None,
-                 asynchronous: bool = True, max_retries: int = 5, run_dir: str | Path | None = None) -> None:
+                 asynchronous: bool = True, max_retries: int = 5, run_dir: str | Path | None = None,
+                 batch_interval_s: float = 2.0) -> None:
         self.run_id = run_id
         self.uri = tracking_uri or resolve_tracking_uri(config, run_dir)
         self.client = client_for(self.uri)
@@ -234,7 +236,8 @@ class MlflowBackend:
         self.calls = 0
         self.values = 0
         self.error: BaseException | None = None
-        self._queue: queue.Queue[list[Metric] | None] = queue.Queue()
+        self.batch_interval_s = batch_interval_s
+        self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         if asynchronous:
             self._thread = threading.Thread(target=self._drain, name="convoy-mlflow", daemon=True)
@@ -320,7 +323,9 @@ class MlflowBackend:
         """Block until every row written so far is in MLflow (call before committing a checkpoint:
         rows of steps <= the checkpoint's step are never replayed, so they must not be lost)."""
         if self._thread is not None:
-            self._queue.join()
+            event = threading.Event()
+            self._queue.put(("sync", event))
+            event.wait()
 
     def close(self) -> None:
         """Send everything still queued (blocks until done); the backend stays usable for history."""
@@ -343,29 +348,28 @@ class MlflowBackend:
 
     # ------------------------------------------------------------------ internals
     def _drain(self) -> None:
+        """Background sender: batches by time (``batch_interval_s``) and size (``MAX_BATCH_METRICS``),
+        so a logger that hands over every step (cheap: one enqueue) still costs few ``log_batch``
+        calls.  ``("sync", event)`` sends everything pending and sets the event; ``None`` ends."""
+        pending: list[Metric] = []
+        last = time.monotonic()
         while True:
-            item = self._queue.get()
-            if item is None:
-                self._queue.task_done()
-                return
-            # Coalesce whatever else is already queued into as few calls as possible.
-            pending = [item]
-            stop = False
-            while True:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stop = True
-                    break
-                pending.append(more)
+            timeout = max(0.0, self.batch_interval_s - (time.monotonic() - last)) if pending else None
             try:
-                self._send([m for batch in pending for m in batch])
-            finally:
-                for _ in range(len(pending) + stop):
-                    self._queue.task_done()
-            if stop:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                item = "tick"
+            done = item is None
+            if isinstance(item, list):
+                pending.extend(item)
+            due = done or item == "tick" or isinstance(item, tuple) or len(pending) >= MAX_BATCH_METRICS
+            if due and pending:
+                self._send(pending)
+                pending = []
+                last = time.monotonic()
+            if isinstance(item, tuple):
+                item[1].set()
+            if done:
                 return
 
     def _send(self, metrics: list[Metric]) -> None:
