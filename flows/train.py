@@ -28,6 +28,7 @@ from filelock import FileLock, Timeout
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
+from tasks import tracking
 from tasks.artifacts import publish_chunk_table
 from tasks.chunk import configured
 from tasks.hooks import flow_crashed, flow_failed, remember
@@ -98,6 +99,7 @@ def train(
         run_dir = open_run(cfg, allow_config_change=allow_config_change).resolve()
         if flow_run_id:
             remember(flow_run_id, run_dir=run_dir, run_name=cfg.run_name, chunk=None)
+        tracking.begin_run(cfg, run_dir)
         if reap_stale_worker(run_dir, cfg.train.ranks):
             logger.warning("stopped a worker of this run left over from a flow that died")
         chunks = plan_chunks(cfg.train.total_steps, cfg.train.chunk_steps)
@@ -113,6 +115,8 @@ def train(
         )
         task = configured(cfg)
         rows: list[dict[str, Any]] = []
+        versioned: list[dict[str, Any]] = []
+        ok = False
         try:
             for chunk, start, end in chunks:
                 row: dict[str, Any] = {
@@ -153,9 +157,14 @@ def train(
                 )
                 if "flow_runs" in rec:  # pool mode: one flow run per attempt
                     row["flow_runs"] = rec["flow_runs"]
+                done = tracking.version(cfg, run_dir, end)
+                if done is not None:
+                    versioned.append(done)
                 committed = end
+            ok = True
         finally:
             publish_chunk_table(cfg.run_name, rows)
+            audit = tracking.finish_run(cfg, run_dir, ok)
         final_step = last_committed_step(run_dir) or 0
         from training.checkpoint import CheckpointStore
 
@@ -172,6 +181,8 @@ def train(
             "losses": {r["chunk"]: r["loss"] for r in rows if r["loss"] is not None},
             "failures": [{"chunk": r["chunk"], "kinds": r["failure_kinds"]} for r in rows if r["failure_kinds"]],
             "chunks": rows,
+            "versioned": versioned,
+            "audit": {k: (audit or {}).get(k) for k in ("resumes", "failures", "steps_lost", "nondeterministic")},
             "seconds": round(time.time() - t0, 3),
         }
         append_event(
@@ -190,13 +201,20 @@ def run_training(config: RunConfig, allow_config_change: bool = False) -> dict[s
 
     Without ``PREFECT_API_URL`` Prefect starts its embedded ephemeral API; its start-up on a fresh
     ``PREFECT_HOME`` runs migrations that outlast the default 20 s, hence the longer default.
-    Raises :class:`RunLocked` / :class:`ConfigError` (one-line messages) or :class:`ChunkFailed`.
+    Raises :class:`RunLocked` / :class:`ConfigError` (one-line messages) or :class:`ChunkFailed`
+    (``.kind``, one-line ``str()``; the flow run is Failed and the audit is written).
     """
     if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" not in os.environ:
         import prefect.context
 
         os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
+        # The embedded server's telemetry insert races its own start-up ("database is locked").
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         prefect.context.refresh_global_settings_context()  # settings were read when prefect was imported
+    # Refuse a second writer before a flow run even exists (clean one-line message, no failed run in
+    # the UI); the flow takes the lock again for real, so a race between the two is still safe.
+    with run_lock(config.run_dir, config.run_name):
+        pass
     return train(config=config, allow_config_change=allow_config_change)
 
 

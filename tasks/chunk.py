@@ -21,6 +21,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
+from tasks import tracking
 from tasks.artifacts import publish_failure_note
 from tasks.hooks import chunk_failed, remember
 from tasks.supervisor import (
@@ -112,6 +113,8 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
             if any(m in line for m in _ECHO):
                 logger.info("chunk %d: %s", chunk, line)
 
+        child = tracking.start_attempt(cfg, rd, chunk, attempt, start_step, end_step)
+        t_attempt = time.time()
         try:
             outcome = supervise(
                 worker_command(rd.resolve(), end_step, cfg.train.ranks),
@@ -125,6 +128,8 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
             )
         except ChunkFailed as exc:
             resume_at = exc.details.get("last_committed_step") or 0
+            trained = max(0, resume_at - resume)
+            tracking.end_attempt(cfg, rd, child, False, exc.kind, trained, time.time() - t_attempt)
             if exc.kind == "preempted" and preemptions < cfg.orchestration.retries:
                 preemptions += 1
                 logger.warning("chunk %d preempted; re-submitting at once, resuming from step %d", chunk, resume_at)
@@ -132,6 +137,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
                 continue
             _report(logger, cfg, exc, chunk, attempt, resume_at)
             raise
+        tracking.end_attempt(cfg, rd, child, True, None, end_step - resume, time.time() - t_attempt)
         break
     digest = _committed_digest(rd, end_step)
     if digest is None:

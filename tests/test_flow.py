@@ -212,10 +212,20 @@ def test_killed_flow_resumes_and_second_flow_is_refused(
     assert_no_leftovers(tmp_path)
 
 
-def test_finished_run_trains_nothing(prefect_api: str, data_dir: Path, tmp_path: Path) -> None:
+def test_finished_run_trains_nothing_and_is_tracked_in_mlflow(prefect_api: str, data_dir: Path, tmp_path: Path) -> None:
+    """Also the one flow test with MLflow on: one training run, one nested run per attempt."""
     from flows.train import run_training
 
-    cfg = config(params(tmp_path, data_dir, "again", train={"total_steps": 10, "chunk_steps": 5}))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = config(
+        params(
+            tmp_path,
+            data_dir,
+            "again",
+            train={"total_steps": 10, "chunk_steps": 5},
+            tracking={"mlflow": True, "mlflow_uri": uri},
+        )
+    )
     first = run_training(cfg)
     assert first["trained_chunks"] == 2 and first["final_step"] == 10
     spawned = len(read_events(cfg.run_dir, "worker_done"))
@@ -223,6 +233,20 @@ def test_finished_run_trains_nothing(prefect_api: str, data_dir: Path, tmp_path:
     assert second["trained_chunks"] == 0 and second["skipped_chunks"] == 2
     assert second["digest"] == first["digest"]
     assert len(read_events(cfg.run_dir, "worker_done")) == spawned  # no worker was started
+    assert (cfg.run_dir / "audit" / "resume_events.json").exists()
+
+    from mlflow.tracking import MlflowClient
+
+    from training.rundir import run_info
+
+    client = MlflowClient(uri)
+    parent = client.get_run(run_info(cfg.run_dir)["mlflow_run_id"])
+    assert parent.info.status == "FINISHED"
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(r.data.tags["convoy.chunk"] for r in children) == ["1", "2"]
+    assert all(r.info.status == "FINISHED" for r in children)
+    losses = client.get_metric_history(parent.info.run_id, "loss")
+    assert sorted(m.step for m in losses) == list(range(1, 11))  # the worker logged into this run
     assert_no_leftovers(cfg.run_dir.resolve())
 
 
@@ -251,4 +275,33 @@ def test_two_ranks_a_killed_rank_fails_the_chunk_and_is_retried(
     assert [e["failure"] for e in fail] in (["killed"], ["crash"]), fail
     assert "SIGKILL in a rank" in fail[0]["reason"] or "rank 1" in fail[0]["reason"], fail
     assert fail[0]["detected_after_s"] < 4.5, fail
+    assert_no_leftovers(run_dir)
+
+
+def test_preemption_is_resubmitted_at_once(
+    prefect_api: str, data_dir: Path, tmp_path: Path, reference_digest: str
+) -> None:
+    """SIGTERM = preemption: emergency checkpoint, exit 75, re-spawned at once in the same attempt."""
+    from flows.train import run_training
+
+    cfg = config(params(tmp_path, data_dir, "preempt"))
+    run_dir = cfg.run_dir.resolve()
+    sent: dict[str, Any] = {}
+
+    def preempter() -> None:
+        beat = wait_for_step(run_dir, CHUNK + 7)
+        sent.update(step=beat["step"])
+        os.kill(beat["pid"], signal.SIGTERM)
+
+    t = in_thread(preempter)
+    summary = run_training(cfg)
+    t.join(timeout=5)
+    assert sent and summary["final_step"] == TOTAL and summary["digest"] == reference_digest
+    assert summary["attempts"] == {1: 1, 2: 1, 3: 1}  # no Prefect retry, no retry delay
+    assert [e["failure"] for e in read_events(run_dir, "failure")] == ["preempted"]
+    resub = read_events(run_dir, "resubmitted")
+    assert len(resub) == 1 and resub[0]["chunk"] == 2
+    saved = read_events(run_dir, "preempted")[0]["step"]
+    assert resub[0]["resume_step"] == saved >= sent["step"]  # nothing lost: resumed from the emergency save
+    assert task_runs(summary["flow_run_id"])["chunk-2"].run_count == 1
     assert_no_leftovers(run_dir)

@@ -1,0 +1,100 @@
+"""Glue from the orchestration to MLflow (training/audit.py) and DVC (tasks/version.py).
+
+Why a separate module: the flow and the chunk task call these at fixed points (run start, every
+attempt, every committed chunk, run end) and each call must be *best effort* where the tracking
+side is an audit (a dead MLflow server must not fail a chunk that trained fine), while a failure
+to create the run's MLflow run at the start is reported before any training happens.  MLflow and
+DVC are imported lazily (~3 s each) and only when enabled in ``tracking``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from training.config import RunConfig
+
+log = logging.getLogger("convoy.tracking")
+
+
+def begin_run(config: RunConfig, run_dir: Path) -> str | None:
+    """Create (or find) the run's MLflow run so workers log into it; None without MLflow."""
+    if not config.tracking.mlflow:
+        return None
+    from training.mlflow_backend import ensure_mlflow_run
+
+    return ensure_mlflow_run(config, run_dir)
+
+
+def start_attempt(config: RunConfig, run_dir: Path, chunk: int, attempt: int, start: int, end: int) -> str | None:
+    """Nested MLflow run of one chunk attempt (best effort)."""
+    if not config.tracking.mlflow:
+        return None
+    try:
+        from training.audit import start_attempt as _start
+
+        return _start(config, run_dir, chunk, attempt, start, end)
+    except Exception as exc:  # noqa: BLE001 - audit only
+        log.warning("MLflow: could not start the attempt run of chunk %d: %s", chunk, exc)
+        return None
+
+
+def end_attempt(
+    config: RunConfig,
+    run_dir: Path,
+    child: str | None,
+    ok: bool,
+    kind: str | None = None,
+    steps: int = 0,
+    seconds: float = 0.0,
+) -> None:
+    if child is None:
+        return
+    try:
+        from training.audit import end_attempt as _end
+
+        _end(
+            child,
+            "FINISHED" if ok else "FAILED",
+            failure_kind=kind,
+            steps=steps,
+            seconds=seconds,
+            config=config,
+            run_dir=run_dir,
+        )
+    except Exception as exc:  # noqa: BLE001
+        log.warning("MLflow: could not end attempt run %s: %s", child, exc)
+
+
+def finish_run(config: RunConfig, run_dir: Path, ok: bool) -> dict[str, Any] | None:
+    """Recompute the resume audit (files under ``audit/``, MLflow if enabled) and end the run."""
+    summary = None
+    try:
+        from training.audit import finish_run as _finish
+        from training.audit import refresh_audit
+
+        summary = refresh_audit(config, run_dir)
+        _finish(config, run_dir, "FINISHED" if ok else "FAILED")
+    except Exception as exc:  # noqa: BLE001
+        log.warning("audit: could not finish the run's audit: %s", exc)
+    return summary
+
+
+def version(config: RunConfig, run_dir: Path, step: int) -> dict[str, Any] | None:
+    """DVC-version the checkpoint a chunk committed, before the next chunk can retire it.
+
+    Synchronous on purpose: retention (keep_last) may delete ``step-N`` while the next chunk
+    trains, so an overlapped ``dvc add`` could race the deletion.
+    """
+    if not config.tracking.dvc:
+        return None
+    from tasks.version import version_chunk
+    from training.checkpoint import checkpoint_name
+
+    path = run_dir / "checkpoints" / checkpoint_name(step)
+    try:
+        return version_chunk(None, str(path), config.tracking.dvc_remote or None)
+    except Exception as exc:  # noqa: BLE001 - the checkpoint is safe on disk; say so, keep training
+        log.warning("DVC: could not version %s: %s", path.name, exc)
+        return {"checkpoint": path.name, "error": str(exc)}
