@@ -80,10 +80,12 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         try:
             yield url
         finally:
-            from prefect.logging.handlers import APILogHandler
+            from prefect.events.worker import EventsWorker
+            from prefect.logging.handlers import APILogWorker
 
-            with contextlib.suppress(Exception):
-                APILogHandler.flush()  # deliver pending logs while the server is still up
+            for worker in (APILogWorker, EventsWorker):  # deliver what is queued while the server is up
+                with contextlib.suppress(Exception):
+                    worker.drain_all(timeout=10)
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
