@@ -62,3 +62,18 @@ def test_worker_exits_78_on_missing_prepared_data(tmp_path: Path) -> None:
     assert code == 78, out
     assert "run `convoy prepare` first" in out
     assert not any((run_dir / "checkpoints").iterdir())
+
+
+def test_trajectory_change_refused_unless_explicitly_allowed(tmp_path: Path) -> None:
+    from tests.engine_util import SMALL, make_run, run_worker
+    from training.rundir import open_run
+
+    run_dir = make_run(tmp_path)
+    assert run_worker(run_dir, 20)[0] == 0
+    changed = load_config(None, SMALL + [f"runs_dir={tmp_path / 'runs'}", f"data.prepared_dir={tmp_path / 'data'}",
+                                         "run_name=run", "train.lr=0.01"])
+    with pytest.raises(ConfigError, match="--allow-config-change"):
+        open_run(changed)
+    open_run(changed, allow_config_change=True)
+    code, out = run_worker(run_dir, 30)
+    assert code == 0 and "resumed from step 20" in out, out

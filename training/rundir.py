@@ -51,7 +51,9 @@ def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
     if info is None:
         update_run_info(run_dir, name=config.run_name, fingerprint=fp, created=time.time(), mlflow_run_id=None)
     elif info.get("fingerprint") != fp:
-        update_run_info(run_dir, fingerprint=fp)
+        # The user explicitly accepted the change: checkpoints of the old config may be resumed.
+        accepted = sorted({*info.get("accepted_fingerprints", []), info.get("fingerprint")} - {None})
+        update_run_info(run_dir, fingerprint=fp, accepted_fingerprints=accepted)
     atomic_write_json(run_dir / CONFIG_FILE, config.model_dump(mode="json"))
     return run_dir
 
