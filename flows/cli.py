@@ -323,6 +323,34 @@ def chaos(
     raise typer.Exit(0 if report.survived else 1)
 
 
+@app.command()
+def pull(
+    run_dir: Path,
+    remote: str | None = typer.Option(None, help="DVC remote name or URL (default: the repo's)"),
+    latest_only: bool = typer.Option(False, help="pull only the newest versioned checkpoint"),
+) -> None:
+    """Restore a run's versioned checkpoints from the DVC remote (then `convoy train` resumes)."""
+    from tasks.version import VersioningError, pull_run
+
+    try:
+        out = pull_run(None, run_dir, remote, latest_only)
+    except VersioningError as exc:
+        raise fail(str(exc), 1) from None
+    console.print_json(json.dumps(out, default=str))
+
+
+@app.command("prefect-setup")
+def prefect_setup(
+    deployment: str = typer.Option("train/nightly", help="deployment of flow train"),
+    within_s: float | None = typer.Option(None, help="heartbeat silence that marks a run crashed"),
+) -> None:
+    """Create the flow-liveness automations (crash a silent flow run, restart a crashed one)."""
+    from flows.liveness import ensure_liveness_automations
+
+    ids = ensure_liveness_automations(deployment, within_s)
+    console.print(f"liveness automations for {deployment}: {', '.join(ids)}")
+
+
 def main() -> None:  # pragma: no cover - console script
     app()
 
