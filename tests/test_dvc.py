@@ -48,25 +48,25 @@ def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
     repo = dvc_repo(tmp_path / "repo")
     remote = tmp_path / "remote"
     run_dir = make_run(repo, "run", ["checkpoint.keep_last=50"])
-    code, out = run_worker(run_dir, 60)
+    code, out = run_worker(run_dir, 30)
     assert code == 0, out
-    ck60 = run_dir / "checkpoints" / "step-000000060"
+    ck30 = run_dir / "checkpoints" / "step-000000030"
 
-    # Version step 60 while the next chunk trains (a background thread, as the flow does).
-    p = start_worker(run_dir, 120)
-    future = version_checkpoint_async(repo, ck60, str(remote))
+    # Version step 30 while the next chunk trains (a background thread, as the flow does).
+    p = start_worker(run_dir, 60)
+    future = version_checkpoint_async(repo, ck30, str(remote))
     result = future.result(timeout=120)
     p_out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, p_out
     digest_b = final_digest(run_dir)
-    assert result["step"] == 60 and result["files_pushed"] >= 1 and result["dvc_md5"].endswith(".dir")
-    assert (run_dir / "checkpoints" / "step-000000060.dvc").exists()
+    assert result["step"] == 30 and result["files_pushed"] >= 1 and result["dvc_md5"].endswith(".dir")
+    assert (run_dir / "checkpoints" / "step-000000030.dvc").exists()
     assert any(remote.rglob("*")), "nothing arrived in the DVC remote"
-    assert "step-000000060.dvc" in git(repo, "status", "--porcelain", "-uall")  # not git-ignored: committable
+    assert "step-000000030.dvc" in git(repo, "status", "--porcelain", "-uall")  # not git-ignored: committable
     # Content-addressed: versioning the same checkpoint again sends nothing.
-    again = version_checkpoint(repo, ck60, str(remote))
+    again = version_checkpoint(repo, ck30, str(remote))
     assert again["files_pushed"] == 0 and again["dvc_md5"] == result["dvc_md5"]
-    assert [e["checkpoint"] for e in read_events(run_dir, "checkpoint_versioned")] == ["step-000000060"] * 2
+    assert [e["checkpoint"] for e in read_events(run_dir, "checkpoint_versioned")] == ["step-000000030"] * 2
 
     # "Another machine": no local checkpoints, no DVC cache.  Pull, verify, resume.
     for path in (run_dir / "checkpoints").iterdir():
@@ -75,23 +75,23 @@ def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
     (run_dir / "checkpoints" / "LATEST").unlink(missing_ok=True)
     shutil.rmtree(repo / ".dvc" / "cache")
     assert CheckpointStore(run_dir).latest_valid(record=False) is None
-    assert [p.name for p in checkpoint_dvcfiles(run_dir)] == ["step-000000060.dvc"]
+    assert [p.name for p in checkpoint_dvcfiles(run_dir)] == ["step-000000030.dvc"]
     pulled = pull_run(repo, run_dir, remote=str(remote))
-    assert pulled["checkpoints"] == [{"checkpoint": "step-000000060", "digest": result["digest"]}]
-    code, out = run_worker(run_dir, 120)
+    assert pulled["checkpoints"] == [{"checkpoint": "step-000000030", "digest": result["digest"]}]
+    code, out = run_worker(run_dir, 60)
     assert code == 0, out
-    assert "resumed from step 60" in out
+    assert "resumed from step 30" in out
     assert final_digest(run_dir) == digest_b
 
     # The exported model is the newest checkpoint's model, deterministic bytes.
     m1, m2 = tmp_path / "m1.safetensors", tmp_path / "m2.safetensors"
     info = export_final_model(run_dir, m1)
     export_final_model(run_dir, m2)
-    assert info["step"] == 120 and info["digest"] == digest_b
+    assert info["step"] == 60 and info["digest"] == digest_b
     assert m1.read_bytes() == m2.read_bytes()
     tensors, meta = load_model_file(m1)
     assert meta["digest"] == digest_b and "tok.weight" in tensors and "head.weight" in tensors
-    assert write_loss_plot(run_dir, tmp_path / "loss.csv") == 120
+    assert write_loss_plot(run_dir, tmp_path / "loss.csv") == 60
 
 
 def test_version_refuses_invalid_and_unknown_remote(tmp_path: Path) -> None:
