@@ -3,8 +3,9 @@
 After a chunk commits, :func:`version_checkpoint` runs ``dvc add`` on the checkpoint directory
 (``runs/<name>/checkpoints/step-N`` → ``step-N.dvc`` next to it; content-addressed, so unchanged
 files cost nothing) and ``dvc push``es it to the remote, through the ``dvc.repo.Repo`` API.  A
-committed checkpoint directory is immutable, so this can run on a background thread while the next
-chunk trains (:func:`version_checkpoint_async`, or ``version_chunk.submit(...)`` in a flow).
+committed checkpoint directory is immutable and is hard-linked to a private stage before DVC reads
+it, so retention deleting it meanwhile is harmless: this can run on a background thread while the
+next chunk trains (:func:`version_checkpoint_async`, or ``version_chunk.submit(...)`` in a flow).
 :func:`pull_run` restores a run's checkpoints on another machine (``dvc pull`` of the run's
 ``.dvc`` files), after which the worker resumes from the newest one that verifies.
 
@@ -24,7 +25,9 @@ repository lock.  ``dvc`` is imported lazily (on first use).
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -32,9 +35,12 @@ from typing import Any
 
 from prefect import task
 
-from training.checkpoint import CheckpointStore, parse_step
+from training import safetensors_io as st
+from training.checkpoint import MANIFEST, CheckpointStore, parse_step, state_digest
 from training.events import append_event
 
+#: Prefix of the private hard-link stage of a checkpoint being versioned (ignored by the store).
+STAGE_PREFIX = ".stage-"
 #: Name given to a remote configured from a URL or path in ``tracking.dvc_remote``.
 URL_REMOTE_NAME = "convoy"
 
@@ -112,13 +118,84 @@ def resolve_remote(repo: Any, remote: str | None) -> str | None:
     return URL_REMOTE_NAME
 
 
+def _snapshot(ckpt: Path) -> Path:
+    """Hard-link the (flat, immutable) checkpoint directory to ``checkpoints/.stage-step-N``.
+
+    Instant, no extra bytes, and the links keep the data alive if retention deletes ``step-N``
+    while DVC is still hashing it — which is what makes versioning safe to overlap with the next
+    chunk.  Built under a temporary name and renamed, so the stage is complete or absent.  The
+    name is no checkpoint name (the store ignores it) and its ``.dvc`` file matches the same
+    ``checkpoints/*.dvc`` git rule as the real one."""
+    # Not named .tmp-*: a starting worker sweeps those away.
+    tmp = ckpt.parent / f"{STAGE_PREFIX}tmp-{ckpt.name}-{os.getpid()}-{threading.get_ident()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        for f in sorted(ckpt.iterdir()):
+            if f.is_dir():
+                raise VersioningError(f"{ckpt.name}: unexpected sub-directory {f.name}")
+            try:
+                os.link(f, tmp / f.name)
+            except OSError:  # a filesystem without hard links: copy
+                shutil.copy2(f, tmp / f.name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    final = ckpt.parent / f"{STAGE_PREFIX}{ckpt.name}"
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    return final
+
+
+def _verify_stage(stage: Path, step: int) -> dict[str, Any]:
+    """What ``CheckpointStore.verify`` checks (manifest, per-file size + hash, digest), for a
+    stage whose directory name is not the checkpoint's."""
+    manifest = json.loads((stage / MANIFEST).read_text())
+    if manifest.get("step") != step:
+        raise ValueError(f"manifest step {manifest.get('step')} is not {step}")
+    if state_digest(manifest["files"]) != manifest["digest"]:
+        raise ValueError("manifest digest does not match its file list")
+    for name, info in manifest["files"].items():
+        size, digest = st.hash_file(stage / name)
+        if size != info["size"] or digest != info["xxh3_128"]:
+            raise ValueError(f"{name}: size or content hash differs from the manifest (corrupt)")
+    return manifest
+
+
+def _move_dvcfile(stage: Path, ckpt: Path) -> Path:
+    """``.stage-step-N.dvc`` (tracking ``.stage-step-N``) → ``step-N.dvc`` tracking ``step-N``;
+    the git-ignore entry DVC wrote for the stage becomes the checkpoint's."""
+    import yaml
+
+    src = stage.with_name(stage.name + ".dvc")
+    spec = yaml.safe_load(src.read_text())
+    for out in spec.get("outs", []):
+        if out.get("path") == stage.name:
+            out["path"] = ckpt.name
+    dst = ckpt.with_name(ckpt.name + ".dvc")
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.write_text(yaml.safe_dump(spec, sort_keys=False))
+    os.replace(tmp, dst)
+    src.unlink()
+    gitignore = ckpt.parent / ".gitignore"
+    if gitignore.exists():
+        lines = [ln for ln in gitignore.read_text().splitlines() if ln != f"/{stage.name}"]
+        if f"/{ckpt.name}" not in lines:
+            lines.append(f"/{ckpt.name}")
+        gitignore.write_text("\n".join(lines) + "\n")
+    return dst
+
+
 def version_checkpoint(
     repo_root: str | Path | None, checkpoint_path: str | Path, remote: str | None = None, push: bool = True
 ) -> dict[str, Any]:
     """``dvc add`` a committed checkpoint directory and ``dvc push`` it; returns what was done.
 
-    The checkpoint is verified first (manifest + hashes): an invalid or half-written directory is
-    never versioned.  Raises :class:`VersioningError` with a one-line reason.
+    The checkpoint is hard-linked to a private stage first (see :func:`_snapshot`) and the stage is
+    verified (manifest + hashes): an invalid or half-written directory is never versioned, and a
+    retention delete of ``step-N`` during the add cannot break it.  The ``.dvc`` file is written
+    as ``checkpoints/step-N.dvc`` tracking ``step-N`` (so ``dvc pull`` restores it in place).
+    Raises :class:`VersioningError` with a one-line reason.
     """
     ckpt = Path(checkpoint_path).resolve()
     step = parse_step(ckpt.name)
@@ -126,36 +203,16 @@ def version_checkpoint(
         raise VersioningError(f"{ckpt}: not a checkpoint directory (expected checkpoints/step-NNNNNNNNN)")
     run_dir = ckpt.parent.parent
     try:
-        manifest = CheckpointStore(run_dir).verify(ckpt).manifest
-    except (ValueError, OSError) as exc:
-        raise VersioningError(f"{ckpt.name} does not verify, not versioning it: {exc}") from None
-
-    def work(repo: Any) -> dict[str, Any]:
-        remote_name = resolve_remote(repo, remote) if push else None
-        t0 = time.perf_counter()
-        stages = repo.add([str(ckpt)])
-        add_s = time.perf_counter() - t0
-        out = stages[0].outs[0]
-        md5 = out.hash_info.value if out.hash_info else None
-        pushed, push_s = 0, 0.0
-        if push:
-            t1 = time.perf_counter()
-            pushed = repo.push(targets=[str(stages[0].path)], remote=remote_name)
-            push_s = time.perf_counter() - t1
-        return {
-            "checkpoint": ckpt.name,
-            "step": step,
-            "digest": manifest["digest"],
-            "dvc_md5": md5,
-            "dvcfile": str(stages[0].path),
-            "remote": (remote_name or "(default)") if push else None,
-            "files_pushed": pushed,
-            "add_s": round(add_s, 3),
-            "push_s": round(push_s, 3),
-        }
-
+        stage = _snapshot(ckpt)
+    except FileNotFoundError:
+        raise VersioningError(f"{ckpt.name} was retired (deleted by retention) before it could be versioned") from None
     try:
-        result = _with_repo(repo_root, ckpt, work)
+        try:
+            manifest = _verify_stage(stage, step)
+        except (ValueError, OSError, KeyError) as exc:
+            raise VersioningError(f"{ckpt.name} does not verify, not versioning it: {exc}") from None
+        result = _with_repo(repo_root, ckpt, lambda repo: _add_and_push(repo, ckpt, stage, step, manifest,
+                                                                         remote, push))
     except VersioningError:
         raise
     except Exception as exc:  # DVC raises many types; the caller needs one line
@@ -165,11 +222,39 @@ def version_checkpoint(
                 f"blanket 'runs/' with 'runs/**', '!runs/**/', '!runs/*/checkpoints/*.dvc', "
                 f"'!runs/*/checkpoints/.gitignore'"
             ) from None
-        if not ckpt.exists():
-            raise VersioningError(f"{ckpt.name} was retired (deleted by retention) while versioning it") from None
         raise VersioningError(f"dvc add/push of {ckpt.name} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.with_name(stage.name + ".dvc").unlink(missing_ok=True)
     append_event(run_dir, "checkpoint_versioned", **result)
     return result
+
+
+def _add_and_push(repo: Any, ckpt: Path, stage: Path, step: int, manifest: dict[str, Any], remote: str | None,
+                  push: bool) -> dict[str, Any]:
+    remote_name = resolve_remote(repo, remote) if push else None
+    t0 = time.perf_counter()
+    stages = repo.add([str(stage)])
+    add_s = time.perf_counter() - t0
+    out = stages[0].outs[0]
+    md5 = out.hash_info.value if out.hash_info else None
+    dvcfile = _move_dvcfile(stage, ckpt)  # same content hash, now naming the real checkpoint
+    pushed, push_s = 0, 0.0
+    if push:
+        t1 = time.perf_counter()
+        pushed = repo.push(targets=[str(dvcfile)], remote=remote_name)
+        push_s = time.perf_counter() - t1
+    return {
+        "checkpoint": ckpt.name,
+        "step": step,
+        "digest": manifest["digest"],
+        "dvc_md5": md5,
+        "dvcfile": str(dvcfile),
+        "remote": (remote_name or "(default)") if push else None,
+        "files_pushed": pushed,
+        "add_s": round(add_s, 3),
+        "push_s": round(push_s, 3),
+    }
 
 
 def version_checkpoint_async(

@@ -47,14 +47,20 @@ def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
 
     repo = dvc_repo(tmp_path / "repo")
     remote = tmp_path / "remote"
-    run_dir = make_run(repo, "run", ["checkpoint.keep_last=50"])
+    run_dir = make_run(repo, "run")  # keep_last=2: the next chunk retires step 30
     code, out = run_worker(run_dir, 30)
     assert code == 0, out
     ck30 = run_dir / "checkpoints" / "step-000000030"
 
-    # Version step 30 while the next chunk trains (a background thread, as the flow does).
+    # Version step 30 while the next chunk trains (a background thread, as the flow does), and
+    # retire step 30 (as retention does) while DVC is still working on it.
     p = start_worker(run_dir, 60)
     future = version_checkpoint_async(repo, ck30, str(remote))
+    stage = run_dir / "checkpoints" / ".stage-step-000000030"
+    while not stage.exists() and not future.done():
+        time.sleep(0.005)
+    assert stage.exists(), "versioning finished before the retire could race it"
+    shutil.rmtree(ck30)
     result = future.result(timeout=120)
     p_out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, p_out
@@ -63,10 +69,16 @@ def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
     assert (run_dir / "checkpoints" / "step-000000030.dvc").exists()
     assert any(remote.rglob("*")), "nothing arrived in the DVC remote"
     assert "step-000000030.dvc" in git(repo, "status", "--porcelain", "-uall")  # not git-ignored: committable
-    # Content-addressed: versioning the same checkpoint again sends nothing.
-    again = version_checkpoint(repo, ck30, str(remote))
-    assert again["files_pushed"] == 0 and again["dvc_md5"] == result["dvc_md5"]
-    assert [e["checkpoint"] for e in read_events(run_dir, "checkpoint_versioned")] == ["step-000000030"] * 2
+    assert (run_dir / "checkpoints" / ".gitignore").read_text() == "/step-000000030\n"
+    assert not stage.exists() and not list((run_dir / "checkpoints").glob(".stage-*"))
+    # Content-addressed: versioning an unchanged checkpoint again sends nothing.
+    ck60 = run_dir / "checkpoints" / "step-000000060"
+    first60 = version_checkpoint(repo, ck60, str(remote))
+    again = version_checkpoint(repo, ck60, str(remote))
+    assert first60["files_pushed"] >= 1 and again["files_pushed"] == 0 and again["dvc_md5"] == first60["dvc_md5"]
+    assert [e["checkpoint"] for e in read_events(run_dir, "checkpoint_versioned")] == [
+        "step-000000030", "step-000000060", "step-000000060"]
+    (run_dir / "checkpoints" / "step-000000060.dvc").unlink()  # "the other machine" pulls step 30 only
 
     # "Another machine": no local checkpoints, no DVC cache.  Pull, verify, resume.
     for path in (run_dir / "checkpoints").iterdir():
