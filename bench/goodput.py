@@ -29,7 +29,7 @@ from training.corpus import prepare
 from training.events import append_event, read_events
 from training.rundir import open_run
 
-MODEL = ["task_args.d_model=256", "task_args.n_layer=4", "task_args.n_head=4", "data.seq_len=64",
+MODEL = ["task_args.d_model=128", "task_args.n_layer=2", "task_args.n_head=4", "data.seq_len=64",
          "train.batch_size=16", "data.synthetic_chars=400000", "tracking.mlflow=false", "checkpoint.keep_last=2",
          "train.total_steps=1000000", "train.chunk_steps=1000000"]
 
@@ -54,7 +54,8 @@ def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: fl
     wall = time.time() - t0
     ck = CheckpointStore(run_dir).latest_valid(record=False)
     committed = ck.step if ck else 0
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    mpath = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in mpath.read_text().splitlines()] if mpath.exists() else []
     step_s = statistics.median(r["metrics"]["step_time_s"] for r in rows) if rows else float("nan")
     picks = read_events(run_dir, "interval_chosen")
     interval = picks[-1]["interval_steps"] if picks else every
