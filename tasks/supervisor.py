@@ -9,31 +9,15 @@ raises :class:`ChunkFailed`.  Prefect then retries only that chunk.
 
 This module never imports Prefect, so it is unit-tested with stand-in scripts.
 
-Failure kinds (DESIGN "Worker ⇄ supervisor contract"):
-
-``config``     exit 78 — configuration/data error, never retried.
-``preempted``  exit 75 — SIGTERM from outside; the worker saved an emergency checkpoint.
-``oom``        best effort: killed by SIGKILL (or exit 137) *and* the cgroup ``oom_kill`` counter
-               rose during the attempt, or the output tail says "out of memory"/``MemoryError``.
-``killed``     ended by a signal it did not raise itself (SIGKILL, SIGTERM, SIGINT, ...).
-``crash``      any other non-zero exit, a fatal signal of its own (SIGSEGV/SIGABRT/SIGBUS/SIGFPE/
-               SIGILL), or exit 0 without a committed checkpoint at the chunk's end step.
-``hang``       alive and beating but no step progress for ``stall_s`` in phase ``train``, or stuck
-               in a phase longer than its own limit (init/load: ``init_timeout_s``; save/eval and
-               the exit after ``done``: ``save_timeout_s``).
-``dead``       no heartbeat for ``timeout_s`` (a frozen or wedged process), or none at all within
-               ``init_timeout_s`` of the start.
-``timeout``    the attempt ran past the chunk deadline.
+Failure kinds and the rules that assign them: :mod:`tasks.classify`.  Process-group
+lifecycle (die with the supervisor, stop, reap): :mod:`tasks.procs`.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import os
-import re
-import signal
 import subprocess
 import sys
 import threading
@@ -43,23 +27,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from training.config import EXIT_CONFIG, EXIT_PREEMPTED
-from training.events import append_event, read_events
+from tasks.classify import (
+    FAILURE_KINDS,
+    NOT_RETRYABLE,
+    classify_exit,
+    config_message,
+    launcher_exit,
+    oom_kills,
+    signame,
+)
+from tasks.procs import child_setup, pid_gone, reap_stale_worker, stop_group
+from training.config import EXIT_CONFIG
+from training.events import append_event
 from training.heartbeat import heartbeat_path, read_heartbeat
 
-FAILURE_KINDS = ("crash", "killed", "oom", "hang", "dead", "preempted", "timeout", "config")
-#: Kinds Prefect must never retry: the same input fails the same way.
-NOT_RETRYABLE = frozenset({"config"})
-#: Signals a process raises on itself when it crashes (as opposed to being killed from outside).
-_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
-_OOM_MARKERS = ("out of memory", "memoryerror", "cannot allocate memory")
-_PR_SET_PDEATHSIG = 1
-try:  # resolved in the parent: dlopen inside a forked child of a threaded process can deadlock
-    _PRCTL: Any = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _PRCTL = None
+#: Re-exported: callers only need this module.
+__all__ = [
+    "FAILURE_KINDS",
+    "NOT_RETRYABLE",
+    "ChunkFailed",
+    "Limits",
+    "Outcome",
+    "classify_exit",
+    "last_committed_step",
+    "reap_stale_worker",
+    "stop_group",
+    "supervise",
+    "worker_command",
+]
 
 
 class ChunkFailed(Exception):
@@ -139,35 +134,6 @@ def worker_command(run_dir: Path, until_step: int, ranks: int = 1) -> list[str]:
     if ranks <= 1:
         return [sys.executable, *tail]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *tail]
-
-
-def _oom_kills() -> int | None:
-    """cgroup v2 ``oom_kill`` counter (None where unavailable, e.g. cgroup v1 or no access)."""
-    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory.events.local"):
-        try:
-            for line in Path(path).read_text().splitlines():
-                key, _, val = line.partition(" ")
-                if key == "oom_kill":
-                    return int(val)
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def _child_setup(parent_pid: int) -> Callable[[], None]:
-    """preexec: ask the kernel to SIGTERM the worker if the supervising thread dies.
-
-    Without this a SIGKILLed flow process leaves its worker training on, unsupervised, writing
-    checkpoints while a re-run starts a second one.  SIGTERM lets it save an emergency checkpoint.
-    """
-
-    def setup() -> None:
-        if _PRCTL is not None:
-            _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(EXIT_PREEMPTED)
-
-    return setup
 
 
 def _follow(
@@ -273,15 +239,6 @@ def _check(
 RANK_GONE_GRACE_S = 2.0
 
 
-def _pid_gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:
-        return False
-
-
 def _lost_rank(w: _Watch, beats: list[dict[str, Any]], ranks: int, now: float) -> tuple[str, str, float] | None:
     """A rank whose process is gone (not finished) while the launcher runs: a crash of that rank.
 
@@ -293,158 +250,13 @@ def _lost_rank(w: _Watch, beats: list[dict[str, Any]], ranks: int, now: float) -
         return None  # the worker is our own child: its exit is seen directly
     for b in beats:
         rank = int(b.get("rank", 0))
-        if b.get("phase") == "done" or not _pid_gone(int(b.get("pid", 0))):
+        if b.get("phase") == "done" or not pid_gone(int(b.get("pid", 0))):
             continue
         first = w.rank_gone.setdefault(rank, now)
         if now - first >= RANK_GONE_GRACE_S:
             since = float(b["time"])
             return "crash", f"rank {rank} (pid {b.get('pid')}) is gone; the other ranks are blocked", now - since
     return None
-
-
-def classify_exit(returncode: int, tail: Sequence[str], oom_before: int | None, oom_after: int | None) -> str:
-    """Failure kind of a worker that exited by itself with ``returncode`` (non-zero)."""
-    if returncode == EXIT_CONFIG:
-        return "config"
-    if returncode == EXIT_PREEMPTED:
-        return "preempted"
-    oom_counter = oom_before is not None and oom_after is not None and oom_after > oom_before
-    text = "\n".join(tail[-20:]).lower()
-    if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) and oom_counter:
-        return "oom"
-    if any(m in text for m in _OOM_MARKERS):
-        return "oom"
-    if returncode < 0:
-        return "crash" if -returncode in _CRASH_SIGNALS else "killed"
-    if returncode > 128 and returncode - 128 in {int(s) for s in signal.Signals}:
-        # A shell or launcher reporting its child's signal as 128+n.
-        return "crash" if returncode - 128 in _CRASH_SIGNALS else "killed"
-    return "crash"
-
-
-def _launcher_exit(run_dir: Path, returncode: int, tail: Sequence[str], since: float) -> int:
-    """The exit that matters when torchrun stands between us and the ranks.
-
-    torchrun exits 1 whatever its ranks did, so the ranks' own audit events decide first (a
-    config error, an emergency checkpoint), then the "Root Cause" exit code in its failure report.
-    """
-    if returncode in (0, EXIT_CONFIG, EXIT_PREEMPTED):
-        return returncode
-    recent = [e for e in read_events(run_dir) if e.get("time", 0) >= since]
-    if any(e["kind"] == "config_error" for e in recent):
-        return EXIT_CONFIG
-    if any(e["kind"] == "preempted" for e in recent):
-        return EXIT_PREEMPTED
-    text = "\n".join(tail)
-    root = text[text.find("Root Cause") :] if "Root Cause" in text else text
-    m = re.search(r"exitcode\s*:\s*(-?\d+)", root)
-    return int(m.group(1)) if m else returncode
-
-
-def _config_message(tail: Sequence[str]) -> str:
-    """The worker's one-line config message (it prints ``config error: ...`` last, on stderr)."""
-    for line in reversed(tail):
-        if line.startswith("config error"):
-            return line
-    return next((line for line in reversed(tail) if line.strip()), "configuration error (exit 78)")
-
-
-def _signame(returncode: int) -> str:
-    try:
-        return f"signal {signal.Signals(-returncode).name}" if returncode < 0 else f"exit code {returncode}"
-    except ValueError:
-        return f"signal {-returncode}"
-
-
-def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> list[int]:
-    """SIGTERM the worker's group, wait ``grace_s``, SIGKILL, reap. Returns pids still alive (bug).
-
-    Descendants are collected *before* anything is signalled: once the worker dies its children
-    are re-parented and can no longer be found from it.  Any that left the process group
-    (``setsid``) are signalled one by one.
-    """
-    try:
-        root = psutil.Process(proc.pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        procs = []
-    pgid = proc.pid  # start_new_session=True: the group id is the worker's pid
-
-    def signal_all(sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, sig)
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(sig)
-
-    signal_all(signal.SIGTERM)
-    # A stopped (SIGSTOPped) process only acts on SIGTERM once continued; this lets it save.
-    signal_all(signal.SIGCONT)
-    _wait_gone(proc, procs, grace_s)
-    if _alive(procs) or proc.poll() is None:
-        signal_all(signal.SIGKILL)
-        _wait_gone(proc, procs, 10.0)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
-    return [p.pid for p in procs if _is_live(p)]
-
-
-def _is_live(p: psutil.Process) -> bool:
-    """Running and not a zombie.  A zombie whose parent is not us is its parent's to reap."""
-    try:
-        if p.status() == psutil.STATUS_ZOMBIE:
-            if p.ppid() == os.getpid():
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(p.pid, os.WNOHANG)
-            return False
-        return p.is_running()
-    except psutil.Error:
-        return False
-
-
-def _alive(procs: list[psutil.Process]) -> bool:
-    return any(_is_live(p) for p in procs)
-
-
-def _wait_gone(proc: subprocess.Popen[bytes], procs: list[psutil.Process], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        proc.poll()  # reap the direct child as soon as it exits
-        if proc.returncode is not None and not _alive(procs):
-            return
-        time.sleep(0.05)
-
-
-def reap_stale_worker(run_dir: Path, ranks: int = 1, grace_s: float = 5.0) -> list[int]:
-    """Stop a worker of this run left over from a supervisor that died (caller holds the run lock).
-
-    Identified by the heartbeat's pid *and* a command line naming the run directory, so a recycled
-    pid is never touched.  Returns the pids that were stopped.
-    """
-    stopped = []
-    for r in range(ranks):
-        beat = read_heartbeat(run_dir, r)
-        if not beat:
-            continue
-        try:
-            p = psutil.Process(int(beat["pid"]))
-            if str(run_dir) not in " ".join(p.cmdline()) or p.status() == psutil.STATUS_ZOMBIE:
-                continue
-            group = [p, *p.children(recursive=True)]
-            for q in group:
-                with contextlib.suppress(psutil.Error):
-                    q.terminate()
-            _gone, alive = psutil.wait_procs(group, timeout=grace_s)
-            for q in alive:
-                with contextlib.suppress(psutil.Error):
-                    q.kill()
-            psutil.wait_procs(alive, timeout=5)
-            stopped.append(p.pid)
-        except (psutil.Error, KeyError, ValueError):
-            continue
-    if stopped:
-        append_event(run_dir, "stale_worker_stopped", pids=stopped)
-    return stopped
 
 
 def last_committed_step(run_dir: Path) -> int | None:
@@ -482,7 +294,7 @@ def supervise(
         with contextlib.suppress(FileNotFoundError):
             heartbeat_path(run_dir, r).unlink()
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-    oom_before = _oom_kills()
+    oom_before = oom_kills()
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     started = time.time()
     with open(log_path, "ab") as log:
@@ -497,7 +309,7 @@ def supervise(
             cwd=cwd,
             env=full_env,
             start_new_session=True,
-            preexec_fn=_child_setup(os.getpid()),
+            preexec_fn=child_setup(os.getpid()),
         )
     stop_follow = threading.Event()
     follower = threading.Thread(target=_follow, args=(log_path, offset, stop_follow, tail, on_line), daemon=True)
@@ -531,15 +343,15 @@ def supervise(
         return Outcome(rc, seconds, watch.last_step, log_path, list(tail))
     if failure is not None:
         kind, reason, detected_after = failure
-        if kind == "crash" and ranks > 1 and _launcher_exit(run_dir, 1, list(tail), started) == EXIT_CONFIG:
-            kind, reason = "config", _config_message(tail)  # a rank's config error: never retried
+        if kind == "crash" and ranks > 1 and launcher_exit(run_dir, 1, list(tail), started) == EXIT_CONFIG:
+            kind, reason = "config", config_message(tail)  # a rank's config error: never retried
     else:
-        code = rc if ranks <= 1 else _launcher_exit(run_dir, rc, list(tail), started)
-        kind = classify_exit(code, list(tail), oom_before, _oom_kills())
+        code = rc if ranks <= 1 else launcher_exit(run_dir, rc, list(tail), started)
+        kind = classify_exit(code, list(tail), oom_before, oom_kills())
         reason = {
-            "config": _config_message(tail),
+            "config": config_message(tail),
             "preempted": "preempted (exit 75) after saving an emergency checkpoint",
-        }.get(kind, _signame(code) + ("" if code == rc else f" in a rank (launcher {_signame(rc)})"))
+        }.get(kind, signame(code) + ("" if code == rc else f" in a rank (launcher {signame(rc)})"))
         detected_after = exit_seen - last_seen_running  # upper bound: the exit happened in between
     committed = last_committed_step(run_dir)
     lost = (watch.last_step - committed) if (watch.last_step is not None and committed is not None) else None

@@ -1,0 +1,104 @@
+"""Failure kinds, and the rules that name a worker's own exit (exit code, output tail, audit events).
+
+Why its own module: the kinds are the contract of DESIGN "Worker ⇄ supervisor contract" and the
+exit rules are unit-tested without running anything.  The liveness kinds (hang, dead, timeout, a
+lost rank) are decided while watching, in :mod:`tasks.supervisor`.
+
+``config``     exit 78 — configuration/data error, never retried.
+``preempted``  exit 75 — SIGTERM from outside; the worker saved an emergency checkpoint.
+``oom``        best effort: killed by SIGKILL (or exit 137) *and* the cgroup ``oom_kill`` counter
+               rose during the attempt, or the output tail says "out of memory"/``MemoryError``.
+``killed``     ended by a signal it did not raise itself (SIGKILL, SIGTERM, SIGINT, ...).
+``crash``      any other non-zero exit, a fatal signal of its own (SIGSEGV/SIGABRT/SIGBUS/SIGFPE/
+               SIGILL), or exit 0 without a committed checkpoint at the chunk's end step.
+``hang``       alive and beating but no step progress for ``stall_s`` in phase ``train``, or stuck
+               in a phase longer than its own limit (init/load: ``init_timeout_s``; save/eval and
+               the exit after ``done``: ``save_timeout_s``).
+``dead``       no heartbeat for ``timeout_s`` (a frozen or wedged process), or none at all within
+               ``init_timeout_s`` of the start.
+``timeout``    the attempt ran past the chunk deadline.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+
+from training.config import EXIT_CONFIG, EXIT_PREEMPTED
+from training.events import read_events
+
+FAILURE_KINDS = ("crash", "killed", "oom", "hang", "dead", "preempted", "timeout", "config")
+#: Kinds Prefect must never retry: the same input fails the same way.
+NOT_RETRYABLE = frozenset({"config"})
+#: Signals a process raises on itself when it crashes (as opposed to being killed from outside).
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
+_OOM_MARKERS = ("out of memory", "memoryerror", "cannot allocate memory")
+
+
+def oom_kills() -> int | None:
+    """cgroup v2 ``oom_kill`` counter (None where unavailable, e.g. cgroup v1 or no access)."""
+    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory.events.local"):
+        try:
+            for line in Path(path).read_text().splitlines():
+                key, _, val = line.partition(" ")
+                if key == "oom_kill":
+                    return int(val)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def classify_exit(returncode: int, tail: Sequence[str], oom_before: int | None, oom_after: int | None) -> str:
+    """Failure kind of a worker that exited by itself with ``returncode`` (non-zero)."""
+    if returncode == EXIT_CONFIG:
+        return "config"
+    if returncode == EXIT_PREEMPTED:
+        return "preempted"
+    oom_counter = oom_before is not None and oom_after is not None and oom_after > oom_before
+    text = "\n".join(tail[-20:]).lower()
+    if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) and oom_counter:
+        return "oom"
+    if any(m in text for m in _OOM_MARKERS):
+        return "oom"
+    if returncode < 0:
+        return "crash" if -returncode in _CRASH_SIGNALS else "killed"
+    if returncode > 128 and returncode - 128 in {int(s) for s in signal.Signals}:
+        # A shell or launcher reporting its child's signal as 128+n.
+        return "crash" if returncode - 128 in _CRASH_SIGNALS else "killed"
+    return "crash"
+
+
+def launcher_exit(run_dir: Path, returncode: int, tail: Sequence[str], since: float) -> int:
+    """The exit that matters when torchrun stands between us and the ranks.
+
+    torchrun exits 1 whatever its ranks did, so the ranks' own audit events decide first (a
+    config error, an emergency checkpoint), then the "Root Cause" exit code in its failure report.
+    """
+    if returncode in (0, EXIT_CONFIG, EXIT_PREEMPTED):
+        return returncode
+    recent = [e for e in read_events(run_dir) if e.get("time", 0) >= since]
+    if any(e["kind"] == "config_error" for e in recent):
+        return EXIT_CONFIG
+    if any(e["kind"] == "preempted" for e in recent):
+        return EXIT_PREEMPTED
+    text = "\n".join(tail)
+    root = text[text.find("Root Cause") :] if "Root Cause" in text else text
+    m = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+    return int(m.group(1)) if m else returncode
+
+
+def config_message(tail: Sequence[str]) -> str:
+    """The worker's one-line config message (it prints ``config error: ...`` last, on stderr)."""
+    for line in reversed(tail):
+        if line.startswith("config error"):
+            return line
+    return next((line for line in reversed(tail) if line.strip()), "configuration error (exit 78)")
+
+
+def signame(returncode: int) -> str:
+    try:
+        return f"signal {signal.Signals(-returncode).name}" if returncode < 0 else f"exit code {returncode}"
+    except ValueError:
+        return f"signal {-returncode}"
