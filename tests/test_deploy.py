@@ -65,6 +65,8 @@ def test_deploy_and_pool_mode_rerun_chunk_as_new_flow_run(
     }
     for pool in ("convoy", "gpu"):
         prefect_cli("work-pool", "create", pool, "--type", "process", "--overwrite", env=env)
+    # One chunk per GPU slot: a failed chunk's slot must be released for its re-run (no deadlock).
+    prefect_cli("concurrency-limit", "create", "gpu", "1", env=env)
     out = prefect_cli("--no-prompt", "deploy", "--all", env=env)
     assert "train/nightly" in out.stdout and "train-chunk/gpu" in out.stdout, out.stdout
     from prefect.client.orchestration import get_client
