@@ -45,6 +45,7 @@ STAGE_PREFIX = ".stage-"
 URL_REMOTE_NAME = "convoy"
 
 _dvc_lock = threading.Lock()
+_version_lock = threading.Lock()
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -92,14 +93,17 @@ def default_remote_dir() -> Path:
 def resolve_remote(repo: Any, remote: str | None) -> str | None:
     """The remote *name* to push to / pull from.
 
-    ``remote`` empty: the repository's default remote, else a local directory remote
-    (:func:`default_remote_dir`) configured as ``convoy``.  A name: that remote.  A URL or path:
-    configured as the remote ``convoy`` (in ``.dvc/config.local``, never committed).
+    ``remote`` empty: the repository's default remote, else the ``convoy`` remote if one was
+    configured before, else a local directory remote (:func:`default_remote_dir`) as ``convoy``.
+    A name: that remote.  A URL or path: configured as the remote ``convoy`` (in
+    ``.dvc/config.local``, never committed).
     """
     remotes = repo.config.get("remote", {})
     if not remote:
         if repo.config.get("core", {}).get("remote"):
             return None  # DVC uses the default
+        if URL_REMOTE_NAME in remotes:
+            return URL_REMOTE_NAME  # configured earlier from tracking.dvc_remote
         remote = str(default_remote_dir())
     elif not _is_url(remote):
         if remote not in remotes:
@@ -145,6 +149,24 @@ def _snapshot(ckpt: Path) -> Path:
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     return final
+
+
+def _clean_stale_stages(checkpoints: Path) -> None:
+    """Remove stages (and their ``.dvc`` files / ignore lines) left by a versioner that was killed.
+
+    One flow per run (the run lock) and one versioning at a time per process: none is in use."""
+    stale = sorted(checkpoints.glob(f"{STAGE_PREFIX}*"))
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    gitignore = checkpoints / ".gitignore"
+    if stale and gitignore.exists():
+        lines = gitignore.read_text().splitlines()
+        kept = [ln for ln in lines if not ln.startswith(f"/{STAGE_PREFIX}")]
+        if kept != lines:
+            gitignore.write_text("".join(f"{ln}\n" for ln in kept))
 
 
 def _verify_stage(stage: Path, step: int) -> dict[str, Any]:
@@ -201,7 +223,15 @@ def version_checkpoint(
     step = parse_step(ckpt.name)
     if step is None or not ckpt.is_dir():
         raise VersioningError(f"{ckpt}: not a checkpoint directory (expected checkpoints/step-NNNNNNNNN)")
+    with _version_lock:  # one versioning at a time per process: stages are not shared
+        return _version_locked(repo_root, ckpt, step, remote, push)
+
+
+def _version_locked(
+    repo_root: str | Path | None, ckpt: Path, step: int, remote: str | None, push: bool
+) -> dict[str, Any]:
     run_dir = ckpt.parent.parent
+    _clean_stale_stages(ckpt.parent)
     try:
         stage = _snapshot(ckpt)
     except FileNotFoundError:
@@ -211,8 +241,9 @@ def version_checkpoint(
             manifest = _verify_stage(stage, step)
         except (ValueError, OSError, KeyError) as exc:
             raise VersioningError(f"{ckpt.name} does not verify, not versioning it: {exc}") from None
-        result = _with_repo(repo_root, ckpt, lambda repo: _add_and_push(repo, ckpt, stage, step, manifest,
-                                                                         remote, push))
+        result = _with_repo(
+            repo_root, ckpt, lambda repo: _add_and_push(repo, ckpt, stage, step, manifest, remote, push)
+        )
     except VersioningError:
         raise
     except Exception as exc:  # DVC raises many types; the caller needs one line
@@ -230,20 +261,23 @@ def version_checkpoint(
     return result
 
 
-def _add_and_push(repo: Any, ckpt: Path, stage: Path, step: int, manifest: dict[str, Any], remote: str | None,
-                  push: bool) -> dict[str, Any]:
+def _add_and_push(
+    repo: Any, ckpt: Path, stage: Path, step: int, manifest: dict[str, Any], remote: str | None, push: bool
+) -> dict[str, Any]:
     remote_name = resolve_remote(repo, remote) if push else None
     t0 = time.perf_counter()
-    stages = repo.add([str(stage)])
+    stages = repo.add([str(stage)], relink=False)  # the stage is deleted next: no re-checkout
     add_s = time.perf_counter() - t0
     out = stages[0].outs[0]
     md5 = out.hash_info.value if out.hash_info else None
-    dvcfile = _move_dvcfile(stage, ckpt)  # same content hash, now naming the real checkpoint
     pushed, push_s = 0, 0.0
     if push:
         t1 = time.perf_counter()
-        pushed = repo.push(targets=[str(dvcfile)], remote=remote_name)
+        pushed = repo.push(targets=[str(stage.with_name(stage.name + ".dvc"))], remote=remote_name)
         push_s = time.perf_counter() - t1
+    # Only now does checkpoints/step-N.dvc appear (same content hash, naming the real checkpoint):
+    # a .dvc file is never there before its data is in the remote, even if this process is killed.
+    dvcfile = _move_dvcfile(stage, ckpt)
     return {
         "checkpoint": ckpt.name,
         "step": step,
