@@ -16,12 +16,14 @@ Each figure is measured beside a baseline doing the same bytes the plainest way,
 * sync save: ``save(blocking=True)`` (write + hash + fsync + manifest + rename) vs one raw
   ``write`` + ``fsync`` of the same bytes.  Goal GB/s ratio >= 0.8.
 * restore: ``load()`` (read + xxh3-128 verify + frombuffer tensors) vs raw ``readinto`` of the
-  same files into a preallocated buffer (and, for reference, into a fresh ``bytearray``), warm
-  page cache and cold (``drop_caches``, needs root).  ``load_state_dict`` reported separately.
-  Goal GB/s ratio >= 0.8.
+  same files into a preallocated buffer (and, for reference, into a fresh uninitialised buffer), warm
+  page cache and cold (``drop_caches``, needs root).  ``load_state_dict`` and the first optimizer step
+  after the restore are reported separately.  Goal GB/s ratio >= 0.8.
 * verify: ``verify()`` vs ``xxh3_128`` over an in-memory buffer (informational).
 
-``--prototypes`` also times candidate fixes built from the store's own pieces (see the report).
+``--prototypes`` also times the pre-94a3a35 code paths and candidate fixes built from the store's own
+pieces, and checks two restore hazards (file pinned after retention, in-place writes showing through);
+``--fresh-process N`` times N resumes per variant in a new process (the restarted-worker case).
 Temporary files go to ``--tmp`` (default ``<repo>/.bench-tmp``, removed at the end).
 """
 
@@ -37,6 +39,7 @@ import platform
 import shutil
 import statistics
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -181,6 +184,24 @@ def proto_read_verified_empty(path: Path, expected_size: int, expected_hash: str
     return view
 
 
+def proto_read_verified_bytearray(path: Path, expected_size: int, expected_hash: str) -> bytearray:
+    """st.read_verified as it was before commit 94a3a35: zero-filled bytearray, one readinto, then one
+    hash pass over the whole buffer (kept to compare the current store against)."""
+    _check(path, path.stat().st_size, expected_size)
+    buf = bytearray(expected_size)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        got = 0
+        while got < expected_size:
+            n = f.readinto(view[got:])
+            if not n:
+                raise ValueError(f"{path.name}: file shrank while reading")
+            got += n
+    if xxhash.xxh3_128(buf).hexdigest() != expected_hash:
+        raise ValueError(f"{path.name}: content hash mismatch (corrupt)")
+    return buf
+
+
 def proto_read_verified_mmap(path: Path, expected_size: int, expected_hash: str) -> Any:
     """st.read_verified as a private (copy-on-write) file mapping: hashing maps page-cache pages
     instead of copying them into fresh memory; tensors from torch.frombuffer stay writable."""
@@ -312,12 +333,99 @@ def patched(name: str, fn: Callable[..., Any]) -> Iterator[None]:
         setattr(st, name, old)
 
 
-class NoSnapshotStore(CheckpointStore):
-    """Blocking save straight from the live CPU tensors: the caller waits anyway, so the snapshot
-    copy into the reused buffers (and, on a first save, their allocation) is pure overhead."""
+class SnapshotAlwaysStore(CheckpointStore):
+    """The store as it was before commit 94a3a35: a blocking save also copies every tensor into the
+    snapshot buffers first (kept to compare the current store against)."""
 
-    def _snapshot_tensor(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        return super()._snapshot_tensor(key, t) if t.is_cuda else t
+    def _snapshot_tensor(self, key: str, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        try:
+            return super()._snapshot_tensor(key, t, False)  # type: ignore[call-arg]
+        except TypeError:  # a store without the blocking argument always copies
+            return super()._snapshot_tensor(key, t)
+
+
+# ---------------------------------------------------------------------------- fresh-process resume
+def resume_child(ckpt: str, variant: str, params: float) -> None:
+    """What a restarted worker pays: fresh process, model built (params touched), optimizer with no
+    state; time load + load_state_dict + the first optimizer step.  Prints one JSON line."""
+    torch.manual_seed(0)
+    width = 2048
+    while width > 64 and params / (width * width + width) < 4:
+        width //= 2
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(max(1, round(
+        params / (width * width + width))))])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    warm = torch.nn.Linear(2, 2)  # pay the one-off optimizer import cost (torch._dynamo) outside the timing
+    w_opt = torch.optim.AdamW(warm.parameters())
+    warm(torch.ones(1, 2)).sum().backward()
+    w_opt.step()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    store = CheckpointStore(Path(ckpt).parent.parent)
+    live = {"state": {f"model.{k}": v for k, v in model.state_dict().items()}}
+    out: dict[str, float] = {}
+    fn = {"load": None, "load_empty": proto_read_verified_empty, "load_mmap": proto_read_verified_mmap,
+          "load_old": proto_read_verified_bytearray}.get(variant)
+    if variant == "load_into":
+        out["load"], loaded = timed(proto_load_into, store, Path(ckpt), live)
+        out["load_cpu"] = LAST_CPU[0]
+    else:
+        with patched("read_verified", fn) if fn else contextlib.nullcontext():
+            out["load"], (_c, loaded) = timed(store.load, Path(ckpt))
+        out["load_cpu"] = LAST_CPU[0]
+    s = loaded["state"]
+    out["lsd_model"] = 0.0 if variant == "load_into" else timed(model.load_state_dict, s["model"])[0]
+    out["lsd_opt"] = timed(opt.load_state_dict, s["optimizer"])[0]
+    out["first_step"] = timed(opt.step)[0]
+    out["total"] = out["load"] + out["lsd_model"] + out["lsd_opt"] + out["first_step"]
+    out["rss_gb"] = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GB
+    print(json.dumps(out))
+
+
+def fresh_process_resumes(T: Timings, args: argparse.Namespace, ckpt: Path, cold_ok: bool) -> None:
+    variants = ["load"] + (["load_old", "load_empty", "load_into"] if args.prototypes else [])
+    for mode in (["warm", "cold"] if cold_ok else ["warm"]):
+        for i in range(args.fresh_process):
+            for variant in interleave(i, variants):
+                if mode == "cold":
+                    drop_caches()
+                else:
+                    for f in ckpt.iterdir():  # make sure it is cached
+                        raw_readinto(f, memoryview(bytearray(f.stat().st_size)))
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(ckpt), variant,
+                       "--params", str(args.params)]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                for k, v in r.items():
+                    T.add(f"fp_{mode}_{variant}_{k}", v)
+
+
+def check_restore_hazards(tmp: Path) -> dict[str, Any]:
+    """Does a restored state keep the checkpoint file alive (deleted but still mapped after retention),
+    and do in-place writes to the file show through into the restored tensors?  Small model."""
+    model, opt, _ = build_state(2e6, seed=1)
+    store = CheckpointStore(tmp / "hazards", CheckpointConfig(keep_last=1))
+    store.save(1, make_parts(model, opt, 1), blocking=True)
+    _ck, loaded = store.load(store.last_committed.path)
+    model.load_state_dict(loaded["state"]["model"])
+    opt.load_state_dict(loaded["state"]["optimizer"])
+    del loaded, _ck
+    gc.collect()
+    store.save(2, make_parts(model, opt, 2), blocking=True)  # keep_last=1: retention deletes step 1
+    pinned = [ln.split()[-2] for ln in Path("/proc/self/maps").read_text().splitlines()
+              if ln.endswith("(deleted)") and str(tmp / "hazards") in ln]
+    _ck, loaded = store.load(store.last_committed.path)
+    t = loaded["state"]["optimizer"]["state"][0]["exp_avg"]
+    before = t.reshape(-1)[0].item()
+    f = store.last_committed.path / "state.safetensors"
+    with open(f, "r+b") as fh:  # a corruption injected after the (verified) restore
+        fh.write(b"\0" * f.stat().st_size)
+    after = t.reshape(-1)[0].item()
+    opt.state.clear()
+    del loaded, _ck, t
+    gc.collect()
+    return {"deleted_files_still_mapped": pinned, "inplace_write_visible": before != after,
+            "exp_avg0_before": before, "exp_avg0_after": after}
 
 
 # ---------------------------------------------------------------------------- benchmark
@@ -371,7 +479,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"torch threads {torch.get_num_threads()}", flush=True)
 
     store = CheckpointStore(tmp / "run", CheckpointConfig(keep_last=10**6))
-    nosnap = NoSnapshotStore(tmp / "run", CheckpointConfig(keep_last=10**6))
+    old = SnapshotAlwaysStore(tmp / "run", CheckpointConfig(keep_last=10**6))
 
     def retire_all() -> None:
         for _step, p in store.step_dirs():
@@ -407,7 +515,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print("[2/4] sync save vs raw write+fsync ...", flush=True)
     views = raw_views(tensors)
     raw_path = tmp / "raw.bin"
-    kinds = ["raw", "save"] + (["nosnap", "nosnap_overlap"] if args.prototypes else [])
+    kinds = ["raw", "save"] + (["old", "overlap"] if args.prototypes else [])
     for i in range(R):
         for kind in interleave(i, kinds):
             retire_all()
@@ -418,8 +526,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             step += 1
             p = make_parts(model, opt, step)
-            s = store if kind == "save" else nosnap
-            with patched("write_file", proto_write_file_overlap) if kind == "nosnap_overlap" else \
+            s = old if kind == "old" else store
+            with patched("write_file", proto_write_file_overlap) if kind == "overlap" else \
                     contextlib.nullcontext():
                 dt, _ = timed(s.save, step, p, True)
             T.add(f"sync_{kind}", dt, s.last_committed.bytes, cpu=True)
@@ -452,7 +560,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     variants = {"load": None}
     if args.prototypes:
-        variants.update(load_empty=proto_read_verified_empty, load_mmap=proto_read_verified_mmap, load_into=None)
+        variants.update(load_old=proto_read_verified_bytearray, load_empty=proto_read_verified_empty,
+                        load_into=None)
     live = {"state": {f"model.{k}": v for k, v in model.state_dict().items()}}
     cold_ok = not args.no_cold and drop_caches()
     res["cold_available"] = cold_ok
@@ -494,6 +603,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         p.grad = None
     gc.collect()
 
+    if args.fresh_process:
+        print("[3b] resume in a fresh process ...", flush=True)
+        fresh_process_resumes(T, args, ck.path, cold_ok)
+
     # ---- 4. verify vs raw xxh3_128 -----------------------------------------------------------
     T.load["verify"] = os.getloadavg()[0]
     print("[4/4] verify vs xxh3_128 over an in-memory buffer ...", flush=True)
@@ -513,6 +626,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 with patched("hash_file", proto_hash_file_mmap):
                     T.add("verify_mmap", timed(lambda: store.verify(ck.path))[0], verify_bytes)
 
+    if args.prototypes:
+        res["hazards"] = check_restore_hazards(tmp)
     res["t"], res["nbytes"], res["loadavg"], res["cpu"] = T.t, T.nbytes, T.load, T.cpu
     res["machine"] = dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
                           torch=torch.__version__, xxhash=xxhash.VERSION)
@@ -553,8 +668,8 @@ def report(res: dict[str, Any]) -> str:
     r = T.gbps("sync_save") / T.gbps("raw_write")
     row("sync save (snapshot+write+hash+fsync+manifest+rename)", bw("sync_save"), f"raw write+fsync: {bw('raw_write')}",
         r, T.gbps("sync_save", True) / T.gbps("raw_write", True), ">= 0.8x", r >= 0.8)
-    for name, label in (("sync_nosnap", "  prototype: sync save without snapshot copy"),
-                        ("sync_nosnap_overlap", "  prototype: ... and hash overlapped with fsync")):
+    for name, label in (("sync_old", "  before 94a3a35: snapshot copy also on blocking saves"),
+                        ("sync_overlap", "  prototype: hash overlapped with fsync")):
         if name in T.t:
             r = T.gbps(name) / T.gbps("raw_write")
             row(label, bw(name), f"raw write+fsync: {bw('raw_write')}", r,
@@ -564,7 +679,7 @@ def report(res: dict[str, Any]) -> str:
             continue
         base = f"{mode}_raw_pre"
         for kind, label in (("load", "restore `load()`"), ("load_empty", "  prototype: torch.empty + chunked hash"),
-                            ("load_mmap", "  prototype: private mmap"),
+                            ("load_old", "  before 94a3a35: bytearray + readinto + hash"),
                             ("load_into", "  prototype: read into model params + torch.empty")):
             name = f"{mode}_{kind}"
             if name not in T.t:
@@ -601,12 +716,32 @@ def report(res: dict[str, Any]) -> str:
     if "retention_rmtree" in T.t:
         add(f"- retention delete (rmtree) of one checkpoint: {ms('retention_rmtree')} (outside the save timings)")
     for mode in ("warm", "cold"):
-        for kind in ("load", "load_empty", "load_mmap", "load_into"):
+        for kind in ("load", "load_old", "load_empty", "load_into"):
             n = f"{mode}_{kind}"
             if n in T.t:
                 add(f"- resume ({mode}, {kind}): load {ms(n)}, model.load_state_dict {ms(n + '_lsd_model')}, "
                     f"optimizer.load_state_dict {ms(n + '_lsd_opt')}, first optimizer.step {ms(n + '_first_step')}; "
                     f"total {ms(n + '_resume')}")
+    fp = [n for n in T.t if n.startswith("fp_") and n.endswith("_total")]
+    if fp:
+        add("")
+        add("Resume in a fresh process (model built, optimizer without state; median / best):")
+        add("")
+        add("| cache, variant | load() | load CPU s | model.load_state_dict | first optimizer.step | total "
+            "| RSS after |")
+        add("|---|---|---|---|---|---|---|")
+        for n in fp:
+            b = n.removesuffix("_total")
+            add(f"| {b.removeprefix('fp_').replace('_', ' ', 1)} | {ms(b + '_load')} | "
+                f"{T.med(b + '_load_cpu'):.2f} | {ms(b + '_lsd_model')} | {ms(b + '_first_step')} | {ms(n)} | "
+                f"{T.med(b + '_rss_gb'):.2f} GB |")
+    hz = res.get("hazards")
+    if hz:
+        add("")
+        add(f"- restore hazards (2M-param check): files deleted by retention but still mapped by the restored "
+            f"state: {len(hz['deleted_files_still_mapped'])} {hz['deleted_files_still_mapped']}; in-place "
+            f"overwrite of the file after load() visible in the restored optimizer state: "
+            f"{hz['inplace_write_visible']} (exp_avg[0] {hz['exp_avg0_before']:.3g} -> {hz['exp_avg0_after']:.3g})")
     if not res["cold_available"]:
         add("- cold-cache restore not measured: " + ("--no-cold" if res.get("cold_skipped") else
                                                      "/proc/sys/vm/drop_caches is not writable"))
@@ -621,8 +756,14 @@ def main() -> None:
     ap.add_argument("--prototypes", action="store_true", help="also time candidate fixes")
     ap.add_argument("--no-cold", action="store_true",
                     help="skip cold-cache restore (it drops the whole machine's page cache, needs root)")
+    ap.add_argument("--fresh-process", type=int, default=0, metavar="N",
+                    help="also time N resumes per variant in a fresh process (the restarted-worker case)")
     ap.add_argument("--json", help="write all raw timings here")
+    ap.add_argument("--child", nargs=2, metavar=("CKPT", "VARIANT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        resume_child(args.child[0], args.child[1], args.params)
+        return
     res = run(args)
     print()
     print(report(res))
