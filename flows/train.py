@@ -211,10 +211,11 @@ def run_training(config: RunConfig, allow_config_change: bool = False) -> dict[s
         # The embedded server's telemetry insert races its own start-up ("database is locked").
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         prefect.context.refresh_global_settings_context()  # settings were read when prefect was imported
-    # Refuse a second writer before a flow run even exists (clean one-line message, no failed run in
-    # the UI); the flow takes the lock again for real, so a race between the two is still safe.
+    # Refuse a second writer or a trajectory-changing config before a flow run even exists (a clean
+    # one-line message, no failed run in the UI); the flow repeats both under its own lock, so a
+    # race between two callers is still safe.  open_run is idempotent.
     with run_lock(config.run_dir, config.run_name):
-        pass
+        open_run(config, allow_config_change=allow_config_change)
     return train(config=config, allow_config_change=allow_config_change)
 
 

@@ -307,3 +307,30 @@ def test_preemption_is_resubmitted_at_once(
     assert resub[0]["resume_step"] == saved >= sent["step"]  # nothing lost: resumed from the emergency save
     assert task_runs(summary["flow_run_id"])["chunk-2"].run_count == 1
     assert_no_leftovers(run_dir)
+
+
+def test_sigterm_to_the_flow_crashes_it_cleanly(prefect_api: str, data_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM to the flow process: on_crashed writes the audit, the worker saves and stops."""
+    p = params(tmp_path, data_dir, "flowterm", heartbeat={"grace_s": 15})  # room for the emergency save
+    pfile = tmp_path / "params.yaml"
+    pfile.write_text(yaml.safe_dump(p))
+    run_dir = config(p).run_dir.resolve()
+    flow = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "train", str(pfile)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for_step(run_dir, 8)
+        flow.send_signal(signal.SIGTERM)
+        assert flow.wait(timeout=60) != 0
+    finally:
+        if flow.poll() is None:
+            os.killpg(flow.pid, signal.SIGKILL)
+            flow.wait()
+    kinds = [e["kind"] for e in read_events(run_dir)]
+    assert "flow_crashed" in kinds, kinds
+    assert "preempted" in kinds  # the supervisor's cleanup sent SIGTERM: an emergency checkpoint
+    assert_no_leftovers(run_dir)
