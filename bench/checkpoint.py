@@ -387,6 +387,8 @@ def resume_child(ckpt: str, variant: str, params: float) -> None:
     out["first_step"] = timed(opt.step)[0]
     out["total"] = out["load"] + out["lsd_model"] + out["lsd_opt"] + out["first_step"]
     out["rss_gb"] = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GB
+    gc.collect()
+    out["files_still_mapped"] = sum(ckpt in ln for ln in Path("/proc/self/maps").read_text().splitlines())
     print(json.dumps(out))
 
 
@@ -736,13 +738,13 @@ def report(res: dict[str, Any]) -> str:
         add("Resume in a fresh process (model built, optimizer without state; median / best):")
         add("")
         add("| cache, variant | load() | load CPU s | model.load_state_dict | first optimizer.step | total "
-            "| RSS after |")
-        add("|---|---|---|---|---|---|---|")
+            "| RSS after | files still mapped |")
+        add("|---|---|---|---|---|---|---|---|")
         for n in fp:
             b = n.removesuffix("_total")
             add(f"| {b.removeprefix('fp_').replace('_', ' ', 1)} | {ms(b + '_load')} | "
                 f"{T.med(b + '_load_cpu'):.2f} | {ms(b + '_lsd_model')} | {ms(b + '_first_step')} | {ms(n)} | "
-                f"{T.med(b + '_rss_gb'):.2f} GB |")
+                f"{T.med(b + '_rss_gb'):.2f} GB | {T.med(b + '_files_still_mapped'):.0f} |")
     hz = res.get("hazards")
     if hz:
         add("")
