@@ -195,9 +195,11 @@ class ChaosRunner:
                 fault.note = "no checkpoint yet to damage"
             elif fault.kind == "corrupt":
                 target = newest / "state.safetensors"
-                data = bytearray(target.read_bytes())
-                data[len(data) // 2] ^= 0xFF
-                target.write_bytes(bytes(data))
+                with open(target, "r+b") as fh:  # bit rot in place: same size, one byte flipped
+                    fh.seek(target.stat().st_size // 2)
+                    byte = fh.read(1)
+                    fh.seek(-1, os.SEEK_CUR)
+                    fh.write(bytes([byte[0] ^ 0xFF]))
                 fault.note = f"flipped a byte in {newest.name}"
             else:
                 shutil.rmtree(newest)

@@ -179,3 +179,31 @@ def test_worker_with_failing_saves_exits_nonzero_keeping_last_good(tmp_path: Pat
     assert code not in (0, 75, 78), out
     assert "No space left on device" in out
     assert CheckpointStore(run_dir).latest_valid().step == 20
+
+
+def test_restored_state_does_not_keep_the_checkpoint_file_mapped(tmp_path: Path) -> None:
+    import gc
+
+    from training.state import TrainState
+    from training.task import TaskParts
+
+    def parts() -> TaskParts:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(64, 64)
+        opt = torch.optim.AdamW(m.parameters())
+        m(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        return TaskParts(model=m, optimizer=opt, scheduler=None, train_data=[], loss_fn=lambda m, b: b)
+
+    src = TrainState(parts(), torch.amp.GradScaler("cpu", enabled=False), step=7)
+    store = CheckpointStore(tmp_path)
+    store.save(7, src.checkpoint_parts(), blocking=True)
+    dst = TrainState(parts(), torch.amp.GradScaler("cpu", enabled=False))
+    _, loaded = store.load_latest()
+    dst.restore(loaded)
+    del loaded
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text()
+    assert str(tmp_path) not in maps  # retention may delete it; an in-place rewrite must not reach us
+    exp_avg = dst.parts.optimizer.state[dst.parts.model.weight]["exp_avg"]
+    assert torch.equal(exp_avg, src.parts.optimizer.state[src.parts.model.weight]["exp_avg"])

@@ -98,6 +98,13 @@ class TrainState:
         p = self.parts
         p.model.load_state_dict(s["model"])
         p.optimizer.load_state_dict(s["optimizer"])
+        # The loaded tensors are views of a private mapping of the checkpoint file; model weights
+        # were copied by load_state_dict, optimizer state was not.  Own it, so the mapping is
+        # released now (retention may delete that file; an in-place rewrite must not reach us).
+        for param_state in p.optimizer.state.values():
+            for key, value in param_state.items():
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    param_state[key] = value.clone()
         if p.scheduler is not None:
             if s["scheduler"] is None:
                 raise ValueError("checkpoint has no LR scheduler state but the task has a scheduler")
