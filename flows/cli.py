@@ -74,11 +74,14 @@ def train(
     """Run (or continue) a training run as a Prefect flow of chunk tasks."""
     cfg = config_or_exit(params, set_)
     from flows.train import run_training
+    from tasks.supervisor import ChunkFailed
 
     try:
         summary = run_training(cfg, allow_config_change=allow_config_change)
     except ConfigError as exc:
         raise fail(str(exc)) from None
+    except ChunkFailed as exc:
+        raise fail(str(exc), 1) from None
     console.print_json(json.dumps(summary, default=str))
 
 
