@@ -9,7 +9,7 @@ interleaved blocks (so machine load drifts hit every variant alike), for three v
 * ``async``       — ``StepMetricLogger([JsonlBackend, MlflowBackend])`` as the worker uses it:
                     rows are buffered, flushed every 50 steps, MLflow writes on a background thread;
 * ``async/1``     — the same, but the logger hands every step over (``flush_every=1``: metrics.jsonl
-                    written each step; the MLflow thread still batches, every 2 s);
+                    written each step; the MLflow thread still batches, every 5 s);
 * ``sync``        — flush every 50 with ``MlflowBackend(asynchronous=False)``: ``log_batch`` in the loop.
 
 Printed: median step time; the time spent *inside* the logging calls per step (what the training

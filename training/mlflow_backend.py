@@ -223,7 +223,7 @@ class MlflowBackend:
 
     def __init__(self, config: RunConfig | None, run_id: str, tracking_uri: str | None = None,
                  asynchronous: bool = True, max_retries: int = 5, run_dir: str | Path | None = None,
-                 batch_interval_s: float = 2.0) -> None:
+                 batch_interval_s: float = 5.0) -> None:
         self.run_id = run_id
         self.uri = tracking_uri or resolve_tracking_uri(config, run_dir)
         self.client = client_for(self.uri)
