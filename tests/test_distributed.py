@@ -90,3 +90,38 @@ def test_resume_with_another_world_size(tmp_path: Path, before: int, after: int)
     print(f"world size {before}->{after}: max |loss diff| over steps 31..{TOTAL} = {diff:.4f}")
     assert all(ref_l[s] == run_l[s] for s in range(1, 31))
     assert diff < RESIZE_LOSS_TOLERANCE
+
+
+def test_sigstop_one_rank_is_a_hang_and_all_ranks_are_reaped(tmp_path: Path) -> None:
+    import os
+    import signal
+    import threading
+
+    import psutil
+
+    from tasks.supervisor import ChunkFailed, Limits, supervise, worker_command
+    from training.heartbeat import read_heartbeat
+
+    run = make_run(tmp_path, "stop1", [f"train.total_steps={TOTAL}", "train.ranks=2", "heartbeat.stall_s=3",
+                                       "heartbeat.timeout_s=6", "heartbeat.grace_s=2"])
+    stopped: dict = {}
+
+    def stop_rank_1() -> None:
+        while True:
+            hb = read_heartbeat(run, 1)
+            if hb and hb.get("phase") == "train" and hb["step"] >= 10:
+                stopped["pid"], stopped["t"] = int(hb["pid"]), time.time()
+                os.kill(stopped["pid"], signal.SIGSTOP)
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=stop_rank_1, daemon=True).start()
+    limits = Limits(stall_s=3, timeout_s=6, grace_s=2, poll_s=0.2)
+    with pytest.raises(ChunkFailed) as info:
+        supervise(worker_command(run, TOTAL, 2), run, limits, run / "logs" / "t.log", ranks=2, chunk=1, attempt=1)
+    assert info.value.kind == "hang"
+    fail = read_events(run, "failure")[-1]
+    print(f"one stopped rank detected as hang after {fail['detected_at'] - stopped['t']:.2f} s (stall_s 3)")
+    assert not psutil.pid_exists(stopped["pid"]) or psutil.Process(stopped["pid"]).status() == psutil.STATUS_ZOMBIE
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers
