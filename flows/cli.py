@@ -335,6 +335,13 @@ def pull(
     """Restore a run's versioned checkpoints from the DVC remote (then `convoy train` resumes)."""
     from tasks.version import VersioningError, pull_run
 
+    if remote is None:
+        from training.rundir import load_run_config
+
+        try:
+            remote = load_run_config(run_dir).tracking.dvc_remote or None
+        except ConfigError:
+            pass  # a bare copy of checkpoints without config.json: use the repo's default remote
     try:
         out = pull_run(None, run_dir, remote, latest_only)
     except VersioningError as exc:

@@ -116,6 +116,7 @@ def train(
         task = configured(cfg)
         rows: list[dict[str, Any]] = []
         versioned: list[dict[str, Any]] = []
+        version_futures: list[Any] = []
         ok = False
         try:
             for chunk, start, end in chunks:
@@ -157,12 +158,14 @@ def train(
                 )
                 if "flow_runs" in rec:  # pool mode: one flow run per attempt
                     row["flow_runs"] = rec["flow_runs"]
-                done = tracking.version(cfg, run_dir, end)
-                if done is not None:
-                    versioned.append(done)
+                pending = tracking.version_async(cfg, run_dir, end)  # overlaps the next chunk
+                if pending is not None:
+                    version_futures.append(pending)
+                tracking.refresh(cfg, run_dir)  # audit table + timeline picture at each chunk end
                 committed = end
             ok = True
         finally:
+            versioned.extend(tracking.collect_versions(version_futures))
             publish_chunk_table(cfg.run_name, rows)
             audit = tracking.finish_run(cfg, run_dir, ok)
         final_step = last_committed_step(run_dir) or 0

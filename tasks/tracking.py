@@ -81,20 +81,41 @@ def finish_run(config: RunConfig, run_dir: Path, ok: bool) -> dict[str, Any] | N
     return summary
 
 
-def version(config: RunConfig, run_dir: Path, step: int) -> dict[str, Any] | None:
-    """DVC-version the checkpoint a chunk committed, before the next chunk can retire it.
+def refresh(config: RunConfig, run_dir: Path) -> None:
+    """Refresh the resume audit (tags, table, timeline picture) at a chunk's end; best effort."""
+    if not config.tracking.mlflow:
+        return
+    try:
+        from training.audit import refresh_audit
 
-    Synchronous on purpose: retention (keep_last) may delete ``step-N`` while the next chunk
-    trains, so an overlapped ``dvc add`` could race the deletion.
-    """
+        refresh_audit(config, run_dir)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("audit: could not refresh: %s", exc)
+
+
+def version_async(config: RunConfig, run_dir: Path, step: int) -> Any:
+    """Start DVC-versioning a committed chunk checkpoint on a background thread, overlapping the
+    next chunk's training.  Safe against retention: the checkpoint is hard-linked into a private
+    staging folder before ``dvc add`` (tasks/version.py).  Returns a future, or None if off."""
     if not config.tracking.dvc:
         return None
-    from tasks.version import version_chunk
+    from tasks.version import version_checkpoint_async
     from training.checkpoint import checkpoint_name
 
     path = run_dir / "checkpoints" / checkpoint_name(step)
-    try:
-        return version_chunk(None, str(path), config.tracking.dvc_remote or None)
-    except Exception as exc:  # noqa: BLE001 - the checkpoint is safe on disk; say so, keep training
-        log.warning("DVC: could not version %s: %s", path.name, exc)
-        return {"checkpoint": path.name, "error": str(exc)}
+    future = version_checkpoint_async(None, str(path), config.tracking.dvc_remote or None)
+    future.checkpoint_name = path.name  # type: ignore[attr-defined]
+    return future
+
+
+def collect_versions(futures: list[Any]) -> list[dict[str, Any]]:
+    """Wait for the background versioning; a failure is a warning (the checkpoint is safe on disk)."""
+    out = []
+    for future in futures:
+        try:
+            out.append(future.result())
+        except Exception as exc:  # noqa: BLE001
+            name = getattr(future, "checkpoint_name", "?")
+            log.warning("DVC: could not version %s: %s", name, exc)
+            out.append({"checkpoint": name, "error": str(exc)})
+    return out

@@ -87,6 +87,8 @@ class StepMetricLogger:
         self._high: list[int] = [max((max(h, default=0) for h in hist.values()), default=0) for hist in self._logged]
         self.replayed = 0
         self.mismatches: list[dict[str, object]] = []
+        self._start_high = max(self._high, default=0)
+        self._verdict_sent = False
 
     @property
     def high_water(self) -> int:
@@ -94,8 +96,10 @@ class StepMetricLogger:
         return min(self._high, default=0)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        if step <= max(self._high, default=0):
+        if step <= self._start_high:
             self._verify_replay(step, metrics)
+        elif self.replayed:
+            self.report_verdict()  # replay is over: record it now, a second kill must not lose it
         self._buffer.append((step, metrics))
         if len(self._buffer) >= self.flush_every:
             self.flush()
@@ -121,6 +125,10 @@ class StepMetricLogger:
                     self.mismatches.append(rec)
                     if len(self.mismatches) == 1:
                         append_event(self.run_dir, "nondeterministic_resume", **rec)
+                        for backend in self.backends:
+                            tag = getattr(backend, "tag_nondeterminism", None)
+                            if tag is not None:
+                                tag(rec)
                         print(f"WARNING: non-deterministic resume at step {step}: {key} was {before!r}, "
                               f"replay gave {metrics[key]!r}", flush=True)
 
@@ -134,7 +142,20 @@ class StepMetricLogger:
                 backend.write(fresh)
                 self._high[i] = fresh[-1][0]
 
+    def report_verdict(self) -> None:
+        """One event per resume saying whether the replayed steps matched what was logged."""
+        if self._verdict_sent or not self.replayed:
+            return
+        self._verdict_sent = True
+        if not self.exact:
+            append_event(self.run_dir, "replay_after_resize", values_compared=self.replayed,
+                         max_abs_diff=self.max_abs_diff)
+        else:
+            append_event(self.run_dir, "replay_verified" if not self.mismatches else "replay_mismatch",
+                         values_compared=self.replayed, mismatches=len(self.mismatches))
+
     def close(self) -> None:
+        self.report_verdict()
         self.flush()
         for b in self.backends:
             b.close()

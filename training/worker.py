@@ -60,7 +60,7 @@ def metric_backends(config: RunConfig, run_dir: Path) -> list[MetricBackend]:
 
         run_id = (run_info(run_dir) or {}).get("mlflow_run_id")
         if run_id:
-            backends.append(MlflowBackend(config, run_id))
+            backends.append(MlflowBackend(config, run_id, run_dir=run_dir))
     return backends
 
 
@@ -170,7 +170,8 @@ class Worker:
     def save(self, blocking: bool) -> float:
         self.hb.set(phase="save")
         parts = self.state.checkpoint_parts(self.rank, include_replicated=self.rank == 0)
-        stall = self.store.save(self.state.step, parts, blocking=blocking)
+        extra = {"mlflow_run_id": (run_info(self.run_dir) or {}).get("mlflow_run_id")} if self.rank == 0 else None
+        stall = self.store.save(self.state.step, parts, blocking=blocking, extra_manifest=extra)
         self.hb.set(phase="train")
         if self.rank == 0:
             append_event(self.run_dir, "checkpoint_saved", step=self.state.step, stall_s=round(stall, 5),
@@ -197,8 +198,10 @@ class Worker:
         if st.step >= self.until:
             self.log(f"already at step {st.step} >= {self.until}: nothing to train")
             return self.finish(loss=None)
+        # flush_every=1: every step reaches metrics.jsonl (~70 us) so a replay after a kill has
+        # the pre-failure values to compare with; MLflow batches on its own background thread.
         metrics = StepMetricLogger(metric_backends(cfg, self.run_dir) if self.rank == 0 else [], self.run_dir,
-                                   exact=not self.world_changed)
+                                   flush_every=1, exact=not self.world_changed)
         loader = make_loader(self.parts.train_data, cfg.train.batch_size, cfg.train.seed, st.cursor,
                              self.rank, self.world, cfg.data.num_workers)
         batches = iter(loader)
@@ -232,12 +235,6 @@ class Worker:
         metrics.flush()
         self.save(blocking=True)
         metrics.close()
-        if metrics.replayed and not metrics.exact:
-            append_event(self.run_dir, "replay_after_resize", values_compared=metrics.replayed,
-                         max_abs_diff=metrics.max_abs_diff)
-        elif metrics.replayed:
-            append_event(self.run_dir, "replay_verified" if not metrics.mismatches else "replay_mismatch",
-                         values_compared=metrics.replayed, mismatches=len(metrics.mismatches))
         return self.finish(loss=loss)
 
     def emergency_exit(self, metrics: StepMetricLogger) -> int:
