@@ -149,18 +149,10 @@ def _row(start: dict[str, Any], pending: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------- timeline
 def read_loss(run_dir: str | Path) -> tuple[list[int], list[float]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    by_step: dict[int, float] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "loss" in rec.get("metrics", {}):
-                by_step.setdefault(int(rec["step"]), float(rec["metrics"]["loss"]))
-    steps = sorted(by_step)
-    return steps, [by_step[s] for s in steps]
+    from training.evaluate import metric_rows
+
+    rows = [(step, m["loss"]) for step, m in metric_rows(run_dir) if "loss" in m]
+    return [s for s, _ in rows], [float(v) for _, v in rows]
 
 
 def render_timeline(run_dir: str | Path, summary: dict[str, Any], out_path: str | Path, title: str = "") -> Path:
