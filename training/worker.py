@@ -101,6 +101,7 @@ class Worker:
                                      gather_timeout_s=cfg.heartbeat.save_timeout_s)
         if self.rank == 0:
             self.store.cleanup_stale_temp()
+        self.mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")  # recorded in each manifest
         distributed.barrier()  # no rank starts saving before rank 0 cleaned up
         ck = cfg.checkpoint
         self.adaptive = None
@@ -170,7 +171,7 @@ class Worker:
     def save(self, blocking: bool) -> float:
         self.hb.set(phase="save")
         parts = self.state.checkpoint_parts(self.rank, include_replicated=self.rank == 0)
-        extra = {"mlflow_run_id": (run_info(self.run_dir) or {}).get("mlflow_run_id")} if self.rank == 0 else None
+        extra = {"mlflow_run_id": self.mlflow_run_id} if self.rank == 0 else None
         stall = self.store.save(self.state.step, parts, blocking=blocking, extra_manifest=extra)
         self.hb.set(phase="train")
         if self.rank == 0:
