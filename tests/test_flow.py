@@ -53,10 +53,13 @@ def in_thread(fn: Any) -> threading.Thread:
 
 
 def test_sigkill_mid_chunk_3_retries_only_chunk_3(
-    prefect_api: str, data_dir: Path, tmp_path: Path, reference_digest: str
+    prefect_api: str, data_dir: Path, tmp_path: Path, reference_digest: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from flows.train import run_training
 
+    # A 20-step chunk can finish between two heartbeats; stall the step after 2*CHUNK+8 for 2 s
+    # (below the 5 s hang limit) so the killer reliably lands inside chunk 3.
+    monkeypatch.setenv("CONVOY_FAULTS", f"slow_step={2 * CHUNK + 9}:2")
     cfg = config(params(tmp_path, data_dir, "kill9"))
     run_dir = cfg.run_dir.resolve()
     killed: dict[str, Any] = {}
