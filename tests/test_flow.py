@@ -27,6 +27,13 @@ from training.events import read_events
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(autouse=True)
+def _steps_last_several_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an idle machine a 20-step chunk can finish between two 0.2 s heartbeats, and a test
+    waiting for a step inside it would miss it; 30 ms per step keeps every chunk >= 0.6 s."""
+    monkeypatch.setenv("CONVOY_FAULTS", "step_delay=0.03")
+
+
 def task_runs(flow_run_id: str) -> dict[str, Any]:
     """Task runs of one flow run, read back from the Prefect API, by name (``chunk-<k>``)."""
     from prefect.client.orchestration import get_client
@@ -59,7 +66,7 @@ def test_sigkill_mid_chunk_3_retries_only_chunk_3(
 
     # A 20-step chunk can finish between two heartbeats; stall the step after 2*CHUNK+8 for 2 s
     # (below the 5 s hang limit) so the killer reliably lands inside chunk 3.
-    monkeypatch.setenv("CONVOY_FAULTS", f"slow_step={2 * CHUNK + 9}:2")
+    monkeypatch.setenv("CONVOY_FAULTS", f"step_delay=0.03,slow_step={2 * CHUNK + 9}:2")
     cfg = config(params(tmp_path, data_dir, "kill9"))
     run_dir = cfg.run_dir.resolve()
     killed: dict[str, Any] = {}

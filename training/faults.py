@@ -1,9 +1,10 @@
 """Injected faults for chaos testing, switched on only by the ``CONVOY_FAULTS`` variable.
 
-``CONVOY_FAULTS="persist_delay=0.5,diskfull_from_step=120,diskfull_flag=PATH,slow_step=40:3"`` — each entry is
-read where the fault belongs: a slow background persist (to land a kill inside it), a save
-that fails with ENOSPC from a given step on (an injected writer error, not a real full disk),
-and one stalled training step (``step:seconds``).  Unset in normal runs: every check is one
+``CONVOY_FAULTS="persist_delay=0.5,diskfull_from_step=120,slow_step=40:3,step_delay=0.03"``
+(also ``diskfull_flag=PATH``) — each entry is read where the fault belongs: a slow background
+persist (to land a kill inside it), a save that fails with ENOSPC from a given step on, or once
+when PATH exists (an injected writer error, not a real full disk), one stalled training step
+(``step:seconds``) and a pause before every step.  Unset in normal runs: every check is one
 dict lookup.
 """
 
@@ -43,6 +44,11 @@ def check_disk_full(step: int) -> None:
 
 
 def slow_step(step: int) -> None:
+    """``slow_step=S:SECONDS`` stalls step S once per process; ``step_delay=SECONDS`` pauses
+    before every step (tests use it so short chunks last several heartbeats)."""
+    delay = _faults().get("step_delay")
+    if delay:
+        time.sleep(float(delay))
     spec = _faults().get("slow_step")
     if spec:
         at, _, seconds = spec.partition(":")
