@@ -62,6 +62,7 @@ def test_deploy_and_pool_mode_rerun_chunk_as_new_flow_run(
         "PREFECT_API_URL": prefect_api,
         "PREFECT_WORKER_QUERY_SECONDS": "1",
         "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+        "CONVOY_FAULTS": "step_delay=0.03",  # chunks last several heartbeats: the killer cannot miss chunk 2
     }
     for pool in ("convoy", "gpu"):
         prefect_cli("work-pool", "create", pool, "--type", "process", "--overwrite", env=env)
