@@ -354,7 +354,9 @@ def supervise(
         }.get(kind, signame(code) + ("" if code == rc else f" in a rank (launcher {signame(rc)})"))
         detected_after = exit_seen - last_seen_running  # upper bound: the exit happened in between
     committed = last_committed_step(run_dir)
-    lost = (watch.last_step - committed) if (watch.last_step is not None and committed is not None) else None
+    # max(0, …): a stopped worker resumed by SIGCONT may commit an emergency checkpoint past its
+    # last beat; nothing was lost then.
+    lost = max(0, watch.last_step - committed) if (watch.last_step is not None and committed is not None) else None
     append_event(
         run_dir,
         "failure",
