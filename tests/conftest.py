@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +20,6 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 
@@ -94,18 +92,9 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             os.environ["PREFECT_LOGGING_TO_API_ENABLED"] = "false"  # nothing may reach a dead server
             prefect.context.refresh_global_settings_context()
     finally:
-        procs = []
-        with contextlib.suppress(psutil.Error):
-            procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        _gone, alive = psutil.wait_procs(procs, timeout=10)
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        from tests.flow_util import stop_group
+
+        stop_group(proc, check=False)
         log.close()
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -73,3 +76,23 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 240, rank: int = 0)
             return beat
         time.sleep(0.05)
     raise AssertionError(f"worker never reached step {step}")
+
+
+def stop_group(p: subprocess.Popen, check: bool = True) -> None:
+    """SIGTERM a process group, SIGKILL what is left after 10 s, reap; with ``check`` assert that
+    no process of the group survived."""
+    procs = []
+    with contextlib.suppress(psutil.Error):
+        procs = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGTERM)
+    _gone, alive = psutil.wait_procs(procs, timeout=10)
+    for q in alive:
+        with contextlib.suppress(psutil.Error):
+            q.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=10)
+    if check:
+        psutil.wait_procs(procs, timeout=5)
+        assert not [q.pid for q in procs if q.is_running() and q.status() != psutil.STATUS_ZOMBIE]

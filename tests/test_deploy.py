@@ -9,7 +9,6 @@ resumes from the newest checkpoint.  Slow (process start-up dominates), one test
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -19,11 +18,10 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
-from tests.flow_util import CHUNK, REPO, assert_no_leftovers, config, params, wait_for_step
+from tests.flow_util import CHUNK, REPO, assert_no_leftovers, config, params, stop_group, wait_for_step
 from training.events import read_events
 
 pytestmark = pytest.mark.slow
@@ -36,21 +34,6 @@ def prefect_cli(*args: str, env: dict[str, str], timeout: float = 180) -> subpro
     return out
 
 
-def stop_group(p: subprocess.Popen[bytes]) -> None:
-    procs = []
-    with contextlib.suppress(psutil.Error):
-        procs = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGTERM)
-    _gone, alive = psutil.wait_procs(procs, timeout=10)
-    for q in alive:
-        with contextlib.suppress(psutil.Error):
-            q.kill()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGKILL)
-    p.wait(timeout=10)
-    psutil.wait_procs(procs, timeout=5)
-    assert not [q.pid for q in procs if q.is_running() and q.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_deploy_and_pool_mode_rerun_chunk_as_new_flow_run(
