@@ -5,7 +5,8 @@ and is SIGKILLed every ``--kill-every`` seconds, then restarted (this script pla
 supervisor and records each kill as a ``failure`` event, which is what ``auto`` reads its MTBF
 from).  Goodput = committed steps × median fault-free step time / wall time.  The policies:
 ``auto``; fixed at 10× and 0.1× the interval auto settled on; and a sweep of fixed intervals to
-find the best one.  Ratios are printed against the best fixed interval of the same run.
+find the best one (by default 0.5× and 2× auto's choice besides 0.1× and 10×).
+Ratios are printed against the best fixed interval of the same run.
 
     .venv/bin/python bench/goodput.py --minutes 10 --kill-every 60
 """
@@ -67,14 +68,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--kill-every", type=float, default=60)
-    ap.add_argument("--sweep", default="", help="extra fixed intervals, e.g. 5,20,80,320")
+    ap.add_argument("--sweep", default="", help="extra fixed intervals in steps, e.g. 5,20,80,320")
+    ap.add_argument("--sweep-factors", default="0.5,2", help="extra fixed intervals as multiples of auto's choice")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="convoy-goodput-", dir=Path(__file__).resolve().parent.parent))
     print(f"workspace {root}; {args.minutes} min per policy, kill every {args.kill_every} s", flush=True)
     results = [run_policy(root, "auto", "auto", args.minutes, args.kill_every)]
     auto = int(results[0]["interval_steps"])
     print(json.dumps(results[-1]), flush=True)
-    fixed = sorted({max(1, auto * 10), max(1, auto // 10), *(int(x) for x in args.sweep.split(",") if x)})
+    factors = [0.1, 10, *(float(x) for x in args.sweep_factors.split(",") if x)]
+    fixed = sorted({max(1, round(auto * f)) for f in factors} | {int(x) for x in args.sweep.split(",") if x})
     for n in fixed:
         results.append(run_policy(root, f"fixed-{n}", str(n), args.minutes, args.kill_every))
         print(json.dumps(results[-1]), flush=True)

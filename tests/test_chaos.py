@@ -21,7 +21,7 @@ def chaos_params(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "run_name": "chaos", "runs_dir": str(d / "runs"),
         "data": {"prepared_dir": str(d / "data"), "synthetic_chars": 60000, "seq_len": 32},
         "task_args": {"d_model": 32, "n_head": 2},
-        "train": {"total_steps": 200, "chunk_steps": 50, "batch_size": 8, "warmup_steps": 5},
+        "train": {"total_steps": 300, "chunk_steps": 50, "batch_size": 8, "warmup_steps": 5},
         "checkpoint": {"every_steps": 10, "keep_last": 2},
         "heartbeat": {"interval_s": 0.2, "stall_s": 4, "timeout_s": 4, "grace_s": 2},
         "orchestration": {"retries": 3, "retry_delay_seconds": 0.2},
@@ -44,7 +44,7 @@ def test_every_fault_kind_is_survived(chaos_params: Path, prefect_api: str) -> N
     code, report = chaos(chaos_params, prefect_api, "--faults", "all", "--seed", "3")
     for f in report["faults"]:
         print(f"{f['kind']:9s} step {f['injected_step']}: {f['detected_as']} after {f['detected_after_s']} s, "
-              f"lost {f['steps_lost']}, recovered in {f['recovery_s']} s")
+              f"lost {f['steps_lost']}, recovered in {f['recovery_s']} s; {f['note']}")
     print("goodput", report["goodput"], "wall", report["wall_s"])
     assert {f["kind"] for f in report["faults"]} == {"kill", "term", "hang", "slow", "corrupt", "delete",
                                                       "diskfull", "flowkill"}

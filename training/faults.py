@@ -1,10 +1,11 @@
 """Injected faults for chaos testing, switched on only by the ``CONVOY_FAULTS`` variable.
 
 ``CONVOY_FAULTS="persist_delay=0.5,diskfull_from_step=120,slow_step=40:3,step_delay=0.03"``
-(also ``diskfull_flag=PATH``) — each entry is read where the fault belongs: a slow background
-persist (to land a kill inside it), a save that fails with ENOSPC from a given step on, or once
-when PATH exists (an injected writer error, not a real full disk), one stalled training step
-(``step:seconds``) and a pause before every step.  Unset in normal runs: every check is one
+(also ``diskfull_flag=PATH`` and ``slow_flag=PATH:SECONDS``) — each entry is read where the
+fault belongs: a slow background persist (to land a kill inside it), a save that fails with
+ENOSPC from a given step on, or once when PATH exists (an injected writer error, not a real full
+disk), one stalled training step (``step:seconds``, or the next one once PATH exists) and a
+pause before every step.  Unset in normal runs: every check is one
 dict lookup.
 """
 
@@ -44,8 +45,10 @@ def check_disk_full(step: int) -> None:
 
 
 def slow_step(step: int) -> None:
-    """``slow_step=S:SECONDS`` stalls step S once per process; ``step_delay=SECONDS`` pauses
-    before every step (tests use it so short chunks last several heartbeats)."""
+    """``slow_step=S:SECONDS`` stalls step S once per process; ``slow_flag=PATH:SECONDS`` stalls
+    the next step once PATH exists (``convoy chaos`` creates it, so the stall lands exactly when
+    the runner says, whatever a resume replayed before); ``step_delay=SECONDS`` pauses before
+    every step (tests use it so short chunks last several heartbeats)."""
     delay = _faults().get("step_delay")
     if delay:
         time.sleep(float(delay))
@@ -54,3 +57,12 @@ def slow_step(step: int) -> None:
         at, _, seconds = spec.partition(":")
         if step == int(at):
             time.sleep(float(seconds or 5))
+    flag_spec = _faults().get("slow_flag")
+    if flag_spec:
+        flag, _, seconds = flag_spec.rpartition(":")
+        if os.path.exists(flag):
+            os.unlink(flag)  # consumed: once per flag
+            t0 = time.monotonic()
+            time.sleep(float(seconds or 5))
+            with open(f"{flag}.done", "w") as fh:  # tells the chaos runner which step stalled, how long
+                fh.write(f'{{"step": {step}, "seconds": {time.monotonic() - t0:.3f}}}\n')
