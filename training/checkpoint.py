@@ -22,13 +22,14 @@ import platform
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from training import faults
+from training import faults, sharded
 from training import safetensors_io as st
 from training.codec import join_tree, split_tree
 from training.config import CheckpointConfig
@@ -73,12 +74,13 @@ class Checkpoint:
 def state_digest(files: dict[str, dict[str, Any]]) -> str:
     """Whole-state digest: a hash over every file's content hash, in name order.
 
-    File contents are deterministic functions of the state (sorted headers, no timestamps), so
+    convoy's files are deterministic functions of the state (sorted headers, no timestamps); for
+    shard files written by DCP the entry's ``content`` hash (canonical header + data) is used.  So
     two runs that reach the same state at the same step have the same digest.
     """
     h = st.new_hasher()
     for name in sorted(files):
-        h.update(f"{name}:{files[name]['xxh3_128']}\n".encode())
+        h.update(f"{name}:{files[name].get('content', files[name]['xxh3_128'])}\n".encode())
     return h.hexdigest()
 
 
@@ -93,6 +95,8 @@ class _Snapshot:
     tensors: dict[str, dict[str, torch.Tensor]]
     extra_manifest: dict[str, Any] = field(default_factory=dict)
     cuda_event: Any = None
+    #: Files already written into the temp dir by a collective writer (sharded mode), by name.
+    prewritten: dict[str, dict[str, Any]] | None = None
 
 
 class CheckpointStore:
@@ -188,8 +192,10 @@ class CheckpointStore:
         """Verify and load every part, reading each file exactly once.  Never unpickles."""
         manifest = self.read_manifest(path)
         parts: dict[str, Any] = {}
+        if manifest.get("layout") == sharded.LAYOUT:
+            parts[sharded.LAYOUT] = sharded.verify_shards(path, manifest)  # the skeleton; tensors load later
         for name, info in manifest["files"].items():
-            if not name.endswith(".safetensors"):
+            if not name.endswith(".safetensors") or name.startswith(f"{sharded.SHARD_DIR}/"):
                 continue
             part = name.removesuffix(".safetensors")
             skel_name = f"{part}.json"
@@ -242,11 +248,23 @@ class CheckpointStore:
         return buf
 
     def save(self, step: int, parts: dict[str, Any], blocking: bool = False,
-             extra_manifest: dict[str, Any] | None = None) -> float:
+             extra_manifest: dict[str, Any] | None = None,
+             collective_write: Callable[[Path], dict[str, dict[str, Any]]] | None = None) -> float:
         """Snapshot ``parts`` into reused CPU buffers, then persist (in the background unless
-        ``blocking``).  Returns the stall in seconds: the time the caller was held up."""
+        ``blocking``).  Returns the stall in seconds: the time the caller was held up.
+
+        ``collective_write(tmp)`` (sharded mode) runs first, on the calling thread on every rank:
+        it writes the big state into the temp dir itself (collectives are not allowed on the
+        persist thread) and returns manifest entries for what it wrote."""
         t0 = time.perf_counter()
         self.wait()  # the buffers are reused: the previous persist must be done
+        prewritten = None
+        if collective_write is not None:
+            tmp = self.root / f".tmp-{checkpoint_name(step)}"
+            if self.world_size == 1 and tmp.exists():
+                shutil.rmtree(tmp)  # with more ranks rank 0 removed stale temp dirs at start-up
+            tmp.mkdir(exist_ok=True)
+            prewritten = collective_write(tmp)
         skeletons: dict[str, Any] = {}
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         any_cuda = False
@@ -257,7 +275,8 @@ class CheckpointStore:
             for key, t in flat.items():
                 any_cuda |= t.is_cuda
                 tensors[part][key] = self._snapshot_tensor(f"{part}/{key}", t, blocking or not self.policy.async_save)
-        snap = _Snapshot(step, skeletons, tensors, extra_manifest or {})
+        extra = {**(extra_manifest or {}), **({"layout": sharded.LAYOUT} if prewritten is not None else {})}
+        snap = _Snapshot(step, skeletons, tensors, extra, prewritten=prewritten)
         if any_cuda:
             snap.cuda_event = torch.cuda.Event()
             snap.cuda_event.record()
@@ -282,11 +301,11 @@ class CheckpointStore:
         try:
             if snap.cuda_event is not None:
                 snap.cuda_event.synchronize()
-            if self.world_size == 1 and tmp.exists():
+            if self.world_size == 1 and tmp.exists() and snap.prewritten is None:
                 shutil.rmtree(tmp)
             tmp.mkdir(exist_ok=True)
             faults.check_disk_full(snap.step)
-            files: dict[str, dict[str, Any]] = {}
+            files: dict[str, dict[str, Any]] = dict(snap.prewritten or {})
             for part in sorted(snap.skeletons):
                 skel = (json.dumps(snap.skeletons[part], sort_keys=True, indent=1) + "\n").encode()
                 skel_path = tmp / f"{part}.json"

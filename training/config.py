@@ -118,6 +118,10 @@ class CheckpointConfig(_Strict):
     every_seconds: float | None = Field(None, gt=0)
     #: Save asynchronously (snapshot into reused buffers, persist on a background thread).
     async_save: bool = True
+    #: ``replicated``: rank 0 writes model + optimizer (DDP).  ``sharded``: every rank writes its
+    #: shards through torch.distributed.checkpoint (FSDP-style state, re-sharded on load); the
+    #: shard write is synchronous, the rest of the save stays asynchronous.
+    format: Literal["replicated", "sharded"] = "replicated"
     keep_last: int = Field(3, ge=1)
     #: Also keep every checkpoint whose step is a multiple of this (0 = off).
     keep_every: int = Field(0, ge=0)

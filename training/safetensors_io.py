@@ -108,6 +108,22 @@ def hash_file(path: Path) -> tuple[int, str]:
         return size, xxhash.xxh3_128(mm).hexdigest()
 
 
+def hash_file_and_content(path: Path) -> tuple[int, str, str]:
+    """Size, xxh3-128 of the bytes, and xxh3-128 of the *content*: the header as sorted JSON plus
+    the data section.  For files written by another serializer (DCP's safetensors writer emits
+    the header keys in hash-map order, which changes from process to process) the content hash
+    is what identifies the state; the byte hash still guards integrity."""
+    size = path.stat().st_size
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
+        (hlen,) = struct.unpack("<Q", mm[:8])
+        if hlen > min(_MAX_HEADER, size - 8):
+            raise SafetensorsFormatError(f"{path.name}: header length out of range: not a safetensors file")
+        header = json.loads(mm[8 : 8 + hlen])
+        content = xxhash.xxh3_128(json.dumps(header, sort_keys=True).encode())
+        content.update(memoryview(mm)[8 + hlen :])
+        return size, xxhash.xxh3_128(mm).hexdigest(), content.hexdigest()
+
+
 def parse(buf: mmap.mmap | bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Build tensors over ``buf`` (no copy); never executes anything from the file."""
     if len(buf) < 8:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from training import sharded
 from training.data import Cursor
 from training.task import TaskParts
 
@@ -78,13 +80,14 @@ class TrainState:
     tokens_seen: int = 0
     cursor: Cursor = field(default_factory=Cursor)
 
-    def checkpoint_parts(self, rank: int = 0, include_replicated: bool = True) -> dict[str, Any]:
+    def checkpoint_parts(self, rank: int = 0, include_replicated: bool = True, sharded: bool = False) -> dict[str, Any]:
+        """What the store writes for this rank.  ``sharded``: model and optimizer are left out
+        (``training.sharded`` writes them collectively); the rest stays in rank 0's ``state``."""
         out: dict[str, Any] = {f"rank-{rank}": {"rng": capture_rng(), "step": self.step}}
         if include_replicated:
             p = self.parts
             out["state"] = {
-                "model": p.model.state_dict(),
-                "optimizer": p.optimizer.state_dict(),
+                **({} if sharded else {"model": p.model.state_dict(), "optimizer": p.optimizer.state_dict()}),
                 "scheduler": p.scheduler.state_dict() if p.scheduler is not None else None,
                 "scaler": self.scaler.state_dict(),
                 "step": self.step,
@@ -93,11 +96,19 @@ class TrainState:
             }
         return out
 
-    def restore(self, loaded: dict[str, Any], rank: int = 0, restore_rng_state: bool = True) -> None:
+    def restore(self, loaded: dict[str, Any], rank: int = 0, restore_rng_state: bool = True,
+                checkpoint_dir: Path | None = None) -> None:
+        """``loaded`` is ``CheckpointStore.load``'s parts.  A sharded checkpoint (its parts carry the
+        shard skeleton) is read collectively from ``checkpoint_dir``: every rank must call this."""
         s = loaded["state"]
         p = self.parts
-        p.model.load_state_dict(s["model"])
-        p.optimizer.load_state_dict(s["optimizer"])
+        if sharded.LAYOUT in loaded:
+            if checkpoint_dir is None:
+                raise ValueError("sharded checkpoint: restore needs the checkpoint directory")
+            sharded.load_shards(checkpoint_dir, loaded[sharded.LAYOUT], p.model, p.optimizer)
+        else:
+            p.model.load_state_dict(s["model"])
+            p.optimizer.load_state_dict(s["optimizer"])
         # The loaded tensors are views of a private mapping of the checkpoint file; model weights
         # were copied by load_state_dict, optimizer state was not.  Own it, so the mapping is
         # released now (retention may delete that file; an in-place rewrite must not reach us).

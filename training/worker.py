@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from training import distributed, faults
+from training import distributed, faults, sharded
 from training.adaptive import AdaptiveInterval, estimate_mtbf_s
 from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
@@ -126,7 +126,7 @@ class Worker:
                 f"has {self.config.fingerprint()}; refusing to resume a different configuration")
         saved_world = int(ck.manifest.get("world_size", 1))
         has_rng = f"rank-{self.rank}" in parts
-        self.state.restore(parts, self.rank, restore_rng_state=has_rng)
+        self.state.restore(parts, self.rank, restore_rng_state=has_rng, checkpoint_dir=ck.path)
         if not has_rng:  # more ranks than when saved: a fresh, deterministic stream for this rank
             seed_everything(mix_seed(self.config.train.seed, self.rank, ck.step))
         distributed.check_same_step(self.state.step)
@@ -170,9 +170,13 @@ class Worker:
 
     def save(self, blocking: bool) -> float:
         self.hb.set(phase="save")
-        parts = self.state.checkpoint_parts(self.rank, include_replicated=self.rank == 0)
+        shard = self.config.checkpoint.format == "sharded"
+        parts = self.state.checkpoint_parts(self.rank, include_replicated=self.rank == 0, sharded=shard)
         extra = {"mlflow_run_id": self.mlflow_run_id} if self.rank == 0 else None
-        stall = self.store.save(self.state.step, parts, blocking=blocking, extra_manifest=extra)
+        writer = (lambda tmp: sharded.save_shards(tmp, self.parts.model, self.parts.optimizer, self.rank)) \
+            if shard else None
+        stall = self.store.save(self.state.step, parts, blocking=blocking, extra_manifest=extra,
+                                collective_write=writer)
         self.hb.set(phase="train")
         if self.rank == 0:
             append_event(self.run_dir, "checkpoint_saved", step=self.state.step, stall_s=round(stall, 5),
