@@ -10,10 +10,16 @@ through its retry options.  ``run_chunk`` therefore re-spawns a preempted worker
 inside the same task attempt (at most ``retries`` times in a row, each logged and recorded as a
 ``resubmitted`` event); a preemption beyond that raises and goes through the normal retry path.
 The worker resumes from the emergency checkpoint it wrote, so nothing is lost either way.
+
+Pipelining (``orchestration.pipeline``, local mode): the worker is started with the run's last
+step as its target and this task ends when the chunk's boundary checkpoint is committed, leaving
+the worker training for the next chunk's task to adopt (:mod:`tasks.handoff`).  The boundary
+checkpoint is still verified here and is the chunk's artifact.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +27,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
-from tasks import tracking
+from tasks import handoff, tracking
 from tasks.artifacts import publish_failure_note
 from tasks.hooks import chunk_failed, remember
 from tasks.supervisor import (
@@ -68,6 +74,12 @@ def _loss_at(run_dir: Path, step: int) -> float | None:
     for ev in reversed(read_events(run_dir, "worker_done")):
         if ev.get("step") == step and ev.get("rank", 0) == 0:
             return ev.get("loss")
+    path = run_dir / "metrics.jsonl"  # a pipelined worker passed this boundary without stopping
+    if path.exists():
+        for line in reversed(path.read_text().splitlines()):
+            row = json.loads(line) if line.strip() else {}
+            if row.get("step") == step:
+                return row.get("metrics", {}).get("loss")
     return None
 
 
@@ -97,7 +109,9 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
         remember(ctx.task_run.id, run_dir=rd, run_name=cfg.run_name, chunk=chunk)
     attempt = _attempt()
     limits = Limits.from_config(cfg)
-    reap_stale_worker(rd, cfg.train.ranks)
+    pipeline = cfg.orchestration.pipeline and cfg.orchestration.mode == "local"
+    if handoff.parked_pid(rd) is None:  # our own parked worker is not stale
+        reap_stale_worker(rd, cfg.train.ranks)
     started = time.time()
     preemptions = 0
     while True:
@@ -117,7 +131,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
         t_attempt = time.time()
         try:
             outcome = supervise(
-                worker_command(rd.resolve(), end_step, cfg.train.ranks),
+                worker_command(rd.resolve(), cfg.train.total_steps if pipeline else end_step, cfg.train.ranks),
                 rd,
                 limits,
                 log_path,
@@ -125,6 +139,8 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
                 chunk=chunk,
                 attempt=attempt,
                 on_line=echo,
+                done_at_step=end_step if pipeline and end_step < cfg.train.total_steps else None,
+                pipeline=pipeline,
             )
         except ChunkFailed as exc:
             resume_at = exc.details.get("last_committed_step") or 0

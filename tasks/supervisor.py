@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tasks import handoff
 from tasks.classify import (
     FAILURE_KINDS,
     NOT_RETRYABLE,
@@ -259,6 +260,29 @@ def _lost_rank(w: _Watch, beats: list[dict[str, Any]], ranks: int, now: float) -
     return None
 
 
+def _spawn(
+    cmd: Sequence[str], log_path: Path, chunk: int | None, attempt: int | None, started: float,
+    cwd: str | Path | None, env: dict[str, str],
+) -> tuple[subprocess.Popen, int]:
+    """Start the worker in its own session, output appended to ``log_path``; returns it and the
+    log offset its output starts at."""
+    with open(log_path, "ab") as log:
+        log.write(f"# convoy chunk={chunk} attempt={attempt} started={started:.3f} cmd={' '.join(cmd)}\n".encode())
+        log.flush()
+        offset = log.tell()
+        proc = subprocess.Popen(
+            list(cmd),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+            preexec_fn=child_setup(os.getpid()),
+        )
+    return proc, offset
+
+
 def last_committed_step(run_dir: Path) -> int | None:
     """Step of the newest *verified* checkpoint (imported lazily: it pulls in torch)."""
     from training.checkpoint import CheckpointStore
@@ -280,54 +304,66 @@ def supervise(
     cwd: str | Path | None = None,
     on_line: Callable[[str, str], None] | None = None,
     tail_lines: int = 80,
+    done_at_step: int | None = None,
+    pipeline: bool = False,
 ) -> Outcome:
     """Run ``cmd`` to completion under watch; return on exit 0, raise :class:`ChunkFailed` otherwise.
 
     Exit 0 only means the worker *says* it finished; the caller checks the committed checkpoint.
     Whatever happens (including KeyboardInterrupt or a Prefect cancellation in this thread), no
-    process of the worker's group outlives this call.
+    process of the worker's group outlives this call — except with ``pipeline``: a worker parked
+    by the previous chunk (same ``cmd``) is adopted instead of spawned, and once the checkpoint of
+    ``done_at_step`` is committed the call returns with the worker still training, parked for the
+    next chunk (:mod:`tasks.handoff`).
     """
     run_dir = Path(run_dir)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    for r in range(ranks):  # stale beats of an earlier attempt must not count as liveness
-        with contextlib.suppress(FileNotFoundError):
-            heartbeat_path(run_dir, r).unlink()
-    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    live = handoff.adopt(run_dir, list(cmd)) if pipeline else None
     oom_before = oom_kills()
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     started = time.time()
-    with open(log_path, "ab") as log:
-        log.write(f"# convoy chunk={chunk} attempt={attempt} started={started:.3f} cmd={' '.join(cmd)}\n".encode())
-        log.flush()
-        offset = log.tell()
-        proc = subprocess.Popen(
-            list(cmd),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=cwd,
-            env=full_env,
-            start_new_session=True,
-            preexec_fn=child_setup(os.getpid()),
-        )
+    if live is not None:  # its beats are current; the log is the one it was started with
+        proc, log_path = live.proc, live.log_path
+        with open(log_path, "ab") as log:
+            offset = log.tell()
+    else:
+        for r in range(ranks):  # stale beats of an earlier attempt must not count as liveness
+            with contextlib.suppress(FileNotFoundError):
+                heartbeat_path(run_dir, r).unlink()
+        proc, offset = _spawn(cmd, log_path, chunk, attempt, started, cwd, {**os.environ, **(env or {})})
+    committed_marker = run_dir / "checkpoints" / f"step-{done_at_step:09d}" / "manifest.json" \
+        if done_at_step is not None else None
+    handed_off = False
     stop_follow = threading.Event()
     follower = threading.Thread(target=_follow, args=(log_path, offset, stop_follow, tail, on_line), daemon=True)
     follower.start()
     watch = _Watch(started=started, phase_since=started, progress=started)
     failure: tuple[str, str, float] | None = None
     last_seen_running = exit_seen = started
+    if live is not None:  # what the adopted worker last said, so a death in the hand-off is measured
+        beats = [b for b in (read_heartbeat(run_dir, r) for r in range(ranks)) if b]
+        if beats:
+            watch.last_step = min(int(b.get("step", 0)) for b in beats)
+            if proc.poll() is not None:  # it died between the tasks: it was last alive at its last beat
+                last_seen_running = max(float(b.get("time", started)) for b in beats)
     try:
         while proc.poll() is None:
             last_seen_running = time.time()
             failure = _check(watch, _beats(run_dir, ranks, started), ranks, limits, last_seen_running)
             if failure is not None:
                 break
+            if pipeline and committed_marker is not None and committed_marker.exists():
+                handoff.park(run_dir, handoff.LiveWorker(proc, list(cmd), log_path))
+                handed_off = True
+                break
             time.sleep(limits.poll_s)
         # Wall time of the detection (exit seen or limit crossed), before the stop takes its grace.
         exit_seen = time.time()
     finally:
-        if proc.poll() is None:
+        if handed_off:
+            leftover = []
+        elif proc.poll() is None:
             leftover = stop_group(proc, limits.grace_s)
         else:
             leftover = stop_group(proc, min(limits.grace_s, 2.0))  # the group may outlive its leader
@@ -335,10 +371,16 @@ def supervise(
         follower.join(timeout=5)
     seconds = time.time() - started
     rc = proc.returncode
-    with open(log_path, "ab") as log:
-        log.write(f"# convoy exit={rc} after {seconds:.2f} s\n".encode())
+    if not handed_off:
+        with open(log_path, "ab") as log:
+            log.write(f"# convoy exit={rc} after {seconds:.2f} s\n".encode())
     if leftover:
         append_event(run_dir, "reap_failed", chunk=chunk, attempt=attempt, pids=leftover)
+    if handed_off:
+        with open(log_path, "ab") as log:
+            log.write(f"# convoy chunk={chunk} committed step {done_at_step} after {seconds:.2f} s; worker "
+                      "continues into the next chunk\n".encode())
+        return Outcome(0, seconds, watch.last_step, log_path, list(tail))
     if failure is None and rc == 0:
         return Outcome(rc, seconds, watch.last_step, log_path, list(tail))
     if failure is not None:

@@ -103,7 +103,8 @@ class CheckpointStore:
     """One run's checkpoints.  Exactly one writer process per run (the flow holds a file lock)."""
 
     def __init__(self, run_dir: str | Path, policy: CheckpointConfig | None = None,
-                 fingerprint: str = "", world_size: int = 1, rank: int = 0, gather_timeout_s: float = 300) -> None:
+                 fingerprint: str = "", world_size: int = 1, rank: int = 0, gather_timeout_s: float = 300,
+                 boundary_every: int = 0) -> None:
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
@@ -112,6 +113,9 @@ class CheckpointStore:
         self.world_size = world_size
         self.rank = rank
         self.gather_timeout_s = gather_timeout_s
+        #: Chunk length: retention keeps the newest chunk-boundary checkpoint (the chunk's artifact,
+        #: which its task verifies and DVC versions while the worker trains on).
+        self.boundary_every = boundary_every
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -394,6 +398,8 @@ class CheckpointStore:
                 continue
             candidates.append((step, path, sum(f["size"] for f in manifest["files"].values())))
         keep_recent = {p for _, p, _ in candidates[: max(pol.keep_last - 1, 0)]}
+        if self.boundary_every and protect.step % self.boundary_every:
+            keep_recent |= {next((p for s, p, _ in candidates if s % self.boundary_every == 0), protect.path)}
         deleted: list[str] = []
         survivors = []
         for step, path, size in candidates:
@@ -407,6 +413,8 @@ class CheckpointStore:
             for _step, path, size in sorted(survivors):  # oldest first
                 if total <= pol.max_bytes:
                     break
+                if path in keep_recent and self.boundary_every and _step % self.boundary_every == 0:
+                    continue
                 self._delete(path, "max_bytes")
                 deleted.append(path.name)
                 total -= size

@@ -98,7 +98,8 @@ class Worker:
         self.amp = amp
         self.state = TrainState(self.parts, self.scaler)
         self.store = CheckpointStore(self.run_dir, cfg.checkpoint, cfg.fingerprint(), self.world, self.rank,
-                                     gather_timeout_s=cfg.heartbeat.save_timeout_s)
+                                     gather_timeout_s=cfg.heartbeat.save_timeout_s,
+                                     boundary_every=cfg.train.chunk_steps)
         if self.rank == 0:
             self.store.cleanup_stale_temp()
         self.mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")  # recorded in each manifest
@@ -161,6 +162,8 @@ class Worker:
 
     def save_due(self, step: int, last_save_step: int, last_save_time: float) -> bool:
         ck = self.config.checkpoint
+        if step % self.config.train.chunk_steps == 0:
+            return True  # a chunk boundary: a pipelined worker's chunk task waits for this commit
         if self.adaptive is not None:
             if step - last_save_step >= self.adaptive.interval_steps():
                 return True
