@@ -35,6 +35,7 @@ from tasks.hooks import flow_crashed, flow_failed, remember
 from tasks.supervisor import ChunkFailed, last_committed_step, reap_stale_worker
 from training.config import ConfigError, RunConfig, load_config
 from training.events import append_event, read_events
+from training.pipeline import acknowledge_chunk
 from training.rundir import open_run
 
 LOCK_FILE = ".lock"
@@ -161,6 +162,10 @@ def train(
                 pending = tracking.version_async(cfg, run_dir, end)  # overlaps the next chunk
                 if pending is not None:
                     version_futures.append(pending)
+                    # Until it is staged the boundary checkpoint must stay: a pipelined worker
+                    # commits its next boundary (and may retire this one) only after the ack.
+                    pending.staged.wait(timeout=cfg.heartbeat.save_timeout_s)
+                acknowledge_chunk(run_dir, end)
                 tracking.refresh(cfg, run_dir)  # audit table + timeline picture at each chunk end
                 committed = end
             ok = True

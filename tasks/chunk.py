@@ -131,7 +131,8 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
         t_attempt = time.time()
         try:
             outcome = supervise(
-                worker_command(rd.resolve(), cfg.train.total_steps if pipeline else end_step, cfg.train.ranks),
+                worker_command(rd.resolve(), cfg.train.total_steps if pipeline else end_step, cfg.train.ranks,
+                               pipelined=pipeline),
                 rd,
                 limits,
                 log_path,

@@ -129,9 +129,12 @@ class _Watch:
     rank_gone: dict[int, float] = field(default_factory=dict)
 
 
-def worker_command(run_dir: Path, until_step: int, ranks: int = 1) -> list[str]:
-    """The worker's command line; more than one rank goes through torchrun (elastic launcher)."""
+def worker_command(run_dir: Path, until_step: int, ranks: int = 1, pipelined: bool = False) -> list[str]:
+    """The worker's command line; more than one rank goes through torchrun (elastic launcher).
+    ``pipelined``: the worker waits at each chunk boundary for the previous one's acknowledgement."""
     tail = ["-m", "training.worker", "--run-dir", str(run_dir), "--until-step", str(until_step)]
+    if pipelined:
+        tail.append("--pipelined")
     if ranks <= 1:
         return [sys.executable, *tail]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *tail]

@@ -123,7 +123,7 @@ def resolve_remote(repo: Any, remote: str | None) -> str | None:
 
 
 def _snapshot(ckpt: Path) -> Path:
-    """Hard-link the (flat, immutable) checkpoint directory to ``checkpoints/.stage-step-N``.
+    """Hard-link the (immutable) checkpoint directory to ``checkpoints/.stage-step-N``.
 
     Instant, no extra bytes, and the links keep the data alive if retention deletes ``step-N``
     while DVC is still hashing it — which is what makes versioning safe to overlap with the next
@@ -135,13 +135,15 @@ def _snapshot(ckpt: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        for f in sorted(ckpt.iterdir()):
+        for f in sorted(ckpt.rglob("*")):  # sharded checkpoints keep their shards under dcp/
+            target = tmp / f.relative_to(ckpt)
             if f.is_dir():
-                raise VersioningError(f"{ckpt.name}: unexpected sub-directory {f.name}")
+                target.mkdir(exist_ok=True)
+                continue
             try:
-                os.link(f, tmp / f.name)
+                os.link(f, target)
             except OSError:  # a filesystem without hard links: copy
-                shutil.copy2(f, tmp / f.name)
+                shutil.copy2(f, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -209,7 +211,8 @@ def _move_dvcfile(stage: Path, ckpt: Path) -> Path:
 
 
 def version_checkpoint(
-    repo_root: str | Path | None, checkpoint_path: str | Path, remote: str | None = None, push: bool = True
+    repo_root: str | Path | None, checkpoint_path: str | Path, remote: str | None = None, push: bool = True,
+    staged: threading.Event | None = None,
 ) -> dict[str, Any]:
     """``dvc add`` a committed checkpoint directory and ``dvc push`` it; returns what was done.
 
@@ -217,18 +220,24 @@ def version_checkpoint(
     verified (manifest + hashes): an invalid or half-written directory is never versioned, and a
     retention delete of ``step-N`` during the add cannot break it.  The ``.dvc`` file is written
     as ``checkpoints/step-N.dvc`` tracking ``step-N`` (so ``dvc pull`` restores it in place).
-    Raises :class:`VersioningError` with a one-line reason.
+    Raises :class:`VersioningError` with a one-line reason.  ``staged`` is set once the stage
+    exists (or versioning gave up): from then on retention may delete the checkpoint.
     """
-    ckpt = Path(checkpoint_path).resolve()
-    step = parse_step(ckpt.name)
-    if step is None or not ckpt.is_dir():
-        raise VersioningError(f"{ckpt}: not a checkpoint directory (expected checkpoints/step-NNNNNNNNN)")
-    with _version_lock:  # one versioning at a time per process: stages are not shared
-        return _version_locked(repo_root, ckpt, step, remote, push)
+    try:
+        ckpt = Path(checkpoint_path).resolve()
+        step = parse_step(ckpt.name)
+        if step is None or not ckpt.is_dir():
+            raise VersioningError(f"{ckpt}: not a checkpoint directory (expected checkpoints/step-NNNNNNNNN)")
+        with _version_lock:  # one versioning at a time per process: stages are not shared
+            return _version_locked(repo_root, ckpt, step, remote, push, staged)
+    finally:
+        if staged is not None:
+            staged.set()
 
 
 def _version_locked(
-    repo_root: str | Path | None, ckpt: Path, step: int, remote: str | None, push: bool
+    repo_root: str | Path | None, ckpt: Path, step: int, remote: str | None, push: bool,
+    staged: threading.Event | None = None,
 ) -> dict[str, Any]:
     run_dir = ckpt.parent.parent
     _clean_stale_stages(ckpt.parent)
@@ -236,6 +245,9 @@ def _version_locked(
         stage = _snapshot(ckpt)
     except FileNotFoundError:
         raise VersioningError(f"{ckpt.name} was retired (deleted by retention) before it could be versioned") from None
+    finally:
+        if staged is not None:
+            staged.set()
     try:
         try:
             manifest = _verify_stage(stage, step)
@@ -294,11 +306,15 @@ def _add_and_push(
 def version_checkpoint_async(
     repo_root: str | Path | None, checkpoint_path: str | Path, remote: str | None = None
 ) -> concurrent.futures.Future[dict[str, Any]]:
-    """Same as :func:`version_checkpoint` on one background thread (in submission order)."""
+    """Same as :func:`version_checkpoint` on one background thread (in submission order).  The
+    future's ``staged`` event is set once the checkpoint is hard-linked to its stage."""
     global _executor
     if _executor is None:
         _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="convoy-dvc")
-    return _executor.submit(version_checkpoint, repo_root, checkpoint_path, remote)
+    staged = threading.Event()
+    future = _executor.submit(version_checkpoint, repo_root, checkpoint_path, remote, True, staged)
+    future.staged = staged  # type: ignore[attr-defined]
+    return future
 
 
 def checkpoint_dvcfiles(run_dir: str | Path) -> list[Path]:

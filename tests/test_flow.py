@@ -344,3 +344,27 @@ def test_sigterm_to_the_flow_crashes_it_cleanly(prefect_api: str, data_dir: Path
     assert "flow_crashed" in kinds, kinds
     assert "preempted" in kinds  # the supervisor's cleanup sent SIGTERM: an emergency checkpoint
     assert_no_leftovers(run_dir)
+
+
+def test_pipelined_worker_never_outruns_the_flow_and_chunks_are_identical(
+    prefect_api: str, data_dir: Path, tmp_path: Path, reference_digest: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Full-speed steps (no step pause), 10-step chunks, a checkpoint every 2 steps, keep_last 1:
+    a pipelined worker would retire a boundary checkpoint before its chunk task verified it if it
+    ran ahead of the flow.  It waits for each acknowledgement instead, and every chunk's artifact
+    is bitwise the one a worker restarted per chunk commits."""
+    from flows.train import run_training
+
+    monkeypatch.delenv("CONVOY_FAULTS", raising=False)
+    tight = {"train": {"chunk_steps": 10}, "checkpoint": {"every_steps": 2, "keep_last": 1}}
+    summaries = {}
+    for pipe in (True, False):
+        p = params(tmp_path, data_dir, f"pipe-{pipe}", **tight, orchestration={"pipeline": pipe})
+        summaries[pipe] = run_training(config(p))
+        assert_no_leftovers(config(p).run_dir.resolve())
+    digests = {pipe: [c["digest"] for c in s["chunks"]] for pipe, s in summaries.items()}
+    assert len(digests[True]) == TOTAL // 10 and all(digests[True])
+    assert digests[True] == digests[False]
+    assert summaries[True]["digest"] == summaries[False]["digest"] == reference_digest
+    logs = sorted(p.name for p in (tmp_path / "runs" / "pipe-True" / "logs").iterdir())
+    assert logs == ["chunk-1-attempt-1.log"]  # one worker trained all six chunks

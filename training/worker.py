@@ -26,6 +26,7 @@ from training.data import make_loader, mix_seed
 from training.events import append_event
 from training.heartbeat import Heartbeat
 from training.metrics import JsonlBackend, MetricBackend, StepMetricLogger
+from training.pipeline import wait_for_ack
 from training.rundir import load_run_config, run_info
 from training.state import TrainState, configure_determinism, seed_everything
 from training.task import build_task
@@ -65,8 +66,10 @@ def metric_backends(config: RunConfig, run_dir: Path) -> list[MetricBackend]:
 
 
 class Worker:
-    def __init__(self, run_dir: Path, until_step: int, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, run_dir: Path, until_step: int, rank: int = 0, world_size: int = 1,
+                 pipelined: bool = False) -> None:
         self.run_dir, self.until, self.rank, self.world = run_dir, until_step, rank, world_size
+        self.pipelined = pipelined
         self.config = load_run_config(run_dir)
         if until_step < 1 or until_step > self.config.train.total_steps:
             raise ConfigError(f"--until-step = {until_step}: must be in 1..train.total_steps "
@@ -203,6 +206,7 @@ class Worker:
         self.setup()
         self.restore()
         st, cfg = self.state, self.config
+        self.resumed_step = st.step
         if st.step >= self.until:
             self.log(f"already at step {st.step} >= {self.until}: nothing to train")
             return self.finish(loss=None)
@@ -237,13 +241,26 @@ class Worker:
                 self.adaptive.observe_step(dt, self.store.in_flight)
             (due,) = distributed.agree_any(st.step < self.until and self.save_due(st.step, last_save_step, last_save))
             if due:
+                if st.step % cfg.train.chunk_steps == 0:
+                    self.await_previous_boundary()
                 metrics.flush()  # metrics up to a committed step are durable before the commit
                 self.tune_interval(self.save(blocking=False), metrics)
                 last_save, last_save_step = time.time(), st.step
+        self.await_previous_boundary()  # the final save retires older checkpoints too
         metrics.flush()
         self.save(blocking=True)
         metrics.close()
         return self.finish(loss=loss)
+
+    def await_previous_boundary(self) -> None:
+        """Pipelined: before committing the next chunk boundary (or the last step), wait until the
+        flow acknowledged the previous boundary, so retention never removes an unverified one."""
+        if not self.pipelined:
+            return
+        chunk = self.config.train.chunk_steps
+        self.hb.set(phase="save")  # the boundary save starts with the wait (save limits apply)
+        wait_for_ack(self.run_dir, (self.state.step - 1) // chunk * chunk, self.resumed_step,
+                     lambda: self.preempt.requested)
 
     def emergency_exit(self, metrics: StepMetricLogger) -> int:
         self.log(f"SIGTERM: saving an emergency checkpoint at step {self.state.step}")
@@ -270,11 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.worker", description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", required=True, type=Path)
     ap.add_argument("--until-step", required=True, type=int)
+    ap.add_argument("--pipelined", action="store_true",
+                    help="train through chunk boundaries; each waits for the previous boundary's acknowledgement")
     args = ap.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        return Worker(args.run_dir, args.until_step, rank, world).run()
+        return Worker(args.run_dir, args.until_step, rank, world, args.pipelined).run()
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
         append_event(args.run_dir, "config_error", rank=rank, message=str(exc))
