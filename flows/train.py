@@ -134,6 +134,11 @@ def train(
                 rows.append(row)
                 if committed >= end:
                     row["status"] = "skipped (committed)"
+                    # A flow that died after the commit but before versioning left it unversioned
+                    # (a pipelined worker can commit the last chunk before its flow handles it).
+                    pending = tracking.version_async(cfg, run_dir, end, only_if_missing=True)
+                    if pending is not None:
+                        version_futures.append(pending)
                     continue
                 c0 = time.time()
                 try:

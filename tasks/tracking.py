@@ -93,16 +93,19 @@ def refresh(config: RunConfig, run_dir: Path) -> None:
         log.warning("audit: could not refresh: %s", exc)
 
 
-def version_async(config: RunConfig, run_dir: Path, step: int) -> Any:
+def version_async(config: RunConfig, run_dir: Path, step: int, only_if_missing: bool = False) -> Any:
     """Start DVC-versioning a committed chunk checkpoint on a background thread, overlapping the
     next chunk's training.  Safe against retention: the checkpoint is hard-linked into a private
-    staging folder before ``dvc add`` (tasks/version.py).  Returns a future, or None if off."""
+    staging folder before ``dvc add`` (tasks/version.py).  Returns a future, or None if off (or,
+    ``only_if_missing``, if the checkpoint is gone or already has its ``.dvc`` file)."""
     if not config.tracking.dvc:
         return None
     from tasks.version import version_checkpoint_async
     from training.checkpoint import checkpoint_name
 
     path = run_dir / "checkpoints" / checkpoint_name(step)
+    if only_if_missing and (not path.is_dir() or path.with_name(path.name + ".dvc").exists()):
+        return None
     future = version_checkpoint_async(None, str(path), config.tracking.dvc_remote or None)
     future.checkpoint_name = path.name  # type: ignore[attr-defined]
     return future
