@@ -353,14 +353,18 @@ def supervise(
     try:
         while proc.poll() is None:
             last_seen_running = time.time()
+            # The boundary first: whatever happens after it is committed is the next chunk's.
+            if pipeline and committed_marker is not None and committed_marker.exists():
+                break
             failure = _check(watch, _beats(run_dir, ranks, started), ranks, limits, last_seen_running)
             if failure is not None:
                 break
-            if pipeline and committed_marker is not None and committed_marker.exists():
-                handoff.park(run_dir, handoff.LiveWorker(proc, list(cmd), log_path))
-                handed_off = True
-                break
             time.sleep(limits.poll_s)
+        if pipeline and failure is None and committed_marker is not None and committed_marker.exists():
+            # Running, or died just after the commit (between two polls): either way this chunk is
+            # done and the worker, alive or not, is the next chunk's to adopt and judge.
+            handoff.park(run_dir, handoff.LiveWorker(proc, list(cmd), log_path))
+            handed_off = True
         # Wall time of the detection (exit seen or limit crossed), before the stop takes its grace.
         exit_seen = time.time()
     finally:
