@@ -54,17 +54,22 @@ def cursor_at_end(run_dir: Path) -> dict:
     return json.loads((ck.path / "state.json").read_text())["cursor"]
 
 
-def test_two_ranks_killed_and_resumed_is_bitwise_equal(tmp_path: Path) -> None:
-    extra = [f"train.total_steps={TOTAL}", "train.ranks=2"]
-    ref = make_run(tmp_path, "ref2", extra)
+def two_rank_reference_and_killed_run(tmp: Path, extra: list[str]) -> tuple[Path, Path, str]:
+    """An uninterrupted 2-rank run, and one SIGKILLed (launcher and both ranks) at step 25 and
+    resumed to the end; returns both run dirs and the resumed run's output."""
+    ref = make_run(tmp, "ref2", extra)
     finish(torchrun(ref, TOTAL, 2))
-    run = make_run(tmp_path, "killed2", extra)
+    run = make_run(tmp, "killed2", extra)
     p = torchrun(run, TOTAL, 2)
     wait_for_step(run, p, 25)
     time.sleep(0.05)
-    kill_group(p)  # SIGKILL the launcher and both ranks
+    kill_group(p)
     p.wait()
-    out = finish(torchrun(run, TOTAL, 2))
+    return ref, run, finish(torchrun(run, TOTAL, 2))
+
+
+def test_two_ranks_killed_and_resumed_is_bitwise_equal(tmp_path: Path) -> None:
+    ref, run, out = two_rank_reference_and_killed_run(tmp_path, [f"train.total_steps={TOTAL}", "train.ranks=2"])
     assert "resumed from step" in out
     a, b = CheckpointStore(ref).latest_valid(), CheckpointStore(run).latest_valid()
     assert a.step == b.step == TOTAL and a.manifest["world_size"] == 2

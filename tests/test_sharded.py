@@ -5,14 +5,21 @@ size, re-sharded at another, and every shard verified against the manifest befor
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
-from tests.test_distributed import TOTAL, cursor_at_end, finish, losses, set_ranks, torchrun
+from tests.test_distributed import (
+    TOTAL,
+    cursor_at_end,
+    finish,
+    losses,
+    set_ranks,
+    torchrun,
+    two_rank_reference_and_killed_run,
+)
 from training.checkpoint import CheckpointStore
 from training.events import read_events
 
@@ -51,16 +58,7 @@ def test_one_rank_killed_sharded_resume_matches_replicated_run_bitwise(tmp_path:
 
 
 def test_two_ranks_sharded_killed_and_resumed_is_bitwise_equal(tmp_path: Path) -> None:
-    extra = [*SHARDED, "train.ranks=2"]
-    ref = make_run(tmp_path, "ref2", extra)
-    finish(torchrun(ref, TOTAL, 2))
-    run = make_run(tmp_path, "killed2", extra)
-    p = torchrun(run, TOTAL, 2)
-    wait_for_step(run, p, 25)
-    time.sleep(0.05)
-    kill_group(p)
-    p.wait()
-    out = finish(torchrun(run, TOTAL, 2))
+    ref, run, out = two_rank_reference_and_killed_run(tmp_path, [*SHARDED, "train.ranks=2"])
     assert "resumed from step" in out
     files = shard_files(run)
     assert any("shard-00001" in n for n in files) and any("shard-00002" in n for n in files), files  # both wrote
