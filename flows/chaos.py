@@ -67,6 +67,9 @@ class ChaosReport:
     goodput: float | None = None
     wall_s: float = 0.0
     exit_code: int | None = None
+    #: Why the flow ended without finishing the run: its last output lines and the run's last
+    #: audit events (empty when it finished).  A fault not survived must be explainable.
+    diagnosis: list[str] = field(default_factory=list)
 
     @property
     def survived(self) -> bool:
@@ -289,6 +292,8 @@ class ChaosRunner:
         self.log(f"chaos run {self.cfg.run_name}: faults " + ", ".join(f"{f.kind}@{f.at_step}" for f in self.faults))
         t0 = time.time()
         deadline = t0 + self.timeout_s
+        log = Path(self.cfg.runs_dir) / f"{self.cfg.run_name}.chaos.log"
+        log_offset = log.stat().st_size if log.exists() else 0
         flow = self._start(self.cfg, self.env)
         for fault in self.faults:
             reached = self._wait_for_step(fault.at_step, flow, deadline)
@@ -307,4 +312,22 @@ class ChaosRunner:
         ck = CheckpointStore(self.run_dir).latest_valid(record=False)
         report.final_digest, report.final_step = (ck.digest, ck.step) if ck else (None, 0)
         self._score(report, t0)
+        if report.exit_code != 0 or report.final_step != self.cfg.train.total_steps:
+            report.diagnosis = self._diagnose(log_offset)
         return report
+
+    def _diagnose(self, log_offset: int) -> list[str]:
+        """The flow's last output lines (this chaos run's only) and the run's last audit events."""
+        log = Path(self.cfg.runs_dir) / f"{self.cfg.run_name}.chaos.log"
+        lines = []
+        if log.exists():
+            with open(log, "rb") as fh:
+                fh.seek(log_offset)
+                lines = [f"flow: {x}" for x in fh.read().decode(errors="replace").splitlines()[-40:]]
+        keep = ("failure", "resumed", "chunk_done", "flow_started", "flow_done", "config_error", "preempted",
+                "resubmitted", "checkpoint_skipped", "stale_worker_stopped", "reap_failed")
+        events = [e for e in read_events(self.run_dir) if e["kind"] in keep][-15:]
+        return lines + [
+            "event: " + json.dumps({k: v for k, v in e.items() if k not in ("log", "tail")}, default=str)
+            for e in events
+        ]

@@ -322,6 +322,8 @@ def chaos(
             f"metrics logged exactly once per step: {report.metrics_exactly_once}; "
             f"goodput {report.goodput}; wall {report.wall_s} s; flow exit {report.exit_code}"
         )
+        for line in report.diagnosis:
+            err.print(line, highlight=False, markup=False)
         console.print("[bold green]SURVIVED[/]" if report.survived else "[bold red]NOT SURVIVED[/]")
     raise typer.Exit(0 if report.survived else 1)
 

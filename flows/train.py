@@ -101,7 +101,7 @@ def train(
         if flow_run_id:
             remember(flow_run_id, run_dir=run_dir, run_name=cfg.run_name, chunk=None)
         tracking.begin_run(cfg, run_dir)
-        if reap_stale_worker(run_dir, cfg.train.ranks):
+        if reap_stale_worker(run_dir, cfg.train.world_size):
             logger.warning("stopped a worker of this run left over from a flow that died")
         chunks = plan_chunks(cfg.train.total_steps, cfg.train.chunk_steps)
         committed = last_committed_step(run_dir) or 0

@@ -111,7 +111,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
     limits = Limits.from_config(cfg)
     pipeline = cfg.orchestration.pipeline and cfg.orchestration.mode == "local"
     if handoff.parked_pid(rd) is None:  # our own parked worker is not stale
-        reap_stale_worker(rd, cfg.train.ranks)
+        reap_stale_worker(rd, cfg.train.world_size)
     started = time.time()
     preemptions = 0
     while True:
@@ -132,11 +132,12 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
         try:
             outcome = supervise(
                 worker_command(rd.resolve(), cfg.train.total_steps if pipeline else end_step, cfg.train.ranks,
-                               pipelined=pipeline),
+                               pipelined=pipeline, hosts=cfg.train.hosts if cfg.train.nnodes > 1 else (),
+                               node_launch=cfg.orchestration.node_launch),
                 rd,
                 limits,
                 log_path,
-                ranks=cfg.train.ranks,
+                ranks=cfg.train.world_size,
                 chunk=chunk,
                 attempt=attempt,
                 on_line=echo,

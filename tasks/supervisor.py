@@ -37,10 +37,11 @@ from tasks.classify import (
     oom_kills,
     signame,
 )
+from tasks.multinode import launcher_command
 from tasks.procs import child_setup, pid_gone, reap_stale_worker, stop_group
 from training.config import EXIT_CONFIG
 from training.events import append_event
-from training.heartbeat import heartbeat_path, read_heartbeat
+from training.heartbeat import beat_is_local, heartbeat_path, read_heartbeat
 
 #: Re-exported: callers only need this module.
 __all__ = [
@@ -129,12 +130,18 @@ class _Watch:
     rank_gone: dict[int, float] = field(default_factory=dict)
 
 
-def worker_command(run_dir: Path, until_step: int, ranks: int = 1, pipelined: bool = False) -> list[str]:
-    """The worker's command line; more than one rank goes through torchrun (elastic launcher).
+def worker_command(
+    run_dir: Path, until_step: int, ranks: int = 1, pipelined: bool = False,
+    hosts: Sequence[str] = (), node_launch: str = "",
+) -> list[str]:
+    """The worker's command line; more than one rank goes through torchrun (elastic launcher),
+    more than one host through :mod:`tasks.multinode` (one torchrun per node, one rendezvous).
     ``pipelined``: the worker waits at each chunk boundary for the previous one's acknowledgement."""
     tail = ["-m", "training.worker", "--run-dir", str(run_dir), "--until-step", str(until_step)]
     if pipelined:
         tail.append("--pipelined")
+    if len(hosts) > 1:
+        return launcher_command(hosts, ranks, node_launch, tail)
     if ranks <= 1:
         return [sys.executable, *tail]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *tail]
@@ -246,7 +253,8 @@ RANK_GONE_GRACE_S = 2.0
 def _lost_rank(w: _Watch, beats: list[dict[str, Any]], ranks: int, now: float) -> tuple[str, str, float] | None:
     """A rank whose process is gone (not finished) while the launcher runs: a crash of that rank.
 
-    Detected by pid within one poll instead of after ``stall_s``; the launcher first gets
+    Detected by pid within one poll instead of after ``stall_s``, for ranks on this machine only
+    (a remote node's ranks are judged by their beats: ``timeout_s``, ``stall_s``); the launcher first gets
     :data:`RANK_GONE_GRACE_S` to exit by itself, so its exit code and the ranks' audit events
     (config error, emergency checkpoint) classify the failure when they can.
     """
@@ -254,7 +262,7 @@ def _lost_rank(w: _Watch, beats: list[dict[str, Any]], ranks: int, now: float) -
         return None  # the worker is our own child: its exit is seen directly
     for b in beats:
         rank = int(b.get("rank", 0))
-        if b.get("phase") == "done" or not pid_gone(int(b.get("pid", 0))):
+        if b.get("phase") == "done" or not beat_is_local(b) or not pid_gone(int(b.get("pid", 0))):
             continue
         first = w.rank_gone.setdefault(rank, now)
         if now - first >= RANK_GONE_GRACE_S:

@@ -45,7 +45,8 @@ def test_every_fault_kind_is_survived(chaos_params: Path, prefect_api: str) -> N
     for f in report["faults"]:
         print(f"{f['kind']:9s} step {f['injected_step']}: {f['detected_as']} after {f['detected_after_s']} s, "
               f"lost {f['steps_lost']}, recovered in {f['recovery_s']} s; {f['note']}")
-    print("goodput", report["goodput"], "wall", report["wall_s"])
+    print("goodput", report["goodput"], "wall", report["wall_s"], "flow exit", report["exit_code"])
+    print("\n".join(report["diagnosis"]))  # why the flow ended early, if it did
     assert {f["kind"] for f in report["faults"]} == {"kill", "term", "hang", "slow", "corrupt", "delete",
                                                       "diskfull", "flowkill"}
     assert all(f["survived"] for f in report["faults"]), report["faults"]

@@ -80,8 +80,14 @@ class TrainConfig(_Strict):
     amp: bool = False
     #: torch.use_deterministic_algorithms + cuDNN deterministic (needed for bitwise CUDA resume).
     deterministic: bool = True
-    #: Number of ranks per chunk (>1 launches torchrun).
+    #: Ranks per node (>1, or ``nnodes`` > 1, launches torchrun).
     ranks: int = Field(1, ge=1, le=64)
+    #: Nodes per chunk; the world size is ``ranks * nnodes``.  More than one needs ``hosts``.
+    nnodes: int = Field(1, ge=1, le=1024)
+    #: One host name per node, node 0 first: node 0 is the machine that runs the chunk task and
+    #: hosts the c10d rendezvous; the others are started through ``orchestration.node_launch``
+    #: (``localhost``/``127.0.0.1`` entries are started here directly).
+    hosts: list[str] = Field(default_factory=list)
     #: Evaluate on the validation split every this many steps (0 = never).
     eval_every: int = Field(0, ge=0)
 
@@ -92,12 +98,22 @@ class TrainConfig(_Strict):
                 f"train.chunk_steps = {self.chunk_steps} is larger than train.total_steps = "
                 f"{self.total_steps}; use a chunk of at most total_steps"
             )
-        if self.batch_size % self.ranks:
+        if self.batch_size % self.world_size:
             raise ValueError(
-                f"train.batch_size = {self.batch_size} is not divisible by train.ranks = "
-                f"{self.ranks}; the global batch is split evenly over ranks"
+                f"train.batch_size = {self.batch_size} is not divisible by the world size "
+                f"{self.world_size} (train.ranks = {self.ranks} x train.nnodes = {self.nnodes}); "
+                "the global batch is split evenly over ranks"
+            )
+        if self.nnodes > 1 and len(self.hosts) != self.nnodes:
+            raise ValueError(
+                f"train.hosts = {self.hosts}: train.nnodes = {self.nnodes} needs exactly {self.nnodes} host "
+                "names, node 0 (the machine running the chunk task) first"
             )
         return self
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks * self.nnodes
 
 
 class CheckpointConfig(_Strict):
@@ -162,6 +178,10 @@ class OrchestrationConfig(_Strict):
     #: that ends its chunk task) instead of a new worker per chunk; after a failure the retry
     #: starts a fresh worker from the newest verified checkpoint.  Saves ~5 s of start-up a chunk.
     pipeline: bool = True
+    #: How a node other than this machine is started (``train.hosts``): a command prefix, ``{host}``
+    #: replaced by the host name, followed by one shell command (cd + torchrun).  ``-tt`` makes
+    #: sshd hang up the remote torchrun when the supervisor stops the local ssh client.
+    node_launch: str = "ssh -tt -o BatchMode=yes {host}"
 
 
 class TrackingConfig(_Strict):
@@ -204,7 +224,7 @@ class RunConfig(_Strict):
 
     def fingerprint(self) -> str:
         """Hash of the settings that change the trajectory; see the module docstring."""
-        train = self.train.model_dump(exclude={"chunk_steps", "eval_every", "ranks"})
+        train = self.train.model_dump(exclude={"chunk_steps", "eval_every", "ranks", "nnodes", "hosts"})
         data = self.data.model_dump(exclude={"num_workers", "prepared_dir"})
         payload = {"task": self.task, "task_args": self.task_args, "data": data, "train": train}
         blob = json.dumps(payload, sort_keys=True, default=str).encode()

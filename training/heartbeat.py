@@ -8,6 +8,7 @@ process as a beat that stops (dead).  That split mirrors NVIDIA resiliency-ext's
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -16,6 +17,13 @@ from typing import Any
 from training.fsutil import atomic_write_json, read_json
 
 PHASES = ("init", "load", "train", "save", "eval", "done")
+#: Written into every beat: a pid only means something on the machine that wrote it.
+HOST = socket.gethostname()
+
+
+def beat_is_local(beat: dict[str, Any]) -> bool:
+    """Whether the beat's pid can be checked here (beats of older versions carry no host)."""
+    return beat.get("host", HOST) == HOST
 
 
 def heartbeat_path(run_dir: str | Path, rank: int) -> Path:
@@ -54,7 +62,7 @@ class Heartbeat:
         # Not durable (no fsync): a beat only matters while this machine is up.
         atomic_write_json(
             self.path,
-            {"pid": os.getpid(), "rank": self.rank, "step": self.step, "phase": self.phase,
+            {"pid": os.getpid(), "host": HOST, "rank": self.rank, "step": self.step, "phase": self.phase,
              "time": time.time(), "progress_time": self.progress_time},
             durable=False,
         )
