@@ -63,3 +63,6 @@ def test_without_retries_a_fault_is_not_survived(chaos_params: Path, prefect_api
     assert code == 1 and not report["survived"]
     assert report["exit_code"] != 0
     assert report["final_digest"] != report["reference_digest"]
+    # The report says why: the flow's own last words and the failure it recorded.
+    assert any(line.startswith("flow: ") for line in report["diagnosis"]), report["diagnosis"]
+    assert any('"failure": "killed"' in line for line in report["diagnosis"]), report["diagnosis"]
