@@ -13,7 +13,9 @@ import json
 import mmap
 import os
 import struct
+import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -47,6 +49,11 @@ def hash_bytes(data: bytes) -> str:
     return xxhash.xxh3_128(data).hexdigest()
 
 
+def _hash_all(hasher: Any, views: list[Any]) -> None:
+    for view in views:
+        hasher.update(view)
+
+
 def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[int, str]:
     """Write ``tensors`` (CPU) to ``path``, fsync it; return (size, xxh3-128 hex of the bytes)."""
     header: dict[str, object] = {}
@@ -63,18 +70,24 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
         header["__metadata__"] = dict(sorted(metadata.items()))
     blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     blob += b" " * (-len(blob) % 8)  # align the data section like the reference writer
-    hasher = new_hasher()
     prefix = struct.pack("<Q", len(blob)) + blob
-    with open(path, "wb", buffering=0) as f:
-        f.write(prefix)
-        hasher.update(prefix)
-        for name in names:
-            view = _raw_bytes(tensors[name])
-            hasher.update(view)
-            written = 0
-            while written < len(view):
-                written += f.write(view[written:])
-        os.fsync(f.fileno())
+    views = [_raw_bytes(tensors[name]) for name in names]
+    # The hash runs on a helper thread while this one writes and fsyncs: xxhash releases the GIL,
+    # and so do write() and fsync(), so hashing (~14 GB/s) hides behind the disk instead of adding
+    # to it (bench/checkpoint.py, "sync save").  Both read the same immutable views.
+    hasher = new_hasher()
+    hash_thread = threading.Thread(target=_hash_all, args=(hasher, [prefix, *views]), name="convoy-hash")
+    hash_thread.start()
+    try:
+        with open(path, "wb", buffering=0) as f:
+            f.write(prefix)
+            for view in views:
+                written = 0
+                while written < len(view):
+                    written += f.write(view[written:])
+            os.fsync(f.fileno())
+    finally:
+        hash_thread.join()
     return len(prefix) + offset, hasher.hexdigest()
 
 
