@@ -41,7 +41,6 @@ import statistics
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -224,51 +223,6 @@ def proto_hash_file_mmap(path: Path, chunk: int = 0) -> tuple[int, str]:
             return 0, xxhash.xxh3_128(b"").hexdigest()
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             return size, xxhash.xxh3_128(m).hexdigest()
-
-
-def proto_write_file_overlap(path: Path, tensors: dict[str, torch.Tensor],
-                              metadata: dict[str, str] | None = None) -> tuple[int, str]:
-    """st.write_file that writes the bytes first, then hashes them while os.fsync (which releases
-    the GIL and waits on the disk) runs on a helper thread: the hash pass hides behind the flush."""
-    header: dict[str, object] = {}
-    offset = 0
-    names = sorted(tensors)
-    for name in names:
-        t = tensors[name]
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": st._DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    if metadata:
-        header["__metadata__"] = dict(sorted(metadata.items()))
-    blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    blob += b" " * (-len(blob) % 8)
-    prefix = struct.pack("<Q", len(blob)) + blob
-    views = [st._raw_bytes(tensors[name]) for name in names]
-    with open(path, "wb", buffering=0) as f:
-        f.write(prefix)
-        for view in views:
-            written = 0
-            while written < len(view):
-                written += f.write(view[written:])
-        err: list[BaseException] = []
-
-        def flush() -> None:
-            try:
-                os.fsync(f.fileno())
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                err.append(exc)
-
-        th = threading.Thread(target=flush)
-        th.start()
-        hasher = st.new_hasher()
-        hasher.update(prefix)
-        for view in views:
-            hasher.update(view)
-        th.join()
-        if err:
-            raise err[0]
-    return len(prefix) + offset, hasher.hexdigest()
 
 
 def proto_load_into(store: CheckpointStore, path: Path, live: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
@@ -525,7 +479,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print("[2/4] sync save vs raw write+fsync ...", flush=True)
     views = raw_views(tensors)
     raw_path = tmp / "raw.bin"
-    kinds = ["raw", "save"] + (["old", "overlap"] if args.prototypes else [])
+    kinds = ["raw", "save"] + (["old"] if args.prototypes else [])
     for i in range(R):
         for kind in interleave(i, kinds):
             retire_all()
@@ -537,9 +491,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             step += 1
             p = make_parts(model, opt, step)
             s = old if kind == "old" else store
-            with patched("write_file", proto_write_file_overlap) if kind == "overlap" else \
-                    contextlib.nullcontext():
-                dt, _ = timed(s.save, step, p, True)
+            dt, _ = timed(s.save, step, p, True)
             T.add(f"sync_{kind}", dt, s.last_committed.bytes, cpu=True)
     raw_path.unlink(missing_ok=True)
     retire_all()
@@ -678,8 +630,7 @@ def report(res: dict[str, Any]) -> str:
     r = T.gbps("sync_save") / T.gbps("raw_write")
     row("sync save (snapshot+write+hash+fsync+manifest+rename)", bw("sync_save"), f"raw write+fsync: {bw('raw_write')}",
         r, T.gbps("sync_save", True) / T.gbps("raw_write", True), ">= 0.8x", r >= 0.8)
-    for name, label in (("sync_old", "  before 94a3a35: snapshot copy also on blocking saves"),
-                        ("sync_overlap", "  prototype: hash overlapped with fsync")):
+    for name, label in (("sync_old", "  before 94a3a35: snapshot copy also on blocking saves"),):
         if name in T.t:
             r = T.gbps(name) / T.gbps("raw_write")
             row(label, bw(name), f"raw write+fsync: {bw('raw_write')}", r,

@@ -9,7 +9,10 @@ T_detect (above), T_rebuild (process start → restore begins: imports, model an
 build), T_load (verified load of the newest checkpoint, from the worker's ``resumed`` event) and
 T_verify (hashing that checkpoint alone, measured here).
 
-    .venv/bin/python bench/detection.py [--repeats 3] [--ranks 1|2]
+    .venv/bin/python bench/detection.py [--repeats 3] [--ranks 1|2] [--nnodes 1|2]
+
+``--nnodes 2`` runs two torchrun agents in one rendezvous on this machine (hosts ``127.0.0.1`` and
+``localhost``, :mod:`tasks.multinode`); the signal goes to the last rank, on the last node.
 """
 
 from __future__ import annotations
@@ -53,21 +56,26 @@ def inject_when_training(run_dir: Path, sig: int, at_step: int, rank: int, out: 
         time.sleep(0.01)
 
 
-def one(root: Path, kind: str, i: int, ranks: int) -> dict:
+def one(root: Path, kind: str, i: int, ranks: int, nnodes: int = 1) -> dict:
     sig, stall, timeout = SCENARIOS[kind]
+    hosts = ["127.0.0.1", *["localhost"] * (nnodes - 1)] if nnodes > 1 else []
     cfg = load_config(None, SMALL + [f"runs_dir={root / 'runs'}", f"data.prepared_dir={root / 'data'}",
-                                     f"run_name={kind}-{ranks}-{i}", f"train.ranks={ranks}",
+                                     f"run_name={kind}-{ranks}x{nnodes}-{i}", f"train.ranks={ranks}",
+                                     f"train.nnodes={nnodes}", f"train.hosts={hosts}",
                                      f"heartbeat.stall_s={stall}", f"heartbeat.timeout_s={timeout}",
                                      "heartbeat.grace_s=2"])
+    world = cfg.train.world_size
     prepare(cfg.data, cfg.train.seed)
     run_dir = open_run(cfg).resolve()
     limits = Limits.from_config(cfg)
     shot: dict = {}
-    t = threading.Thread(target=inject_when_training, args=(run_dir, sig, 25, ranks - 1, shot), daemon=True)
+    t = threading.Thread(target=inject_when_training, args=(run_dir, sig, 25, world - 1, shot), daemon=True)
     t.start()
-    cmd = worker_command(run_dir, 400, ranks)
+    def command(until: int) -> list[str]:
+        return worker_command(run_dir, until, ranks, hosts=hosts, node_launch=cfg.orchestration.node_launch)
+
     try:
-        supervise(cmd, run_dir, limits, run_dir / "logs" / "bench.log", ranks=ranks, chunk=1, attempt=1)
+        supervise(command(400), run_dir, limits, run_dir / "logs" / "bench.log", ranks=world, chunk=1, attempt=1)
         raise RuntimeError("worker finished without the injected failure")
     except ChunkFailed as exc:
         detected_as = exc.kind
@@ -75,8 +83,7 @@ def one(root: Path, kind: str, i: int, ranks: int) -> dict:
     latency = fail["detected_at"] - shot["t"]
     # MTTR: restart and resume.
     t0 = time.time()
-    p = subprocess.run(worker_command(run_dir, fail["last_committed_step"] + 5, 1 if ranks == 1 else ranks),
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(command(fail["last_committed_step"] + 5), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     resumed = [e for e in read_events(run_dir, "resumed") if e.get("rank", 0) == 0][-1]
     t_load = resumed["load_s"]
@@ -93,16 +100,17 @@ def one(root: Path, kind: str, i: int, ranks: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--ranks", type=int, default=1)
+    ap.add_argument("--ranks", type=int, default=1, help="ranks per node")
+    ap.add_argument("--nnodes", type=int, default=1, help="torchrun agents (nodes), all on this machine")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="convoy-detect-"))
     rows = []
     for kind in SCENARIOS:
         for i in range(args.repeats):
-            r = one(root, kind, i, args.ranks)
+            r = one(root, kind, i, args.ranks, args.nnodes)
             rows.append(r)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
-    print(f"\nranks={args.ranks}, median of {args.repeats} (seconds)")
+    print(f"\nranks={args.ranks} x nnodes={args.nnodes}, median of {args.repeats} (seconds)")
     print(f"{'kind':>6} {'detected as':>12} {'T_detect':>9} {'limit':>6} {'over limit':>10} "
           f"{'T_rebuild':>9} {'T_load':>7} {'T_verify':>8} {'MTTR':>6}")
     for kind in SCENARIOS:
