@@ -209,7 +209,11 @@ def _check(
     phase = "train" if "train" in phases else sorted(p or "" for p in phases)[0]
     progress = min(float(b.get("progress_time", b["time"])) for b in beats)
     if phase != w.phase:
-        w.phase, w.phase_since = phase, now
+        # The phase began no later than the beat that first reports it.  Taking our own clock
+        # instead (up to a poll and a beat later) let a worker stopped just after a phase change
+        # (e.g. adopted at a chunk boundary) look dead before it looked hung when stall_s equals
+        # timeout_s: the stall clock must never start after the last beat.
+        w.phase, w.phase_since = phase, min(now, max(oldest, w.started))
     if step != w.last_step:
         w.last_step = step
     w.last_beat = oldest

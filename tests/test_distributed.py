@@ -38,9 +38,10 @@ def finish(p: subprocess.Popen) -> str:
     return out
 
 
-def set_ranks(tmp: Path, name: str, ranks: int) -> None:
+def set_ranks(tmp: Path, name: str, ranks: int, batch: int = 8) -> None:
     cfg = load_config(None, SMALL + [f"runs_dir={tmp / 'runs'}", f"data.prepared_dir={tmp / 'data'}",
-                                     f"run_name={name}", f"train.total_steps={TOTAL}", f"train.ranks={ranks}"])
+                                     f"run_name={name}", f"train.total_steps={TOTAL}", f"train.ranks={ranks}",
+                                     f"train.batch_size={batch}"])
     open_run(cfg)
 
 
@@ -77,13 +78,15 @@ def test_two_ranks_killed_and_resumed_is_bitwise_equal(tmp_path: Path) -> None:
     assert a.digest == b.digest
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_resume_with_another_world_size(tmp_path: Path, before: int, after: int) -> None:
-    ref = make_run(tmp_path, "ref", [f"train.total_steps={TOTAL}", f"train.ranks={before}"])
+@pytest.mark.parametrize("before, after, batch", [(2, 1, 8), (1, 2, 8), (2, 3, 12)])
+def test_resume_with_another_world_size(tmp_path: Path, before: int, after: int, batch: int) -> None:
+    """2→3 needs a global batch both world sizes divide (12); it stays 12 across the change."""
+    extra = [f"train.total_steps={TOTAL}", f"train.batch_size={batch}"]
+    ref = make_run(tmp_path, "ref", [*extra, f"train.ranks={before}"])
     finish(torchrun(ref, TOTAL, before))
-    run = make_run(tmp_path, "resized", [f"train.total_steps={TOTAL}", f"train.ranks={before}"])
+    run = make_run(tmp_path, "resized", [*extra, f"train.ranks={before}"])
     finish(torchrun(run, 30, before))
-    set_ranks(tmp_path, "resized", after)
+    set_ranks(tmp_path, "resized", after, batch)
     out = finish(torchrun(run, TOTAL, after))
     assert "resumed from step 30" in out
     changed = read_events(run, "world_size_changed")

@@ -246,3 +246,18 @@ def test_a_vanished_rank_is_a_crash_after_the_launcher_grace() -> None:
     assert kind == "crash" and "rank 1" in reason and after >= RANK_GONE_GRACE_S
     assert _lost_rank(_Watch(started=now), [{**beats[1], "phase": "done"}], 2, now + 10) is None
     assert _lost_rank(_Watch(started=now), beats, 1, now + 10) is None  # single rank: exit code decides
+
+
+def test_a_worker_stopped_right_after_a_phase_change_is_hung_not_dead() -> None:
+    """stall_s == timeout_s (as in `convoy chaos`): the stall clock starts at the beat that first
+    shows the phase, never at the later moment the supervisor read it, so a SIGSTOP just after an
+    adoption or a boundary save is a hang, as it is anywhere else (a CI run called it dead)."""
+    from tasks.supervisor import _check, _Watch
+
+    lim = Limits(stall_s=4.0, timeout_s=4.0, poll_s=0.2)
+    t = time.time()
+    w = _Watch(started=t - 0.5, phase="save", phase_since=t - 0.5, progress=t - 0.5)
+    beat = {"rank": 0, "pid": os.getpid(), "phase": "train", "step": 69, "time": t, "progress_time": t - 0.01}
+    assert _check(w, [beat], 1, lim, t + 0.35) is None  # the new phase seen a poll and a bit late
+    kind, reason, _after = _check(w, [beat], 1, lim, t + 4.05)  # the worker was stopped right after t
+    assert kind == "hang", reason
