@@ -29,6 +29,8 @@ class LiveWorker:
     proc: subprocess.Popen
     cmd: list[str]
     log_path: Path
+    #: Where the parking chunk stopped reading the log; the adopting chunk reads on from there.
+    offset: int = 0
 
 
 _LIVE: dict[str, LiveWorker] = {}

@@ -43,6 +43,8 @@ PEER_EXIT_GRACE_S = 5.0
 #: SIGTERM → SIGKILL for agents that did not exit by themselves.
 STOP_GRACE_S = 10.0
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+#: Start of the line the launcher prints when a node fails (the supervisor quotes it in the audit).
+NODE_FAILED = "convoy multinode: node "
 
 
 def is_local(host: str) -> bool:
@@ -54,6 +56,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def failed_node(tail: Sequence[str]) -> str | None:
+    """``node 1 (gpu-b) exited 137`` from the launcher's output, if a node failed first."""
+    line = next((x for x in reversed(tail) if x.startswith(NODE_FAILED)), None)
+    return line.removeprefix("convoy multinode: ").split(";")[0] if line else None
 
 
 def launcher_command(hosts: Sequence[str], ranks_per_node: int, node_launch: str, tail: Sequence[str]) -> list[str]:
@@ -116,7 +124,7 @@ class NodeGroup:
             if failed and first_failure is None:
                 node, code = failed[0]
                 first_failure = code if code > 0 else 128 - code  # killed by signal n: 128+n, as a shell says
-                print(f"convoy multinode: node {node} ({self.hosts[node]}) exited {first_failure}; "
+                print(f"{NODE_FAILED}{node} ({self.hosts[node]}) exited {first_failure}; "
                       "stopping the other nodes", file=sys.stderr, flush=True)
                 if not self.wait_all(PEER_EXIT_GRACE_S):
                     self.signal_all(signal.SIGTERM)

@@ -37,7 +37,7 @@ from tasks.classify import (
     oom_kills,
     signame,
 )
-from tasks.multinode import launcher_command
+from tasks.multinode import failed_node, launcher_command
 from tasks.procs import child_setup, pid_gone, reap_stale_worker, stop_group
 from training.config import EXIT_CONFIG
 from training.events import append_event
@@ -153,6 +153,7 @@ def _follow(
     stop: threading.Event,
     tail: collections.deque[str],
     on_line: Callable[[str, str], None] | None,
+    position: list[int] | None = None,
 ) -> None:
     """Tail the worker's log file: keep the last lines, hand each one to ``on_line``.
 
@@ -170,6 +171,8 @@ def _follow(
                     continue
                 line = buf.decode(errors="replace").rstrip("\n")
                 buf = b""
+                if line.startswith("# convoy "):  # our own annotations, not the worker's output
+                    continue
                 tail.append(line)
                 if on_line is not None:
                     with contextlib.suppress(Exception):
@@ -177,6 +180,8 @@ def _follow(
             elif stop.is_set():
                 if buf:
                     tail.append(buf.decode(errors="replace"))
+                if position is not None:  # where the next reader (the adopting chunk) starts
+                    position[0] = f.tell()
                 return
             else:
                 time.sleep(0.05)
@@ -339,9 +344,9 @@ def supervise(
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     started = time.time()
     if live is not None:  # its beats are current; the log is the one it was started with
-        proc, log_path = live.proc, live.log_path
-        with open(log_path, "ab") as log:
-            offset = log.tell()
+        # Read on from where the previous chunk stopped: what it said in between (a traceback if it
+        # died between the tasks, a launcher naming the failed node) is this chunk's to report.
+        proc, log_path, offset = live.proc, live.log_path, live.offset
     else:
         for r in range(ranks):  # stale beats of an earlier attempt must not count as liveness
             with contextlib.suppress(FileNotFoundError):
@@ -351,7 +356,9 @@ def supervise(
         if done_at_step is not None else None
     handed_off = False
     stop_follow = threading.Event()
-    follower = threading.Thread(target=_follow, args=(log_path, offset, stop_follow, tail, on_line), daemon=True)
+    position = [offset]
+    follower = threading.Thread(target=_follow, args=(log_path, offset, stop_follow, tail, on_line, position),
+                                daemon=True)
     follower.start()
     watch = _Watch(started=started, phase_since=started, progress=started)
     failure: tuple[str, str, float] | None = None
@@ -375,7 +382,8 @@ def supervise(
         if pipeline and failure is None and committed_marker is not None and committed_marker.exists():
             # Running, or died just after the commit (between two polls): either way this chunk is
             # done and the worker, alive or not, is the next chunk's to adopt and judge.
-            handoff.park(run_dir, handoff.LiveWorker(proc, list(cmd), log_path))
+            parked = handoff.LiveWorker(proc, list(cmd), log_path)
+            handoff.park(run_dir, parked)
             handed_off = True
         # Wall time of the detection (exit seen or limit crossed), before the stop takes its grace.
         exit_seen = time.time()
@@ -388,6 +396,8 @@ def supervise(
             leftover = stop_group(proc, min(limits.grace_s, 2.0))  # the group may outlive its leader
         stop_follow.set()
         follower.join(timeout=5)
+        if handed_off:
+            parked.offset = position[0]  # before the next chunk's task exists: same thread
     seconds = time.time() - started
     rc = proc.returncode
     if not handed_off:
@@ -413,6 +423,8 @@ def supervise(
             "config": config_message(tail),
             "preempted": "preempted (exit 75) after saving an emergency checkpoint",
         }.get(kind, signame(code) + ("" if code == rc else f" in a rank (launcher {signame(rc)})"))
+        if kind not in ("config", "preempted") and (node := failed_node(tail)):
+            reason += f"; first to fail: {node}"
         detected_after = exit_seen - last_seen_running  # upper bound: the exit happened in between
     committed = last_committed_step(run_dir)
     # max(0, …): a stopped worker resumed by SIGCONT may commit an emergency checkpoint past its

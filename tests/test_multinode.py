@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.multinode import is_local, launcher_command, node_commands
+from tasks.multinode import failed_node, is_local, launcher_command, node_commands
 from tasks.supervisor import _lost_rank, _Watch, worker_command
 from tests.flow_util import REPO, assert_no_leftovers, config, params, wait_for_step
 from training.checkpoint import CheckpointStore
@@ -47,6 +47,12 @@ def test_remote_nodes_go_through_node_launch_local_ones_do_not() -> None:
     assert remote[3].startswith("cd /srv/app && PYTHONUNBUFFERED=1 exec ") and "--node-rank=1" in remote[3]
     assert "--rdzv-conf=is_host=0" in remote[3] and remote[3].endswith("--until-step 100")
     assert is_local("127.0.0.1") and not is_local("gpu-node-7")
+
+
+def test_the_first_node_to_fail_is_named() -> None:
+    tail = ["noise", "convoy multinode: node 1 (gpu-b) exited 137; stopping the other nodes", "Root Cause ..."]
+    assert failed_node(tail) == "node 1 (gpu-b) exited 137"
+    assert failed_node(["[worker rank 0] done"]) is None
 
 
 def test_a_remote_ranks_pid_is_not_checked_here() -> None:
@@ -119,6 +125,8 @@ def test_two_nodes_one_lost_mid_chunk_is_retried_and_bitwise_equal(
     assert len(fail) == 1 and fail[0]["chunk"] == 2, fail
     expected = ("killed", "crash") if loss == "killed" else ("dead", "hang")  # the heartbeat limits (5 s)
     assert fail[0]["failure"] in expected, fail
+    if loss == "killed" and not fail[0]["reason"].startswith("rank "):  # the launcher's exit, not our pid check
+        assert "first to fail: node " in fail[0]["reason"], fail  # the audit names the lost node
     b = CheckpointStore(run_dir).latest_valid()
     assert b.manifest["world_size"] == 2 and b.digest == two_node_digest
     assert not psutil.pid_exists(lost["agent"]) and not psutil.pid_exists(lost["rank_pid"])

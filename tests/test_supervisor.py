@@ -261,3 +261,44 @@ def test_a_worker_stopped_right_after_a_phase_change_is_hung_not_dead() -> None:
     assert _check(w, [beat], 1, lim, t + 0.35) is None  # the new phase seen a poll and a bit late
     kind, reason, _after = _check(w, [beat], 1, lim, t + 4.05)  # the worker was stopped right after t
     assert kind == "hang", reason
+
+
+DIES_AFTER_BOUNDARY = textwrap.dedent(
+    r'''
+    import json, os, sys, time
+    run_dir = sys.argv[1]
+    hb = os.path.join(run_dir, "heartbeat", "rank-0.json")
+    def beat(step):
+        with open(hb + ".tmp", "w") as f:
+            json.dump({"pid": os.getpid(), "rank": 0, "step": step, "phase": "train", "time": time.time(),
+                       "progress_time": time.time()}, f)
+        os.replace(hb + ".tmp", hb)
+    for step in range(1, 13):
+        beat(step)
+        if step == 10:
+            os.makedirs(os.path.join(run_dir, "checkpoints", "step-000000010"))
+            open(os.path.join(run_dir, "checkpoints", "step-000000010", "manifest.json"), "w").write("{}")
+        time.sleep(0.1)
+    print("Traceback: RuntimeError: boom between the two chunk tasks", flush=True)
+    sys.exit(1)
+    '''
+)
+
+
+def test_a_worker_that_dies_between_chunk_tasks_is_reported_with_its_last_words(
+    tmp_path: Path, run_dir: Path
+) -> None:
+    """Pipelined: chunk 1 parks the worker at its boundary; it dies before chunk 2 adopts it.  Chunk 2
+    reads the log on from where chunk 1 stopped, so its failure quotes what the worker said."""
+    script = tmp_path / "dies_after_boundary.py"
+    script.write_text(DIES_AFTER_BOUNDARY)
+    cmd = [sys.executable, str(script), str(run_dir)]
+    log = run_dir / "logs" / "chunk-1.log"
+    out = supervise(cmd, run_dir, FAST, log, chunk=1, attempt=1, done_at_step=10, pipeline=True)
+    assert out.returncode == 0  # the boundary was committed: chunk 1 is done, the worker parked
+    time.sleep(1.5)  # the worker dies while no task watches it
+    with pytest.raises(ChunkFailed) as info:
+        supervise(cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, attempt=1, done_at_step=20,
+                  pipeline=True)
+    assert info.value.kind == "crash" and "boom between the two chunk tasks" in str(info.value), info.value
+    assert not leftovers(run_dir)
