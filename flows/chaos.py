@@ -130,8 +130,13 @@ class ChaosRunner:
             cmd += ["-S", o]
         return cmd
 
+    @staticmethod
+    def _log_path(cfg: RunConfig) -> Path:
+        """The output of every ``convoy train`` this runner started for ``cfg`` (appended)."""
+        return Path(cfg.runs_dir) / f"{cfg.run_name}.chaos.log"
+
     def _start(self, cfg: RunConfig, env: dict[str, str] | None = None) -> subprocess.Popen:
-        logf = open(Path(cfg.runs_dir) / f"{cfg.run_name}.chaos.log", "a")  # noqa: SIM115 - kept by Popen
+        logf = open(self._log_path(cfg), "a")  # noqa: SIM115 - kept by Popen
         return subprocess.Popen(
             self._train_cmd(cfg),
             stdout=logf,
@@ -155,7 +160,7 @@ class ChaosRunner:
             Path(self.ref_cfg.runs_dir).mkdir(parents=True, exist_ok=True)
             p = self._start(self.ref_cfg)
             if p.wait(timeout=self.timeout_s) != 0:
-                raise RuntimeError(f"reference run failed (exit {p.returncode}); see {self.ref_cfg.run_name}.chaos.log")
+                raise RuntimeError(f"reference run failed (exit {p.returncode}); see {self._log_path(self.ref_cfg)}")
             ck = CheckpointStore(self.ref_cfg.run_dir).latest_valid(record=False)
         else:
             self.log(f"reference run {self.ref_cfg.run_name}: reusing its final checkpoint")
@@ -292,7 +297,7 @@ class ChaosRunner:
         self.log(f"chaos run {self.cfg.run_name}: faults " + ", ".join(f"{f.kind}@{f.at_step}" for f in self.faults))
         t0 = time.time()
         deadline = t0 + self.timeout_s
-        log = Path(self.cfg.runs_dir) / f"{self.cfg.run_name}.chaos.log"
+        log = self._log_path(self.cfg)
         log_offset = log.stat().st_size if log.exists() else 0
         flow = self._start(self.cfg, self.env)
         for fault in self.faults:
@@ -313,12 +318,11 @@ class ChaosRunner:
         report.final_digest, report.final_step = (ck.digest, ck.step) if ck else (None, 0)
         self._score(report, t0)
         if report.exit_code != 0 or report.final_step != self.cfg.train.total_steps:
-            report.diagnosis = self._diagnose(log_offset)
+            report.diagnosis = self._diagnose(log, log_offset)
         return report
 
-    def _diagnose(self, log_offset: int) -> list[str]:
+    def _diagnose(self, log: Path, log_offset: int) -> list[str]:
         """The flow's last output lines (this chaos run's only) and the run's last audit events."""
-        log = Path(self.cfg.runs_dir) / f"{self.cfg.run_name}.chaos.log"
         lines = []
         if log.exists():
             with open(log, "rb") as fh:

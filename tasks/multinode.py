@@ -43,8 +43,9 @@ PEER_EXIT_GRACE_S = 5.0
 #: SIGTERM → SIGKILL for agents that did not exit by themselves.
 STOP_GRACE_S = 10.0
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-#: Start of the line the launcher prints when a node fails (the supervisor quotes it in the audit).
-NODE_FAILED = "convoy multinode: node "
+#: What the launcher's lines start with; a node failing first prints ``PREFIX + "node …"`` and the
+#: supervisor quotes that in the audit (:func:`failed_node`).
+PREFIX = "convoy multinode: "
 
 
 def is_local(host: str) -> bool:
@@ -60,8 +61,8 @@ def free_port() -> int:
 
 def failed_node(tail: Sequence[str]) -> str | None:
     """``node 1 (gpu-b) exited 137`` from the launcher's output, if a node failed first."""
-    line = next((x for x in reversed(tail) if x.startswith(NODE_FAILED)), None)
-    return line.removeprefix("convoy multinode: ").split(";")[0] if line else None
+    line = next((x for x in reversed(tail) if x.startswith(PREFIX + "node ")), None)
+    return line.removeprefix(PREFIX).split(";")[0] if line else None
 
 
 def launcher_command(hosts: Sequence[str], ranks_per_node: int, node_launch: str, tail: Sequence[str]) -> list[str]:
@@ -96,7 +97,6 @@ class NodeGroup:
         self.hosts = list(hosts)
         self.procs = [subprocess.Popen(c, stdin=subprocess.DEVNULL, preexec_fn=child_setup(os.getpid()))
                       for c in cmds]
-        self.terminating = False
 
     def signal_all(self, sig: int) -> None:
         for p in self.procs:
@@ -105,26 +105,22 @@ class NodeGroup:
                     p.send_signal(sig)
 
     def on_sigterm(self, signum: int, frame: object) -> None:
-        self.terminating = True
-        self.signal_all(signal.SIGTERM)
+        self.signal_all(signal.SIGTERM)  # run() then sees the agents' exits as usual
 
     def wait_all(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(p.poll() is not None for p in self.procs):
-                return True
+        while not (done := all(p.poll() is not None for p in self.procs)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return all(p.poll() is not None for p in self.procs)
+        return done
 
     def run(self) -> int:
-        first_failure: int | None = None
         while True:
             codes = [p.poll() for p in self.procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed and first_failure is None:
+            if failed:
                 node, code = failed[0]
                 first_failure = code if code > 0 else 128 - code  # killed by signal n: 128+n, as a shell says
-                print(f"{NODE_FAILED}{node} ({self.hosts[node]}) exited {first_failure}; "
+                print(f"{PREFIX}node {node} ({self.hosts[node]}) exited {first_failure}; "
                       "stopping the other nodes", file=sys.stderr, flush=True)
                 if not self.wait_all(PEER_EXIT_GRACE_S):
                     self.signal_all(signal.SIGTERM)
@@ -134,8 +130,6 @@ class NodeGroup:
                 return first_failure
             if all(c == 0 for c in codes):
                 return 0
-            if self.terminating and all(c is not None for c in codes):
-                return next((c for c in codes if c), 0)
             time.sleep(0.1)
 
 
@@ -157,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = f"{host0}:{free_port()}"
     rdzv_id = uuid.uuid4().hex[:12]
     cmds = node_commands(hosts, args.ranks, endpoint, rdzv_id, args.node_launch, tail, os.getcwd())
-    print(f"convoy multinode: {len(hosts)} nodes x {args.ranks} ranks, rendezvous {endpoint} id {rdzv_id}",
+    print(f"{PREFIX}{len(hosts)} nodes x {args.ranks} ranks, rendezvous {endpoint} id {rdzv_id}",
           file=sys.stderr, flush=True)
     group = NodeGroup(cmds, hosts)
     signal.signal(signal.SIGTERM, group.on_sigterm)

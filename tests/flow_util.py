@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,19 @@ def stop_group(p: subprocess.Popen, check: bool = True) -> None:
     if check:
         psutil.wait_procs(procs, timeout=5)
         assert not [q.pid for q in procs if q.is_running() and q.status() != psutil.STATUS_ZOMBIE]
+
+
+def in_thread(fn: Any) -> threading.Thread:
+    """Run ``fn`` (a fault injector) beside the flow; what it raised is in ``.errors``."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.errors = errors  # type: ignore[attr-defined]
+    t.start()
+    return t

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.flow_util import CHUNK, REPO, TOTAL, assert_no_leftovers, config, params, wait_for_step
+from tests.flow_util import CHUNK, REPO, TOTAL, assert_no_leftovers, config, in_thread, params, wait_for_step
 from training.events import read_events
 
 pytestmark = pytest.mark.slow
@@ -42,21 +41,6 @@ def task_runs(flow_run_id: str) -> dict[str, Any]:
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     return {r.name: r for r in runs}
-
-
-def in_thread(fn: Any) -> threading.Thread:
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    t = threading.Thread(target=target, daemon=True)
-    t.errors = errors  # type: ignore[attr-defined]
-    t.start()
-    return t
 
 
 def test_sigkill_mid_chunk_3_retries_only_chunk_3(

@@ -19,7 +19,7 @@ import pytest
 
 from tasks.multinode import failed_node, is_local, launcher_command, node_commands
 from tasks.supervisor import _lost_rank, _Watch, worker_command
-from tests.flow_util import REPO, assert_no_leftovers, config, params, wait_for_step
+from tests.flow_util import REPO, assert_no_leftovers, config, in_thread, params, wait_for_step
 from training.checkpoint import CheckpointStore
 from training.config import ConfigError
 from training.events import read_events
@@ -99,7 +99,6 @@ def test_two_nodes_one_lost_mid_chunk_is_retried_and_bitwise_equal(
     x 2 ranks: torchrun sets OMP_NUM_THREADS=1 only when a node has several ranks, and another
     intra-op thread count sums in another order.)"""
     from flows.train import run_training
-    from tests.test_flow import in_thread
 
     monkeypatch.setenv("CONVOY_FAULTS", "step_delay=0.03")
     cfg = config(_params(tmp_path, data_dir, f"two-nodes-{loss}"))
