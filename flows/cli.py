@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from training.config import ConfigError, RunConfig, load_config
@@ -28,13 +29,20 @@ EXIT_USAGE = 2
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
-def config_or_exit(params: Path, overrides: list[str] | None) -> RunConfig:
+def config_or_exit(params: Path, overrides: list[str] | None, build_task: bool = False) -> RunConfig:
+    """The validated config, or one line and exit 2.  ``build_task``: also build the task (on the
+    meta device) so bad ``task_args`` fail here, before anything is created."""
     try:
-        return load_config(params, overrides or [])
+        cfg = load_config(params, overrides or [])
+        if build_task:
+            from training.task import check_task
+
+            check_task(cfg)
+        return cfg
     except ConfigError as exc:
         raise fail(str(exc)) from None
 
@@ -45,11 +53,20 @@ def validate(
     set_: SetOpt = None,
     show: bool = typer.Option(False, "--show", help="print the resolved config"),
 ) -> None:
-    """Check PARAMS (and overrides) without running anything."""
+    """Check PARAMS (and overrides) without running anything; the task is built on the meta
+    device, so task_args are checked too (the prepared data must exist)."""
     cfg = config_or_exit(params, set_)
+    try:
+        from training.task import check_task
+
+        built = check_task(cfg)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
     if show:
         console.print_json(json.dumps(cfg.model_dump(mode="json")))
-    console.print(f"ok: {params} is valid (run {cfg.run_name!r}, fingerprint {cfg.fingerprint()})")
+    task = "task built" if built is not None else "task_args checked; data not prepared yet (convoy prepare)"
+    console.print(f"ok: {params} is valid (run {cfg.run_name!r}, fingerprint {cfg.fingerprint()}; {task})",
+                  highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -72,7 +89,7 @@ def train(
     allow_config_change: bool = typer.Option(False, help="resume a run whose trajectory settings changed"),
 ) -> None:
     """Run (or continue) a training run as a Prefect flow of chunk tasks."""
-    cfg = config_or_exit(params, set_)
+    cfg = config_or_exit(params, set_, build_task=True)
     from flows.train import run_training
     from tasks.supervisor import ChunkFailed
 
@@ -97,11 +114,25 @@ def worker(
 
 
 def _store(run_dir: Path):
+    """The run's store with the resume's own validation: structure always, and the model's
+    shapes and dtypes when the task can be built here from the run's config."""
     from training.checkpoint import CheckpointStore
+    from training.rundir import load_run_config
+    from training.state import ExpectedState, checkpoint_validator
+    from training.task import check_task
 
     if not (run_dir / "checkpoints").is_dir():
         raise fail(f"{run_dir}: no checkpoints/ folder; is this a convoy run directory?")
-    return CheckpointStore(run_dir)
+    parts = None
+    try:
+        parts = check_task(load_run_config(run_dir))
+    except ConfigError as exc:
+        err.print(f"note: model shapes not checked ({exc})", highlight=False, markup=False)
+    else:
+        if parts is None:
+            err.print("note: model shapes not checked (the task's data is not on this machine)", highlight=False)
+    expected = ExpectedState.of(parts) if parts is not None else None
+    return CheckpointStore(run_dir, validator=checkpoint_validator(expected))
 
 
 @app.command()
@@ -117,10 +148,10 @@ def inspect(run_dir: Path, as_json: bool = typer.Option(False, "--json", help="m
     for r in rows:
         table.add_row(
             str(r["step"]),
-            r["name"],
+            escape(r["name"]),
             f"{r['bytes']:,}",
-            "yes" if r["valid"] else "[red]no[/]",
-            r["digest"] if r["valid"] else r["reason"],
+            "yes" if r["valid"] else ("[yellow]quarantined[/]" if r["quarantined"] else "[red]no[/]"),
+            escape(r["digest"] if r["valid"] else r["reason"]),
         )
     console.print(table)
 

@@ -25,7 +25,6 @@ repository lock.  ``dvc`` is imported lazily (on first use).
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import shutil
 import threading
@@ -35,8 +34,7 @@ from typing import Any
 
 from prefect import task
 
-from training import safetensors_io as st
-from training.checkpoint import MANIFEST, CheckpointStore, parse_step, state_digest
+from training.checkpoint import CheckpointStore, parse_step
 from training.events import append_event
 
 #: Prefix of the private hard-link stage of a checkpoint being versioned (ignored by the store).
@@ -171,21 +169,6 @@ def _clean_stale_stages(checkpoints: Path) -> None:
             gitignore.write_text("".join(f"{ln}\n" for ln in kept))
 
 
-def _verify_stage(stage: Path, step: int) -> dict[str, Any]:
-    """What ``CheckpointStore.verify`` checks (manifest, per-file size + hash, digest), for a
-    stage whose directory name is not the checkpoint's."""
-    manifest = json.loads((stage / MANIFEST).read_text())
-    if manifest.get("step") != step:
-        raise ValueError(f"manifest step {manifest.get('step')} is not {step}")
-    if state_digest(manifest["files"]) != manifest["digest"]:
-        raise ValueError("manifest digest does not match its file list")
-    for name, info in manifest["files"].items():
-        size, digest = st.hash_file(stage / name)
-        if size != info["size"] or digest != info["xxh3_128"]:
-            raise ValueError(f"{name}: size or content hash differs from the manifest (corrupt)")
-    return manifest
-
-
 def _move_dvcfile(stage: Path, ckpt: Path) -> Path:
     """``.stage-step-N.dvc`` (tracking ``.stage-step-N``) → ``step-N.dvc`` tracking ``step-N``;
     the git-ignore entry DVC wrote for the stage becomes the checkpoint's."""
@@ -250,7 +233,7 @@ def _version_locked(
             staged.set()
     try:
         try:
-            manifest = _verify_stage(stage, step)
+            manifest = CheckpointStore(run_dir).verify(stage, step=step).manifest  # the store's own check
         except (ValueError, OSError, KeyError) as exc:
             raise VersioningError(f"{ckpt.name} does not verify, not versioning it: {exc}") from None
         result = _with_repo(

@@ -19,10 +19,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,14 +32,23 @@ import torch
 
 from training import faults, sharded
 from training import safetensors_io as st
-from training.codec import join_tree, split_tree
+from training.codec import join_tree, split_tree, tensor_refs
 from training.config import CheckpointConfig
-from training.events import append_event
+from training.events import append_event, read_events
 from training.fsutil import atomic_write_bytes, atomic_write_json, fsync_dir, read_json
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
 FORMAT_VERSION = 1
+#: What a manifest may name: a plain file of the checkpoint directory, or one in its ``dcp/``
+#: sub-directory.  No leading dot, so no ``..``, no hidden temp files, no absolute paths.
+_MEMBER_NAME = re.compile(rf"(?:{sharded.SHARD_DIR}/)?[A-Za-z0-9_][A-Za-z0-9_.-]*")
+#: Parts convoy writes: ``state`` (replicated train state) and ``rank-<r>`` (that rank's RNG).
+_PART_NAME = re.compile(r"state|rank-\d+")
+
+#: ``validator(manifest, parts)`` raises ValueError when loaded parts do not make a train state
+#: that fits (see :func:`training.state.checkpoint_validator`).
+Validator = Callable[[dict[str, Any], dict[str, Any]], None]
 
 
 class CheckpointError(RuntimeError):
@@ -54,6 +64,21 @@ def parse_step(name: str) -> int | None:
         return None
     digits = name[5:]
     return int(digits) if digits.isdigit() else None
+
+
+def member_path(checkpoint_dir: Path, name: Any) -> Path:
+    """The path of a file the manifest names, confined to ``checkpoint_dir``.
+
+    Manifest names are data read from disk: a doctored manifest could name ``../../x`` or
+    ``/etc/passwd`` with a matching hash.  Anything but a plain relative name, or a symbolic link,
+    is refused before it is opened (ValueError with a one-line reason)."""
+    if not isinstance(name, str) or not _MEMBER_NAME.fullmatch(name):
+        raise ValueError(f"manifest names {name!r}: not a plain file name inside the checkpoint (refused, not opened)")
+    path = checkpoint_dir / name
+    for p in (path, path.parent):
+        if p.is_symlink():
+            raise ValueError(f"{name}: a symbolic link (refused, not opened)")
+    return path
 
 
 @dataclass
@@ -104,7 +129,7 @@ class CheckpointStore:
 
     def __init__(self, run_dir: str | Path, policy: CheckpointConfig | None = None,
                  fingerprint: str = "", world_size: int = 1, rank: int = 0, gather_timeout_s: float = 300,
-                 boundary_every: int = 0) -> None:
+                 boundary_every: int = 0, validator: Validator | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
@@ -122,6 +147,10 @@ class CheckpointStore:
         self.last_stall_s = 0.0
         self.last_persist_s = 0.0
         self.last_committed: Checkpoint | None = None
+        #: Semantic check of loaded parts (the worker and the CLI set it; see ``load``).
+        self.validator = validator
+        #: Checkpoint name -> why it was refused (by this process), see :meth:`refuse`.
+        self.refused: dict[str, str] = {}
 
     # ------------------------------------------------------------------ listing / verifying
     def step_dirs(self) -> list[tuple[int, Path]]:
@@ -133,7 +162,9 @@ class CheckpointStore:
                 out.append((step, p))
         return sorted(out, reverse=True)
 
-    def read_manifest(self, path: Path) -> dict[str, Any]:
+    def read_manifest(self, path: Path, step: int | None = None) -> dict[str, Any]:
+        """``path``'s manifest, checked against its file list and the step in the directory name
+        (or ``step``, for a copy under another name, e.g. a DVC stage)."""
         mpath = path / MANIFEST
         if not mpath.exists():
             raise ValueError("no manifest.json (incomplete checkpoint)")
@@ -144,27 +175,22 @@ class CheckpointStore:
         for key in ("step", "files", "digest"):
             if key not in manifest:
                 raise ValueError(f"manifest.json lacks {key!r}")
-        if manifest["step"] != parse_step(path.name):
+        if manifest["step"] != (parse_step(path.name) if step is None else step):
             raise ValueError(f"manifest step {manifest['step']} does not match directory {path.name}")
         if state_digest(manifest["files"]) != manifest["digest"]:
             raise ValueError("manifest digest does not match its file list")
         return manifest
 
-    def verify(self, path: Path) -> Checkpoint:
-        """Full verification: manifest + every file's size and hash.  Raises ValueError."""
-        manifest = self.read_manifest(path)
-        for name, info in manifest["files"].items():
-            fpath = path / name
-            if not fpath.exists():
-                raise ValueError(f"{name}: missing")
-            size, digest = st.hash_file(fpath)
-            if size != info["size"]:
-                raise ValueError(f"{name}: size {size} != manifest {info['size']} (truncated or replaced)")
-            if digest != info["xxh3_128"]:
-                raise ValueError(f"{name}: content hash mismatch (corrupt)")
-        return Checkpoint(manifest["step"], path, manifest)
+    def verify(self, path: Path, step: int | None = None) -> Checkpoint:
+        """The one validation (``convoy verify``/``inspect``, the flow, versioning, the resume):
+        :meth:`load` without keeping the tensors.  Raises ValueError (or OSError) with the reason."""
+        return self.load(path, step)[0]
 
-    def _skip(self, path: Path, reason: str) -> None:
+    def refuse(self, path: Path, reason: str) -> None:
+        """Record that ``path`` was not restored (events.jsonl) and remember why: if the run
+        reaches that step again, the directory is quarantined as invalid, not mistaken for
+        evidence of a non-deterministic replay."""
+        self.refused[path.name] = reason
         append_event(self.run_dir, "checkpoint_skipped", checkpoint=path.name, reason=reason)
 
     def latest_valid(self, record: bool = True) -> Checkpoint | None:
@@ -174,55 +200,104 @@ class CheckpointStore:
                 return self.verify(path)
             except (ValueError, OSError) as exc:
                 if record:
-                    self._skip(path, str(exc))
+                    self.refuse(path, str(exc))
         return None
 
     def inspect(self) -> list[dict[str, Any]]:
-        """Every checkpoint directory with its verification result (for ``convoy inspect``)."""
+        """Every checkpoint directory with its verification result (for ``convoy inspect``),
+        then the quarantined copies (``step-….invalid-<ms>``/``….replaced-<ms>``) with the reason
+        recorded when they were moved aside."""
         rows = []
         for step, path in self.step_dirs():
-            row: dict[str, Any] = {"step": step, "name": path.name}
+            row: dict[str, Any] = {"step": step, "name": path.name, "quarantined": False}
             try:
                 ck = self.verify(path)
                 row.update(valid=True, bytes=ck.bytes, digest=ck.digest, reason="")
             except (ValueError, OSError) as exc:
-                size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-                row.update(valid=False, bytes=size, digest=None, reason=str(exc))
+                row.update(valid=False, bytes=_dir_bytes(path), digest=None, reason=str(exc))
             rows.append(row)
+        moved = {e.get("moved_to"): e for e in read_events(self.run_dir) if e.get("moved_to")}
+        for path in sorted(self.root.glob("step-*.*-*")):
+            step = parse_step(path.name.split(".", 1)[0])
+            if step is None or not path.is_dir():
+                continue
+            event = moved.get(path.name, {})
+            reason = f"quarantined ({event.get('kind', 'moved aside').removeprefix('checkpoint_')}): " \
+                     f"{event.get('reason', 'no event recorded')}"
+            rows.append({"step": step, "name": path.name, "quarantined": True, "valid": False,
+                         "bytes": _dir_bytes(path), "digest": event.get("old_digest"), "reason": reason})
         return rows
 
     # ------------------------------------------------------------------ loading
-    def load(self, path: Path) -> tuple[Checkpoint, dict[str, Any]]:
-        """Verify and load every part, reading each file exactly once.  Never unpickles."""
-        manifest = self.read_manifest(path)
+    def load(self, path: Path, step: int | None = None) -> tuple[Checkpoint, dict[str, Any]]:
+        """Verify and load every part, reading each file exactly once.  Never unpickles.
+
+        Checks, in order, each failure a ValueError naming the file and what is wrong: the
+        manifest; every name it lists confined to ``path`` (before anything is opened); only
+        files convoy writes (``<part>.safetensors`` + ``<part>.json`` pairs, sharded ``dcp/``
+        files); sizes and hashes; safetensors headers; skeletons that name exactly the tensors
+        their file holds; then ``self.validator`` (the train state's structure and, where the
+        model is known, its shapes and dtypes)."""
+        if path.is_symlink():
+            raise ValueError(f"{path.name}: the checkpoint directory is a symbolic link (refused, not opened)")
+        manifest = self.read_manifest(path, step)
+        files = manifest["files"]
+        if not isinstance(files, dict):
+            raise ValueError("manifest.json: 'files' is not a mapping")
+        for name in files:
+            member_path(path, name)
+        layout_sharded = manifest.get("layout") == sharded.LAYOUT
+        part_names = _part_names(files, layout_sharded)
         parts: dict[str, Any] = {}
-        if manifest.get("layout") == sharded.LAYOUT:
+        if layout_sharded:
             parts[sharded.LAYOUT] = sharded.verify_shards(path, manifest)  # the skeleton; tensors load later
-        for name, info in manifest["files"].items():
-            if not name.endswith(".safetensors") or name.startswith(f"{sharded.SHARD_DIR}/"):
-                continue
-            part = name.removesuffix(".safetensors")
-            skel_name = f"{part}.json"
-            skel_info = manifest["files"].get(skel_name)
-            if skel_info is None:
-                raise ValueError(f"{skel_name}: not in manifest")
-            skel_buf = st.read_verified(path / skel_name, skel_info["size"], skel_info["xxh3_128"])
-            buf = st.read_verified(path / name, info["size"], info["xxh3_128"])
-            try:
-                tensors, _ = st.parse(buf)
-            except st.SafetensorsFormatError as exc:
-                raise ValueError(f"{name}: {exc}") from None
-            parts[part] = join_tree(json.loads(bytes(skel_buf)), tensors)
+        for part in part_names:
+            parts[part] = self._load_part(path, files, part)
+        if self.validator is not None:
+            self.validator(manifest, parts)
         return Checkpoint(manifest["step"], path, manifest), parts
 
-    def load_latest(self) -> tuple[Checkpoint, dict[str, Any]] | None:
-        """Newest checkpoint that verifies *and* parses; skipped ones are recorded."""
-        for _step, path in self.step_dirs():
-            try:
-                return self.load(path)
-            except (ValueError, OSError, KeyError) as exc:
-                self._skip(path, str(exc))
+    def _load_part(self, path: Path, files: dict[str, Any], part: str) -> Any:
+        name, skel_name = f"{part}.safetensors", f"{part}.json"
+        info, skel_info = files[name], files[skel_name]
+        skel_buf = st.read_verified(path / skel_name, info_size(skel_info), info_hash(skel_info))
+        buf = st.read_verified(path / name, info_size(info), info_hash(info))
+        try:
+            tensors, _ = st.parse(buf)
+        except st.SafetensorsFormatError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        try:
+            skeleton = json.loads(bytes(skel_buf))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ValueError(f"{skel_name}: not JSON") from None
+        named = tensor_refs(skeleton)
+        if named != set(tensors):
+            missing, unused = sorted(named - set(tensors))[:3], sorted(set(tensors) - named)[:3]
+            raise ValueError(f"{skel_name} does not match {name}: names tensors it lacks {missing}, "
+                             f"leaves tensors unnamed {unused}")
+        return join_tree(skeleton, tensors)
+
+    def load_latest(self, on_skip: Callable[[Path, str], None] | None = None
+                    ) -> tuple[Checkpoint, dict[str, Any]] | None:
+        """Newest checkpoint that verifies *and* parses; skipped ones are recorded (and reported
+        to ``on_skip(path, reason)``)."""
+        for _step, path, reason, loaded in self.candidates():
+            if loaded is not None:
+                return loaded
+            if on_skip is not None:
+                on_skip(path, reason)
         return None
+
+    def candidates(self) -> Iterator[tuple[int, Path, str, tuple[Checkpoint, dict[str, Any]] | None]]:
+        """Every checkpoint newest first as ``(step, path, reason, loaded)``: ``loaded`` is None and
+        ``reason`` says why (already recorded) when it does not load.  The resume walks this so
+        a checkpoint that loads but cannot be restored still falls back to an older one."""
+        for step, path in self.step_dirs():
+            try:
+                yield step, path, "", self.load(path)
+            except (ValueError, OSError) as exc:
+                self.refuse(path, str(exc))
+                yield step, path, str(exc), None
 
     # ------------------------------------------------------------------ saving
     def check(self) -> None:
@@ -370,6 +445,8 @@ class CheckpointStore:
         as evidence of a non-deterministic replay."""
         try:
             existing = self.verify(final)
+            if final.name in self.refused:  # it loads, but the resume could not use it
+                raise ValueError(self.refused[final.name])
         except (ValueError, OSError) as exc:
             kind, reason, old = "invalid", str(exc), None
         else:
@@ -428,7 +505,42 @@ class CheckpointStore:
         append_event(self.run_dir, "checkpoint_retired", checkpoint=path.name, reason=reason)
 
     def cleanup_stale_temp(self) -> None:
-        """Remove ``.tmp-*``/``.deleting-*`` left by a killed writer (never committed)."""
+        """Remove ``.tmp-*``/``.deleting-*`` left by a killed writer (never committed).  Only the
+        holder of the run's worker lease calls it, so no other live writer's temp dir exists."""
         for p in self.root.iterdir():
             if p.name.startswith((".tmp-", ".deleting-")):
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def info_size(info: Any) -> int:
+    if not isinstance(info, dict) or not isinstance(info.get("size"), int):
+        raise ValueError(f"manifest file entry {info!r}: no integer size")
+    return info["size"]
+
+
+def info_hash(info: Any) -> str:
+    if not isinstance(info.get("xxh3_128"), str):
+        raise ValueError(f"manifest file entry {info!r}: no xxh3_128 hash")
+    return info["xxh3_128"]
+
+
+def _part_names(files: dict[str, Any], layout_sharded: bool) -> list[str]:
+    """The parts a manifest lists; any file convoy does not write is refused (e.g. a torch-saved
+    ``model.pt``: convoy would never load it, and its presence means the directory was altered)."""
+    parts: set[str] = set()
+    for name in files:
+        if layout_sharded and (name == sharded.SKELETON or name.startswith(f"{sharded.SHARD_DIR}/")):
+            continue
+        stem, _, ext = name.rpartition(".")
+        if ext not in ("safetensors", "json") or not _PART_NAME.fullmatch(stem):
+            raise ValueError(f"{name}: not a file convoy writes (refused, not opened)")
+        parts.add(stem)
+    for part in sorted(parts):
+        for ext in ("safetensors", "json"):
+            if f"{part}.{ext}" not in files:
+                raise ValueError(f"{part}.{ext}: not in manifest (part {part!r} is incomplete)")
+    return sorted(parts)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())

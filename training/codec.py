@@ -75,3 +75,24 @@ def join_tree(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return node
 
     return walk(skeleton)
+
+
+def tensor_refs(skeleton: Any) -> set[str]:
+    """Tensor keys a JSON skeleton refers to (``__t__``/``__nd__`` markers)."""
+    keys: set[str] = set()
+    stack = [skeleton]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            for marker in ("__t__", "__nd__"):
+                if marker in node:
+                    if not isinstance(node[marker], str):
+                        raise ValueError(f"skeleton: bad tensor reference {node[marker]!r}")
+                    keys.add(node[marker])
+                    break
+            else:
+                stack.extend(node.values())
+    return keys
+

@@ -31,6 +31,13 @@ class ConfigError(ValueError):
     """A bad configuration; its message is a single line meant for the user."""
 
 
+class DataMissing(ConfigError):
+    """The task's data is not on this machine (not prepared yet, or it lives on the GPU nodes).
+
+    Raised by task factories; a check before the run (``check_task``) tolerates it, the worker,
+    which needs the data, does not."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -280,6 +287,15 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
     return f"{source}: {loc}{shown}: {msg}{more}"
 
 
+def yaml_error_line(path: Path, exc: yaml.YAMLError) -> str:
+    """``params.yaml:12:5: not valid YAML: <problem> (<context>)``: where an editor can jump."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+
+
 def config_from_dict(data: dict[str, Any], source: str = "config") -> RunConfig:
     try:
         return RunConfig.model_validate(data)
@@ -298,7 +314,7 @@ def load_config(path: str | Path | None = "params.yaml", overrides: list[str] | 
             try:
                 loaded = yaml.safe_load(p.read_text()) or {}
             except yaml.YAMLError as exc:
-                raise ConfigError(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
+                raise ConfigError(yaml_error_line(p, exc)) from None
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{p}: expected a mapping of sections, got {type(loaded).__name__}")
             data = loaded

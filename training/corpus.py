@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.config import ConfigError, DataConfig
+from training.config import DataConfig, DataMissing
 from training.fsutil import atomic_write_bytes, atomic_write_json
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz .,;\n!"
@@ -71,5 +71,5 @@ def prepare(data: DataConfig, seed: int) -> Path:
 def load_corpus(data: DataConfig) -> bytes:
     path = Path(data.prepared_dir) / CORPUS_FILE
     if not path.exists():
-        raise ConfigError(f"data file {path} not found; run `convoy prepare` first (or check data.prepared_dir)")
+        raise DataMissing(f"data file {path} not found; run `convoy prepare` first (or check data.prepared_dir)")
     return path.read_bytes()

@@ -6,16 +6,45 @@ changes the trajectory can never silently resume an old run (DESIGN invariant 7)
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
+
 from training.config import ConfigError, RunConfig, config_from_dict
 from training.events import append_event
-from training.fsutil import atomic_write_json, read_json
+from training.fsutil import atomic_write_bytes, atomic_write_json, read_json
 
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.json"
+#: Held by the training process of a run (rank 0) for its whole life; see :func:`take_worker_lease`.
+WORKER_LEASE = ".worker.lock"
+
+
+class RunBusy(ConfigError):
+    """Another worker holds the run's lease.  A ConfigError: exit 78, never retried."""
+
+
+def take_worker_lease(run_dir: Path, wait_s: float = 5.0) -> FileLock:
+    """Hold ``run_dir/.worker.lock`` so exactly one worker trains a run at a time (DESIGN
+    invariant 8 for workers, not only flows): a second ``convoy worker`` next to a flow would write
+    the same heartbeat, metrics and checkpoints, and its start-up cleanup could remove the first
+    one's in-flight temp save.  The OS drops the lock when the holder dies however it dies; a
+    retry waits ``wait_s`` for a predecessor that is still being reaped.  A pipelined chunk
+    adopts the running worker, and with it the lease."""
+    lock = FileLock(str(run_dir / WORKER_LEASE), timeout=wait_s)
+    owner = run_dir / f"{WORKER_LEASE}.owner"
+    try:
+        lock.acquire()
+    except Timeout:
+        holder = owner.read_text().strip() if owner.exists() else "a process that did not say who it is"
+        raise RunBusy(f"{run_dir} is being trained by another worker ({holder}); stop that worker first "
+                      f"(a second one would overwrite its checkpoints and metrics)") from None
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+    atomic_write_bytes(owner, f"pid {os.getpid()} on {os.uname().nodename} since {since}\n".encode(), durable=False)
+    return lock
 
 
 def run_info(run_dir: str | Path) -> dict[str, Any] | None:
@@ -38,6 +67,10 @@ def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
     run_dir = config.run_dir
     fp = config.fingerprint()
     info = run_info(run_dir)
+    if info is None:
+        from training.task import check_task  # imports torch: only when a run is created
+
+        check_task(config)  # bad task_args fail here, before the run is pinned to their fingerprint
     if info is not None and info.get("fingerprint") != fp:
         if not allow_config_change:
             raise ConfigError(

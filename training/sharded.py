@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from training import safetensors_io as st
-from training.codec import join_tree, split_tree
+from training.codec import join_tree, split_tree, tensor_refs
 from training.fsutil import atomic_write_bytes, fsync_dir
 
 SHARD_DIR = "dcp"
@@ -80,24 +81,6 @@ def _flatten(trees: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
     return walk(skeleton), flat
 
 
-def _tensor_keys(skeleton: Any) -> set[str]:
-    keys: set[str] = set()
-
-    def walk(node: Any) -> None:
-        if isinstance(node, list):
-            for v in node:
-                walk(v)
-        elif isinstance(node, dict):
-            if "__t__" in node:
-                keys.add(node["__t__"])
-            else:
-                for v in node.values():
-                    walk(v)
-
-    walk(skeleton)
-    return keys
-
-
 def save_shards(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
     """Collective: every rank calls it with the same ``tmp``.  Returns this rank's manifest entries
     (``dcp/…`` shard files it wrote, plus ``dcp.json`` on rank 0), each fsynced and hashed."""
@@ -138,7 +121,10 @@ def verify_shards(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     if on_disk != listed:
         raise ValueError(f"{SHARD_DIR}/: files {sorted(on_disk ^ listed)} differ from the manifest")
     for name in sorted(listed):
-        size, digest = st.hash_file(path / name)
+        try:  # the header is parsed too: a file that hashes right but is no safetensors is refused
+            size, digest, _content = st.hash_file_and_content(path / name)
+        except (ValueError, struct.error) as exc:
+            raise ValueError(f"{name}: not a safetensors file ({exc})") from None
         if size != files[name]["size"] or digest != files[name]["xxh3_128"]:
             raise ValueError(f"{name}: size or content hash does not match the manifest (corrupt)")
     info = files[SKELETON]
@@ -153,7 +139,7 @@ def load_shards(path: Path, skeleton: Any, model: torch.nn.Module, optimizer: to
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     _, flat = _flatten(_trees(model, optimizer))
-    saved = _tensor_keys(skeleton)
+    saved = tensor_refs(skeleton)
     if saved != set(flat):
         missing, extra = sorted(saved - set(flat))[:5], sorted(set(flat) - saved)[:5]
         raise ValueError(f"sharded checkpoint does not match the model/optimizer: only in checkpoint {missing}, "

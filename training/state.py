@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,3 +134,104 @@ class TrainState:
             if int(mine["step"]) != self.step:
                 raise ValueError(f"rank {rank} RNG is from step {mine['step']}, state from step {self.step}")
             restore_rng(mine["rng"])
+
+
+#: Per-parameter optimizer buffers of torch's built-in optimizers that mirror the parameter's
+#: shape (Adam/AdamW moments, SGD momentum).  Other per-parameter state (e.g. factored second
+#: moments) has shapes of its own and is not compared.
+_PARAM_SHAPED_BUFFERS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+_STATE_KEYS = ("step", "tokens_seen", "cursor", "scaler", "scheduler")
+
+
+@dataclass(frozen=True)
+class ExpectedState:
+    """What a checkpoint must hold to fit the task being trained: model tensor names, shapes and
+    dtypes, the optimizer's parameter groups, whether there is an LR scheduler.  Built from the
+    live parts (or from parts built on the meta device, where no memory is spent)."""
+
+    model: dict[str, tuple[tuple[int, ...], str]]
+    group_shapes: list[list[tuple[int, ...]]]
+    has_scheduler: bool
+
+    @classmethod
+    def of(cls, parts: TaskParts) -> ExpectedState:
+        model = {k: (tuple(v.shape), str(v.dtype)) for k, v in parts.model.state_dict().items()}
+        groups = [[tuple(p.shape) for p in g["params"]] for g in parts.optimizer.param_groups]
+        return cls(model, groups, parts.scheduler is not None)
+
+
+def checkpoint_validator(expected: ExpectedState | None = None) -> Callable[[dict[str, Any], dict[str, Any]], None]:
+    """The store's validator for train-state checkpoints (see ``CheckpointStore.load``): the parts
+    make a complete train state of the manifest's step and world size and, when ``expected`` is
+    given, fit the task's model and optimizer.  Raises ValueError with the first mismatch."""
+
+    def validate(manifest: dict[str, Any], parts: dict[str, Any]) -> None:
+        step, world = manifest["step"], manifest.get("world_size", 1)
+        if not isinstance(world, int) or world < 1:
+            raise ValueError(f"manifest world_size {world!r} is not a positive integer")
+        missing = [p for p in ("state", *(f"rank-{r}" for r in range(world))) if p not in parts]
+        if missing:
+            raise ValueError(f"parts {missing} missing (a {world}-rank checkpoint needs state and rank-0..{world - 1})")
+        _check_state(parts["state"], step, sharded_layout=sharded.LAYOUT in parts)
+        for r in range(world):
+            mine = parts[f"rank-{r}"]
+            if not isinstance(mine, dict) or mine.get("step") != step or not isinstance(mine.get("rng"), dict):
+                raise ValueError(f"rank-{r}: not an RNG state of step {step}")
+            if not {"python", "numpy", "torch"} <= set(mine["rng"]):
+                raise ValueError(f"rank-{r}: RNG state lacks python/numpy/torch streams")
+        if expected is not None:
+            _check_fits(parts["state"], expected, sharded_layout=sharded.LAYOUT in parts)
+
+    return validate
+
+
+def _check_state(s: Any, step: int, sharded_layout: bool) -> None:
+    keys = (*_STATE_KEYS, *(() if sharded_layout else ("model", "optimizer")))
+    if not isinstance(s, dict) or not set(keys) <= set(s):
+        have = sorted(s) if isinstance(s, dict) else type(s).__name__
+        raise ValueError(f"state: not a convoy train state (needs {list(keys)}, has {have})")
+    if s["step"] != step:
+        raise ValueError(f"state: step {s['step']!r} != manifest step {step}")
+    cursor = s["cursor"]
+    if not (isinstance(cursor, dict) and all(isinstance(cursor.get(k), int) for k in ("epoch", "offset"))):
+        raise ValueError(f"state: data cursor {cursor!r} is not {{epoch, offset}}")
+    if not isinstance(s["tokens_seen"], int) or not isinstance(s["scaler"], dict):
+        raise ValueError("state: tokens_seen or scaler state malformed")
+    if not sharded_layout:
+        opt = s["optimizer"]
+        if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict)
+                and isinstance(opt.get("param_groups"), list)):
+            raise ValueError("state: optimizer state is not {state, param_groups}")
+        if not isinstance(s["model"], dict) or not all(isinstance(v, torch.Tensor) for v in s["model"].values()):
+            raise ValueError("state: model is not a mapping of tensors")
+
+
+def _check_fits(s: dict[str, Any], want: ExpectedState, sharded_layout: bool) -> None:
+    if (s["scheduler"] is not None) != want.has_scheduler:
+        raise ValueError(f"state: LR scheduler state {'absent' if want.has_scheduler else 'present'}, "
+                         f"the task {'has' if want.has_scheduler else 'has no'} scheduler")
+    if sharded_layout:
+        return  # model/optimizer live in the DCP shards; their keys are matched when they load
+    model = s["model"]
+    if set(model) != set(want.model):
+        missing, extra = sorted(set(want.model) - set(model))[:3], sorted(set(model) - set(want.model))[:3]
+        raise ValueError(f"model does not match the task: missing {missing}, unexpected {extra}")
+    for key, (shape, dtype) in want.model.items():
+        got = (tuple(model[key].shape), str(model[key].dtype))
+        if got != (shape, dtype):
+            raise ValueError(f"model.{key}: checkpoint has {list(got[0])} {got[1]}, the task {list(shape)} {dtype}")
+    groups = s["optimizer"]["param_groups"]
+    sizes = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in groups]
+    if sizes != [len(g) for g in want.group_shapes]:
+        raise ValueError(f"optimizer: parameter groups of sizes {sizes}, the task has "
+                         f"{[len(g) for g in want.group_shapes]}")
+    shapes = [shape for g in want.group_shapes for shape in g]
+    position = {pid: j for j, pid in enumerate(pid for g in groups for pid in g["params"])}
+    for pid, buffers in s["optimizer"]["state"].items():
+        if pid not in position or not isinstance(buffers, dict):
+            raise ValueError(f"optimizer: state for unknown parameter {pid!r}")
+        for name in _PARAM_SHAPED_BUFFERS:
+            t = buffers.get(name)
+            if isinstance(t, torch.Tensor) and tuple(t.shape) != shapes[position[pid]]:
+                raise ValueError(f"optimizer: {name} of parameter {pid} has shape {list(t.shape)}, "
+                                 f"the parameter {list(shapes[position[pid]])}")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from training.config import ConfigError, RunConfig, resolve_task_factory
+from training.config import ConfigError, DataMissing, RunConfig, resolve_task_factory
 
 
 @dataclass
@@ -42,3 +42,26 @@ def build_task(config: RunConfig, device: torch.device) -> TaskParts:
     if not isinstance(parts, TaskParts):
         raise ConfigError(f"task = {config.task!r}: factory returned {type(parts).__name__}, not TaskParts")
     return parts
+
+
+def check_task(config: RunConfig) -> TaskParts | None:
+    """Build the task without training it, so ``task_args`` and the factory's own checks fail
+    before a run directory exists (``convoy validate``, ``convoy train``, ``open_run``).
+
+    Built on the meta device: shapes and dtypes without memory for the weights.  A factory that
+    cannot build there (e.g. it reads weight values) is built on the CPU instead; anything it
+    raises then becomes a one-line ConfigError.  Returns None when the data is not on this
+    machine (:class:`DataMissing`, FileNotFoundError): what the factory checked before reading
+    it was checked, and the worker, which needs the data, reports it."""
+    meta = torch.device("meta")
+    for device in (meta, torch.device("cpu")):
+        try:
+            with device:
+                return build_task(config, device)
+        except (DataMissing, FileNotFoundError):
+            return None
+        except ConfigError:
+            raise
+        except Exception as exc:  # not every factory can build on meta; on the CPU it is the factory's
+            failure = exc
+    raise ConfigError(f"task = {config.task!r}: the factory failed: {type(failure).__name__}: {failure}") from None

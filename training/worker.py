@@ -27,8 +27,8 @@ from training.events import append_event
 from training.heartbeat import Heartbeat
 from training.metrics import JsonlBackend, MetricBackend, StepMetricLogger
 from training.pipeline import wait_for_ack
-from training.rundir import load_run_config, run_info
-from training.state import TrainState, configure_determinism, seed_everything
+from training.rundir import RunBusy, load_run_config, run_info, take_worker_lease
+from training.state import ExpectedState, TrainState, checkpoint_validator, configure_determinism, seed_everything
 from training.task import build_task
 
 
@@ -74,6 +74,8 @@ class Worker:
         if until_step < 1 or until_step > self.config.train.total_steps:
             raise ConfigError(f"--until-step = {until_step}: must be in 1..train.total_steps "
                               f"({self.config.train.total_steps})")
+        # Before the first beat or write: a second worker on this run must change nothing.
+        self.lease = take_worker_lease(run_dir) if rank == 0 else None
         self.hb = Heartbeat(run_dir, rank, self.config.heartbeat.interval_s).start()
         self.preempt = _Preempt()
 
@@ -85,6 +87,26 @@ class Worker:
         self.device = pick_device(cfg)
         configure_determinism(cfg.train.deterministic, self.device)
         distributed.init(self.world, self.device)
+        self.build()
+        self.store = CheckpointStore(self.run_dir, cfg.checkpoint, cfg.fingerprint(), self.world, self.rank,
+                                     gather_timeout_s=cfg.heartbeat.save_timeout_s,
+                                     boundary_every=cfg.train.chunk_steps,
+                                     validator=checkpoint_validator(ExpectedState.of(self.parts)))
+        if self.rank == 0:
+            self.store.cleanup_stale_temp()
+        self.mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")  # recorded in each manifest
+        distributed.barrier()  # no rank starts saving before rank 0 cleaned up
+        ck = cfg.checkpoint
+        self.adaptive = None
+        self.world_changed = False
+        if ck.every_steps == "auto":
+            mtbf = estimate_mtbf_s(self.run_dir, ck.mtbf_hours * 3600)
+            self.adaptive = AdaptiveInterval(mtbf, ck.max_overhead)
+
+    def build(self) -> None:
+        """Seeded task parts, DDP wrapper, AMP scaler and an empty train state (also after a
+        checkpoint that could not be restored: nothing of it may leak into the fallback)."""
+        cfg = self.config
         seed_everything(cfg.train.seed)  # identical model init on every rank
         self.parts = build_task(cfg, self.device)
         if self.rank > 0:  # rank 0 keeps the single-process stream; others get their own (dropout)
@@ -100,34 +122,44 @@ class Worker:
         self.autocast_dtype = torch.bfloat16 if amp and torch.cuda.is_bf16_supported() else torch.float16
         self.amp = amp
         self.state = TrainState(self.parts, self.scaler)
-        self.store = CheckpointStore(self.run_dir, cfg.checkpoint, cfg.fingerprint(), self.world, self.rank,
-                                     gather_timeout_s=cfg.heartbeat.save_timeout_s,
-                                     boundary_every=cfg.train.chunk_steps)
-        if self.rank == 0:
-            self.store.cleanup_stale_temp()
-        self.mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")  # recorded in each manifest
-        distributed.barrier()  # no rank starts saving before rank 0 cleaned up
-        ck = cfg.checkpoint
-        self.adaptive = None
-        self.world_changed = False
-        if ck.every_steps == "auto":
-            mtbf = estimate_mtbf_s(self.run_dir, ck.mtbf_hours * 3600)
-            self.adaptive = AdaptiveInterval(mtbf, ck.max_overhead)
 
     def restore(self) -> None:
+        """Newest checkpoint that verifies, fits the task and restores; each one passed over is
+        recorded and its reason printed.  No checkpoint at all: start from step 0."""
         self.hb.set(phase="load")
         t0 = time.perf_counter()
-        loaded = self.store.load_latest()
-        if loaded is None:
-            self.log("no valid checkpoint: starting from step 0")
-            append_event(self.run_dir, "started", rank=self.rank, until_step=self.until)
+        for _step, path, reason, loaded in self.store.candidates():
+            if loaded is None:
+                self.log(f"skipping checkpoint {path.name}: {reason}")
+                continue
+            ck, parts = loaded
+            self.check_fingerprint(ck)
+            try:
+                self.apply(ck, parts)
+            except (ValueError, RuntimeError, KeyError, TypeError) as exc:
+                if self.world > 1:
+                    raise  # every rank must fall back together; a crash makes the retry do it
+                self.store.refuse(ck.path, f"restore failed: {exc}")
+                self.log(f"skipping checkpoint {ck.path.name}: restore failed: {exc}")
+                self.build()
+                continue
+            dt = time.perf_counter() - t0
+            self.log(f"resumed from step {ck.step} (checkpoint {ck.path.name}, verified in {dt:.2f} s)")
+            append_event(self.run_dir, "resumed", rank=self.rank, step=ck.step, checkpoint=ck.path.name,
+                         digest=ck.digest, load_s=round(dt, 4), until_step=self.until)
             return
-        ck, parts = loaded
+        self.log("no valid checkpoint: starting from step 0")
+        append_event(self.run_dir, "started", rank=self.rank, until_step=self.until)
+
+    def check_fingerprint(self, ck: Any) -> None:
         accepted = (run_info(self.run_dir) or {}).get("accepted_fingerprints", [])
         if ck.manifest.get("fingerprint") not in (self.config.fingerprint(), *accepted):
             raise ConfigError(
                 f"checkpoint {ck.path.name} has config fingerprint {ck.manifest.get('fingerprint')}, this run "
                 f"has {self.config.fingerprint()}; refusing to resume a different configuration")
+
+    def apply(self, ck: Any, parts: dict[str, Any]) -> None:
+        """Restore the train state from a loaded checkpoint (every rank, same step)."""
         saved_world = int(ck.manifest.get("world_size", 1))
         has_rng = f"rank-{self.rank}" in parts
         self.state.restore(parts, self.rank, restore_rng_state=has_rng, checkpoint_dir=ck.path)
@@ -138,10 +170,6 @@ class Worker:
         if self.world_changed and self.rank == 0:
             self.log(f"world size changed {saved_world} -> {self.world}: same global batch and sample position")
             append_event(self.run_dir, "world_size_changed", step=ck.step, old=saved_world, new=self.world)
-        dt = time.perf_counter() - t0
-        self.log(f"resumed from step {ck.step} (checkpoint {ck.path.name}, verified in {dt:.2f} s)")
-        append_event(self.run_dir, "resumed", rank=self.rank, step=ck.step, checkpoint=ck.path.name,
-                     digest=ck.digest, load_s=round(dt, 4), until_step=self.until)
 
     def train_step(self, batch: Any) -> dict[str, float]:
         p, cfg = self.parts, self.config.train
@@ -294,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         return Worker(args.run_dir, args.until_step, rank, world, args.pipelined).run()
+    except RunBusy as exc:  # the run belongs to another worker: leave its audit alone too
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
         append_event(args.run_dir, "config_error", rank=rank, message=str(exc))
