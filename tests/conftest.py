@@ -113,15 +113,6 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def reference_digest(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> str:
     """Digest after TOTAL steps trained by one uninterrupted worker (no Prefect, no chunks)."""
-    from tests.flow_util import REPO, TOTAL, config, params
-    from training.checkpoint import CheckpointStore
-    from training.rundir import open_run
+    from tests.flow_util import uninterrupted_digest
 
-    tmp = tmp_path_factory.mktemp("reference")
-    run_dir = open_run(config(params(tmp, data_dir, "reference"))).resolve()
-    cmd = [sys.executable, "-m", "training.worker", "--run-dir", str(run_dir), "--until-step", str(TOTAL)]
-    rc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert rc.returncode == 0, rc.stderr[-2000:]
-    ck = CheckpointStore(run_dir).latest_valid(record=False)
-    assert ck is not None and ck.step == TOTAL
-    return ck.digest
+    return uninterrupted_digest(tmp_path_factory.mktemp("reference"), data_dir, "reference")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -69,3 +71,51 @@ def final_digest(run_dir: Path) -> str:
     ck = CheckpointStore(run_dir).latest_valid(record=False)
     assert ck is not None
     return ck.digest
+
+
+def reference_digest(tmp: Path, extra: list[str], until: int = 120, name: str = "reference",
+                     env: dict[str, str] | None = None) -> str:
+    """Digest of one uninterrupted worker run to ``until`` (run ``name`` under ``tmp``)."""
+    run_dir = make_run(tmp, name, extra)
+    code, out = run_worker(run_dir, until, env)
+    assert code == 0, out
+    return final_digest(run_dir)
+
+
+def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["metrics"]["loss"]) for r in rows]
+
+
+def wait_for_persist(run_dir: Path, p: subprocess.Popen, timeout: float = 60) -> bool:
+    """Wait until a background persist is in flight (its temporary dir exists)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and p.poll() is None:
+        if any((run_dir / "checkpoints").glob(".tmp-*")):
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def kill_at_random_steps(run_dir: Path, total: int, targets: list[int], rng: random.Random,
+                         env: dict[str, str] | None = None) -> list[int | str]:
+    """SIGKILL a worker once inside a background persist (slowed by a fault so the kill provably
+    lands there), then once at each of ``targets`` (somewhere inside the step); returns where
+    each kill landed.  The caller runs the last worker to the end."""
+    faults = ",".join(f for f in ((env or {}).get("CONVOY_FAULTS", ""), "persist_delay=0.4") if f)
+    kills: list[int | str] = []
+    p = start_worker(run_dir, total, {**(env or {}), "CONVOY_FAULTS": faults})
+    assert wait_for_persist(run_dir, p), "never saw an async persist in flight"
+    kill_group(p)
+    p.wait()
+    kills.append("during persist")
+    for target in targets:
+        p = start_worker(run_dir, total, env)
+        reached = wait_for_step(run_dir, p, target)
+        if reached is None:  # finished before the target: nothing to kill
+            break
+        time.sleep(rng.random() * 0.03)  # land somewhere inside a step, not at its boundary
+        kill_group(p)
+        p.wait()
+        kills.append(reached)
+    return kills

@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -113,3 +114,18 @@ def in_thread(fn: Any) -> threading.Thread:
     t.errors = errors  # type: ignore[attr-defined]
     t.start()
     return t
+
+
+def uninterrupted_digest(tmp: Path, data_dir: Path, name: str, **sections: dict[str, Any]) -> str:
+    """Digest after TOTAL steps trained by one uninterrupted worker (no Prefect, no chunks) for
+    ``params(tmp, data_dir, name, **sections)``: what any chunking and any failures must reach."""
+    from training.checkpoint import CheckpointStore
+    from training.rundir import open_run
+
+    run_dir = open_run(config(params(tmp, data_dir, name, **sections))).resolve()
+    cmd = [sys.executable, "-m", "training.worker", "--run-dir", str(run_dir), "--until-step", str(TOTAL)]
+    rc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert rc.returncode == 0, rc.stderr[-2000:]
+    ck = CheckpointStore(run_dir).latest_valid(record=False)
+    assert ck is not None and ck.step == TOTAL
+    return ck.digest

@@ -85,6 +85,9 @@ class TrainConfig(_Strict):
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     #: Mixed precision (CUDA only; a GradScaler is part of the saved state).
     amp: bool = False
+    #: Autocast dtype with ``amp``: ``auto`` = bfloat16 where the GPU supports it, else float16.
+    #: float16 uses the GradScaler's dynamic loss scale; bfloat16 needs none (the scaler still runs).
+    amp_dtype: Literal["auto", "float16", "bfloat16"] = "auto"
     #: torch.use_deterministic_algorithms + cuDNN deterministic (needed for bitwise CUDA resume).
     deterministic: bool = True
     #: Ranks per node (>1, or ``nnodes`` > 1, launches torchrun).
@@ -231,7 +234,12 @@ class RunConfig(_Strict):
 
     def fingerprint(self) -> str:
         """Hash of the settings that change the trajectory; see the module docstring."""
-        train = self.train.model_dump(exclude={"chunk_steps", "eval_every", "ranks", "nnodes", "hosts"})
+        excluded = {"chunk_steps", "eval_every", "ranks", "nnodes", "hosts"}
+        if not self.train.amp or self.train.amp_dtype == "auto":
+            # The dtype changes the trajectory only with AMP on; left out at its default so every
+            # fingerprint from before the setting existed stays valid.
+            excluded.add("amp_dtype")
+        train = self.train.model_dump(exclude=excluded)
         data = self.data.model_dump(exclude={"num_workers", "prepared_dir"})
         payload = {"task": self.task, "task_args": self.task_args, "data": data, "train": train}
         blob = json.dumps(payload, sort_keys=True, default=str).encode()

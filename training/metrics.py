@@ -14,6 +14,7 @@ directory, always on) and the MLflow one in ``training/mlflow_backend.py``.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +23,12 @@ from training.events import append_event
 
 #: Metrics that are a pure function of the state, so a replay must reproduce them bit for bit.
 DETERMINISTIC_KEYS = ("loss", "lr", "grad_norm")
+
+
+def same_value(a: float, b: float) -> bool:
+    """Equal, NaN included: an AMP float16 step the GradScaler skips logs a NaN or inf grad norm,
+    and its bitwise-equal replay must not be called non-deterministic."""
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 class MetricBackend(Protocol):
@@ -120,7 +127,7 @@ class StepMetricLogger:
                 self.replayed += 1
                 if not self.exact:
                     self.max_abs_diff = max(self.max_abs_diff, abs(before - metrics[key]))
-                elif before != metrics[key]:
+                elif not same_value(before, metrics[key]):
                     rec = {"step": step, "metric": key, "logged": before, "replayed": metrics[key]}
                     self.mismatches.append(rec)
                     if len(self.mismatches) == 1:

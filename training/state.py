@@ -2,7 +2,8 @@
 
 Complete means everything that influences the next update: model, optimizer, LR scheduler
 (its position is the global step, checked on restore), AMP GradScaler, every RNG (python, numpy,
-torch CPU, each CUDA device — per rank), the data cursor, the global step and tokens seen.
+torch CPU, the CUDA device this rank trains on — per rank), the data cursor, the global step and
+tokens seen.
 Part ``state`` is replicated (rank 0 writes it); part ``rank-<r>`` holds that rank's RNG.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from training import sharded
 from training.data import Cursor
@@ -42,7 +44,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def capture_rng() -> dict[str, Any]:
+def _cuda_index(device: torch.device) -> int:
+    """The device's index; a bare ``cuda`` means the current device (what torch would use)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's RNG streams.  ``cuda`` holds the generator of ``device`` only (the device
+    this rank trains on), tagged with its index: ``[{"device": i, "state": ByteTensor}]``; it is
+    ``[]`` on CPU (so CPU checkpoints are byte-identical to those written before per-rank device
+    RNG).  Other visible devices are none of this rank's business: with torchrun every rank sees
+    every GPU of its node, and saving them all tied a checkpoint to the node's GPU count."""
     py = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     state: dict[str, Any] = {
@@ -52,25 +64,69 @@ def capture_rng() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "cuda": [],
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [s.clone() for s in torch.cuda.get_rng_state_all()]
+    if device is not None and device.type == "cuda":
+        index = _cuda_index(device)
+        state["cuda"] = [{"device": index, "state": torch.cuda.get_rng_state(index).clone()}]
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def select_cuda_rng(saved: list[Any], device_index: int) -> tuple[torch.Tensor | None, str]:
+    """Pick the saved CUDA generator state that belongs to this rank's device (pure: no CUDA).
+
+    Returns ``(state, how)``; ``state`` None means none applies (``how`` says why) and the
+    caller seeds a fresh stream (:func:`fallback_cuda_seed`).  Formats:
+
+    * current: ``[{"device": i, "state": t}]``, this rank's own stream.  It is taken whatever
+      ``i`` is: the stream belongs to the rank, and a resume may put the rank on another device
+      index (other visible devices, another node shape); ``i`` is kept for diagnostics.
+    * old (before per-rank device RNG): a list of plain tensors, one per device visible to the
+      rank when saved, by index.  The entry for ``device_index`` is taken when present; when the
+      checkpoint has fewer entries (resumed with more visible devices), there is none.
+    * ``[]`` (saved on CPU): none.
+    """
+    if not saved:
+        return None, "checkpoint has no CUDA RNG state (saved on CPU)"
+    if all(isinstance(e, dict) and "state" in e for e in saved):
+        if len(saved) != 1:
+            raise ValueError(f"rank RNG holds {len(saved)} per-rank CUDA states; expected one")
+        entry = saved[0]
+        return entry["state"], f"rank stream (saved on cuda:{entry.get('device')})"
+    if not all(isinstance(e, torch.Tensor) for e in saved):
+        raise ValueError("rank RNG 'cuda' entry is neither per-rank nor a list of device states")
+    if device_index < len(saved):
+        return saved[device_index], f"old all-devices format, entry {device_index} of {len(saved)}"
+    return None, f"old all-devices format holds {len(saved)} device(s), none for cuda:{device_index}"
+
+
+def fallback_cuda_seed(cpu_state: torch.Tensor, device_index: int) -> int:
+    """Seed for a device stream the checkpoint lacks: derived from this rank's restored CPU
+    generator state and the device index, so a resume from the same checkpoint is reproducible
+    and ranks (whose CPU streams differ) get distinct device streams.  Pure: no CUDA."""
+    h = xxhash.xxh64(cpu_state.contiguous().numpy().tobytes())
+    h.update(device_index.to_bytes(4, "little"))
+    return h.intdigest() & (2**63 - 1)
+
+
+def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> str:
+    """Restore the streams :func:`capture_rng` saved; the CUDA generator only of ``device``, and
+    only when this rank trains on CUDA (a CUDA checkpoint resumed on CPU ignores it).  Returns a
+    line saying what happened to the device stream (the worker logs it)."""
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     n = state["numpy"]
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     torch.set_rng_state(state["torch"].clone())
-    cuda_states = state.get("cuda") or []
-    if cuda_states:
-        if not torch.cuda.is_available() or torch.cuda.device_count() < len(cuda_states):
-            raise RuntimeError(
-                f"checkpoint holds RNG for {len(cuda_states)} CUDA device(s) but "
-                f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} are visible")
-        torch.cuda.set_rng_state_all([s.clone() for s in cuda_states])
+    if device is None or device.type != "cuda":
+        return "no CUDA device: device RNG not restored"
+    index = _cuda_index(device)
+    chosen, how = select_cuda_rng(state.get("cuda") or [], index)
+    if chosen is None:
+        torch.cuda.init()  # a no-op once initialised; fills default_generators
+        torch.cuda.default_generators[index].manual_seed(fallback_cuda_seed(state["torch"], index))
+        return f"cuda:{index} RNG freshly seeded ({how})"
+    torch.cuda.set_rng_state(chosen.clone(), index)
+    return f"cuda:{index} RNG restored: {how}"
 
 
 @dataclass
@@ -80,11 +136,15 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     cursor: Cursor = field(default_factory=Cursor)
+    #: The device this rank trains on: its CUDA generator (only) is saved and restored.
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    #: What restore did with the device RNG (logged by the worker).
+    rng_note: str = ""
 
     def checkpoint_parts(self, rank: int = 0, include_replicated: bool = True, sharded: bool = False) -> dict[str, Any]:
         """What the store writes for this rank.  ``sharded``: model and optimizer are left out
         (``training.sharded`` writes them collectively); the rest stays in rank 0's ``state``."""
-        out: dict[str, Any] = {f"rank-{rank}": {"rng": capture_rng(), "step": self.step}}
+        out: dict[str, Any] = {f"rank-{rank}": {"rng": capture_rng(self.device), "step": self.step}}
         if include_replicated:
             p = self.parts
             out["state"] = {
@@ -123,7 +183,10 @@ class TrainState:
             p.scheduler.load_state_dict(s["scheduler"])
             if p.scheduler.last_epoch != s["step"]:
                 raise ValueError(f"LR scheduler position {p.scheduler.last_epoch} != global step {s['step']}")
-        self.scaler.load_state_dict(s["scaler"])
+        # An empty scaler state was saved with AMP off (``device: auto`` on a CPU machine disables
+        # AMP); resumed on CUDA with AMP on, GradScaler would refuse it: keep the fresh scale.
+        if s["scaler"] or not self.scaler.is_enabled():
+            self.scaler.load_state_dict(s["scaler"])  # a no-op when this scaler is disabled
         self.step = int(s["step"])
         self.tokens_seen = int(s["tokens_seen"])
         self.cursor = Cursor.from_dict(s["cursor"])
@@ -133,7 +196,7 @@ class TrainState:
                 raise ValueError(f"checkpoint has no RNG state for rank {rank}")
             if int(mine["step"]) != self.step:
                 raise ValueError(f"rank {rank} RNG is from step {mine['step']}, state from step {self.step}")
-            restore_rng(mine["rng"])
+            self.rng_note = restore_rng(mine["rng"], self.device)
 
 
 #: Per-parameter optimizer buffers of torch's built-in optimizers that mirror the parameter's

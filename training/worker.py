@@ -44,14 +44,29 @@ class _Preempt:
 
 
 def pick_device(config: RunConfig) -> torch.device:
+    """``cuda``/``auto`` with CUDA: the GPU ``LOCAL_RANK`` of those visible (torchrun's layout)."""
     want = config.train.device
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("train.device = 'cuda' but no CUDA device is visible; use cpu or auto")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"local rank {index} needs CUDA device {index} but {torch.cuda.device_count()} "
+                              "are visible; use at most that many ranks per node")
+        return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def amp_dtype(config: RunConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None when AMP is off (CPU runs ignore ``train.amp``)."""
+    if not config.train.amp or device.type != "cuda":
+        return None
+    choice = config.train.amp_dtype
+    if choice == "auto":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if choice == "bfloat16" else torch.float16
 
 
 def metric_backends(config: RunConfig, run_dir: Path) -> list[MetricBackend]:
@@ -85,9 +100,13 @@ class Worker:
     def setup(self) -> None:
         cfg = self.config
         self.device = pick_device(cfg)
-        configure_determinism(cfg.train.deterministic, self.device)
+        configure_determinism(cfg.train.deterministic, self.device)  # before the first CUDA work
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # a bare "cuda" (and the CUDA RNG calls) mean this device
         distributed.init(self.world, self.device)
         self.build()
+        self.log(f"training on {self.device}" + (f" with AMP {str(self.autocast_dtype).removeprefix('torch.')}"
+                                                  if self.amp else ""))
         self.store = CheckpointStore(self.run_dir, cfg.checkpoint, cfg.fingerprint(), self.world, self.rank,
                                      gather_timeout_s=cfg.heartbeat.save_timeout_s,
                                      boundary_every=cfg.train.chunk_steps,
@@ -117,11 +136,13 @@ class Worker:
 
             self.model = DistributedDataParallel(self.parts.model,
                                                  device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        amp = cfg.train.amp and self.device.type == "cuda"
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp)
-        self.autocast_dtype = torch.bfloat16 if amp and torch.cuda.is_bf16_supported() else torch.float16
-        self.amp = amp
-        self.state = TrainState(self.parts, self.scaler)
+        dtype = amp_dtype(cfg, self.device)
+        self.amp = dtype is not None
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp)
+        self.autocast_dtype = dtype or torch.float16  # unused when AMP is off
+        if self.amp and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise ConfigError("train.amp_dtype = 'bfloat16' but this GPU does not support bfloat16; use float16")
+        self.state = TrainState(self.parts, self.scaler, device=self.device)
 
     def restore(self) -> None:
         """Newest checkpoint that verifies, fits the task and restores; each one passed over is
@@ -163,6 +184,8 @@ class Worker:
         saved_world = int(ck.manifest.get("world_size", 1))
         has_rng = f"rank-{self.rank}" in parts
         self.state.restore(parts, self.rank, restore_rng_state=has_rng, checkpoint_dir=ck.path)
+        if has_rng and self.device.type == "cuda":
+            self.log(self.state.rng_note)
         if not has_rng:  # more ranks than when saved: a fresh, deterministic stream for this rank
             seed_everything(mix_seed(self.config.train.seed, self.rank, ck.step))
         distributed.check_same_step(self.state.step)
