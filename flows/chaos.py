@@ -250,7 +250,7 @@ class ChaosRunner:
             time.sleep(0.1)
 
     # ------------------------------------------------------------------ verdict
-    def _score(self, report: ChaosReport, t_start: float) -> None:
+    def _score(self, report: ChaosReport) -> None:
         events = read_events(self.run_dir)
         failures = [e for e in events if e["kind"] == "failure"]
         resumes = [e for e in events if e["kind"] == "resumed" and e.get("rank", 0) == 0]
@@ -316,7 +316,7 @@ class ChaosRunner:
         report.wall_s = round(time.time() - t0, 2)
         ck = CheckpointStore(self.run_dir).latest_valid(record=False)
         report.final_digest, report.final_step = (ck.digest, ck.step) if ck else (None, 0)
-        self._score(report, t0)
+        self._score(report)
         if report.exit_code != 0 or report.final_step != self.cfg.train.total_steps:
             report.diagnosis = self._diagnose(log, log_offset)
         return report

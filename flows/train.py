@@ -1,7 +1,7 @@
 """Flow ``train``: a long run as a sequence of chunk tasks that each resume from a checkpoint.
 
 Why chunks: a failure inside chunk k costs at most chunk k's steps since its last checkpoint, and
-Prefect retries only that task (DESIGN invariant 6).  The flow itself keeps no training state:
+Prefect retries only that task (docs/architecture.md, invariant 6).  The flow itself keeps no training state:
 which chunks are done is read from the checkpoint store (the newest *verified* checkpoint), so a
 flow that died, or a re-run of a finished run, repeats nothing (a finished run trains nothing).
 
@@ -14,11 +14,8 @@ Entry points: :func:`run_training` (what ``convoy train`` calls) and ``python -m
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +29,7 @@ from tasks import handoff, tracking
 from tasks.artifacts import publish_chunk_table
 from tasks.chunk import configured
 from tasks.hooks import flow_crashed, flow_failed, remember
-from tasks.supervisor import ChunkFailed, last_committed_step, reap_stale_worker
+from tasks.supervisor import last_committed_step, reap_stale_worker
 from training.config import ConfigError, RunConfig, load_config
 from training.events import append_event, read_events
 from training.pipeline import acknowledge_chunk
@@ -233,23 +230,3 @@ def run_training(config: RunConfig, allow_config_change: bool = False) -> dict[s
         open_run(config, allow_config_change=allow_config_change)
     return train(config=config, allow_config_change=allow_config_change)
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m flows.train [PARAMS] [-S k=v ...]``: the flow without the CLI (used by tests)."""
-    ap = argparse.ArgumentParser(prog="python -m flows.train")
-    ap.add_argument("params", nargs="?", default="params.yaml")
-    ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--allow-config-change", action="store_true")
-    args = ap.parse_args(argv)
-    try:
-        cfg = load_config(args.params, args.overrides)
-        summary = run_training(cfg, args.allow_config_change)
-    except (ConfigError, ChunkFailed) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2 if isinstance(exc, ConfigError) else 1
-    print(json.dumps(summary, default=str))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

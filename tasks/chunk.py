@@ -123,7 +123,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
         sub = f"{attempt}" + (f"-{preemptions}" if preemptions else "")
         log_path = rd / "logs" / f"chunk-{chunk}-attempt-{sub}.log"
 
-        def echo(stream: str, line: str) -> None:
+        def echo(line: str) -> None:
             if any(m in line for m in _ECHO):
                 logger.info("chunk %d: %s", chunk, line)
 

@@ -1,6 +1,6 @@
 """Failure kinds, and the rules that name a worker's own exit (exit code, output tail, audit events).
 
-Why its own module: the kinds are the contract of DESIGN "Worker ⇄ supervisor contract" and the
+Why its own module: the kinds are the contract of docs/architecture.md "Worker ⇄ supervisor contract" and the
 exit rules are unit-tested without running anything.  The liveness kinds (hang, dead, timeout, a
 lost rank) are decided while watching, in :mod:`tasks.supervisor`.
 

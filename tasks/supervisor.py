@@ -152,7 +152,7 @@ def _follow(
     offset: int,
     stop: threading.Event,
     tail: collections.deque[str],
-    on_line: Callable[[str, str], None] | None,
+    on_line: Callable[[str], None] | None,
     position: list[int] | None = None,
 ) -> None:
     """Tail the worker's log file: keep the last lines, hand each one to ``on_line``.
@@ -176,7 +176,7 @@ def _follow(
                 tail.append(line)
                 if on_line is not None:
                     with contextlib.suppress(Exception):
-                        on_line("out", line)
+                        on_line(line)
             elif stop.is_set():
                 if buf:
                     tail.append(buf.decode(errors="replace"))
@@ -322,7 +322,7 @@ def supervise(
     attempt: int | None = None,
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
-    on_line: Callable[[str, str], None] | None = None,
+    on_line: Callable[[str], None] | None = None,
     tail_lines: int = 80,
     done_at_step: int | None = None,
     pipeline: bool = False,

@@ -5,7 +5,7 @@ After a chunk commits, :func:`version_checkpoint` runs ``dvc add`` on the checkp
 files cost nothing) and ``dvc push``es it to the remote, through the ``dvc.repo.Repo`` API.  A
 committed checkpoint directory is immutable and is hard-linked to a private stage before DVC reads
 it, so retention deleting it meanwhile is harmless: this can run on a background thread while the
-next chunk trains (:func:`version_checkpoint_async`, or ``version_chunk.submit(...)`` in a flow).
+next chunk trains (:func:`version_checkpoint_async`).
 :func:`pull_run` restores a run's checkpoints on another machine (``dvc pull`` of the run's
 ``.dvc`` files), after which the worker resumes from the newest one that verifies.
 
@@ -31,8 +31,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-
-from prefect import task
 
 from training.checkpoint import CheckpointStore, parse_step
 from training.events import append_event
@@ -355,14 +353,3 @@ def pull_run(
     append_event(run_dir, "checkpoints_pulled", checkpoints=[v["checkpoint"] for v in verified])
     return result
 
-
-# ---------------------------------------------------------------------------------- Prefect task
-@task(name="version-chunk", retries=2, retry_delay_seconds=2, log_prints=True)
-def version_chunk(repo_root: str | None, checkpoint_path: str, remote: str | None = None) -> dict[str, Any]:
-    """Version one committed checkpoint; ``version_chunk.submit(...)`` overlaps it with the next chunk."""
-    result = version_checkpoint(repo_root, checkpoint_path, remote)
-    print(
-        f"versioned {result['checkpoint']} (dvc md5 {result['dvc_md5']}): add {result['add_s']} s, "
-        f"push {result['push_s']} s to {result['remote']}"
-    )
-    return result

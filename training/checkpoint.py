@@ -6,7 +6,7 @@ replicated train state written by rank 0 — and ``rank-<r>`` — that rank's RN
 ``manifest.json`` (step, per-file size + xxh3-128, whole-state digest, fingerprint, world size,
 versions).  A directory without a valid manifest is not a checkpoint.
 
-Commit protocol (DESIGN invariant 1), modelled on torch.distributed.checkpoint, where the
+Commit protocol (docs/architecture.md, invariant 1), modelled on torch.distributed.checkpoint, where the
 metadata file written last is the commit record: write into ``.tmp-step-…`` → fsync every file
 → write + fsync ``manifest.json`` → fsync the dir → rename into place → fsync ``checkpoints/`` →
 move ``LATEST`` → apply retention.  Restore (invariant 2) walks checkpoints newest first and takes

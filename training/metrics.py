@@ -1,4 +1,4 @@
-"""Step-aligned, exactly-once metric logging with replay verification (DESIGN invariant 5).
+"""Step-aligned, exactly-once metric logging with replay verification (docs/architecture.md, invariant 5).
 
 A resumed worker recomputes the steps between its checkpoint and the failure.  Those steps were
 (partly) logged before the failure, so instead of logging them again — a second point per step
@@ -96,11 +96,6 @@ class StepMetricLogger:
         self.mismatches: list[dict[str, object]] = []
         self._start_high = max(self._high, default=0)
         self._verdict_sent = False
-
-    @property
-    def high_water(self) -> int:
-        """Newest step that every backend already holds."""
-        return min(self._high, default=0)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if step <= self._start_high:

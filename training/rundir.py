@@ -1,7 +1,7 @@
 """The run directory: identity (``run.json``), resolved config and the fingerprint check.
 
 ``run.json`` pins a run to the fingerprint of the config that created it, so a config that
-changes the trajectory can never silently resume an old run (DESIGN invariant 7).
+changes the trajectory can never silently resume an old run (docs/architecture.md, invariant 7).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ class RunBusy(ConfigError):
 
 
 def take_worker_lease(run_dir: Path, wait_s: float = 5.0) -> FileLock:
-    """Hold ``run_dir/.worker.lock`` so exactly one worker trains a run at a time (DESIGN
-    invariant 8 for workers, not only flows): a second ``convoy worker`` next to a flow would write
+    """Hold ``run_dir/.worker.lock`` so exactly one worker trains a run at a time
+    (docs/architecture.md, invariant 8): a second ``convoy worker`` next to a flow would write
     the same heartbeat, metrics and checkpoints, and its start-up cleanup could remove the first
     one's in-flight temp save.  The OS drops the lock when the holder dies however it dies; a
     retry waits ``wait_s`` for a predecessor that is still being reaped.  A pipelined chunk
