@@ -25,7 +25,7 @@ from filelock import FileLock, Timeout
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
-from tasks import handoff, tracking
+from tasks import handoff, standby, tracking
 from tasks.artifacts import publish_chunk_table
 from tasks.chunk import configured
 from tasks.hooks import flow_crashed, flow_failed, remember
@@ -174,6 +174,7 @@ def train(
         finally:
             if handoff.release(run_dir):  # only after a failure: the last chunk's worker exits itself
                 logger.info("stopped the pipelined worker of run %s", cfg.run_name)
+            standby.release(run_dir)
             versioned.extend(tracking.collect_versions(version_futures))
             publish_chunk_table(cfg.run_name, rows)
             audit = tracking.finish_run(cfg, run_dir, ok)

@@ -47,9 +47,10 @@ _ECHO = ("resumed from", "no valid checkpoint", "SIGTERM", "config error", "done
 
 
 def retry_delays(config: RunConfig) -> list[float]:
-    """Exponential backoff: ``retry_delay_seconds * backoff**i`` for each retry."""
+    """The first retry at once (a killed or crashed worker is replaced without waiting: every
+    second of recovery is paid by every GPU), then ``retry_delay_seconds * backoff**i``."""
     o = config.orchestration
-    return [round(o.retry_delay_seconds * o.backoff**i, 3) for i in range(max(o.retries, 1))]
+    return [0.0] + [round(o.retry_delay_seconds * o.backoff**i, 3) for i in range(max(o.retries, 1) - 1)]
 
 
 def should_retry(task: Any, task_run: Any, state: Any) -> bool:
@@ -110,6 +111,8 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
     attempt = _attempt()
     limits = Limits.from_config(cfg)
     pipeline = cfg.orchestration.pipeline and cfg.orchestration.mode == "local"
+    until = cfg.train.total_steps if pipeline else end_step
+    use_standby = cfg.orchestration.standby and cfg.orchestration.mode == "local" and cfg.train.world_size == 1
     if handoff.parked_pid(rd) is None:  # our own parked worker is not stale
         reap_stale_worker(rd, cfg.train.world_size)
     started = time.time()
@@ -131,7 +134,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
         t_attempt = time.time()
         try:
             outcome = supervise(
-                worker_command(rd.resolve(), cfg.train.total_steps if pipeline else end_step, cfg.train.ranks,
+                worker_command(rd.resolve(), until, cfg.train.ranks,
                                pipelined=pipeline, hosts=cfg.train.hosts if cfg.train.nnodes > 1 else (),
                                node_launch=cfg.orchestration.node_launch),
                 rd,
@@ -143,6 +146,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
                 on_line=echo,
                 done_at_step=end_step if pipeline and end_step < cfg.train.total_steps else None,
                 pipeline=pipeline,
+                standby_order={"until_step": until, "pipelined": pipeline} if use_standby else None,
             )
         except ChunkFailed as exc:
             resume_at = exc.details.get("last_committed_step") or 0

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks import handoff
+from tasks import handoff, standby
 from tasks.classify import (
     FAILURE_KINDS,
     NOT_RETRYABLE,
@@ -282,10 +282,11 @@ def _lost_rank(w: _Watch, beats: list[dict[str, Any]], ranks: int, now: float) -
 
 def _spawn(
     cmd: Sequence[str], log_path: Path, chunk: int | None, attempt: int | None, started: float,
-    cwd: str | Path | None, env: dict[str, str],
+    cwd: str | Path | None, env: dict[str, str], stdin: int = subprocess.DEVNULL,
 ) -> tuple[subprocess.Popen, int]:
     """Start the worker in its own session, output appended to ``log_path``; returns it and the
-    log offset its output starts at."""
+    log offset its output starts at.  ``stdin=PIPE`` for a standby (its order comes that way)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         log.write(f"# convoy chunk={chunk} attempt={attempt} started={started:.3f} cmd={' '.join(cmd)}\n".encode())
         log.flush()
@@ -294,7 +295,7 @@ def _spawn(
             list(cmd),
             stdout=log,
             stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            stdin=stdin,
             cwd=cwd,
             env={**env, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
@@ -326,6 +327,7 @@ def supervise(
     tail_lines: int = 80,
     done_at_step: int | None = None,
     pipeline: bool = False,
+    standby_order: dict[str, Any] | None = None,
 ) -> Outcome:
     """Run ``cmd`` to completion under watch; return on exit 0, raise :class:`ChunkFailed` otherwise.
 
@@ -334,7 +336,9 @@ def supervise(
     process of the worker's group outlives this call — except with ``pipeline``: a worker parked
     by the previous chunk (same ``cmd``) is adopted instead of spawned, and once the checkpoint of
     ``done_at_step`` is committed the call returns with the worker still training, parked for the
-    next chunk (:mod:`tasks.handoff`).
+    next chunk (:mod:`tasks.handoff`).  With ``standby_order`` (``until_step``, ``pipelined``) a
+    warm standby of the run is given that order instead of spawning ``cmd``, and once the worker
+    trains a new standby is kept ready behind it (:mod:`tasks.standby`).
     """
     run_dir = Path(run_dir)
     log_path = Path(log_path)
@@ -351,7 +355,20 @@ def supervise(
         for r in range(ranks):  # stale beats of an earlier attempt must not count as liveness
             with contextlib.suppress(FileNotFoundError):
                 heartbeat_path(run_dir, r).unlink()
-        proc, offset = _spawn(cmd, log_path, chunk, attempt, started, cwd, {**os.environ, **(env or {})})
+        ready = standby.take(run_dir, **standby_order) if standby_order is not None else None
+        if ready is not None:
+            proc, log_path, offset = ready.proc, ready.log_path, ready.offset
+            with open(log_path, "ab") as log:
+                log.write(f"# convoy chunk={chunk} attempt={attempt} took over standby pid {proc.pid} at "
+                          f"{started:.3f}\n".encode())
+            append_event(run_dir, "standby_called", chunk=chunk, attempt=attempt, pid=proc.pid,
+                         ready_s=round(started - ready.started, 3))
+        else:
+            proc, offset = _spawn(cmd, log_path, chunk, attempt, started, cwd, {**os.environ, **(env or {})})
+
+    def start_standby(standby_cmd: list[str], standby_log: Path) -> tuple[subprocess.Popen, int]:
+        return _spawn(standby_cmd, standby_log, None, None, time.time(), cwd, {**os.environ, **(env or {})},
+                      stdin=subprocess.PIPE)
     committed_marker = run_dir / "checkpoints" / f"step-{done_at_step:09d}" / "manifest.json" \
         if done_at_step is not None else None
     handed_off = False
@@ -363,6 +380,7 @@ def supervise(
     watch = _Watch(started=started, phase_since=started, progress=started)
     failure: tuple[str, str, float] | None = None
     last_seen_running = exit_seen = started
+    standby_checked = False
     if live is not None:  # what the adopted worker last said, so a death in the hand-off is measured
         beats = [b for b in (read_heartbeat(run_dir, r) for r in range(ranks)) if b]
         if beats:
@@ -378,6 +396,9 @@ def supervise(
             failure = _check(watch, _beats(run_dir, ranks, started), ranks, limits, last_seen_running)
             if failure is not None:
                 break
+            if standby_order is not None and not standby_checked and watch.phase == "train":
+                standby_checked = True  # once per attempt: a standby that cannot start is not retried
+                standby.ensure(run_dir, start_standby)  # once the worker trains: not during its start
             time.sleep(limits.poll_s)
         if pipeline and failure is None and committed_marker is not None and committed_marker.exists():
             # Running, or died just after the commit (between two polls): either way this chunk is

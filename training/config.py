@@ -188,6 +188,10 @@ class OrchestrationConfig(_Strict):
     #: that ends its chunk task) instead of a new worker per chunk; after a failure the retry
     #: starts a fresh worker from the newest verified checkpoint.  Saves ~5 s of start-up a chunk.
     pipeline: bool = True
+    #: Local mode, one rank: keep a warm standby worker (started, torch imported, task built,
+    #: tracking connected) that takes over at once when the worker fails.  Costs one more
+    #: process with the model and optimizer built (host memory), idle while it waits.
+    standby: bool = False
     #: How a node other than this machine is started (``train.hosts``): a command prefix, ``{host}``
     #: replaced by the host name, followed by one shell command (cd + torchrun).  ``-tt`` makes
     #: sshd hang up the remote torchrun when the supervisor stops the local ssh client.

@@ -81,7 +81,7 @@ class StepMetricLogger:
     """Fan-out to backends; each (metric, step) is written at most once per backend."""
 
     def __init__(self, backends: list[MetricBackend], run_dir: str | Path, flush_every: int = 50,
-                 exact: bool = True) -> None:
+                 exact: bool = True, history: list[dict[str, dict[int, float]]] | None = None) -> None:
         #: False after a world-size change: replayed values are expected to differ slightly, so
         #: the largest difference is recorded instead of a non-determinism warning.
         self.exact = exact
@@ -90,7 +90,9 @@ class StepMetricLogger:
         self.run_dir = Path(run_dir)
         self.flush_every = flush_every
         self._buffer: list[tuple[int, dict[str, float]]] = []
-        self._logged: list[dict[str, dict[int, float]]] = [b.history(DETERMINISTIC_KEYS) for b in backends]
+        #: What each backend already holds (``history``: read ahead by the caller, one per backend).
+        self._logged: list[dict[str, dict[int, float]]] = history if history is not None else [
+            b.history(DETERMINISTIC_KEYS) for b in backends]
         self._high: list[int] = [max((max(h, default=0) for h in hist.values()), default=0) for hist in self._logged]
         self.replayed = 0
         self.mismatches: list[dict[str, object]] = []

@@ -4,15 +4,24 @@
 configuration is the run directory's ``config.json``.  Exit codes (the supervisor contract):
 ``0`` reached N and committed it; ``75`` preempted (SIGTERM) after an emergency checkpoint;
 ``78`` configuration or data error; anything else is a crash.
+
+``--standby`` (``orchestration.standby``): start, import, build the task and connect tracking,
+then wait on stdin for one JSON line ``{"until_step": N, "pipelined": bool}`` from the chunk
+supervisor that hands it a failed worker's place; only then take the run's lease, beat, restore
+and train, exactly as a freshly started worker would.  End of input without an order (the
+supervisor released it, or died) ends the standby quietly.  See :mod:`tasks.standby`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +34,7 @@ from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
 from training.data import make_loader, mix_seed
 from training.events import append_event
 from training.heartbeat import Heartbeat
-from training.metrics import JsonlBackend, MetricBackend, StepMetricLogger
+from training.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, StepMetricLogger
 from training.pipeline import wait_for_ack
 from training.rundir import RunBusy, load_run_config, run_info, take_worker_lease
 from training.state import ExpectedState, TrainState, checkpoint_validator, configure_determinism, seed_everything
@@ -80,24 +89,88 @@ def metric_backends(config: RunConfig, run_dir: Path) -> list[MetricBackend]:
     return backends
 
 
+class TrackingWarmup:
+    """Metric backends built and their history read on a thread, alongside the restore.
+
+    Why: importing MLflow and reading back what the run logged so far (the replay check needs
+    it) took 2-3 s after the restore, on the recovery's critical path.  The history is stable
+    once this worker holds the run's lease (the previous writer is gone), so it can be read while
+    the checkpoint loads.  A standby passes backends it built before it was called on.
+    """
+
+    def __init__(self, backends: Callable[[], list[MetricBackend]]) -> None:
+        self._result: tuple[list[MetricBackend], list[dict[str, dict[int, float]]]] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(backends,), name="convoy-tracking", daemon=True)
+        self._thread.start()
+
+    def _run(self, backends: Callable[[], list[MetricBackend]]) -> None:
+        try:
+            built = backends()
+            self._result = built, [b.history(DETERMINISTIC_KEYS) for b in built]
+        except BaseException as exc:  # re-raised in the training thread by result()
+            self._error = exc
+
+    def result(self) -> tuple[list[MetricBackend], list[dict[str, dict[int, float]]]]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
 class Worker:
-    def __init__(self, run_dir: Path, until_step: int, rank: int = 0, world_size: int = 1,
-                 pipelined: bool = False) -> None:
-        self.run_dir, self.until, self.rank, self.world = run_dir, until_step, rank, world_size
+    def __init__(self, run_dir: Path, until_step: int | None, rank: int = 0, world_size: int = 1,
+                 pipelined: bool = False, standby: bool = False) -> None:
+        self.run_dir, self.rank, self.world = run_dir, rank, world_size
         self.pipelined = pipelined
         self.config = load_run_config(run_dir)
+        self.until = self.check_until(until_step if until_step is not None else self.config.train.total_steps)
+        self.lease: Any = None
+        self.standby_backends: list[MetricBackend] | None = None
+        if not standby:
+            self.claim()
+
+    def check_until(self, until_step: int) -> int:
         if until_step < 1 or until_step > self.config.train.total_steps:
             raise ConfigError(f"--until-step = {until_step}: must be in 1..train.total_steps "
                               f"({self.config.train.total_steps})")
-        # Before the first beat or write: a second worker on this run must change nothing.
-        self.lease = take_worker_lease(run_dir) if rank == 0 else None
-        self.hb = Heartbeat(run_dir, rank, self.config.heartbeat.interval_s).start()
+        return until_step
+
+    def claim(self) -> None:
+        """Take the run: the lease first (a second worker on this run must change nothing), then
+        beat and catch SIGTERM (from here on a stop is a preemption with an emergency save)."""
+        self.lease = take_worker_lease(self.run_dir) if self.rank == 0 else None
+        self.hb = Heartbeat(self.run_dir, self.rank, self.config.heartbeat.interval_s).start()
         self.preempt = _Preempt()
+
+    def stand_by(self, order: Callable[[], str]) -> bool:
+        """Standby: build everything a restart would (task, tracking clients), then wait for the
+        ``order`` line; False if none came (released).  Until the order a SIGTERM just ends it."""
+        self.prepare()
+        if self.rank == 0:
+            self.standby_backends = metric_backends(self.config, self.run_dir)
+        self.log("standby ready")
+        line = order().strip()
+        if not line:
+            return False
+        t0 = time.time()
+        go = json.loads(line)
+        self.until = self.check_until(int(go["until_step"]))
+        self.pipelined = bool(go.get("pipelined", False))
+        self.claim()
+        self.log(f"standby taking over: training to step {self.until}")
+        append_event(self.run_dir, "standby_took_over", rank=self.rank, pid=os.getpid(), until_step=self.until,
+                     ordered_at=round(t0, 4))
+        return True
 
     def log(self, msg: str) -> None:
         print(f"[worker rank {self.rank}] {msg}", flush=True)
 
-    def setup(self) -> None:
+    def prepare(self) -> None:
+        """Everything a worker needs before it may touch the run: device, task, checkpoint store."""
+        if getattr(self, "parts", None) is not None:
+            return  # a standby prepared before it took over
         cfg = self.config
         self.device = pick_device(cfg)
         configure_determinism(cfg.train.deterministic, self.device)  # before the first CUDA work
@@ -111,6 +184,17 @@ class Worker:
                                      gather_timeout_s=cfg.heartbeat.save_timeout_s,
                                      boundary_every=cfg.train.chunk_steps,
                                      validator=checkpoint_validator(ExpectedState.of(self.parts)))
+
+    def setup(self) -> None:
+        """Prepare (unless a standby did), start tracking off the critical path, clean up."""
+        self.prepare()
+        cfg = self.config
+        if self.rank == 0:
+            prebuilt = self.standby_backends
+            self.tracking: TrackingWarmup | None = TrackingWarmup(
+                (lambda: prebuilt) if prebuilt is not None else (lambda: metric_backends(cfg, self.run_dir)))
+        else:
+            self.tracking = None
         if self.rank == 0:
             self.store.cleanup_stale_temp()
         self.mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")  # recorded in each manifest
@@ -263,8 +347,9 @@ class Worker:
             return self.finish(loss=None)
         # flush_every=1: every step reaches metrics.jsonl (~70 us) so a replay after a kill has
         # the pre-failure values to compare with; MLflow batches on its own background thread.
-        metrics = StepMetricLogger(metric_backends(cfg, self.run_dir) if self.rank == 0 else [], self.run_dir,
-                                   flush_every=1, exact=not self.world_changed)
+        backends, history = self.tracking.result() if self.tracking is not None else ([], [])
+        metrics = StepMetricLogger(backends, self.run_dir, flush_every=1, exact=not self.world_changed,
+                                   history=history)
         loader = make_loader(self.parts.train_data, cfg.train.batch_size, cfg.train.seed, st.cursor,
                              self.rank, self.world, cfg.data.num_workers)
         batches = iter(loader)
@@ -337,13 +422,22 @@ class Worker:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.worker", description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", required=True, type=Path)
-    ap.add_argument("--until-step", required=True, type=int)
+    ap.add_argument("--until-step", type=int, help="required unless --standby")
     ap.add_argument("--pipelined", action="store_true",
                     help="train through chunk boundaries; each waits for the previous boundary's acknowledgement")
+    ap.add_argument("--standby", action="store_true",
+                    help="build everything, then wait for a JSON order line on stdin before touching the run")
     args = ap.parse_args(argv)
+    if args.until_step is None and not args.standby:
+        ap.error("--until-step is required (unless --standby)")
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        if args.standby:
+            worker = Worker(args.run_dir, None, rank, world, standby=True)
+            if not worker.stand_by(sys.stdin.readline):
+                return 0
+            return worker.run()
         return Worker(args.run_dir, args.until_step, rank, world, args.pipelined).run()
     except RunBusy as exc:  # the run belongs to another worker: leave its audit alone too
         print(f"config error: {exc}", file=sys.stderr, flush=True)
