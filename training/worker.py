@@ -373,6 +373,8 @@ class Worker:
             loss = out["loss"]
             metrics.log(st.step, out)
             self.hb.set(step=st.step)
+            if st.step == self.resumed_step + 1 and self.rank == 0:  # recovery ends here (MTTR)
+                append_event(self.run_dir, "first_step", step=st.step, step_s=round(dt, 4))
             if self.adaptive is not None:
                 self.adaptive.observe_step(dt, self.store.in_flight)
             (due,) = distributed.agree_any(st.step < self.until and self.save_due(st.step, last_save_step, last_save))

@@ -1,0 +1,137 @@
+"""MTTR of a SIGKILLed worker under ``convoy train``, with and without a warm standby, and the floor.
+
+Each repeat is a real run of flow ``train`` (embedded Prefect API, MLflow on a SQLite file, the
+example model) whose worker gets SIGKILL once it trains past ``--kill-step`` (with a standby: once
+the standby is ready too).  The timeline comes from the run's audit events:
+
+* detect    = the supervisor's detection time − the moment the signal was sent
+* hand-over = detection → the restore begins (Prefect's retry, then a new process that starts
+              Python, imports torch, builds the task — or a standby that takes its order)
+* restore   = the verified load of the newest checkpoint (the worker's ``resumed`` event)
+* first step = restore end → the first step after it is done (``first_step`` event)
+* MTTR      = kill → first step done
+
+Floor, measured in the same run: a bare ``python -c "import torch"`` plus reading the
+checkpoint's bytes (what any restart must pay), and for the standby the goal
+detect + read of the state + one step + 0.5 s.
+
+    .venv/bin/python bench/mttr.py [--repeats 3] [--kill-step 45]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from training.checkpoint import CheckpointStore  # noqa: E402
+from training.config import load_config  # noqa: E402
+from training.corpus import prepare  # noqa: E402
+from training.events import read_events  # noqa: E402
+from training.heartbeat import read_heartbeat  # noqa: E402
+
+SETTINGS = ["train.total_steps=120", "train.chunk_steps=60", "checkpoint.every_steps=10",
+            "heartbeat.interval_s=0.2", "heartbeat.stall_s=30", "orchestration.retries=2"]
+
+
+def kill_when(run_dir: Path, step: int, standby: bool, out: dict[str, Any]) -> None:
+    """SIGKILL the worker at ``step`` or later (with a standby: once it is ready as well)."""
+    while True:
+        beat = read_heartbeat(run_dir, 0)
+        log = run_dir / "logs" / "standby-1.log"
+        ready = not standby or (log.exists() and "standby ready" in log.read_text(errors="replace"))
+        if ready and beat and beat.get("phase") == "train" and int(beat["step"]) >= step:
+            out.update(t=time.time(), step=int(beat["step"]))
+            os.kill(int(beat["pid"]), signal.SIGKILL)
+            return
+        time.sleep(0.01)
+
+
+def one(root: Path, standby: bool, i: int, kill_step: int) -> dict[str, float]:
+    from flows.train import run_training
+
+    name = f"{'standby' if standby else 'restart'}-{i}"
+    cfg = load_config(None, [*SETTINGS, f"runs_dir={root / 'runs'}", f"data.prepared_dir={root / 'data'}",
+                             f"run_name={name}", f"orchestration.standby={str(standby).lower()}"])
+    prepare(cfg.data, cfg.train.seed)
+    run_dir = cfg.run_dir.resolve()
+    shot: dict[str, Any] = {}
+    threading.Thread(target=kill_when, args=(run_dir, kill_step, standby, shot), daemon=True).start()
+    summary = run_training(cfg)
+    assert summary["final_step"] == cfg.train.total_steps and shot, (summary, shot)
+    fail = read_events(run_dir, "failure")[-1]
+    resumed = [e for e in read_events(run_dir, "resumed") if e["time"] > fail["time"]][0]
+    first = [e for e in read_events(run_dir, "first_step") if e["time"] > resumed["time"]][0]
+    restore_start = resumed["time"] - resumed["load_s"]
+    return {
+        "detect": fail["detected_at"] - shot["t"],
+        "handover": restore_start - fail["detected_at"],
+        "restore": resumed["load_s"],
+        "first_step": first["time"] - resumed["time"],
+        "mttr": first["time"] - shot["t"],
+        "ckpt_path": str(CheckpointStore(run_dir).root / resumed["checkpoint"]),
+        "took_over": bool(read_events(run_dir, "standby_took_over")),
+    }
+
+
+def floor(checkpoint: Path) -> dict[str, float]:
+    """A bare interpreter with torch imported, plus reading the checkpoint's bytes (cold-ish)."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    t_import = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    n = sum(len(p.read_bytes()) for p in checkpoint.rglob("*") if p.is_file())
+    t_read = time.perf_counter() - t0
+    return {"import_torch": t_import, "read_state": t_read, "bytes": float(n)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kill-step", type=int, default=45)
+    args = ap.parse_args()
+    os.environ.setdefault("CONVOY_FAULTS", "step_delay=0.02")  # steps long enough to aim the kill
+    root = Path(tempfile.mkdtemp(prefix="convoy-mttr-"))
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    rows: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for i in range(args.repeats):
+        for standby in (False, True):
+            r = one(root, standby, i, args.kill_step)
+            rows[standby].append(r)
+            print(json.dumps({"standby": standby, **{k: round(v, 3) if isinstance(v, float) else v
+                                                    for k, v in r.items()}}), flush=True)
+    fl = [floor(Path(r["ckpt_path"])) for r in rows[False]]
+    f_import = statistics.median(f["import_torch"] for f in fl)
+    f_read = statistics.median(f["read_state"] for f in fl)
+    floor_s = f_import + f_read
+    keys = ("detect", "handover", "restore", "first_step", "mttr")
+    print(f"\nmedian of {args.repeats} kills each (seconds); floor = import torch {f_import:.3f} + "
+          f"read state {f_read:.4f} = {floor_s:.3f}")
+    print(f"{'':>10} " + " ".join(f"{k:>10}" for k in keys) + f" {'x floor':>8} {'goal':>18}")
+    for standby in (False, True):
+        med = {k: statistics.median(r[k] for r in rows[standby]) for k in keys}
+        if standby:
+            goal = med["detect"] + f_read + med["first_step"] + 0.5
+            verdict = f"<= {goal:.2f} s: {'met' if med['mttr'] <= goal else 'NOT met'}"
+            assert all(r["took_over"] for r in rows[standby]), "a kill was not handled by the standby"
+        else:
+            verdict = f"<= 1.5x: {'met' if med['mttr'] <= 1.5 * floor_s else 'NOT met'}"
+        label = "standby" if standby else "restart"
+        print(f"{label:>10} " + " ".join(f"{med[k]:>10.3f}" for k in keys)
+              + f" {med['mttr'] / floor_s:>8.2f} {verdict:>18}")
+
+
+if __name__ == "__main__":
+    main()
