@@ -224,6 +224,42 @@ def test_backend_batches_and_history_roundtrip(tmp_path: Path, tracking_uri: str
     per_step.close()
 
 
+class ListBackend:
+    """A metric backend kept in a list (the protocol of training.metrics.MetricBackend)."""
+
+    def __init__(self, held: dict[int, float]) -> None:
+        self.held = held
+        self.written: list[int] = []
+
+    def history(self, keys: tuple[str, ...]) -> dict[str, dict[int, float]]:
+        return {"loss": dict(self.held)}
+
+    def write(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        self.written += [s for s, _ in rows]
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_backend_attached_late_gets_each_step_once_and_checks_the_replay(tmp_path: Path) -> None:
+    from training.metrics import StepMetricLogger
+
+    local = ListBackend({s: float(s) for s in range(1, 11)})  # metrics.jsonl held steps 1..10
+    logger = StepMetricLogger([local], tmp_path, flush_every=1, deferred=True)
+    for s in range(6, 16):  # resumed from 5: 6..10 are replays
+        logger.log(s, {"loss": float(s)})
+    # MLflow was connecting meanwhile.  It holds 1..10 from before the kill (its step 8 differs
+    # from the replay) and 11..12, this process's first rows it backfilled from metrics.jsonl.
+    late = ListBackend({**{s: float(s) for s in range(1, 13)}, 8: 99.0})
+    logger.attach([late], [late.history(("loss",))])
+    logger.log(16, {"loss": 16.0})
+    logger.close()
+    assert local.written == list(range(11, 17))
+    assert late.written == [13, 14, 15, 16]  # nothing it held is written again
+    assert [(m["step"], m["logged"]) for m in logger.mismatches] == [(8, 99.0)]
+    assert logger.replayed == 10  # steps 6..10, against each backend
+
+
 def test_split_batches_never_splits_a_step() -> None:
     from mlflow.entities import Metric
 

@@ -81,7 +81,7 @@ class StepMetricLogger:
     """Fan-out to backends; each (metric, step) is written at most once per backend."""
 
     def __init__(self, backends: list[MetricBackend], run_dir: str | Path, flush_every: int = 50,
-                 exact: bool = True, history: list[dict[str, dict[int, float]]] | None = None) -> None:
+                 exact: bool = True, deferred: bool = False) -> None:
         #: False after a world-size change: replayed values are expected to differ slightly, so
         #: the largest difference is recorded instead of a non-determinism warning.
         self.exact = exact
@@ -90,13 +90,14 @@ class StepMetricLogger:
         self.run_dir = Path(run_dir)
         self.flush_every = flush_every
         self._buffer: list[tuple[int, dict[str, float]]] = []
-        #: What each backend already holds (``history``: read ahead by the caller, one per backend).
-        self._logged: list[dict[str, dict[int, float]]] = history if history is not None else [
-            b.history(DETERMINISTIC_KEYS) for b in backends]
+        self._logged: list[dict[str, dict[int, float]]] = [b.history(DETERMINISTIC_KEYS) for b in backends]
+        #: ``deferred``: more backends come later (:meth:`attach`); the rows written until then.
+        self._kept: list[tuple[int, dict[str, float]]] | None = [] if deferred else None
         self._high: list[int] = [max((max(h, default=0) for h in hist.values()), default=0) for hist in self._logged]
         self.replayed = 0
         self.mismatches: list[dict[str, object]] = []
         self._start_high = max(self._high, default=0)
+        self._local_high = self._start_high  # what the backends present at start held
         self._verdict_sent = False
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -115,8 +116,29 @@ class StepMetricLogger:
         else:
             self._buffer.append((step, dict(metrics)))
 
-    def _verify_replay(self, step: int, metrics: dict[str, float]) -> None:
-        for hist in self._logged:
+    def attach(self, backends: list[MetricBackend], history: list[dict[str, dict[int, float]]]) -> None:
+        """Add backends that were still connecting when training started, with what each holds
+        (read ahead by the caller): the rows logged meanwhile are checked against their history
+        (replayed steps) and written to them, each (metric, step) still at most once."""
+        kept, self._kept = self._kept or [], None
+        for backend, hist in zip(backends, history, strict=True):
+            high = max((max(h, default=0) for h in hist.values()), default=0)
+            for step, metrics in kept:
+                # Only steps from before this process are replays; the backend may also hold
+                # this process's first rows (MLflow backfills itself from metrics.jsonl).
+                if step <= min(high, self._local_high):
+                    self._verify_replay(step, metrics, [hist])
+            fresh = [(s, m) for s, m in kept if s > high]
+            if fresh:
+                backend.write(fresh)
+                high = fresh[-1][0]
+            self.backends.append(backend)
+            self._logged.append(hist)
+            self._high.append(high)
+
+    def _verify_replay(self, step: int, metrics: dict[str, float],
+                       hists: list[dict[str, dict[int, float]]] | None = None) -> None:
+        for hist in self._logged if hists is None else hists:
             for key in DETERMINISTIC_KEYS:
                 before = hist.get(key, {}).get(step)
                 if before is None or key not in metrics:
@@ -140,6 +162,8 @@ class StepMetricLogger:
         if not self._buffer:
             return
         rows, self._buffer = self._buffer, []
+        if self._kept is not None:
+            self._kept.extend(rows)
         for i, backend in enumerate(self.backends):
             fresh = [(s, m) for s, m in rows if s > self._high[i]]
             if fresh:

@@ -78,8 +78,10 @@ def amp_dtype(config: RunConfig, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if choice == "bfloat16" else torch.float16
 
 
-def metric_backends(config: RunConfig, run_dir: Path) -> list[MetricBackend]:
-    backends: list[MetricBackend] = [JsonlBackend(run_dir / "metrics.jsonl")]
+def tracking_backends(config: RunConfig, run_dir: Path) -> list[MetricBackend]:
+    """The remote metric backends (MLflow), slow to import and connect; ``metrics.jsonl`` is
+    always there, built at once (the replay check reads it)."""
+    backends: list[MetricBackend] = []
     if config.tracking.mlflow:
         from training.mlflow_backend import MlflowBackend  # imported lazily: ~3 s
 
@@ -90,12 +92,13 @@ def metric_backends(config: RunConfig, run_dir: Path) -> list[MetricBackend]:
 
 
 class TrackingWarmup:
-    """Metric backends built and their history read on a thread, alongside the restore.
+    """Tracking backends built and their history read on a thread, off the recovery's path.
 
-    Why: importing MLflow and reading back what the run logged so far (the replay check needs
-    it) took 2-3 s after the restore, on the recovery's critical path.  The history is stable
-    once this worker holds the run's lease (the previous writer is gone), so it can be read while
-    the checkpoint loads.  A standby passes backends it built before it was called on.
+    Why: importing MLflow and reading back what the run logged so far took 2-3 s after the
+    restore, before the first step.  The history is stable once this worker holds the run's
+    lease (the previous writer is gone), so it is read while the checkpoint loads and the first
+    steps train; the metric logger keeps those steps' rows and hands them over when the backends
+    are ready (:meth:`StepMetricLogger.attach`).  A standby passes backends it built while waiting.
     """
 
     def __init__(self, backends: Callable[[], list[MetricBackend]]) -> None:
@@ -110,6 +113,9 @@ class TrackingWarmup:
             self._result = built, [b.history(DETERMINISTIC_KEYS) for b in built]
         except BaseException as exc:  # re-raised in the training thread by result()
             self._error = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
     def result(self) -> tuple[list[MetricBackend], list[dict[str, dict[int, float]]]]:
         self._thread.join()
@@ -149,7 +155,7 @@ class Worker:
         ``order`` line; False if none came (released).  Until the order a SIGTERM just ends it."""
         self.prepare()
         if self.rank == 0:
-            self.standby_backends = metric_backends(self.config, self.run_dir)
+            self.standby_backends = tracking_backends(self.config, self.run_dir)
         self.log("standby ready")
         line = order().strip()
         if not line:
@@ -192,7 +198,7 @@ class Worker:
         if self.rank == 0:
             prebuilt = self.standby_backends
             self.tracking: TrackingWarmup | None = TrackingWarmup(
-                (lambda: prebuilt) if prebuilt is not None else (lambda: metric_backends(cfg, self.run_dir)))
+                (lambda: prebuilt) if prebuilt is not None else (lambda: tracking_backends(cfg, self.run_dir)))
         else:
             self.tracking = None
         if self.rank == 0:
@@ -347,9 +353,9 @@ class Worker:
             return self.finish(loss=None)
         # flush_every=1: every step reaches metrics.jsonl (~70 us) so a replay after a kill has
         # the pre-failure values to compare with; MLflow batches on its own background thread.
-        backends, history = self.tracking.result() if self.tracking is not None else ([], [])
-        metrics = StepMetricLogger(backends, self.run_dir, flush_every=1, exact=not self.world_changed,
-                                   history=history)
+        local: list[MetricBackend] = [JsonlBackend(self.run_dir / "metrics.jsonl")] if self.rank == 0 else []
+        metrics = StepMetricLogger(local, self.run_dir, flush_every=1, exact=not self.world_changed,
+                                   deferred=self.tracking is not None)
         loader = make_loader(self.parts.train_data, cfg.train.batch_size, cfg.train.seed, st.cursor,
                              self.rank, self.world, cfg.data.num_workers)
         batches = iter(loader)
@@ -372,6 +378,7 @@ class Worker:
             out.update(step_time_s=dt, tokens_per_s=cfg.train.batch_size * self.parts.tokens_per_sample / dt)
             loss = out["loss"]
             metrics.log(st.step, out)
+            self.attach_tracking(metrics, wait=False)
             self.hb.set(step=st.step)
             if st.step == self.resumed_step + 1 and self.rank == 0:  # recovery ends here (MTTR)
                 append_event(self.run_dir, "first_step", step=st.step, step_s=round(dt, 4))
@@ -387,8 +394,15 @@ class Worker:
         self.await_previous_boundary()  # the final save retires older checkpoints too
         metrics.flush()
         self.save(blocking=True)
+        self.attach_tracking(metrics, wait=True)
         metrics.close()
         return self.finish(loss=loss)
+
+    def attach_tracking(self, metrics: StepMetricLogger, wait: bool) -> None:
+        """Hand the tracking backends to the logger once they are ready (``wait``: block for it)."""
+        if self.tracking is not None and (wait or self.tracking.done()):
+            metrics.attach(*self.tracking.result())
+            self.tracking = None
 
     def await_previous_boundary(self) -> None:
         """Pipelined: before committing the next chunk boundary (or the last step), wait until the
@@ -404,6 +418,7 @@ class Worker:
         self.log(f"SIGTERM: saving an emergency checkpoint at step {self.state.step}")
         metrics.flush()
         self.save(blocking=True)
+        self.attach_tracking(metrics, wait=True)
         metrics.close()
         append_event(self.run_dir, "preempted", rank=self.rank, step=self.state.step)
         self.hb.stop("done")
