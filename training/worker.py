@@ -195,12 +195,14 @@ class Worker:
         """Prepare (unless a standby did), start tracking off the critical path, clean up."""
         self.prepare()
         cfg = self.config
+        self.tracking: TrackingWarmup | None = None
+        self.tracking_factory: Callable[[], list[MetricBackend]] | None = None
         if self.rank == 0:
             prebuilt = self.standby_backends
-            self.tracking: TrackingWarmup | None = TrackingWarmup(
-                (lambda: prebuilt) if prebuilt is not None else (lambda: tracking_backends(cfg, self.run_dir)))
-        else:
-            self.tracking = None
+            if prebuilt is not None:  # a standby built them while waiting: ready at once
+                self.tracking = TrackingWarmup(lambda: prebuilt)
+            else:  # built after the first step (start_tracking): its imports would slow that step
+                self.tracking_factory = lambda: tracking_backends(cfg, self.run_dir)
         if self.rank == 0:
             self.store.cleanup_stale_temp()
         self.mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")  # recorded in each manifest
@@ -355,7 +357,7 @@ class Worker:
         # the pre-failure values to compare with; MLflow batches on its own background thread.
         local: list[MetricBackend] = [JsonlBackend(self.run_dir / "metrics.jsonl")] if self.rank == 0 else []
         metrics = StepMetricLogger(local, self.run_dir, flush_every=1, exact=not self.world_changed,
-                                   deferred=self.tracking is not None)
+                                   deferred=self.tracking is not None or self.tracking_factory is not None)
         loader = make_loader(self.parts.train_data, cfg.train.batch_size, cfg.train.seed, st.cursor,
                              self.rank, self.world, cfg.data.num_workers)
         batches = iter(loader)
@@ -382,6 +384,7 @@ class Worker:
             self.hb.set(step=st.step)
             if st.step == self.resumed_step + 1 and self.rank == 0:  # recovery ends here (MTTR)
                 append_event(self.run_dir, "first_step", step=st.step, step_s=round(dt, 4))
+                self.start_tracking()
             if self.adaptive is not None:
                 self.adaptive.observe_step(dt, self.store.in_flight)
             (due,) = distributed.agree_any(st.step < self.until and self.save_due(st.step, last_save_step, last_save))
@@ -398,8 +401,17 @@ class Worker:
         metrics.close()
         return self.finish(loss=loss)
 
+    def start_tracking(self) -> None:
+        """Build the tracking backends on their thread (once).  Called after the first step: the
+        MLflow import holds the GIL for ~1.5 s and, started earlier, doubled the restart's first step."""
+        if self.tracking_factory is not None:
+            self.tracking = TrackingWarmup(self.tracking_factory)
+            self.tracking_factory = None
+
     def attach_tracking(self, metrics: StepMetricLogger, wait: bool) -> None:
         """Hand the tracking backends to the logger once they are ready (``wait``: block for it)."""
+        if wait:
+            self.start_tracking()  # a run that ends before its first step still logs
         if self.tracking is not None and (wait or self.tracking.done()):
             metrics.attach(*self.tracking.result())
             self.tracking = None
