@@ -62,6 +62,6 @@ def check_task(config: RunConfig) -> TaskParts | None:
             return None
         except ConfigError:
             raise
-        except Exception as exc:  # not every factory can build on meta; on the CPU it is the factory's
+        except Exception as exc:  # noqa: BLE001 - not every factory can build on meta; on the CPU it is the factory's
             failure = exc
     raise ConfigError(f"task = {config.task!r}: the factory failed: {type(failure).__name__}: {failure}") from None

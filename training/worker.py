@@ -111,7 +111,7 @@ class TrackingWarmup:
         try:
             built = backends()
             self._result = built, [b.history(DETERMINISTIC_KEYS) for b in built]
-        except BaseException as exc:  # re-raised in the training thread by result()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread by result()
             self._error = exc
 
     def done(self) -> bool:
