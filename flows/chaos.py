@@ -39,6 +39,7 @@ from training.checkpoint import CheckpointStore
 from training.config import RunConfig, load_config
 from training.events import read_events
 from training.heartbeat import read_heartbeat
+from training.paths import RunPaths
 
 FAULT_KINDS = ("kill", "term", "hang", "slow", "corrupt", "delete", "diskfull", "flowkill")
 
@@ -153,7 +154,7 @@ class ChaosRunner:
             pass
 
     def reference(self) -> str:
-        store = CheckpointStore(self.ref_cfg.run_dir) if (self.ref_cfg.run_dir / "checkpoints").exists() else None
+        store = CheckpointStore(self.ref_cfg.run_dir) if RunPaths(self.ref_cfg.run_dir).checkpoints.exists() else None
         ck = store.latest_valid(record=False) if store else None
         if ck is None or ck.step != self.ref_cfg.train.total_steps:
             self.log(f"reference run {self.ref_cfg.run_name}: training fault-free")
@@ -254,7 +255,7 @@ class ChaosRunner:
         events = read_events(self.run_dir)
         failures = [e for e in events if e["kind"] == "failure"]
         resumes = [e for e in events if e["kind"] == "resumed" and e.get("rank", 0) == 0]
-        path = self.run_dir / "metrics.jsonl"
+        path = RunPaths(self.run_dir).metrics
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
         for f in report.faults:
             if f.injected_at is None:

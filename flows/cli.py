@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from training.config import ConfigError, RunConfig, load_config
+from training.paths import RunPaths
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fault-tolerant, exactly-resumable training.")
 console = Console()
@@ -121,7 +122,7 @@ def _store(run_dir: Path):
     from training.state import ExpectedState, checkpoint_validator
     from training.task import check_task
 
-    if not (run_dir / "checkpoints").is_dir():
+    if not RunPaths(run_dir).checkpoints.is_dir():
         raise fail(f"{run_dir}: no checkpoints/ folder; is this a convoy run directory?")
     parts = None
     try:

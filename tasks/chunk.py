@@ -40,6 +40,7 @@ from tasks.supervisor import (
 )
 from training.config import ConfigError, RunConfig
 from training.events import append_event, read_events
+from training.paths import RunPaths
 from training.rundir import load_run_config
 
 #: Worker output lines echoed to the Prefect log (everything goes to the chunk's log file).
@@ -124,7 +125,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
                 "chunk %d: newest valid checkpoint is step %d, before the chunk start %d", chunk, resume, start_step
             )
         sub = f"{attempt}" + (f"-{preemptions}" if preemptions else "")
-        log_path = rd / "logs" / f"chunk-{chunk}-attempt-{sub}.log"
+        log_path = RunPaths(rd).chunk_log(chunk, sub)
 
         def echo(line: str) -> None:
             if any(m in line for m in _ECHO):

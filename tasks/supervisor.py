@@ -42,6 +42,7 @@ from tasks.procs import child_setup, pid_gone, reap_stale_worker, stop_group
 from training.config import EXIT_CONFIG
 from training.events import append_event
 from training.heartbeat import beat_is_local, heartbeat_path, read_heartbeat
+from training.paths import RunPaths
 
 #: Re-exported: callers only need this module.
 __all__ = [
@@ -369,7 +370,7 @@ def supervise(
     def start_standby(standby_cmd: list[str], standby_log: Path) -> tuple[subprocess.Popen, int]:
         return _spawn(standby_cmd, standby_log, None, None, time.time(), cwd, {**os.environ, **(env or {})},
                       stdin=subprocess.PIPE)
-    committed_marker = run_dir / "checkpoints" / f"step-{done_at_step:09d}" / "manifest.json" \
+    committed_marker = RunPaths(run_dir).checkpoint(done_at_step) / "manifest.json" \
         if done_at_step is not None else None
     handed_off = False
     stop_follow = threading.Event()

@@ -34,6 +34,7 @@ from typing import Any
 
 from training.checkpoint import CheckpointStore, parse_step
 from training.events import append_event
+from training.paths import RunPaths
 
 #: Prefix of the private hard-link stage of a checkpoint being versioned (ignored by the store).
 STAGE_PREFIX = ".stage-"
@@ -300,7 +301,7 @@ def version_checkpoint_async(
 
 def checkpoint_dvcfiles(run_dir: str | Path) -> list[Path]:
     """The run's ``checkpoints/step-N.dvc`` files, oldest first."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunPaths(run_dir).checkpoints
     if not root.is_dir():
         return []
     files = [p for p in root.glob("step-*.dvc") if parse_step(p.name.removesuffix(".dvc")) is not None]

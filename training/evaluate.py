@@ -26,6 +26,7 @@ import torch
 from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, ConfigError, RunConfig, load_config
 from training.events import read_events
+from training.paths import RunPaths
 from training.safetensors_io import write_file
 
 MODEL_PATH = Path("models/model.safetensors")
@@ -76,7 +77,7 @@ def load_model_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
 
 def metric_rows(run_dir: str | Path) -> list[tuple[int, dict[str, float]]]:
     """``metrics.jsonl`` as (step, metrics) sorted by step; the first value of a step wins."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunPaths(run_dir).metrics
     by_step: dict[int, dict[str, float]] = {}
     if path.exists():
         for line in path.read_text().splitlines():

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-EVENTS_FILE = "events.jsonl"
+from training.paths import EVENTS_FILE, RunPaths  # noqa: F401 - EVENTS_FILE re-exported
 
 
 def append_event(run_dir: str | Path, kind: str, **fields: Any) -> dict[str, Any]:
     record = {"time": round(time.time(), 3), "kind": kind, **fields}
     line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
-    path = Path(run_dir) / EVENTS_FILE
+    path = RunPaths(run_dir).events
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -29,7 +29,7 @@ def append_event(run_dir: str | Path, kind: str, **fields: Any) -> dict[str, Any
 
 
 def read_events(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
-    path = Path(run_dir) / EVENTS_FILE
+    path = RunPaths(run_dir).events
     if not path.exists():
         return []
     out = []

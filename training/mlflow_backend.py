@@ -35,6 +35,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from training.config import RunConfig
+from training.paths import RunPaths
 from training.rundir import run_info, update_run_info
 
 #: MLflow's per-request limit on metric values in one ``log_batch``.
@@ -141,7 +142,7 @@ def run_id_from_checkpoints(run_dir: str | Path) -> str | None:
 
     On another machine the checkpoints arrive (``convoy pull``) without ``run.json``; the id in the
     manifest keeps every resume logging into the same MLflow run."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunPaths(run_dir).checkpoints
     if not root.is_dir():
         return None
     for path in sorted(root.glob("step-*/manifest.json"), reverse=True):
@@ -269,7 +270,7 @@ class MlflowBackend:
         values are the ones logged before the failure, i.e. what MLflow would have received."""
         if self.run_dir is None:
             return 0
-        path = self.run_dir / "metrics.jsonl"
+        path = RunPaths(self.run_dir).metrics
         if not path.exists():
             return 0
         rows: dict[int, dict[str, float]] = {}

@@ -35,6 +35,7 @@ from training.data import make_loader, mix_seed
 from training.events import append_event
 from training.heartbeat import Heartbeat
 from training.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, StepMetricLogger
+from training.paths import RunPaths
 from training.pipeline import wait_for_ack
 from training.rundir import RunBusy, load_run_config, run_info, take_worker_lease
 from training.state import ExpectedState, TrainState, checkpoint_validator, configure_determinism, seed_everything
@@ -355,7 +356,7 @@ class Worker:
             return self.finish(loss=None)
         # flush_every=1: every step reaches metrics.jsonl (~70 us) so a replay after a kill has
         # the pre-failure values to compare with; MLflow batches on its own background thread.
-        local: list[MetricBackend] = [JsonlBackend(self.run_dir / "metrics.jsonl")] if self.rank == 0 else []
+        local: list[MetricBackend] = [JsonlBackend(RunPaths(self.run_dir).metrics)] if self.rank == 0 else []
         metrics = StepMetricLogger(local, self.run_dir, flush_every=1, exact=not self.world_changed,
                                    deferred=self.tracking is not None or self.tracking_factory is not None)
         loader = make_loader(self.parts.train_data, cfg.train.batch_size, cfg.train.seed, st.cursor,
