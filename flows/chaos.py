@@ -39,6 +39,7 @@ from training.checkpoint import CheckpointStore
 from training.config import RunConfig, load_config
 from training.events import read_events
 from training.heartbeat import read_heartbeat
+from training.metrics import read_metric_lines
 from training.paths import RunPaths
 
 FAULT_KINDS = ("kill", "term", "hang", "slow", "corrupt", "delete", "diskfull", "flowkill")
@@ -255,8 +256,7 @@ class ChaosRunner:
         events = read_events(self.run_dir)
         failures = [e for e in events if e["kind"] == "failure"]
         resumes = [e for e in events if e["kind"] == "resumed" and e.get("rank", 0) == 0]
-        path = RunPaths(self.run_dir).metrics
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        rows = [{"step": s, "metrics": m} for s, m in read_metric_lines(RunPaths(self.run_dir).metrics)]
         for f in report.faults:
             if f.injected_at is None:
                 f.survived = False

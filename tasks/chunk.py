@@ -19,7 +19,6 @@ checkpoint is still verified here and is the chunk's artifact.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -76,13 +75,10 @@ def _loss_at(run_dir: Path, step: int) -> float | None:
     for ev in reversed(read_events(run_dir, "worker_done")):
         if ev.get("step") == step and ev.get("rank", 0) == 0:
             return ev.get("loss")
-    path = run_dir / "metrics.jsonl"  # a pipelined worker passed this boundary without stopping
-    if path.exists():
-        for line in reversed(path.read_text().splitlines()):
-            row = json.loads(line) if line.strip() else {}
-            if row.get("step") == step:
-                return row.get("metrics", {}).get("loss")
-    return None
+    from training.metrics import read_metric_lines  # a pipelined worker passed this boundary without stopping
+
+    rows = [m for s, m in read_metric_lines(RunPaths(run_dir).metrics) if s == step]
+    return rows[0].get("loss") if rows else None
 
 
 def _committed_digest(run_dir: Path, step: int) -> str | None:

@@ -26,6 +26,7 @@ import torch
 from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, ConfigError, RunConfig, load_config
 from training.events import read_events
+from training.metrics import read_metric_lines
 from training.paths import RunPaths
 from training.safetensors_io import write_file
 
@@ -77,15 +78,9 @@ def load_model_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
 
 def metric_rows(run_dir: str | Path) -> list[tuple[int, dict[str, float]]]:
     """``metrics.jsonl`` as (step, metrics) sorted by step; the first value of a step wins."""
-    path = RunPaths(run_dir).metrics
     by_step: dict[int, dict[str, float]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            by_step.setdefault(int(rec["step"]), rec.get("metrics", {}))
+    for step, metrics in read_metric_lines(RunPaths(run_dir).metrics):
+        by_step.setdefault(step, metrics)
     return sorted(by_step.items())
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -29,6 +30,27 @@ def same_value(a: float, b: float) -> bool:
     """Equal, NaN included: an AMP float16 step the GradScaler skips logs a NaN or inf grad norm,
     and its bitwise-equal replay must not be called non-deterministic."""
     return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def read_metric_lines(path: str | Path) -> Iterator[tuple[int, dict[str, float]]]:
+    """Every ``(step, metrics)`` row of a ``metrics.jsonl`` in file order (a replayed step may
+    appear more than once; callers keep the first).  The one rule for a torn line: only the last
+    line may be cut short (a kill during the append) and it is skipped; a bad line anywhere else
+    means the file was damaged and is an error naming the line."""
+    path = Path(path)
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            yield int(rec["step"]), {k: float(v) for k, v in rec.get("metrics", {}).items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if number == len(lines):
+                return  # torn by a kill mid-append; JsonlBackend cuts it off when it next opens
+            raise ValueError(f"{path}:{number}: not a metrics row ({exc}); the file was edited or damaged") from None
 
 
 class MetricBackend(Protocol):
@@ -56,13 +78,10 @@ class JsonlBackend:
 
     def history(self, keys: tuple[str, ...]) -> dict[str, dict[int, float]]:
         out: dict[str, dict[int, float]] = {k: {} for k in keys}
-        if not self.path.exists():
-            return out
-        for line in self.path.read_text().splitlines():
-            rec = json.loads(line)
+        for step, metrics in read_metric_lines(self.path):
             for k in keys:
-                if k in rec["metrics"]:
-                    out[k][int(rec["step"])] = float(rec["metrics"][k])
+                if k in metrics:
+                    out[k][step] = metrics[k]
         return out
 
     def write(self, rows: list[tuple[int, dict[str, float]]]) -> None:

@@ -35,6 +35,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from training.config import RunConfig
+from training.metrics import read_metric_lines
 from training.paths import RunPaths
 from training.rundir import run_info, update_run_info
 
@@ -270,18 +271,10 @@ class MlflowBackend:
         values are the ones logged before the failure, i.e. what MLflow would have received."""
         if self.run_dir is None:
             return 0
-        path = RunPaths(self.run_dir).metrics
-        if not path.exists():
-            return 0
         rows: dict[int, dict[str, float]] = {}
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a torn last line
-            step = int(rec["step"])
-            for key, value in rec.get("metrics", {}).items():
-                rows.setdefault(step, {}).setdefault(key, float(value))
+        for step, metrics in read_metric_lines(RunPaths(self.run_dir).metrics):
+            for key, value in metrics.items():
+                rows.setdefault(step, {}).setdefault(key, value)
         if not rows:
             return 0
         have = self._history(sorted({k for m in rows.values() for k in m}))
