@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
+from training.audit import analyse_events
 from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, ConfigError, RunConfig, load_config
 from training.events import read_events
-from training.metrics import read_metric_lines
-from training.paths import RunPaths
+from training.metrics import metric_rows
 from training.safetensors_io import write_file
 
 MODEL_PATH = Path("models/model.safetensors")
@@ -76,14 +76,6 @@ def load_model_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
         return {k: f.get_tensor(k) for k in f.keys()}, meta  # noqa: SIM118 - safe_open has no __iter__
 
 
-def metric_rows(run_dir: str | Path) -> list[tuple[int, dict[str, float]]]:
-    """``metrics.jsonl`` as (step, metrics) sorted by step; the first value of a step wins."""
-    by_step: dict[int, dict[str, float]] = {}
-    for step, metrics in read_metric_lines(RunPaths(run_dir).metrics):
-        by_step.setdefault(step, metrics)
-    return sorted(by_step.items())
-
-
 def write_loss_plot(run_dir: str | Path, out_path: str | Path = LOSS_PLOT) -> int:
     cols = ("loss", "lr", "grad_norm")
     lines = [",".join(("step", *cols))]
@@ -95,7 +87,6 @@ def write_loss_plot(run_dir: str | Path, out_path: str | Path = LOSS_PLOT) -> in
 
 
 def train_metrics(config: RunConfig, run_dir: str | Path, export: dict[str, Any]) -> dict[str, Any]:
-    from training.audit import analyse_events
 
     rows = metric_rows(run_dir)
     tail = [m["loss"] for _, m in rows[-20:] if "loss" in m]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from training.events import append_event
+from training.paths import RunPaths
 
 #: Metrics that are a pure function of the state, so a replay must reproduce them bit for bit.
 DETERMINISTIC_KEYS = ("loss", "lr", "grad_norm")
@@ -51,6 +52,14 @@ def read_metric_lines(path: str | Path) -> Iterator[tuple[int, dict[str, float]]
             if number == len(lines):
                 return  # torn by a kill mid-append; JsonlBackend cuts it off when it next opens
             raise ValueError(f"{path}:{number}: not a metrics row ({exc}); the file was edited or damaged") from None
+
+
+def metric_rows(run_dir: str | Path) -> list[tuple[int, dict[str, float]]]:
+    """``metrics.jsonl`` as (step, metrics) sorted by step; the first value of a step wins."""
+    by_step: dict[int, dict[str, float]] = {}
+    for step, metrics in read_metric_lines(RunPaths(run_dir).metrics):
+        by_step.setdefault(step, metrics)
+    return sorted(by_step.items())
 
 
 class MetricBackend(Protocol):
