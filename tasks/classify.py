@@ -12,8 +12,8 @@ lost rank) are decided while watching, in :mod:`tasks.supervisor`.
 ``crash``      any other non-zero exit, a fatal signal of its own (SIGSEGV/SIGABRT/SIGBUS/SIGFPE/
                SIGILL), or exit 0 without a committed checkpoint at the chunk's end step.
 ``hang``       alive and beating but no step progress for ``stall_s`` in phase ``train``, or stuck
-               in a phase longer than its own limit (init/load: ``init_timeout_s``; save/eval and
-               the exit after ``done``: ``save_timeout_s``).
+               in a phase longer than its own limit (init/load: ``init_timeout_s``; eval: ``eval_timeout_s``;
+               save and the exit after ``done``: ``save_timeout_s``).
 ``dead``       no heartbeat for ``timeout_s`` (a frozen or wedged process), or none at all within
                ``init_timeout_s`` of the start.
 ``timeout``    the attempt ran past the chunk deadline.

@@ -88,6 +88,7 @@ class Limits:
     timeout_s: float = 10.0
     init_timeout_s: float = 120.0
     save_timeout_s: float = 120.0
+    eval_timeout_s: float = 300.0
     grace_s: float = 10.0
     deadline_s: float = 0.0  # 0 = none
     poll_s: float = 0.2
@@ -100,6 +101,7 @@ class Limits:
             timeout_s=hb.timeout_s,
             init_timeout_s=hb.init_timeout_s,
             save_timeout_s=hb.save_timeout_s,
+            eval_timeout_s=hb.eval_timeout_s,
             grace_s=hb.grace_s,
             deadline_s=orch.chunk_deadline_s,
             poll_s=min(0.2, hb.interval_s),
@@ -243,7 +245,7 @@ def _check(
         "init": lim.init_timeout_s,
         "load": lim.init_timeout_s,
         "save": lim.save_timeout_s,
-        "eval": lim.save_timeout_s,
+        "eval": lim.eval_timeout_s,
         "done": lim.save_timeout_s,
     }.get(phase)
     if limit is not None and now - w.phase_since > limit:

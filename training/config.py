@@ -98,8 +98,17 @@ class TrainConfig(_Strict):
     #: hosts the c10d rendezvous; the others are started through ``orchestration.node_launch``
     #: (``localhost``/``127.0.0.1`` entries are started here directly).
     hosts: list[str] = Field(default_factory=list)
-    #: Evaluate on the validation split every this many steps (0 = never).
+    #: Micro-batches per optimizer step (gradient accumulation).  ``batch_size`` is the global
+    #: micro-batch (split over ranks), so one optimizer step sees ``batch_size * grad_accum_steps``
+    #: samples = micro-batch per rank x accumulation x world size.  Each micro-batch's loss is
+    #: scaled by 1/grad_accum_steps; checkpoints fall only on optimizer-step boundaries.
+    grad_accum_steps: int = Field(1, ge=1, le=4096)
+    #: Evaluate on the validation split every this many optimizer steps (0 = never); ``val_loss``
+    #: is logged at that step.  Does not change the trajectory (own data order, RNG untouched).
     eval_every: int = Field(0, ge=0)
+    #: Validation samples per evaluation: the first this many of the validation split, in order
+    #: (fewer if the split is smaller), in batches of ``batch_size``.
+    eval_samples: int = Field(256, gt=0)
 
     @model_validator(mode="after")
     def _chunk_fits(self) -> TrainConfig:
@@ -166,6 +175,9 @@ class HeartbeatConfig(_Strict):
     #: Phase limits for start-up (import, init, restore) and saving.
     init_timeout_s: float = Field(120.0, gt=0)
     save_timeout_s: float = Field(120.0, gt=0)
+    #: Limit for one in-loop validation (phase ``eval``, ``train.eval_every``): a long eval is not
+    #: a hang, an eval stuck past this is.
+    eval_timeout_s: float = Field(300.0, gt=0)
     #: SIGTERM → SIGKILL grace period when the supervisor stops a worker.
     grace_s: float = Field(10.0, gt=0)
 
@@ -238,7 +250,9 @@ class RunConfig(_Strict):
 
     def fingerprint(self) -> str:
         """Hash of the settings that change the trajectory; see the module docstring."""
-        excluded = {"chunk_steps", "eval_every", "ranks", "nnodes", "hosts"}
+        excluded = {"chunk_steps", "eval_every", "eval_samples", "ranks", "nnodes", "hosts"}
+        if self.train.grad_accum_steps == 1:
+            excluded.add("grad_accum_steps")  # left out at its default: older fingerprints stay valid
         if not self.train.amp or self.train.amp_dtype == "auto":
             # The dtype changes the trajectory only with AMP on; left out at its default so every
             # fingerprint from before the setting existed stays valid.

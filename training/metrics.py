@@ -24,7 +24,7 @@ from training.events import append_event
 from training.paths import RunPaths
 
 #: Metrics that are a pure function of the state, so a replay must reproduce them bit for bit.
-DETERMINISTIC_KEYS = ("loss", "lr", "grad_norm")
+DETERMINISTIC_KEYS = ("loss", "lr", "grad_norm", "val_loss")
 
 
 def same_value(a: float, b: float) -> bool:

@@ -15,6 +15,7 @@ supervisor released it, or died) ends the standby quietly.  See :mod:`tasks.stan
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -26,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
 from training import distributed, faults, sharded
 from training.adaptive import AdaptiveInterval, estimate_mtbf_s
+from training.batch import to_device
 from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
 from training.data import make_loader, mix_seed
@@ -38,7 +41,15 @@ from training.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, St
 from training.paths import RunPaths
 from training.pipeline import wait_for_ack
 from training.rundir import RunBusy, load_run_config, run_info, take_worker_lease
-from training.state import ExpectedState, TrainState, checkpoint_validator, configure_determinism, seed_everything
+from training.state import (
+    ExpectedState,
+    TrainState,
+    capture_rng,
+    checkpoint_validator,
+    configure_determinism,
+    restore_rng,
+    seed_everything,
+)
 from training.task import build_task
 
 
@@ -287,25 +298,99 @@ class Worker:
             self.log(f"world size changed {saved_world} -> {self.world}: same global batch and sample position")
             append_event(self.run_dir, "world_size_changed", step=ck.step, old=saved_world, new=self.world)
 
-    def train_step(self, batch: Any) -> dict[str, float]:
+    def train_step(self, micro_batches: list[Any]) -> dict[str, float]:
+        """One optimizer step over ``grad_accum_steps`` micro-batches (invariant 4: a kill anywhere
+        inside it leaves the last checkpoint, at an optimizer-step boundary, as the resume point).
+
+        Each micro-batch's loss is scaled by 1/accum so the gradient is the mean over the whole
+        optimizer batch; DDP skips its all-reduce (``no_sync``) on all but the last micro-batch;
+        the AMP scaler unscales, steps and updates once per optimizer step."""
         p, cfg = self.parts, self.config.train
         self.model.train()
-        batch = tuple(b.to(self.device, non_blocking=True) for b in batch) if isinstance(batch, list | tuple) \
-            else batch.to(self.device)
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
-            loss = p.loss_fn(self.model, batch)
         p.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
+        if p.train_step is not None:  # the task's own update: convoy keeps state, LR and metrics
+            out = self.custom_step(micro_batches[0])
+        else:
+            out = self.accumulate(micro_batches, cfg.grad_clip)
+        out.update(self.learning_rates())
+        if p.scheduler is not None:
+            p.scheduler.step()
+        return out
+
+    def accumulate(self, micro_batches: list[Any], grad_clip: float) -> dict[str, float]:
+        p, n = self.parts, len(micro_batches)
+        total: torch.Tensor | None = None
+        for i, batch in enumerate(micro_batches):
+            faults.micro_stall(self.state.step + 1, i + 1)
+            batch = to_device(batch, self.device)
+            last = i == n - 1
+            sync = self.model.no_sync() if self.world > 1 and not last else contextlib.nullcontext()
+            with sync:
+                with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
+                    loss = p.loss_fn(self.model, batch)
+                # n == 1 keeps the unscaled loss: bit for bit the update of runs without accumulation
+                self.scaler.scale(loss if n == 1 else loss / n).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
         self.scaler.unscale_(p.optimizer)
         params = [q for q in p.model.parameters() if q.grad is not None]
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        max_norm = grad_clip if grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         self.scaler.step(p.optimizer)
         self.scaler.update()
-        lr = p.optimizer.param_groups[0]["lr"]
-        if p.scheduler is not None:
-            p.scheduler.step()
-        return {"loss": distributed.mean(float(loss.detach())), "grad_norm": float(grad_norm), "lr": float(lr)}
+        mean_loss = float(total) if n == 1 else float(total / n)
+        return {"loss": distributed.mean(mean_loss), "grad_norm": float(grad_norm)}
+
+    def custom_step(self, batch: Any) -> dict[str, float]:
+        """``TaskParts.train_step``: the task's update for one batch (accumulation is refused)."""
+        p = self.parts
+        batch = to_device(batch, self.device)
+        out = {k: float(v) for k, v in p.train_step(self.model, batch, p.optimizer, self.scaler).items()}
+        if "loss" not in out:
+            raise ConfigError(f"task = {self.config.task!r}: train_step must return a dict with 'loss'")
+        out["loss"] = distributed.mean(out["loss"])
+        return out
+
+    def learning_rates(self) -> dict[str, float]:
+        """``lr`` (group 0, as always) and, with several parameter groups, ``lr/group-k`` each."""
+        groups = self.parts.optimizer.param_groups
+        out = {"lr": float(groups[0]["lr"])}
+        if len(groups) > 1:
+            out.update({f"lr/group-{k}": float(g["lr"]) for k, g in enumerate(groups)})
+        return out
+
+    def evaluate(self) -> float:
+        """Mean validation loss over the first ``train.eval_samples`` samples, in order.
+
+        Why it leaves the trajectory alone: model.eval() + no_grad (no dropout, no gradients, no
+        running-stat updates), its own index order (no sampler, no DataLoader, whose start-up
+        draws from the global RNG), every RNG stream saved before and restored after (a loss_fn
+        may draw), the training cursor untouched.  Each rank takes every world-th sample of each
+        batch; the sums are all-reduced."""
+        p, cfg = self.parts, self.config.train
+        self.hb.set(phase="eval")
+        rng = capture_rng(self.device)
+        was_training = p.model.training
+        p.model.eval()
+        collate = p.collate_fn or default_collate
+        total = torch.zeros(2, dtype=torch.float64)
+        n = min(cfg.eval_samples, len(p.val_data))  # type: ignore[arg-type]
+        try:
+            with torch.no_grad():
+                for lo in range(0, n, cfg.batch_size):
+                    idx = list(range(lo, min(lo + cfg.batch_size, n)))[self.rank::self.world]
+                    if not idx:
+                        continue
+                    batch = to_device(collate([p.val_data[i] for i in idx]), self.device)
+                    with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
+                        loss = p.loss_fn(p.model, batch)
+                    total += torch.tensor([float(loss) * len(idx), len(idx)], dtype=torch.float64)
+        finally:
+            p.model.train(was_training)
+            restore_rng(rng, self.device)
+            self.hb.set(phase="train")
+        total = distributed.sum_tensor(total)
+        return float(total[0] / total[1])
 
     def save_due(self, step: int, last_save_step: int, last_save_time: float) -> bool:
         ck = self.config.checkpoint
@@ -359,10 +444,14 @@ class Worker:
         local: list[MetricBackend] = [JsonlBackend(RunPaths(self.run_dir).metrics)] if self.rank == 0 else []
         metrics = StepMetricLogger(local, self.run_dir, flush_every=1, exact=not self.world_changed,
                                    deferred=self.tracking is not None or self.tracking_factory is not None)
+        accum = cfg.train.grad_accum_steps
         loader = make_loader(self.parts.train_data, cfg.train.batch_size, cfg.train.seed, st.cursor,
-                             self.rank, self.world, cfg.data.num_workers)
+                             self.rank, self.world, cfg.data.num_workers, accum, self.parts.collate_fn)
         batches = iter(loader)
         n_samples = len(self.parts.train_data)  # type: ignore[arg-type]
+        step_samples = cfg.train.batch_size * accum  # one optimizer step, all ranks
+        evaluating = cfg.train.eval_every > 0 and self.parts.val_data is not None \
+            and len(self.parts.val_data) > 0  # type: ignore[arg-type]
         self.hb.set(phase="train", step=st.step)
         last_save, last_save_step = time.time(), st.step
         loss = None
@@ -373,12 +462,15 @@ class Worker:
             self.store.check()
             t0 = time.perf_counter()
             faults.slow_step(st.step + 1)
-            out = self.train_step(next(batches))
+            out = self.train_step([next(batches) for _ in range(accum)])
             st.step += 1
-            st.cursor = st.cursor.advance(cfg.train.batch_size, n_samples)
-            st.tokens_seen += cfg.train.batch_size * self.parts.tokens_per_sample
+            st.cursor = st.cursor.advance(step_samples, n_samples)
+            st.tokens_seen += step_samples * self.parts.tokens_per_sample
             dt = time.perf_counter() - t0
-            out.update(step_time_s=dt, tokens_per_s=cfg.train.batch_size * self.parts.tokens_per_sample / dt)
+            out.update(step_time_s=dt, tokens_per_s=step_samples * self.parts.tokens_per_sample / dt)
+            if evaluating and st.step % cfg.train.eval_every == 0:
+                t1 = time.perf_counter()
+                out.update(val_loss=self.evaluate(), eval_time_s=time.perf_counter() - t1)
             loss = out["loss"]
             metrics.log(st.step, out)
             self.attach_tracking(metrics, wait=False)
