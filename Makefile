@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c requirements.lock -e '.[dev]'
+	$(BIN)/python -m pip install -q -c requirements.lock -e '.[dev,hf]'
 	touch $@
 
 install: $(VENV)/.installed
