@@ -292,8 +292,21 @@ def status(run_dir: Path) -> None:
         f"{' (auto)' if every == 'auto' else ''}"
     )
     console.print(f"failures: {len(failures)}, steps lost: {lost}")
+    latest = latest_metrics(run_dir, ("loss", "val_loss"))
+    if latest:
+        console.print("latest: " + ", ".join(f"{k} {v:.4f} (step {s})" for k, (s, v) in latest.items()))
     for chunk, kinds in sorted(per_chunk.items()):
         console.print(f"  chunk {chunk}: {len(kinds) + 1} attempts, failures: {', '.join(kinds)}")
+
+
+def latest_metrics(run_dir: Path, keys: tuple[str, ...]) -> dict[str, tuple[int, float]]:
+    """The newest logged (step, value) of each of ``keys`` that the run has logged."""
+    from training.evaluate import metric_rows
+
+    out: dict[str, tuple[int, float]] = {}
+    for step, metrics in metric_rows(run_dir):
+        out.update({k: (step, float(metrics[k])) for k in keys if k in metrics})
+    return out
 
 
 @app.command()

@@ -4,7 +4,8 @@
   * ``models/model.safetensors`` — the model tensors of the newest *verified* checkpoint, with
     step, state digest and config fingerprint in the safetensors metadata (no optimizer, no RNG);
   * ``metrics/train.json`` — final step, digest, final loss, resumes/failures/steps lost;
-  * ``plots/loss.csv`` — step,loss,lr,grad_norm from ``metrics.jsonl`` (one row per step).
+  * ``plots/loss.csv`` — step,loss,lr,grad_norm,val_loss from ``metrics.jsonl`` (one row per
+    step; val_loss only at the ``train.eval_every`` steps, empty elsewhere).
 ``python -m training.evaluate evaluate [PARAMS] [-S k=v]`` (``evaluate`` stage):
   * ``metrics/eval.json`` — validation loss (nats/token) of ``models/model.safetensors``.
 
@@ -77,7 +78,7 @@ def load_model_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
 
 
 def write_loss_plot(run_dir: str | Path, out_path: str | Path = LOSS_PLOT) -> int:
-    cols = ("loss", "lr", "grad_norm")
+    cols = ("loss", "lr", "grad_norm", "val_loss")
     lines = [",".join(("step", *cols))]
     rows = metric_rows(run_dir)
     for step, m in rows:
