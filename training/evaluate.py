@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from training.audit import analyse_events
+from training.batch import batch_len
 from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, ConfigError, RunConfig, load_config
 from training.events import read_events
@@ -138,12 +139,13 @@ def validation_loss(config: RunConfig, model_path: str | Path = MODEL_PATH, batc
                           f"{config.fingerprint()}; re-run the train stage")
     parts.model.load_state_dict(tensors)
     parts.model.eval()
-    loader = torch.utils.data.DataLoader(parts.val_data, batch_size=batch_size, shuffle=False)
+    loader = torch.utils.data.DataLoader(parts.val_data, batch_size=batch_size, shuffle=False,
+                                         collate_fn=parts.collate_fn)
     total, n = 0.0, 0
     for i, batch in enumerate(loader):
         if i >= max_batches:
             break
-        size = len(batch[0]) if isinstance(batch, list | tuple) else len(batch)
+        size = batch_len(batch)  # dict batches too: the leading dimension of the first tensor
         total += float(parts.loss_fn(parts.model, batch)) * size
         n += size
     val = total / n
