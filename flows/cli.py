@@ -301,7 +301,7 @@ def status(run_dir: Path) -> None:
 
 def latest_metrics(run_dir: Path, keys: tuple[str, ...]) -> dict[str, tuple[int, float]]:
     """The newest logged (step, value) of each of ``keys`` that the run has logged."""
-    from training.evaluate import metric_rows
+    from training.metrics import metric_rows
 
     out: dict[str, tuple[int, float]] = {}
     for step, metrics in metric_rows(run_dir):

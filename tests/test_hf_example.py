@@ -20,8 +20,8 @@ from tests.engine_util import (  # noqa: E402 - after the skip
     run_worker,
     start_worker,
 )
-from training.evaluate import metric_rows  # noqa: E402
 from training.events import read_events  # noqa: E402
+from training.metrics import metric_rows  # noqa: E402
 
 TOTAL = 12
 HF = ["task=training.examples.hf_causal_lm:build", "task_args={}", f"train.total_steps={TOTAL}",

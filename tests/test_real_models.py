@@ -34,9 +34,9 @@ from training.batch import batch_len, to_device, tree_map
 from training.checkpoint import CheckpointStore
 from training.config import RunConfig
 from training.data import Cursor, ResumableBatchSampler
-from training.evaluate import metric_rows
 from training.events import read_events
 from training.examples import char_gpt
+from training.metrics import metric_rows
 from training.task import TaskParts
 
 TOTAL = 40
