@@ -251,48 +251,83 @@ def _measured_from_run(run_dir: Path, values: dict) -> dict:
     return out
 
 
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _status_table(st: dict) -> Table:
+    """``convoy status`` for a person: one row per fact, the state coloured."""
+    colour = {"running": "green", "finished": "bold green", "failed": "red", "dead": "red"}.get(st["state"], "yellow")
+    total = st["total_steps"]
+    table = Table(title=f"run {escape(st['run_name'])}", show_header=False, highlight=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    table.add_row("state", f"[{colour}]{st['state']}[/]")
+    table.add_row("step", f"{st['step']}/{total} ({100 * st['step'] / total:.0f}%)"
+                  + (f", phase {st['phase']}" if st["phase"] else ""))
+    who = f"pid {st['pid']} on {escape(str(st['host']))}" if st["pid"] else "-"
+    table.add_row("heartbeat", f"{_age(st['heartbeat_age_s'])} ago, {who}" if st["heartbeat_age_s"] is not None
+                  else "none")
+    loss = f"{st['loss']:.4f} at step {st['loss_step']}" if st["loss"] is not None else "-"
+    table.add_row("loss", loss)
+    speed = f"{st['steps_per_s']:.2f} steps/s" if st["steps_per_s"] else "-"
+    if st["tokens_per_s"]:
+        speed += f", {st['tokens_per_s']:,.0f} tokens/s"
+    table.add_row("speed", speed)
+    table.add_row("ETA", _age(st["eta_s"]) if st["eta_s"] is not None else "-")
+    ck = (f"step {st['checkpoint_step']} ({escape(st['checkpoint_digest'])}), "
+          f"{st['steps_since_checkpoint']} steps since") if st["checkpoint"] else "none yet"
+    table.add_row("newest verified checkpoint", ck)
+    kinds = f" ({', '.join(st['failure_kinds'])})" if st["failure_kinds"] else ""
+    table.add_row("failures / resumes", f"{st['failures']} / {st['resumes']}{kinds}")
+    table.add_row("steps lost", str(st["steps_lost"]))
+    return table
+
+
 @app.command()
-def status(run_dir: Path) -> None:
-    """Where a run stands: progress, newest valid checkpoint, failures per chunk, lost steps, ETA."""
-    from training.checkpoint import CheckpointStore
-    from training.events import read_events
+def status(
+    run_dir: Annotated[Path, typer.Argument(help="run directory, e.g. runs/demo")],
+    follow: bool = typer.Option(False, "--follow", "-f", help="refresh every --every seconds until it stops running"),
+    every: float = typer.Option(2.0, help="refresh period of --follow, in seconds"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output (one JSON object; "
+                                                       "with --follow one per line)"),
+) -> None:
+    """Where a run stands now: state (running / finished / failed / dead / never started), the
+    worker's step from its heartbeat, heartbeat age, pid and host, loss, speed, ETA, the newest
+    verified checkpoint, failures, resumes and steps lost.
+
+    Example: convoy status runs/demo --follow
+    """
+    import time
+
+    from rich.live import Live
+
+    from training.progress import run_status
     from training.rundir import load_run_config
 
     try:
         cfg = load_run_config(run_dir)
     except ConfigError as exc:
         raise fail(str(exc)) from None
-    store = CheckpointStore(run_dir)
-    newest = store.latest_valid(record=False)
-    done = newest.step if newest else 0
-    total = cfg.train.total_steps
-    events = read_events(run_dir)
-    failures = [e for e in events if e["kind"] == "failure"]
-    per_chunk: dict[int, list[str]] = {}
-    for e in failures:
-        per_chunk.setdefault(int(e.get("chunk", -1)), []).append(str(e.get("failure")))
-    lost = sum(int(e.get("steps_lost") or 0) for e in failures)
-    bar_w = 30
-    filled = int(bar_w * done / total)
-    console.print(
-        f"run {cfg.run_name}: \\[{'#' * filled}{'.' * (bar_w - filled)}] {done}/{total} steps "
-        f"({100 * done / total:.0f}%)"
-    )
-    console.print(f"newest valid checkpoint: {newest.path.name + ' ' + newest.digest if newest else 'none'}")
-    steps_times = [(e["step"], e["time"]) for e in events if e["kind"] == "checkpoint_saved"]
-    if len(steps_times) >= 2 and done < total:
-        (s0, t0), (s1, t1) = steps_times[0], steps_times[-1]
-        rate = (s1 - s0) / max(t1 - t0, 1e-9)
-        console.print(f"ETA: {(total - done) / rate:.0f} s at {rate:.2f} steps/s (wall, failures included)")
-    interval = [e for e in events if e["kind"] == "interval_chosen"]
-    every = cfg.checkpoint.every_steps
-    console.print(
-        f"checkpoint interval: {interval[-1]['interval_steps'] if interval else every} steps"
-        f"{' (auto)' if every == 'auto' else ''}"
-    )
-    console.print(f"failures: {len(failures)}, steps lost: {lost}")
-    for chunk, kinds in sorted(per_chunk.items()):
-        console.print(f"  chunk {chunk}: {len(kinds) + 1} attempts, failures: {', '.join(kinds)}")
+    if as_json:
+        while True:
+            st = run_status(cfg, run_dir)
+            sys.stdout.write(json.dumps(st, separators=(",", ":") if follow else (", ", ": ")) + "\n")
+            sys.stdout.flush()
+            if not follow or st["state"] != "running":
+                return
+            time.sleep(every)
+    st = run_status(cfg, run_dir)
+    if not follow:
+        console.print(_status_table(st))
+        return
+    with Live(_status_table(st), console=console, refresh_per_second=4) as live:
+        while st["state"] == "running":
+            time.sleep(every)
+            st = run_status(cfg, run_dir)
+            live.update(_status_table(st))
 
 
 @app.command()

@@ -39,6 +39,7 @@ from tasks.classify import (
 )
 from tasks.multinode import failed_node, launcher_command
 from tasks.procs import child_setup, pid_gone, reap_stale_worker, stop_group
+from training.audit import steps_lost, trained_high_water
 from training.config import EXIT_CONFIG
 from training.events import append_event
 from training.heartbeat import beat_is_local, heartbeat_path, read_heartbeat
@@ -304,6 +305,13 @@ def _spawn(
     return proc, offset
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 def last_committed_step(run_dir: Path) -> int | None:
     """Step of the newest *verified* checkpoint (imported lazily: it pulls in torch)."""
     from training.checkpoint import CheckpointStore
@@ -345,6 +353,7 @@ def supervise(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     live = handoff.adopt(run_dir, list(cmd)) if pipeline else None
     oom_before = oom_kills()
+    metrics_offset = _size(run_dir / "metrics.jsonl")  # this attempt's rows start here (steps lost)
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     started = time.time()
     if live is not None:  # its beats are current; the log is the one it was started with
@@ -448,9 +457,8 @@ def supervise(
             reason += f"; first to fail: {node}"
         detected_after = exit_seen - last_seen_running  # upper bound: the exit happened in between
     committed = last_committed_step(run_dir)
-    # max(0, …): a stopped worker resumed by SIGCONT may commit an emergency checkpoint past its
-    # last beat; nothing was lost then.
-    lost = max(0, watch.last_step - committed) if (watch.last_step is not None and committed is not None) else None
+    trained_to = trained_high_water(run_dir, watch.last_step, metrics_offset)
+    lost = steps_lost(trained_to, committed)  # the next attempt resumes from `committed` (0 if none)
     append_event(
         run_dir,
         "failure",
@@ -462,6 +470,7 @@ def supervise(
         detected_after_s=round(detected_after, 3),
         detected_at=round(exit_seen, 3),
         last_beat_step=watch.last_step,
+        trained_to=trained_to,
         last_committed_step=committed,
         steps_lost=lost,
         log=str(log_path),
@@ -470,6 +479,7 @@ def supervise(
     details = {
         "detected_after_s": round(detected_after, 3),
         "last_beat_step": watch.last_step,
+        "trained_to": trained_to,
         "last_committed_step": committed,
         "steps_lost": lost,
         "returncode": rc,

@@ -46,6 +46,38 @@ TABLE_COLUMNS = [
 _child_uris: dict[str, str] = {}
 
 
+# ---------------------------------------------------------------------------------- steps lost
+def steps_lost(trained_to: int | None, resumed_from: int | None) -> int | None:
+    """THE definition of steps lost, used by every tool (status, chaos, MLflow, Prefect, DVC):
+    the steps trained beyond the checkpoint the next worker resumes from.  No checkpoint yet means
+    a resume from step 0, so a kill before the first save loses every step trained so far.
+    ``trained_to`` is the high-water step of the failed attempt (:func:`trained_high_water`);
+    None when nothing says how far it got."""
+    if trained_to is None:
+        return None
+    return max(0, int(trained_to) - int(resumed_from or 0))
+
+
+def trained_high_water(run_dir: str | Path, beat_step: int | None, metrics_offset: int = 0) -> int | None:
+    """How far an attempt trained: the larger of its last heartbeat step and the last step it
+    wrote to ``metrics.jsonl`` after byte ``metrics_offset`` (where the attempt started).  The
+    metrics row is written every step, while the beat may be an interval old at a kill."""
+    steps = [beat_step] if beat_step is not None else []
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(metrics_offset)
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line after a kill
+    return max(steps) if steps else None
+
+
 # ---------------------------------------------------------------------------------- events → rows
 def _rank0(ev: dict[str, Any]) -> bool:
     return int(ev.get("rank", 0) or 0) == 0
@@ -118,15 +150,13 @@ def _row(start: dict[str, Any], pending: dict[str, Any]) -> dict[str, Any]:
     fail = pending.get("failure") or {}
     pre = pending.get("preempted") or {}
     resumed_from = int(start.get("step", 0) or 0)  # "started" = from scratch
-    failed_at = fail.get("last_beat_step", pre.get("step"))
-    if fail.get("steps_lost") is not None:
-        lost: int | None = int(fail["steps_lost"])
-    elif pre:
-        lost = 0  # an emergency checkpoint was saved at the preemption step
-    elif failed_at is not None:
-        lost = max(0, int(failed_at) - resumed_from)
+    failed_at = fail.get("trained_to", fail.get("last_beat_step", pre.get("step")))
+    if failed_at is None and pending.get("unreported"):
+        failed_at = start.get("previous_beat_step")  # the vanished worker's last beat
+    if pre and not fail:
+        lost: int | None = 0  # an emergency checkpoint was saved at the preemption step
     else:
-        lost = None
+        lost = steps_lost(failed_at, resumed_from)
     failed_time = fail.get("time", pre.get("time"))
     return {
         "time": _iso(start.get("time")),
@@ -144,6 +174,7 @@ def _row(start: dict[str, Any], pending: dict[str, Any]) -> dict[str, Any]:
         "mismatches": None,
         "chunk": fail.get("chunk"),
         "attempt": fail.get("attempt"),
+        "failure_time": failed_time,  # not a table column: lets `convoy chaos` match its faults
     }
 
 
