@@ -33,6 +33,7 @@ from tasks.classify import (
     NOT_RETRYABLE,
     classify_exit,
     config_message,
+    diskfull_message,
     launcher_exit,
     oom_kills,
     signame,
@@ -78,6 +79,17 @@ class ChunkFailed(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+    def __repr__(self) -> str:
+        """What Prefect's log shows ("Task run failed with exception: …"): words, not a dict."""
+        d = self.details
+        facts = [f"at step {d['trained_to']}" if d.get("trained_to") is not None else "",
+                 f"detected after {d['detected_after_s']} s" if d.get("detected_after_s") is not None else "",
+                 f"resumes from step {d.get('last_committed_step') or 0}" if "last_committed_step" in d else "",
+                 f"{d['steps_lost']} step(s) lost" if d.get("steps_lost") is not None else "",
+                 f"log {d['log']}" if d.get("log") else ""]
+        shown = "; ".join(f for f in facts if f)
+        return f"{self.message} ({shown})" if shown else self.message
 
 
 @dataclass(frozen=True)
@@ -452,8 +464,9 @@ def supervise(
         reason = {
             "config": config_message(tail),
             "preempted": "preempted (exit 75) after saving an emergency checkpoint",
+            "diskfull": diskfull_message(tail),
         }.get(kind, signame(code) + ("" if code == rc else f" in a rank (launcher {signame(rc)})"))
-        if kind not in ("config", "preempted") and (node := failed_node(tail)):
+        if kind not in ("config", "preempted", "diskfull") and (node := failed_node(tail)):
             reason += f"; first to fail: {node}"
         detected_after = exit_seen - last_seen_running  # upper bound: the exit happened in between
     committed = last_committed_step(run_dir)
@@ -490,6 +503,6 @@ def supervise(
     }
     where = f"chunk {chunk}" if chunk is not None else "worker"
     message = f"{where} {kind}: {reason}"
-    if kind not in ("config", "preempted") and tail:
+    if kind not in ("config", "preempted", "diskfull") and tail:
         message += f" | last output: {tail[-1][:300]}"
     raise ChunkFailed(kind, message, details)

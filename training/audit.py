@@ -26,7 +26,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -261,26 +260,73 @@ def start_attempt(config: RunConfig, run_dir: str | Path, chunk: int, attempt: i
     return child.info.run_id
 
 
+#: Lines of the worker's log attached to a failed attempt's MLflow run.
+LOG_TAIL_LINES = 200
+LOG_TAIL_ARTIFACT = "convoy/worker-log-tail.txt"
+
+
+def log_tail(path: str | Path | None, lines: int = LOG_TAIL_LINES, max_bytes: int = 512 * 1024) -> list[str]:
+    """The last ``lines`` lines of a worker log (read from its end: logs of long runs grow)."""
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as f:
+            start = max(0, f.seek(0, os.SEEK_END) - max_bytes)
+            f.seek(start)
+            text = f.read().decode(errors="replace").splitlines()[1 if start else 0:]
+    except OSError:
+        return []
+    return text[-lines:]
+
+
+def failure_tags(failure: dict[str, Any]) -> dict[str, str]:
+    """The facts of a failed attempt as MLflow tags (static facts are tags, not metric charts)."""
+    resumed_from = failure.get("last_committed_step") or 0
+    facts = {
+        "failed_at_step": failure.get("trained_to", failure.get("last_beat_step")),
+        "resumed_from_step": resumed_from,
+        "steps_lost": failure.get("steps_lost"),
+        "detected_after_s": failure.get("detected_after_s"),
+        "failure_reason": str(failure.get("reason") or "")[:500],
+        "log": failure.get("log"),
+    }
+    return {f"convoy.{k}": str(v) for k, v in facts.items() if v is not None}
+
+
 def end_attempt(child_run_id: str | None, status: str, failure_kind: str | None = None, steps: int = 0,
-                seconds: float = 0.0, *, config: RunConfig | None = None,
+                seconds: float = 0.0, *, failure: dict[str, Any] | None = None, config: RunConfig | None = None,
                 run_dir: str | Path | None = None) -> None:
-    """End a child run FINISHED or FAILED with the failure kind, steps trained and seconds."""
+    """End a child run FINISHED or FAILED.  Tags: status, steps committed by the attempt, seconds,
+    and for a failure (``failure`` = the supervisor's details) its kind, reason, failed-at and
+    resumed-from steps, steps lost and log path, with the log's tail as an artifact and a one-line
+    description, so a failed attempt explains itself in the MLflow UI."""
     if not child_run_id:
         return
     if status not in ("FINISHED", "FAILED", "KILLED"):
         raise ValueError(f"status = {status!r}: expected FINISHED, FAILED or KILLED")
-    from mlflow.entities import Metric, RunTag
+    from mlflow.entities import RunTag
 
     from training.mlflow_backend import client_for, resolve_tracking_uri
 
     uri = _child_uris.get(child_run_id) or resolve_tracking_uri(config, run_dir)
     client = client_for(uri)
-    now = int(time.time() * 1000)
-    tags = [RunTag("convoy.status", status)]
+    tags = {"convoy.status": status, "convoy.steps_committed": str(steps), "convoy.seconds": f"{seconds:.1f}"}
     if failure_kind:
-        tags.append(RunTag("convoy.failure_kind", failure_kind))
-    metrics = [Metric("steps", float(steps), now, 0), Metric("seconds", float(seconds), now, 0)]
-    client.log_batch(child_run_id, metrics=metrics, tags=tags, synchronous=True)
+        tags["convoy.failure_kind"] = failure_kind
+    if failure:
+        tags.update(failure_tags(failure))
+        tags["mlflow.note.content"] = (
+            f"{failure_kind or 'failure'} at step {tags.get('convoy.failed_at_step', '?')}: "
+            f"{tags.get('convoy.failure_reason', '')}; detected after {tags.get('convoy.detected_after_s', '?')} s; "
+            f"the next attempt resumes from step {tags['convoy.resumed_from_step']} "
+            f"({tags.get('convoy.steps_lost', '?')} steps lost)")
+    client.log_batch(child_run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
+    tail = log_tail((failure or {}).get("log"))
+    if tail:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / Path(LOG_TAIL_ARTIFACT).name
+            path.write_text("\n".join(tail) + "\n")
+            client.log_artifact(child_run_id, str(path), artifact_path=str(Path(LOG_TAIL_ARTIFACT).parent))
     client.set_terminated(child_run_id, status=status)
     _child_uris.pop(child_run_id, None)
 
@@ -322,6 +368,23 @@ def refresh_audit(config: RunConfig, run_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
+def describe_audit(summary: dict[str, Any]) -> str:
+    """The audit in a sentence or two: the training run's description in MLflow."""
+    if not summary["failures"]:
+        return "No failures: trained without interruption."
+    kinds: dict[str, int] = {}
+    for row in summary["rows"]:
+        kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
+    shown = ", ".join(f"{n} {k}" for k, n in kinds.items()) or "not resumed yet"
+    text = (f"{summary['failures']} failure(s) ({shown}), {summary['resumes']} resume(s) from verified checkpoints, "
+            f"{summary['steps_lost']} step(s) lost and retrained.")
+    if summary["resumes"]:
+        text += f" Replays verified bit for bit after {summary['replay_verified']} of {summary['resumes']} resume(s)."
+    if summary["nondeterministic"]:
+        text += f" NON-DETERMINISM detected from step {summary['nondeterministic_first_step']}."
+    return text + " See convoy/resume_events.json and convoy/timeline.png."
+
+
 def _publish(config: RunConfig, run_dir: Path, summary: dict[str, Any], table: dict[str, Any], png: Path) -> None:
     from mlflow.entities import RunTag
     from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
@@ -333,6 +396,7 @@ def _publish(config: RunConfig, run_dir: Path, summary: dict[str, Any], table: d
         "convoy.steps_lost": summary["steps_lost"],
         "convoy.replay_verified": summary["replay_verified"],
     }
+    tags["mlflow.note.content"] = describe_audit(summary)
     if summary["nondeterministic"]:
         tags["convoy.nondeterministic"] = "true"
         tags["convoy.nondeterministic_first_step"] = summary["nondeterministic_first_step"]
