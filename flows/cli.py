@@ -87,19 +87,38 @@ def train(
     params: ParamsArg = Path("params.yaml"),
     set_: SetOpt = None,
     allow_config_change: bool = typer.Option(False, help="resume a run whose trajectory settings changed"),
+    as_json: bool = typer.Option(False, "--json", help="print the flow's machine summary (JSON) instead of the table"),
 ) -> None:
-    """Run (or continue) a training run as a Prefect flow of chunk tasks."""
+    """Run (or continue) a training run as a Prefect flow of chunk tasks.
+
+    Prints a live progress line while it trains, then a summary (steps, time, chunks, attempts,
+    failures, resumes, steps lost, final loss, digest) with the MLflow run URL and, with a Prefect
+    server, the flow-run URL.  Exit 1 if a chunk failed for good (its log's last lines are shown).
+
+    Example: convoy train params.yaml -S train.total_steps=2000
+    """
     cfg = config_or_exit(params, set_, build_task=True)
+    from flows.report import LiveProgress, failure_lines, link_lines, summary_table
     from flows.train import run_training
     from tasks.supervisor import ChunkFailed
 
     try:
-        summary = run_training(cfg, allow_config_change=allow_config_change)
+        with LiveProgress(cfg, err):
+            summary = run_training(cfg, allow_config_change=allow_config_change)
     except ConfigError as exc:
         raise fail(str(exc)) from None
     except ChunkFailed as exc:
-        raise fail(str(exc), 1) from None
-    console.print_json(json.dumps(summary, default=str))
+        first, *rest = failure_lines(exc)
+        err.print(f"[bold red]training failed:[/] {escape(first)}", highlight=False, soft_wrap=True)
+        for line in rest:
+            err.print(line, highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        sys.stdout.write(json.dumps(summary, default=str, indent=1) + "\n")
+        return
+    console.print(summary_table(summary))
+    for line in link_lines(summary):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()
