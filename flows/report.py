@@ -141,6 +141,17 @@ def plain_due(now: float, last_time: float, step: int, last_step: int, total: in
     return now - last_time >= PLAIN_EVERY_S or step - last_step >= PLAIN_EVERY_FRACTION * total
 
 
+class _PlainPrinter:
+    """Stands in for a Prefect console handler's console: prints through the live console with
+    markup off, so a log line's ``[worker rank 0]`` is shown, not read as a style."""
+
+    def __init__(self, console: Any) -> None:
+        self.console = console
+
+    def print(self, message: Any, **_: Any) -> None:
+        self.console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
 class LiveProgress:
     """A background thread that shows the run's progress while the flow trains in this process.
 
@@ -202,7 +213,7 @@ class LiveProgress:
             for h in lg.handlers:
                 if isinstance(h, PrefectConsoleHandler):
                     self._swapped.append((h, h.console))
-                    h.console = self.console
+                    h.console = _PlainPrinter(self.console)
 
     def __enter__(self) -> LiveProgress:
         if self.console.is_terminal:
