@@ -24,7 +24,8 @@ console = Console()
 err = Console(stderr=True)
 
 ParamsArg = Annotated[Path, typer.Argument(help="params.yaml (built-in defaults if the default file is absent)")]
-SetOpt = Annotated[list[str] | None, typer.Option("-S", "--set", help="override, e.g. -S train.lr=3e-4")]
+SetOpt = Annotated[list[str] | None, typer.Option("-S", "--set", metavar="KEY=VALUE",
+                                                  help="override (repeatable), e.g. -S train.lr=3e-4")]
 EXIT_USAGE = 2
 
 
@@ -87,7 +88,8 @@ def train(
     params: ParamsArg = Path("params.yaml"),
     set_: SetOpt = None,
     allow_config_change: bool = typer.Option(False, help="resume a run whose trajectory settings changed"),
-    as_json: bool = typer.Option(False, "--json", help="print the flow's machine summary (JSON) instead of the table"),
+    as_json: bool = typer.Option(False, "--json", metavar="",
+                                 help="print the flow's machine summary (JSON) instead of the table"),
 ) -> None:
     """Run (or continue) a training run as a Prefect flow of chunk tasks.
 
@@ -308,9 +310,10 @@ def _status_table(st: dict) -> Table:
 @app.command()
 def status(
     run_dir: Annotated[Path, typer.Argument(help="run directory, e.g. runs/demo")],
-    follow: bool = typer.Option(False, "--follow", "-f", help="refresh every --every seconds until it stops running"),
+    follow: bool = typer.Option(False, "--follow", "-f", metavar="",
+                                help="refresh every --every seconds until it stops running"),
     every: float = typer.Option(2.0, help="refresh period of --follow, in seconds"),
-    as_json: bool = typer.Option(False, "--json", help="machine-readable output (one JSON object; "
+    as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable output (one JSON object; "
                                                        "with --follow one per line)"),
 ) -> None:
     """Where a run stands now: state (running / finished / failed / dead / never started), the
@@ -354,13 +357,25 @@ def chaos(
     params: ParamsArg = Path("params.yaml"),
     set_: SetOpt = None,
     faults: str = typer.Option(
-        "kill,term,hang,slow,corrupt,delete,diskfull,flowkill", help="comma-separated faults, or all"
+        "kill,term,hang,slow,corrupt,delete,diskfull,flowkill",
+        help="comma-separated faults, or all: kill (SIGKILL the worker), term (SIGTERM: preemption), "
+             "hang (SIGSTOP), slow (one slow step, must not be called a hang), corrupt (flip a byte in "
+             "the newest checkpoint, then kill), delete (remove the newest checkpoint, then kill), "
+             "diskfull (the next save fails with ENOSPC), flowkill (SIGKILL the flow, then train again)",
     ),
     seed: int = typer.Option(0, help="seed for the moments of injection"),
     timeout_s: float = typer.Option(1800, help="give up on the chaos run after this long"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", metavar="",
+                                 help="print the report as JSON on stdout (progress stays on stderr)"),
 ) -> None:
-    """Train through the real flow while injecting real faults; compare with a fault-free run."""
+    """Train through the real flow while injecting real faults; compare with a fault-free run.
+
+    Prints per fault: the step it hit, what it was detected as and after how long, steps lost
+    and recovery time; then the final digest against the reference run's. Exit 0 if every
+    fault was survived.
+
+    Example: convoy chaos params.yaml --faults kill,hang --seed 1
+    """
     from flows.chaos import ChaosRunner, parse_faults
 
     config_or_exit(params, set_)
@@ -369,7 +384,8 @@ def chaos(
     except ValueError as exc:
         raise fail(str(exc)) from None
     runner = ChaosRunner(
-        params, set_ or [], kinds, seed, log=(lambda m: err.print(f"[chaos] {m}", highlight=False)), timeout_s=timeout_s
+        params, set_ or [], kinds, seed, timeout_s=timeout_s,
+        log=lambda m: err.print(f"[chaos] {m}", highlight=False, markup=False),
     )
     report = runner.run()
     if as_json:
@@ -393,7 +409,7 @@ def chaos(
                 str(f.injected_step if f.injected_step is not None else "-"),
                 str(f.detected_as or "-"),
                 str(f.detected_after_s if f.detected_after_s is not None else "-"),
-                str(f.steps_lost or 0),
+                str(f.steps_lost if f.steps_lost is not None else "-"),
                 str(f.recovery_s if f.recovery_s is not None else "-"),
                 "yes" if f.survived else "[red]NO[/]",
                 f.note,
