@@ -66,3 +66,8 @@ def test_train_prints_a_summary_with_the_mlflow_url_and_json_parses(
     assert again.returncode == 0, again.stderr[-3000:]
     summary = json.loads(again.stdout)
     assert summary["final_step"] == 10 and summary["trained_chunks"] == 0
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:  # findable in the Prefect UI by the run's name
+        flow_run = client.read_flow_run(summary["flow_run_id"])
+    assert flow_run.name.startswith("summary-") and "run:summary" in flow_run.tags, (flow_run.name, flow_run.tags)
