@@ -316,7 +316,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable output (one JSON object; "
                                                        "with --follow one per line)"),
 ) -> None:
-    """Where a run stands now: state (running / finished / failed / dead / never started), the
+    """Where a run stands now: state (running / finished / failed / dead / stopped / never started), the
     worker's step from its heartbeat, heartbeat age, pid and host, loss, speed, ETA, the newest
     verified checkpoint, failures, resumes and steps lost.
 

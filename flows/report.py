@@ -176,7 +176,7 @@ class LiveProgress:
         if not (run_dir / "config.json").exists():
             return None
         try:
-            st = run_status(self.config, run_dir)
+            st = run_status(self.config, run_dir, verify=False)  # the worker verifies what it restores
         except Exception:  # noqa: BLE001 - a progress line must never break training
             return None
         from training.events import read_events

@@ -73,3 +73,17 @@ def test_one_definition_of_steps_lost(tmp_path: Path) -> None:
     append_event(tmp_path, "resumed", rank=0, step=40, until_step=100)
     audit = analyse_events(read_events(tmp_path))
     assert [r["lost_steps"] for r in audit["rows"]] == [36, 0] and audit["steps_lost"] == 36
+
+
+def test_state_rules() -> None:
+    """running beats everything; finished; failed only when the flow gave up after the last start."""
+    from training.progress import _state
+
+    gave_up = [{"kind": "flow_started"}, {"kind": "started"}, {"kind": "failure"}, {"kind": "chunk_failed"}]
+    assert _state(True, False, gave_up, True) == "running"
+    assert _state(False, True, gave_up, True) == "finished"
+    assert _state(False, False, gave_up, True) == "failed"
+    assert _state(False, False, [*gave_up, {"kind": "flow_started"}], True) == "dead"  # a new flow died since
+    assert _state(False, False, [{"kind": "started"}, {"kind": "failure"}], True) == "dead"
+    assert _state(False, False, [], False) == "never started"
+    assert _state(False, False, [{"kind": "resumed"}], True, clean_end=True) == "stopped"  # e.g. a pulled clone

@@ -185,6 +185,21 @@ def read_loss(run_dir: str | Path) -> tuple[list[int], list[float]]:
     return [s for s, _ in rows], [float(v) for _, v in rows]
 
 
+def _readable_y_range(ax: Any, loss: list[float]) -> None:
+    """Keep the trained region readable: a log scale for losses spanning decades, else a y range
+    from the loss after the first 5 % of steps, so a high initial loss cannot flatten the rest."""
+    if not loss:
+        return
+    if min(loss) > 0 and max(loss) / min(loss) > 20:
+        ax.set_yscale("log")
+        return
+    trained = loss[len(loss) // 20:] or loss
+    low, high = min(trained), max(trained)
+    if max(loss) > high + (high - low):  # the first steps would take over half of the axis
+        pad = 0.1 * (high - low or 1.0)
+        ax.set_ylim(low - pad, high + pad)
+
+
 def render_timeline(run_dir: str | Path, summary: dict[str, Any], out_path: str | Path, title: str = "") -> Path:
     import matplotlib
 
@@ -198,18 +213,19 @@ def render_timeline(run_dir: str | Path, summary: dict[str, Any], out_path: str 
         first_fail = first_resume = True
         for row in summary["rows"]:
             if row["failed_at_step"] is not None:
-                ax.axvline(row["failed_at_step"], color="tab:red", ls="-", lw=1.0, alpha=0.8,
+                ax.axvline(row["failed_at_step"], color="tab:red", ls="-", lw=1.2, alpha=0.8,
                            label="failure" if first_fail else None)
                 first_fail = False
-            ax.axvline(row["resumed_from_step"], color="tab:green", ls="--", lw=1.0,
+                # The kind beside the failure line, inside the axes (never clipped at the top).
+                ax.annotate(f"{row['kind']} @ {row['failed_at_step']}", (row["failed_at_step"], 0.97),
+                            xycoords=("data", "axes fraction"), xytext=(3, 0), textcoords="offset points",
+                            rotation=90, va="top", ha="left", fontsize=7, color="tab:red")
+            ax.axvline(row["resumed_from_step"], color="tab:green", ls=":", lw=1.5,
                        label="resumed from" if first_resume else None)
             first_resume = False
-            ax.annotate(row["kind"], (row["resumed_from_step"], 1.0), xycoords=("data", "axes fraction"),
-                        rotation=90, va="top", ha="right", fontsize=7, color="tab:green")
         ax.set_xlabel("global step")
         ax.set_ylabel("loss")
-        if loss and min(loss) > 0 and max(loss) / min(loss) > 20:
-            ax.set_yscale("log")
+        _readable_y_range(ax, loss)
         ax.set_title(f"{title}  resumes={summary['resumes']} failures={summary['failures']} "
                      f"steps_lost={summary['steps_lost']}".strip(), fontsize=9)
         ax.grid(alpha=0.3)

@@ -11,8 +11,10 @@ pulled clone.  State:
 ``finished``       the newest verified checkpoint is at ``train.total_steps``.
 ``failed``         not running, and the flow gave up (a ``chunk_failed`` / ``flow_failed`` /
                    ``flow_crashed`` event after the last start).
-``dead``           not running and not finished: a stale beat, a pid gone, or no beat at all
-                   although the run trained (a kill with no flow left, a pulled clone).
+``dead``           not running and not finished, and the last beat was not a clean end: a stale
+                   beat or a pid gone (a kill with no flow left).
+``stopped``        not running and not finished, but nothing died: the last worker ended its
+                   chunk cleanly (phase ``done``), or no worker ever beat here (a pulled clone).
 ``never started``  no beat, no event of a worker, no checkpoint.
 """
 
@@ -85,7 +87,31 @@ def metrics_tail(run_dir: Path, rows: int = ETA_WINDOW, max_bytes: int = 256 * 1
     return out
 
 
-def _state(running: bool, finished: bool, events: list[dict[str, Any]], started: bool) -> str:
+#: (checkpoint path, manifest mtime) → digest of a checkpoint already verified by this process, so
+#: ``status --follow`` hashes each checkpoint once, not at every refresh.
+_verified: dict[tuple[str, int], str] = {}
+
+
+def newest_checkpoint(run_dir: Path, verify: bool = True) -> tuple[int, str, str] | None:
+    """(step, name, digest) of the newest checkpoint that verifies (``verify``: sizes, hashes and
+    structure, the resume's own check) or, without ``verify``, whose manifest reads — cheap
+    enough for a live line refreshed every few seconds while checkpoints are gigabytes."""
+    store = CheckpointStore(run_dir)
+    for step, path in store.step_dirs():
+        try:
+            key = (str(path), (path / "manifest.json").stat().st_mtime_ns)
+            if not verify:
+                return step, path.name, store.read_manifest(path)["digest"]
+            if key not in _verified:
+                _verified[key] = store.verify(path).digest
+            return step, path.name, _verified[key]
+        except (ValueError, OSError):
+            continue
+    return None
+
+
+def _state(running: bool, finished: bool, events: list[dict[str, Any]], started: bool,
+           clean_end: bool = False) -> str:
     if running:
         return "running"
     if finished:
@@ -93,7 +119,9 @@ def _state(running: bool, finished: bool, events: list[dict[str, Any]], started:
     last_start = max((i for i, e in enumerate(events) if e["kind"] in _STARTS), default=-1)
     if any(e["kind"] in _GAVE_UP for e in events[last_start + 1:]):
         return "failed"
-    return "dead" if started else "never started"
+    if not started:
+        return "never started"
+    return "stopped" if clean_end else "dead"
 
 
 def _eta(rows: list[dict[str, Any]], step: int, total: int) -> tuple[float | None, float | None]:
@@ -105,15 +133,17 @@ def _eta(rows: list[dict[str, Any]], step: int, total: int) -> tuple[float | Non
     return rate, max(0, total - step) / rate
 
 
-def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None) -> dict[str, Any]:
-    """Everything ``convoy status`` shows, as one JSON-able dict."""
+def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
+               verify: bool = True) -> dict[str, Any]:
+    """Everything ``convoy status`` shows, as one JSON-able dict; ``verify=False``: the newest
+    checkpoint by its manifest only (the live line of ``convoy train``)."""
     run_dir = Path(run_dir)
     now = time.time() if now is None else now
     total = config.train.total_steps
     beat = read_heartbeat(run_dir, 0)
     events = read_events(run_dir)
-    newest = CheckpointStore(run_dir).latest_valid(record=False)
-    ck_step = newest.step if newest is not None else None
+    newest = newest_checkpoint(run_dir, verify)
+    ck_step = newest[0] if newest is not None else None
     rows = metrics_tail(run_dir)
     metric_step = int(rows[-1]["step"]) if rows else None
     worker_alive = beat_alive(beat, config.heartbeat.timeout_s, now)
@@ -129,7 +159,8 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None)
     return {
         "run_name": config.run_name,
         "run_dir": str(run_dir),
-        "state": _state(worker_alive or flow_pid is not None, finished, events, started),
+        "state": _state(worker_alive or flow_pid is not None, finished, events, started,
+                        clean_end=beat is None or beat.get("phase") == "done"),
         "step": step,
         "total_steps": total,
         "phase": beat.get("phase") if beat else None,
@@ -144,8 +175,9 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None)
         "steps_per_s": round(rate, 3) if rate else None,
         "eta_s": round(eta, 1) if eta is not None and not finished else None,
         "checkpoint_step": ck_step,
-        "checkpoint": newest.path.name if newest is not None else None,
-        "checkpoint_digest": newest.digest if newest is not None else None,
+        "checkpoint": newest[1] if newest is not None else None,
+        "checkpoint_digest": newest[2] if newest is not None else None,
+        "checkpoint_verified": verify,
         "steps_since_checkpoint": max(0, step - (ck_step or 0)),
         "failures": audit["failures"],
         "resumes": audit["resumes"],
