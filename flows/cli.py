@@ -106,7 +106,7 @@ def train(
 
     try:
         with LiveProgress(cfg, err):
-            summary = run_training(cfg, allow_config_change=allow_config_change)
+            summary = run_training(cfg, allow_config_change=allow_config_change, overrides=set_)
     except ConfigError as exc:
         raise fail(str(exc)) from None
     except ChunkFailed as exc:

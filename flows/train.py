@@ -228,8 +228,10 @@ def train(
         return summary
 
 
-def run_training(config: RunConfig, allow_config_change: bool = False) -> dict[str, Any]:
-    """Run flow ``train`` for ``config`` in this process and return its summary.
+def run_training(config: RunConfig, allow_config_change: bool = False,
+                 overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run flow ``train`` for ``config`` in this process and return its summary (``overrides``:
+    the ``-S`` values ``config`` was made with, shown as the flow run's parameter).
 
     Without ``PREFECT_API_URL`` Prefect starts its embedded ephemeral API; its start-up on a fresh
     ``PREFECT_HOME`` runs migrations that outlast the default 20 s, hence the longer default.
@@ -251,5 +253,7 @@ def run_training(config: RunConfig, allow_config_change: bool = False) -> dict[s
     from prefect import tags
 
     with tags("convoy", f"run:{config.run_name}", f"fingerprint:{config.fingerprint()}"):
-        return train(config=config, allow_config_change=allow_config_change)
+        # ``overrides`` only for the record (the flow run's Parameters in the UI): ``config``
+        # already holds them, and wins.
+        return train(config=config, overrides=overrides or None, allow_config_change=allow_config_change)
 

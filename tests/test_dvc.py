@@ -132,7 +132,8 @@ def test_dvc_yaml_stages_read_params() -> None:
     assert not any(str(o).startswith("runs") for o in train_outs), "runs/ must stay outside outs (resume)"
     assert "train" in stages["train"]["params"] and "data" in stages["prepare"]["params"]
     assert [next(iter(m)) for m in stages["train"]["metrics"]] == ["metrics/train.json"]
-    assert [next(iter(m)) for m in stages["train"]["plots"]] == ["plots/loss.csv"]
+    assert [next(iter(m)) for m in stages["train"]["plots"]] == ["plots/loss.csv", "plots/timeline.png"]
+    assert [next(iter(p)) for p in spec["plots"]] == ["learning rate", "gradient norm"]
     assert "models/model.safetensors" in stages["evaluate"]["deps"]
 
 
@@ -205,6 +206,7 @@ def test_dvc_repro_in_a_clone(tmp_path: Path, prefect_api: str) -> None:
     assert (clone / "models" / "model.safetensors").exists()
     assert json.loads((clone / "metrics" / "eval.json").read_text())["val_loss"] > 0
     assert (clone / "plots" / "loss.csv").read_text().count("\n") == 61
+    assert (clone / "plots" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     assert "Data and pipelines are up to date" in repro()
 
     # Another machine: no checkpoints, no DVC cache; `convoy pull` brings back chunk 1's checkpoint

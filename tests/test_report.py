@@ -62,7 +62,7 @@ def test_train_prints_a_summary_with_the_mlflow_url_and_json_parses(
     assert "convoy train: summary" in out and "final loss" in out and "steps lost" in out
     assert "?workflowType=machine_learning" in out and f"mlflow ui --backend-store-uri {uri}" in out
     assert "Prefect flow run: http://127.0.0.1:" in out
-    again = convoy("--json")  # the run is finished: trains nothing, prints the machine summary
+    again = convoy("--json", "-S", "train.warmup_steps=5")  # finished: trains nothing, prints the machine summary
     assert again.returncode == 0, again.stderr[-3000:]
     summary = json.loads(again.stdout)
     assert summary["final_step"] == 10 and summary["trained_chunks"] == 0
@@ -71,3 +71,4 @@ def test_train_prints_a_summary_with_the_mlflow_url_and_json_parses(
     with get_client(sync_client=True) as client:  # findable in the Prefect UI by the run's name
         flow_run = client.read_flow_run(summary["flow_run_id"])
     assert flow_run.name.startswith("summary-") and "run:summary" in flow_run.tags, (flow_run.name, flow_run.tags)
+    assert flow_run.parameters["overrides"] == ["train.warmup_steps=5"]  # what -S said, visible in the UI

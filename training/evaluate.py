@@ -7,7 +7,9 @@
     failures, steps lost (``dvc metrics show`` stays narrow);
   * ``reports/train-info.json`` — what identifies the result but is no metric: state digest,
     config fingerprint, whether a resume was non-deterministic;
-  * ``plots/loss.csv`` — step,loss,lr,grad_norm from ``metrics.jsonl`` (one row per step).
+  * ``plots/loss.csv`` — step,loss,lr,grad_norm from ``metrics.jsonl`` (one row per step);
+  * ``plots/timeline.png`` — loss vs step with a marker at each failure and resume (the audit's
+    picture, as a DVC image plot).
 ``python -m training.evaluate evaluate [PARAMS] [-S k=v]`` (``evaluate`` stage):
   * ``metrics/eval.json`` — validation loss (nats/token) of ``models/model.safetensors``.
 
@@ -36,6 +38,7 @@ TRAIN_METRICS = Path("metrics/train.json")
 TRAIN_INFO = Path("reports/train-info.json")
 EVAL_METRICS = Path("metrics/eval.json")
 LOSS_PLOT = Path("plots/loss.csv")
+TIMELINE_PLOT = Path("plots/timeline.png")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -142,7 +145,15 @@ def export_outputs(config: RunConfig, run_dir: str | Path | None = None, model_p
     info = train_info(config, run_dir, export)
     _atomic_write(Path(info_path), (json.dumps(info, indent=1, sort_keys=True) + "\n").encode())
     write_loss_plot(run_dir, plot_path)
+    write_timeline(config, run_dir, Path(plot_path).with_name(TIMELINE_PLOT.name))
     return {**metrics, **info}
+
+
+def write_timeline(config: RunConfig, run_dir: str | Path, out_path: Path = TIMELINE_PLOT) -> Path:
+    """The audit's timeline picture for ``dvc plots show`` (failures and resumes marked)."""
+    from training.audit import analyse_events, render_timeline
+
+    return render_timeline(run_dir, analyse_events(read_events(run_dir)), out_path, title=config.run_name)
 
 
 @torch.no_grad()
