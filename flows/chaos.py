@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from training.audit import analyse_events, steps_lost
 from training.checkpoint import CheckpointStore
 from training.config import RunConfig, load_config
 from training.events import read_events
@@ -105,6 +106,14 @@ def plan_faults(kinds: list[str], total_steps: int, seed: int) -> list[Fault]:
     lo, hi = max(2, total_steps // 10), max(3, total_steps * 6 // 10)
     slots = sorted(rng.sample(range(lo, hi), len(kinds))) if hi - lo >= len(kinds) else list(range(lo, lo + len(kinds)))
     return [Fault(kind, step) for kind, step in zip(kinds, slots, strict=True)]
+
+
+def failure_steps_lost(failure: dict[str, Any], audit_rows: list[dict[str, Any]]) -> int | None:
+    """Steps lost by one failure as the audit counts them (training/audit.py: the resume row that
+    followed it, the same figure as MLflow's resume table and `convoy status`), else the failure
+    event's own figure when no worker resumed after it."""
+    row = next((r for r in audit_rows if r.get("failure_time") == failure["time"]), None)
+    return row["lost_steps"] if row is not None else failure.get("steps_lost")
 
 
 class ChaosRunner:
@@ -254,6 +263,7 @@ class ChaosRunner:
     # ------------------------------------------------------------------ verdict
     def _score(self, report: ChaosReport) -> None:
         events = read_events(self.run_dir)
+        audit_rows = analyse_events(events)["rows"]  # the same rows as MLflow's resume table
         failures = [e for e in events if e["kind"] == "failure"]
         resumes = [e for e in events if e["kind"] == "resumed" and e.get("rank", 0) == 0]
         rows = [{"step": s, "metrics": m} for s, m in read_metric_lines(RunPaths(self.run_dir).metrics)]
@@ -277,12 +287,12 @@ class ChaosRunner:
                 nxt = None
             if nxt is not None:
                 f.detected_as, f.detected_after_s = nxt["failure"], nxt.get("detected_after_s")
-                f.steps_lost = max(0, int(nxt.get("steps_lost") or 0))
+                f.steps_lost = failure_steps_lost(nxt, audit_rows)
             res = next((e for e in resumes if e["time"] >= f.injected_at), None)
             f.recovery_s = round(res["time"] - f.injected_at, 2) if res else None
             if f.kind == "flowkill" and res:
                 f.detected_as = "flow restarted"
-                f.steps_lost = max(0, (f.injected_step or 0) - int(res["step"]))
+                f.steps_lost = steps_lost(f.injected_step, int(res["step"]))
             f.survived = res is not None or report.final_step == self.cfg.train.total_steps
         steps = [r["step"] for r in rows]
         total = self.cfg.train.total_steps

@@ -25,7 +25,8 @@ console = Console()
 err = Console(stderr=True)
 
 ParamsArg = Annotated[Path, typer.Argument(help="params.yaml (built-in defaults if the default file is absent)")]
-SetOpt = Annotated[list[str] | None, typer.Option("-S", "--set", help="override, e.g. -S train.lr=3e-4")]
+SetOpt = Annotated[list[str] | None, typer.Option("-S", "--set", metavar="KEY=VALUE",
+                                                  help="override (repeatable), e.g. -S train.lr=3e-4")]
 EXIT_USAGE = 2
 
 
@@ -88,19 +89,39 @@ def train(
     params: ParamsArg = Path("params.yaml"),
     set_: SetOpt = None,
     allow_config_change: bool = typer.Option(False, help="resume a run whose trajectory settings changed"),
+    as_json: bool = typer.Option(False, "--json", metavar="",
+                                 help="print the flow's machine summary (JSON) instead of the table"),
 ) -> None:
-    """Run (or continue) a training run as a Prefect flow of chunk tasks."""
+    """Run (or continue) a training run as a Prefect flow of chunk tasks.
+
+    Prints a live progress line while it trains, then a summary (steps, time, chunks, attempts,
+    failures, resumes, steps lost, final loss, digest) with the MLflow run URL and, with a Prefect
+    server, the flow-run URL.  Exit 1 if a chunk failed for good (its log's last lines are shown).
+
+    Example: convoy train params.yaml -S train.total_steps=2000
+    """
     cfg = config_or_exit(params, set_, build_task=True)
+    from flows.report import LiveProgress, failure_lines, link_lines, summary_table
     from flows.train import run_training
     from tasks.supervisor import ChunkFailed
 
     try:
-        summary = run_training(cfg, allow_config_change=allow_config_change)
+        with LiveProgress(cfg, err):
+            summary = run_training(cfg, allow_config_change=allow_config_change, overrides=set_)
     except ConfigError as exc:
         raise fail(str(exc)) from None
     except ChunkFailed as exc:
-        raise fail(str(exc), 1) from None
-    console.print_json(json.dumps(summary, default=str))
+        first, *rest = failure_lines(exc)
+        err.print(f"[bold red]training failed:[/] {escape(first)}", highlight=False, soft_wrap=True)
+        for line in rest:
+            err.print(line, highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        sys.stdout.write(json.dumps(summary, default=str, indent=1) + "\n")
+        return
+    console.print(summary_table(summary))
+    for line in link_lines(summary):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -252,61 +273,86 @@ def _measured_from_run(run_dir: Path, values: dict) -> dict:
     return out
 
 
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _status_table(st: dict) -> Table:
+    """``convoy status`` for a person: one row per fact, the state coloured."""
+    colour = {"running": "green", "finished": "bold green", "failed": "red", "dead": "red"}.get(st["state"], "yellow")
+    total = st["total_steps"]
+    table = Table(title=f"run {escape(st['run_name'])}", show_header=False, highlight=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    table.add_row("state", f"[{colour}]{st['state']}[/]")
+    table.add_row("step", f"{st['step']}/{total} ({100 * st['step'] / total:.0f}%)"
+                  + (f", phase {st['phase']}" if st["phase"] else ""))
+    who = f"pid {st['pid']} on {escape(str(st['host']))}" if st["pid"] else "-"
+    table.add_row("heartbeat", f"{_age(st['heartbeat_age_s'])} ago, {who}" if st["heartbeat_age_s"] is not None
+                  else "none")
+    loss = f"{st['loss']:.4f} at step {st['loss_step']}" if st["loss"] is not None else "-"
+    table.add_row("loss", loss)
+    if st.get("val_loss") is not None:
+        table.add_row("validation loss", f"{st['val_loss']:.4f} at step {st['val_loss_step']}")
+    speed = f"{st['steps_per_s']:.2f} steps/s" if st["steps_per_s"] else "-"
+    if st["tokens_per_s"]:
+        speed += f", {st['tokens_per_s']:,.0f} tokens/s"
+    table.add_row("speed", speed)
+    table.add_row("ETA", _age(st["eta_s"]) if st["eta_s"] is not None else "-")
+    ck = (f"step {st['checkpoint_step']} ({escape(st['checkpoint_digest'])}), "
+          f"{st['steps_since_checkpoint']} steps since") if st["checkpoint"] else "none yet"
+    table.add_row("newest verified checkpoint", ck)
+    kinds = f" ({', '.join(st['failure_kinds'])})" if st["failure_kinds"] else ""
+    table.add_row("failures / resumes", f"{st['failures']} / {st['resumes']}{kinds}")
+    table.add_row("steps lost", str(st["steps_lost"]))
+    return table
+
+
 @app.command()
-def status(run_dir: Path) -> None:
-    """Where a run stands: progress, newest valid checkpoint, failures per chunk, lost steps, ETA."""
-    from training.checkpoint import CheckpointStore
-    from training.events import read_events
+def status(
+    run_dir: Annotated[Path, typer.Argument(help="run directory, e.g. runs/demo")],
+    follow: bool = typer.Option(False, "--follow", "-f", metavar="",
+                                help="refresh every --every seconds until it stops running"),
+    every: float = typer.Option(2.0, help="refresh period of --follow, in seconds"),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable output (one JSON object; "
+                                                       "with --follow one per line)"),
+) -> None:
+    """Where a run stands now: state (running / finished / failed / dead / stopped / never started), the
+    worker's step from its heartbeat, heartbeat age, pid and host, loss, speed, ETA, the newest
+    verified checkpoint, failures, resumes and steps lost.
+
+    Example: convoy status runs/demo --follow
+    """
+    import time
+
+    from rich.live import Live
+
+    from training.progress import run_status
     from training.rundir import load_run_config
 
     try:
         cfg = load_run_config(run_dir)
     except ConfigError as exc:
         raise fail(str(exc)) from None
-    store = CheckpointStore(run_dir)
-    newest = store.latest_valid(record=False)
-    done = newest.step if newest else 0
-    total = cfg.train.total_steps
-    events = read_events(run_dir)
-    failures = [e for e in events if e["kind"] == "failure"]
-    per_chunk: dict[int, list[str]] = {}
-    for e in failures:
-        per_chunk.setdefault(int(e.get("chunk", -1)), []).append(str(e.get("failure")))
-    lost = sum(int(e.get("steps_lost") or 0) for e in failures)
-    bar_w = 30
-    filled = int(bar_w * done / total)
-    console.print(
-        f"run {cfg.run_name}: \\[{'#' * filled}{'.' * (bar_w - filled)}] {done}/{total} steps "
-        f"({100 * done / total:.0f}%)"
-    )
-    console.print(f"newest valid checkpoint: {newest.path.name + ' ' + newest.digest if newest else 'none'}")
-    steps_times = [(e["step"], e["time"]) for e in events if e["kind"] == "checkpoint_saved"]
-    if len(steps_times) >= 2 and done < total:
-        (s0, t0), (s1, t1) = steps_times[0], steps_times[-1]
-        rate = (s1 - s0) / max(t1 - t0, 1e-9)
-        console.print(f"ETA: {(total - done) / rate:.0f} s at {rate:.2f} steps/s (wall, failures included)")
-    interval = [e for e in events if e["kind"] == "interval_chosen"]
-    every = cfg.checkpoint.every_steps
-    console.print(
-        f"checkpoint interval: {interval[-1]['interval_steps'] if interval else every} steps"
-        f"{' (auto)' if every == 'auto' else ''}"
-    )
-    console.print(f"failures: {len(failures)}, steps lost: {lost}")
-    latest = latest_metrics(run_dir, ("loss", "val_loss"))
-    if latest:
-        console.print("latest: " + ", ".join(f"{k} {v:.4f} (step {s})" for k, (s, v) in latest.items()))
-    for chunk, kinds in sorted(per_chunk.items()):
-        console.print(f"  chunk {chunk}: {len(kinds) + 1} attempts, failures: {', '.join(kinds)}")
-
-
-def latest_metrics(run_dir: Path, keys: tuple[str, ...]) -> dict[str, tuple[int, float]]:
-    """The newest logged (step, value) of each of ``keys`` that the run has logged."""
-    from training.metrics import metric_rows
-
-    out: dict[str, tuple[int, float]] = {}
-    for step, metrics in metric_rows(run_dir):
-        out.update({k: (step, float(metrics[k])) for k in keys if k in metrics})
-    return out
+    if as_json:
+        while True:
+            st = run_status(cfg, run_dir)
+            sys.stdout.write(json.dumps(st, separators=(",", ":") if follow else (", ", ": ")) + "\n")
+            sys.stdout.flush()
+            if not follow or st["state"] != "running":
+                return
+            time.sleep(every)
+    st = run_status(cfg, run_dir)
+    if not follow:
+        console.print(_status_table(st))
+        return
+    with Live(_status_table(st), console=console, refresh_per_second=4) as live:
+        while st["state"] == "running":
+            time.sleep(every)
+            st = run_status(cfg, run_dir)
+            live.update(_status_table(st))
 
 
 @app.command()
@@ -314,13 +360,25 @@ def chaos(
     params: ParamsArg = Path("params.yaml"),
     set_: SetOpt = None,
     faults: str = typer.Option(
-        "kill,term,hang,slow,corrupt,delete,diskfull,flowkill", help="comma-separated faults, or all"
+        "kill,term,hang,slow,corrupt,delete,diskfull,flowkill",
+        help="comma-separated faults, or all: kill (SIGKILL the worker), term (SIGTERM: preemption), "
+             "hang (SIGSTOP), slow (one slow step, must not be called a hang), corrupt (flip a byte in "
+             "the newest checkpoint, then kill), delete (remove the newest checkpoint, then kill), "
+             "diskfull (the next save fails with ENOSPC), flowkill (SIGKILL the flow, then train again)",
     ),
     seed: int = typer.Option(0, help="seed for the moments of injection"),
     timeout_s: float = typer.Option(1800, help="give up on the chaos run after this long"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", metavar="",
+                                 help="print the report as JSON on stdout (progress stays on stderr)"),
 ) -> None:
-    """Train through the real flow while injecting real faults; compare with a fault-free run."""
+    """Train through the real flow while injecting real faults; compare with a fault-free run.
+
+    Prints per fault: the step it hit, what it was detected as and after how long, steps lost
+    and recovery time; then the final digest against the reference run's. Exit 0 if every
+    fault was survived.
+
+    Example: convoy chaos params.yaml --faults kill,hang --seed 1
+    """
     from flows.chaos import ChaosRunner, parse_faults
 
     config_or_exit(params, set_)
@@ -329,7 +387,8 @@ def chaos(
     except ValueError as exc:
         raise fail(str(exc)) from None
     runner = ChaosRunner(
-        params, set_ or [], kinds, seed, log=(lambda m: err.print(f"[chaos] {m}", highlight=False)), timeout_s=timeout_s
+        params, set_ or [], kinds, seed, timeout_s=timeout_s,
+        log=lambda m: err.print(f"[chaos] {m}", highlight=False, markup=False),
     )
     report = runner.run()
     if as_json:
@@ -353,7 +412,7 @@ def chaos(
                 str(f.injected_step if f.injected_step is not None else "-"),
                 str(f.detected_as or "-"),
                 str(f.detected_after_s if f.detected_after_s is not None else "-"),
-                str(f.steps_lost or 0),
+                str(f.steps_lost if f.steps_lost is not None else "-"),
                 str(f.recovery_s if f.recovery_s is not None else "-"),
                 "yes" if f.survived else "[red]NO[/]",
                 f.note,

@@ -80,7 +80,26 @@ def _failure_kinds(run_dir: Path, chunk: int, since: float) -> list[str]:
     ]
 
 
-@flow(name="train", on_failure=[flow_failed], on_crashed=[flow_crashed], log_prints=True)
+def flow_run_name() -> str:
+    """``<run name>-<UTC time>`` instead of a random ``shiny-marmot``, so a person finds the flow
+    runs of run ``demo`` in the Prefect UI by name."""
+    from prefect.runtime import flow_run
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    try:
+        p = flow_run.parameters
+        cfg = p.get("config")
+        if cfg is not None:
+            name = cfg.get("run_name") if isinstance(cfg, dict) else cfg.run_name
+        else:
+            name = load_config(p.get("params"), p.get("overrides") or []).run_name
+    except Exception:  # noqa: BLE001 - a name must never fail the run
+        name = "train"
+    return f"{name or 'train'}-{stamp}"
+
+
+@flow(name="train", flow_run_name=flow_run_name, on_failure=[flow_failed], on_crashed=[flow_crashed],
+      log_prints=True)
 def train(
     params: str | None = "params.yaml",
     overrides: list[str] | None = None,
@@ -209,8 +228,10 @@ def train(
         return summary
 
 
-def run_training(config: RunConfig, allow_config_change: bool = False) -> dict[str, Any]:
-    """Run flow ``train`` for ``config`` in this process and return its summary.
+def run_training(config: RunConfig, allow_config_change: bool = False,
+                 overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run flow ``train`` for ``config`` in this process and return its summary (``overrides``:
+    the ``-S`` values ``config`` was made with, shown as the flow run's parameter).
 
     Without ``PREFECT_API_URL`` Prefect starts its embedded ephemeral API; its start-up on a fresh
     ``PREFECT_HOME`` runs migrations that outlast the default 20 s, hence the longer default.
@@ -229,5 +250,10 @@ def run_training(config: RunConfig, allow_config_change: bool = False) -> dict[s
     # race between two callers is still safe.  open_run is idempotent.
     with run_lock(config.run_dir, config.run_name):
         open_run(config, allow_config_change=allow_config_change)
-    return train(config=config, allow_config_change=allow_config_change)
+    from prefect import tags
+
+    with tags("convoy", f"run:{config.run_name}", f"fingerprint:{config.fingerprint()}"):
+        # ``overrides`` only for the record (the flow run's Parameters in the UI): ``config``
+        # already holds them, and wins.
+        return train(config=config, overrides=overrides or None, allow_config_change=allow_config_change)
 

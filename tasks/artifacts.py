@@ -21,7 +21,9 @@ def artifact_key(run_name: str, what: str) -> str:
 
 
 def publish_chunk_table(run_name: str, rows: list[dict[str, Any]]) -> str | None:
-    """Table: chunk, step range, attempts, failure kinds, seconds, checkpoint digest."""
+    """Table: chunk, step range, attempts, failure kinds, loss at the boundary, seconds, digest.
+
+    Empty cells say "none" / "not committed": a lone "-" renders as a bullet in the UI."""
     from prefect.artifacts import create_table_artifact
 
     table = [
@@ -30,9 +32,10 @@ def publish_chunk_table(run_name: str, rows: list[dict[str, Any]]) -> str | None
             "steps": f"[{r['start_step']}, {r['end_step']})",
             "status": r.get("status", ""),
             "attempts": r.get("attempts", 0),
-            "failures": ", ".join(r.get("failure_kinds", [])) or "-",
+            "failures": ", ".join(r.get("failure_kinds", [])) or "none",
+            "loss": round(float(r["loss"]), 4) if r.get("loss") is not None else "",
             "seconds": round(float(r.get("seconds", 0.0)), 1),
-            "digest": r.get("digest") or "-",
+            "digest": r.get("digest") or "not committed",
         }
         for r in rows
     ]

@@ -148,7 +148,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
         except ChunkFailed as exc:
             resume_at = exc.details.get("last_committed_step") or 0
             trained = max(0, resume_at - resume)
-            tracking.end_attempt(cfg, rd, child, False, exc.kind, trained, time.time() - t_attempt)
+            tracking.end_attempt(cfg, rd, child, False, exc.kind, trained, time.time() - t_attempt, exc.details)
             if exc.kind == "preempted" and preemptions < cfg.orchestration.retries:
                 preemptions += 1
                 logger.warning("chunk %d preempted; re-submitting at once, resuming from step %d", chunk, resume_at)

@@ -11,6 +11,9 @@ lost rank) are decided while watching, in :mod:`tasks.supervisor`.
 ``killed``     ended by a signal it did not raise itself (SIGKILL, SIGTERM, SIGINT, ...).
 ``crash``      any other non-zero exit, a fatal signal of its own (SIGSEGV/SIGABRT/SIGBUS/SIGFPE/
                SIGILL), or exit 0 without a committed checkpoint at the chunk's end step.
+``diskfull``   exited non-zero and its last lines name ENOSPC ("No space left on device", errno
+               28): free space or lower ``checkpoint.keep_last`` / ``max_bytes``; retried, since
+               retention or an operator may have freed space meanwhile.
 ``hang``       alive and beating but no step progress for ``stall_s`` in phase ``train``, or stuck
                in a phase longer than its own limit (init/load: ``init_timeout_s``; eval: ``eval_timeout_s``;
                save and the exit after ``done``: ``save_timeout_s``).
@@ -29,12 +32,13 @@ from pathlib import Path
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED
 from training.events import read_events
 
-FAILURE_KINDS = ("crash", "killed", "oom", "hang", "dead", "preempted", "timeout", "config")
+FAILURE_KINDS = ("crash", "killed", "oom", "diskfull", "hang", "dead", "preempted", "timeout", "config")
 #: Kinds Prefect must never retry: the same input fails the same way.
 NOT_RETRYABLE = frozenset({"config"})
 #: Signals a process raises on itself when it crashes (as opposed to being killed from outside).
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
 _OOM_MARKERS = ("out of memory", "memoryerror", "cannot allocate memory")
+_DISKFULL_MARKERS = ("no space left on device", "[errno 28]", "enospc")
 
 
 def oom_kills() -> int | None:
@@ -62,6 +66,8 @@ def classify_exit(returncode: int, tail: Sequence[str], oom_before: int | None, 
         return "oom"
     if any(m in text for m in _OOM_MARKERS):
         return "oom"
+    if returncode > 0 and any(m in text for m in _DISKFULL_MARKERS):
+        return "diskfull"
     if returncode < 0:
         return "crash" if -returncode in _CRASH_SIGNALS else "killed"
     if returncode > 128 and returncode - 128 in {int(s) for s in signal.Signals}:
@@ -102,3 +108,9 @@ def signame(returncode: int) -> str:
         return f"signal {signal.Signals(-returncode).name}" if returncode < 0 else f"exit code {returncode}"
     except ValueError:
         return f"signal {-returncode}"
+
+
+def diskfull_message(tail: Sequence[str]) -> str:
+    """One line for a full disk: the worker's own line naming ENOSPC, not its traceback."""
+    line = next((x for x in reversed(tail) if any(m in x.lower() for m in _DISKFULL_MARKERS)), "")
+    return f"disk full: {line.strip()[:300] or 'No space left on device'}"

@@ -33,12 +33,14 @@ from tasks.classify import (
     NOT_RETRYABLE,
     classify_exit,
     config_message,
+    diskfull_message,
     launcher_exit,
     oom_kills,
     signame,
 )
 from tasks.multinode import failed_node, launcher_command
 from tasks.procs import child_setup, pid_gone, reap_stale_worker, stop_group
+from training.audit import steps_lost, trained_high_water
 from training.config import EXIT_CONFIG
 from training.events import append_event
 from training.heartbeat import beat_is_local, heartbeat_path, read_heartbeat
@@ -78,6 +80,17 @@ class ChunkFailed(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+    def __repr__(self) -> str:
+        """What Prefect's log shows ("Task run failed with exception: …"): words, not a dict."""
+        d = self.details
+        facts = [f"at step {d['trained_to']}" if d.get("trained_to") is not None else "",
+                 f"detected after {d['detected_after_s']} s" if d.get("detected_after_s") is not None else "",
+                 f"resumes from step {d.get('last_committed_step') or 0}" if "last_committed_step" in d else "",
+                 f"{d['steps_lost']} step(s) lost" if d.get("steps_lost") is not None else "",
+                 f"log {d['log']}" if d.get("log") else ""]
+        shown = "; ".join(f for f in facts if f)
+        return f"{self.message} ({shown})" if shown else self.message
 
 
 @dataclass(frozen=True)
@@ -307,6 +320,13 @@ def _spawn(
     return proc, offset
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 def last_committed_step(run_dir: Path) -> int | None:
     """Step of the newest *verified* checkpoint (imported lazily: it pulls in torch)."""
     from training.checkpoint import CheckpointStore
@@ -348,6 +368,7 @@ def supervise(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     live = handoff.adopt(run_dir, list(cmd)) if pipeline else None
     oom_before = oom_kills()
+    metrics_offset = _size(run_dir / "metrics.jsonl")  # this attempt's rows start here (steps lost)
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     started = time.time()
     if live is not None:  # its beats are current; the log is the one it was started with
@@ -446,14 +467,14 @@ def supervise(
         reason = {
             "config": config_message(tail),
             "preempted": "preempted (exit 75) after saving an emergency checkpoint",
+            "diskfull": diskfull_message(tail),
         }.get(kind, signame(code) + ("" if code == rc else f" in a rank (launcher {signame(rc)})"))
-        if kind not in ("config", "preempted") and (node := failed_node(tail)):
+        if kind not in ("config", "preempted", "diskfull") and (node := failed_node(tail)):
             reason += f"; first to fail: {node}"
         detected_after = exit_seen - last_seen_running  # upper bound: the exit happened in between
     committed = last_committed_step(run_dir)
-    # max(0, …): a stopped worker resumed by SIGCONT may commit an emergency checkpoint past its
-    # last beat; nothing was lost then.
-    lost = max(0, watch.last_step - committed) if (watch.last_step is not None and committed is not None) else None
+    trained_to = trained_high_water(run_dir, watch.last_step, metrics_offset)
+    lost = steps_lost(trained_to, committed)  # the next attempt resumes from `committed` (0 if none)
     append_event(
         run_dir,
         "failure",
@@ -465,6 +486,7 @@ def supervise(
         detected_after_s=round(detected_after, 3),
         detected_at=round(exit_seen, 3),
         last_beat_step=watch.last_step,
+        trained_to=trained_to,
         last_committed_step=committed,
         steps_lost=lost,
         log=str(log_path),
@@ -473,6 +495,7 @@ def supervise(
     details = {
         "detected_after_s": round(detected_after, 3),
         "last_beat_step": watch.last_step,
+        "trained_to": trained_to,
         "last_committed_step": committed,
         "steps_lost": lost,
         "returncode": rc,
@@ -483,6 +506,6 @@ def supervise(
     }
     where = f"chunk {chunk}" if chunk is not None else "worker"
     message = f"{where} {kind}: {reason}"
-    if kind not in ("config", "preempted") and tail:
+    if kind not in ("config", "preempted", "diskfull") and tail:
         message += f" | last output: {tail[-1][:300]}"
     raise ChunkFailed(kind, message, details)

@@ -48,7 +48,9 @@ def end_attempt(
     kind: str | None = None,
     steps: int = 0,
     seconds: float = 0.0,
+    failure: dict[str, Any] | None = None,
 ) -> None:
+    """End the attempt's MLflow run; ``failure``: the supervisor's details of a failed one."""
     if child is None:
         return
     try:
@@ -60,6 +62,7 @@ def end_attempt(
             failure_kind=kind,
             steps=steps,
             seconds=seconds,
+            failure=failure,
             config=config,
             run_dir=run_dir,
         )

@@ -52,7 +52,7 @@ def test_every_fault_kind_is_survived(chaos_params: Path, prefect_api: str) -> N
     assert all(f["survived"] for f in report["faults"]), report["faults"]
     detected = {f["kind"]: f["detected_as"] for f in report["faults"]}
     assert detected["hang"] == "hang" and detected["term"] == "preempted" and detected["kill"] == "killed"
-    assert detected["slow"] == "no failure (correct)" and detected["diskfull"] == "crash"
+    assert detected["slow"] == "no failure (correct)" and detected["diskfull"] == "diskfull"
     assert report["final_digest"] == report["reference_digest"]
     assert report["metrics_exactly_once"]
     assert code == 0 and report["survived"]

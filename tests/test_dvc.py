@@ -128,11 +128,12 @@ def test_dvc_yaml_stages_read_params() -> None:
     assert list(stages) == ["prepare", "train", "evaluate"]
     assert "convoy train" in stages["train"]["cmd"] and "convoy prepare" in stages["prepare"]["cmd"]
     train_outs = [o if isinstance(o, str) else next(iter(o)) for o in stages["train"]["outs"]]
-    assert train_outs == ["models/model.safetensors"]
+    assert train_outs == ["models/model.safetensors", "reports/train-info.json"]
     assert not any(str(o).startswith("runs") for o in train_outs), "runs/ must stay outside outs (resume)"
     assert "train" in stages["train"]["params"] and "data" in stages["prepare"]["params"]
     assert [next(iter(m)) for m in stages["train"]["metrics"]] == ["metrics/train.json"]
-    assert [next(iter(m)) for m in stages["train"]["plots"]] == ["plots/loss.csv"]
+    assert [next(iter(m)) for m in stages["train"]["plots"]] == ["plots/loss.csv", "plots/timeline.png"]
+    assert [next(iter(p)) for p in spec["plots"]] == ["learning rate", "gradient norm"]
     assert "models/model.safetensors" in stages["evaluate"]["deps"]
 
 
@@ -200,10 +201,12 @@ def test_dvc_repro_in_a_clone(tmp_path: Path, prefect_api: str) -> None:
     assert len(flows) == 2 and flows[1]["committed_step"] >= 30
     metrics = json.loads((clone / "metrics" / "train.json").read_text())
     assert metrics["final_step"] == 60 and metrics["logged_steps"] == 60
-    assert metrics["digest"] == final_digest(run_dir)
+    assert all(isinstance(v, int | float) for v in metrics.values()), metrics  # numbers only
+    assert json.loads((clone / "reports" / "train-info.json").read_text())["digest"] == final_digest(run_dir)
     assert (clone / "models" / "model.safetensors").exists()
     assert json.loads((clone / "metrics" / "eval.json").read_text())["val_loss"] > 0
     assert (clone / "plots" / "loss.csv").read_text().count("\n") == 61
+    assert (clone / "plots" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     assert "Data and pipelines are up to date" in repro()
 
     # Another machine: no checkpoints, no DVC cache; `convoy pull` brings back chunk 1's checkpoint

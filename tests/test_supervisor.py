@@ -70,6 +70,10 @@ STANDIN = textwrap.dedent(
                 print("Traceback: boom", file=sys.stderr, flush=True); sys.exit(3)
             if mode == "oom-text":
                 print("RuntimeError: CUDA out of memory", file=sys.stderr, flush=True); sys.exit(1)
+            if mode == "diskfull":
+                print("Traceback (most recent call last):\n  ...", file=sys.stderr, flush=True)
+                print("OSError: [Errno 28] No space left on device: 'ckpt'", file=sys.stderr, flush=True)
+                sys.exit(1)
             if mode == "segv":
                 os.kill(os.getpid(), signal.SIGSEGV)
             if mode in ("hang", "children", "setsid-child", "ignore-term"):
@@ -134,7 +138,8 @@ def test_success_tees_output(tmp_path: Path, run_dir: Path) -> None:
 
 @pytest.mark.parametrize(
     ("mode", "kind"),
-    [("crash", "crash"), ("config", "config"), ("oom-text", "oom"), ("segv", "crash"), ("preempt-self", "preempted")],
+    [("crash", "crash"), ("config", "config"), ("oom-text", "oom"), ("segv", "crash"), ("preempt-self", "preempted"),
+     ("diskfull", "diskfull")],
 )
 def test_exit_classification(tmp_path: Path, run_dir: Path, mode: str, kind: str) -> None:
     exc = run(tmp_path, run_dir, mode)
@@ -302,3 +307,10 @@ def test_a_worker_that_dies_between_chunk_tasks_is_reported_with_its_last_words(
                   pipeline=True)
     assert info.value.kind == "crash" and "boom between the two chunk tasks" in str(info.value), info.value
     assert not leftovers(run_dir)
+
+
+def test_disk_full_is_one_line(tmp_path: Path, run_dir: Path) -> None:
+    """ENOSPC is its own kind, reported as the line that names it, not the traceback."""
+    exc = run(tmp_path, run_dir, "diskfull")
+    assert isinstance(exc, ChunkFailed) and exc.kind == "diskfull" and exc.retryable
+    assert exc.message == "chunk 0 diskfull: disk full: OSError: [Errno 28] No space left on device: 'ckpt'"

@@ -26,7 +26,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,38 @@ TABLE_COLUMNS = [
 
 #: child run id → tracking URI, so that :func:`end_attempt` needs only the id (same process).
 _child_uris: dict[str, str] = {}
+
+
+# ---------------------------------------------------------------------------------- steps lost
+def steps_lost(trained_to: int | None, resumed_from: int | None) -> int | None:
+    """THE definition of steps lost, used by every tool (status, chaos, MLflow, Prefect, DVC):
+    the steps trained beyond the checkpoint the next worker resumes from.  No checkpoint yet means
+    a resume from step 0, so a kill before the first save loses every step trained so far.
+    ``trained_to`` is the high-water step of the failed attempt (:func:`trained_high_water`);
+    None when nothing says how far it got."""
+    if trained_to is None:
+        return None
+    return max(0, int(trained_to) - int(resumed_from or 0))
+
+
+def trained_high_water(run_dir: str | Path, beat_step: int | None, metrics_offset: int = 0) -> int | None:
+    """How far an attempt trained: the larger of its last heartbeat step and the last step it
+    wrote to ``metrics.jsonl`` after byte ``metrics_offset`` (where the attempt started).  The
+    metrics row is written every step, while the beat may be an interval old at a kill."""
+    steps = [beat_step] if beat_step is not None else []
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(metrics_offset)
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line after a kill
+    return max(steps) if steps else None
 
 
 # ---------------------------------------------------------------------------------- events → rows
@@ -118,15 +149,13 @@ def _row(start: dict[str, Any], pending: dict[str, Any]) -> dict[str, Any]:
     fail = pending.get("failure") or {}
     pre = pending.get("preempted") or {}
     resumed_from = int(start.get("step", 0) or 0)  # "started" = from scratch
-    failed_at = fail.get("last_beat_step", pre.get("step"))
-    if fail.get("steps_lost") is not None:
-        lost: int | None = int(fail["steps_lost"])
-    elif pre:
-        lost = 0  # an emergency checkpoint was saved at the preemption step
-    elif failed_at is not None:
-        lost = max(0, int(failed_at) - resumed_from)
+    failed_at = fail.get("trained_to", fail.get("last_beat_step", pre.get("step")))
+    if failed_at is None and pending.get("unreported"):
+        failed_at = start.get("previous_beat_step")  # the vanished worker's last beat
+    if pre and not fail:
+        lost: int | None = 0  # an emergency checkpoint was saved at the preemption step
     else:
-        lost = None
+        lost = steps_lost(failed_at, resumed_from)
     failed_time = fail.get("time", pre.get("time"))
     return {
         "time": _iso(start.get("time")),
@@ -144,6 +173,7 @@ def _row(start: dict[str, Any], pending: dict[str, Any]) -> dict[str, Any]:
         "mismatches": None,
         "chunk": fail.get("chunk"),
         "attempt": fail.get("attempt"),
+        "failure_time": failed_time,  # not a table column: lets `convoy chaos` match its faults
     }
 
 
@@ -153,6 +183,21 @@ def read_loss(run_dir: str | Path) -> tuple[list[int], list[float]]:
 
     rows = [(step, m["loss"]) for step, m in metric_rows(run_dir) if "loss" in m]
     return [s for s, _ in rows], [float(v) for _, v in rows]
+
+
+def _readable_y_range(ax: Any, loss: list[float]) -> None:
+    """Keep the trained region readable: a log scale for losses spanning decades, else a y range
+    from the loss after the first 5 % of steps, so a high initial loss cannot flatten the rest."""
+    if not loss:
+        return
+    if min(loss) > 0 and max(loss) / min(loss) > 20:
+        ax.set_yscale("log")
+        return
+    trained = loss[len(loss) // 20:] or loss
+    low, high = min(trained), max(trained)
+    if max(loss) > high + (high - low):  # the first steps would take over half of the axis
+        pad = 0.1 * (high - low or 1.0)
+        ax.set_ylim(low - pad, high + pad)
 
 
 def render_timeline(run_dir: str | Path, summary: dict[str, Any], out_path: str | Path, title: str = "") -> Path:
@@ -168,18 +213,19 @@ def render_timeline(run_dir: str | Path, summary: dict[str, Any], out_path: str 
         first_fail = first_resume = True
         for row in summary["rows"]:
             if row["failed_at_step"] is not None:
-                ax.axvline(row["failed_at_step"], color="tab:red", ls="-", lw=1.0, alpha=0.8,
+                ax.axvline(row["failed_at_step"], color="tab:red", ls="-", lw=1.2, alpha=0.8,
                            label="failure" if first_fail else None)
                 first_fail = False
-            ax.axvline(row["resumed_from_step"], color="tab:green", ls="--", lw=1.0,
+                # The kind beside the failure line, inside the axes (never clipped at the top).
+                ax.annotate(f"{row['kind']} @ {row['failed_at_step']}", (row["failed_at_step"], 0.97),
+                            xycoords=("data", "axes fraction"), xytext=(3, 0), textcoords="offset points",
+                            rotation=90, va="top", ha="left", fontsize=7, color="tab:red")
+            ax.axvline(row["resumed_from_step"], color="tab:green", ls=":", lw=1.5,
                        label="resumed from" if first_resume else None)
             first_resume = False
-            ax.annotate(row["kind"], (row["resumed_from_step"], 1.0), xycoords=("data", "axes fraction"),
-                        rotation=90, va="top", ha="right", fontsize=7, color="tab:green")
         ax.set_xlabel("global step")
         ax.set_ylabel("loss")
-        if loss and min(loss) > 0 and max(loss) / min(loss) > 20:
-            ax.set_yscale("log")
+        _readable_y_range(ax, loss)
         ax.set_title(f"{title}  resumes={summary['resumes']} failures={summary['failures']} "
                      f"steps_lost={summary['steps_lost']}".strip(), fontsize=9)
         ax.grid(alpha=0.3)
@@ -230,26 +276,73 @@ def start_attempt(config: RunConfig, run_dir: str | Path, chunk: int, attempt: i
     return child.info.run_id
 
 
+#: Lines of the worker's log attached to a failed attempt's MLflow run.
+LOG_TAIL_LINES = 200
+LOG_TAIL_ARTIFACT = "convoy/worker-log-tail.txt"
+
+
+def log_tail(path: str | Path | None, lines: int = LOG_TAIL_LINES, max_bytes: int = 512 * 1024) -> list[str]:
+    """The last ``lines`` lines of a worker log (read from its end: logs of long runs grow)."""
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as f:
+            start = max(0, f.seek(0, os.SEEK_END) - max_bytes)
+            f.seek(start)
+            text = f.read().decode(errors="replace").splitlines()[1 if start else 0:]
+    except OSError:
+        return []
+    return text[-lines:]
+
+
+def failure_tags(failure: dict[str, Any]) -> dict[str, str]:
+    """The facts of a failed attempt as MLflow tags (static facts are tags, not metric charts)."""
+    resumed_from = failure.get("last_committed_step") or 0
+    facts = {
+        "failed_at_step": failure.get("trained_to", failure.get("last_beat_step")),
+        "resumed_from_step": resumed_from,
+        "steps_lost": failure.get("steps_lost"),
+        "detected_after_s": failure.get("detected_after_s"),
+        "failure_reason": str(failure.get("reason") or "")[:500],
+        "log": failure.get("log"),
+    }
+    return {f"convoy.{k}": str(v) for k, v in facts.items() if v is not None}
+
+
 def end_attempt(child_run_id: str | None, status: str, failure_kind: str | None = None, steps: int = 0,
-                seconds: float = 0.0, *, config: RunConfig | None = None,
+                seconds: float = 0.0, *, failure: dict[str, Any] | None = None, config: RunConfig | None = None,
                 run_dir: str | Path | None = None) -> None:
-    """End a child run FINISHED or FAILED with the failure kind, steps trained and seconds."""
+    """End a child run FINISHED or FAILED.  Tags: status, steps committed by the attempt, seconds,
+    and for a failure (``failure`` = the supervisor's details) its kind, reason, failed-at and
+    resumed-from steps, steps lost and log path, with the log's tail as an artifact and a one-line
+    description, so a failed attempt explains itself in the MLflow UI."""
     if not child_run_id:
         return
     if status not in ("FINISHED", "FAILED", "KILLED"):
         raise ValueError(f"status = {status!r}: expected FINISHED, FAILED or KILLED")
-    from mlflow.entities import Metric, RunTag
+    from mlflow.entities import RunTag
 
     from training.mlflow_backend import client_for, resolve_tracking_uri
 
     uri = _child_uris.get(child_run_id) or resolve_tracking_uri(config, run_dir)
     client = client_for(uri)
-    now = int(time.time() * 1000)
-    tags = [RunTag("convoy.status", status)]
+    tags = {"convoy.status": status, "convoy.steps_committed": str(steps), "convoy.seconds": f"{seconds:.1f}"}
     if failure_kind:
-        tags.append(RunTag("convoy.failure_kind", failure_kind))
-    metrics = [Metric("steps", float(steps), now, 0), Metric("seconds", float(seconds), now, 0)]
-    client.log_batch(child_run_id, metrics=metrics, tags=tags, synchronous=True)
+        tags["convoy.failure_kind"] = failure_kind
+    if failure:
+        tags.update(failure_tags(failure))
+        tags["mlflow.note.content"] = (
+            f"{failure_kind or 'failure'} at step {tags.get('convoy.failed_at_step', '?')}: "
+            f"{tags.get('convoy.failure_reason', '')}; detected after {tags.get('convoy.detected_after_s', '?')} s; "
+            f"the next attempt resumes from step {tags['convoy.resumed_from_step']} "
+            f"({tags.get('convoy.steps_lost', '?')} steps lost)")
+    client.log_batch(child_run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
+    tail = log_tail((failure or {}).get("log"))
+    if tail:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / Path(LOG_TAIL_ARTIFACT).name
+            path.write_text("\n".join(tail) + "\n")
+            client.log_artifact(child_run_id, str(path), artifact_path=str(Path(LOG_TAIL_ARTIFACT).parent))
     client.set_terminated(child_run_id, status=status)
     _child_uris.pop(child_run_id, None)
 
@@ -291,6 +384,23 @@ def refresh_audit(config: RunConfig, run_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
+def describe_audit(summary: dict[str, Any]) -> str:
+    """The audit in a sentence or two: the training run's description in MLflow."""
+    if not summary["failures"]:
+        return "No failures: trained without interruption."
+    kinds: dict[str, int] = {}
+    for row in summary["rows"]:
+        kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
+    shown = ", ".join(f"{n} {k}" for k, n in kinds.items()) or "not resumed yet"
+    text = (f"{summary['failures']} failure(s) ({shown}), {summary['resumes']} resume(s) from verified checkpoints, "
+            f"{summary['steps_lost']} step(s) lost and retrained.")
+    if summary["resumes"]:
+        text += f" Replays verified bit for bit after {summary['replay_verified']} of {summary['resumes']} resume(s)."
+    if summary["nondeterministic"]:
+        text += f" NON-DETERMINISM detected from step {summary['nondeterministic_first_step']}."
+    return text + " See convoy/resume_events.json and convoy/timeline.png."
+
+
 def _publish(config: RunConfig, run_dir: Path, summary: dict[str, Any], table: dict[str, Any], png: Path) -> None:
     from mlflow.entities import RunTag
     from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
@@ -302,6 +412,7 @@ def _publish(config: RunConfig, run_dir: Path, summary: dict[str, Any], table: d
         "convoy.steps_lost": summary["steps_lost"],
         "convoy.replay_verified": summary["replay_verified"],
     }
+    tags["mlflow.note.content"] = describe_audit(summary)
     if summary["nondeterministic"]:
         tags["convoy.nondeterministic"] = "true"
         tags["convoy.nondeterministic_first_step"] = summary["nondeterministic_first_step"]

@@ -3,9 +3,14 @@
 ``python -m training.evaluate export [PARAMS] [-S k=v]`` (end of the ``train`` stage):
   * ``models/model.safetensors`` — the model tensors of the newest *verified* checkpoint, with
     step, state digest and config fingerprint in the safetensors metadata (no optimizer, no RNG);
-  * ``metrics/train.json`` — final step, digest, final loss, resumes/failures/steps lost;
+  * ``metrics/train.json`` — numbers a person compares: final step, final loss, resumes,
+    failures, steps lost (``dvc metrics show`` stays narrow);
+  * ``reports/train-info.json`` — what identifies the result but is no metric: state digest,
+    config fingerprint, whether a resume was non-deterministic;
   * ``plots/loss.csv`` — step,loss,lr,grad_norm,val_loss from ``metrics.jsonl`` (one row per
-    step; val_loss only at the ``train.eval_every`` steps, empty elsewhere).
+    step; val_loss only at the ``train.eval_every`` steps, empty elsewhere);
+  * ``plots/timeline.png`` — loss vs step with a marker at each failure and resume (the audit's
+    picture, as a DVC image plot).
 ``python -m training.evaluate evaluate [PARAMS] [-S k=v]`` (``evaluate`` stage):
   * ``metrics/eval.json`` — validation loss (nats/token) of ``models/model.safetensors``.
 
@@ -34,8 +39,10 @@ from training.safetensors_io import write_file
 
 MODEL_PATH = Path("models/model.safetensors")
 TRAIN_METRICS = Path("metrics/train.json")
+TRAIN_INFO = Path("reports/train-info.json")
 EVAL_METRICS = Path("metrics/eval.json")
 LOSS_PLOT = Path("plots/loss.csv")
+TIMELINE_PLOT = Path("plots/timeline.png")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -96,19 +103,27 @@ def train_metrics(config: RunConfig, run_dir: str | Path, export: dict[str, Any]
     return {
         "final_step": export["step"],
         "total_steps": config.train.total_steps,
-        "digest": export["digest"],
         "final_loss": rows[-1][1].get("loss") if rows else None,
         "final_loss_avg20": sum(tail) / len(tail) if tail else None,
         "logged_steps": len(rows),
         "resumes": audit["resumes"],
         "failures": audit["failures"],
         "steps_lost": audit["steps_lost"],
-        "nondeterministic": audit["nondeterministic"],
     }
 
 
+def train_info(config: RunConfig, run_dir: str | Path, export: dict[str, Any]) -> dict[str, Any]:
+    """Identity of the result, kept out of the metrics (a hex digest is not a number to compare)."""
+    from training.audit import analyse_events
+
+    audit = analyse_events(read_events(run_dir))
+    return {"step": export["step"], "digest": export["digest"], "fingerprint": config.fingerprint(),
+            "nondeterministic": audit["nondeterministic"]}
+
+
 def export_outputs(config: RunConfig, run_dir: str | Path | None = None, model_path: Path = MODEL_PATH,
-                   metrics_path: Path = TRAIN_METRICS, plot_path: Path = LOSS_PLOT) -> dict[str, Any]:
+                   metrics_path: Path = TRAIN_METRICS, plot_path: Path = LOSS_PLOT,
+                   info_path: Path = TRAIN_INFO) -> dict[str, Any]:
     run_dir = Path(run_dir) if run_dir is not None else config.run_dir
     export = export_final_model(run_dir, model_path)
     if export["step"] != config.train.total_steps:
@@ -116,8 +131,18 @@ def export_outputs(config: RunConfig, run_dir: str | Path | None = None, model_p
                           f"{config.train.total_steps}; the run is not finished (run `convoy train` again)")
     metrics = train_metrics(config, run_dir, export)
     _atomic_write(Path(metrics_path), (json.dumps(metrics, indent=1, sort_keys=True) + "\n").encode())
+    info = train_info(config, run_dir, export)
+    _atomic_write(Path(info_path), (json.dumps(info, indent=1, sort_keys=True) + "\n").encode())
     write_loss_plot(run_dir, plot_path)
-    return metrics
+    write_timeline(config, run_dir, Path(plot_path).with_name(TIMELINE_PLOT.name))
+    return {**metrics, **info}
+
+
+def write_timeline(config: RunConfig, run_dir: str | Path, out_path: Path = TIMELINE_PLOT) -> Path:
+    """The audit's timeline picture for ``dvc plots show`` (failures and resumes marked)."""
+    from training.audit import analyse_events, render_timeline
+
+    return render_timeline(run_dir, analyse_events(read_events(run_dir)), out_path, title=config.run_name)
 
 
 @torch.no_grad()
@@ -150,7 +175,7 @@ def validation_loss(config: RunConfig, model_path: str | Path = MODEL_PATH, batc
         n += size
     val = total / n
     out = {"val_loss": val, "val_bits_per_token": val / math.log(2), "val_samples": n,
-           "step": int(meta.get("step", 0)), "digest": meta.get("digest")}
+           "step": int(meta.get("step", 0))}  # the digest is in the model file's metadata
     floor = _entropy_floor(config)
     if floor is not None:
         out["entropy_floor_nats"] = floor

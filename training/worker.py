@@ -36,7 +36,7 @@ from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
 from training.data import make_loader, mix_seed
 from training.events import append_event
-from training.heartbeat import Heartbeat
+from training.heartbeat import Heartbeat, read_heartbeat
 from training.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, StepMetricLogger
 from training.paths import RunPaths
 from training.pipeline import wait_for_ack
@@ -159,6 +159,9 @@ class Worker:
         """Take the run: the lease first (a second worker on this run must change nothing), then
         beat and catch SIGTERM (from here on a stop is a preemption with an emergency save)."""
         self.lease = take_worker_lease(self.run_dir) if self.rank == 0 else None
+        # How far a predecessor that vanished unreported (no supervisor saw it die) got: its
+        # last beat, before ours replaces it (the audit's steps lost; training/audit.py).
+        self.previous_beat_step = (read_heartbeat(self.run_dir, self.rank) or {}).get("step")
         self.hb = Heartbeat(self.run_dir, self.rank, self.config.heartbeat.interval_s).start()
         self.preempt = _Preempt()
 
@@ -271,10 +274,12 @@ class Worker:
             dt = time.perf_counter() - t0
             self.log(f"resumed from step {ck.step} (checkpoint {ck.path.name}, verified in {dt:.2f} s)")
             append_event(self.run_dir, "resumed", rank=self.rank, step=ck.step, checkpoint=ck.path.name,
-                         digest=ck.digest, load_s=round(dt, 4), until_step=self.until)
+                         digest=ck.digest, load_s=round(dt, 4), until_step=self.until,
+                         previous_beat_step=self.previous_beat_step)
             return
         self.log("no valid checkpoint: starting from step 0")
-        append_event(self.run_dir, "started", rank=self.rank, until_step=self.until)
+        append_event(self.run_dir, "started", rank=self.rank, until_step=self.until,
+                     previous_beat_step=self.previous_beat_step)
 
     def check_fingerprint(self, ck: Any) -> None:
         accepted = (run_info(self.run_dir) or {}).get("accepted_fingerprints", [])

@@ -62,6 +62,7 @@ class CharGPT(nn.Module):
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, VOCAB, bias=False)
         self.head.weight = self.tok.weight  # tied: the checkpoint must cope with shared tensors
+        self.apply(_init_weights)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -69,6 +70,18 @@ class CharGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2 style N(0, 0.02) for linear and embedding weights, zero biases.
+
+    Why: PyTorch's default embedding init is N(0, 1), and with the head tied to the embedding the
+    first logits have a standard deviation of about sqrt(d_model), so the first loss was ~38
+    instead of ln(256) ≈ 5.5 and every loss chart was flattened by it."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
 
 
 def warmup_cosine(warmup: int, total: int):

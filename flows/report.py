@@ -1,0 +1,235 @@
+"""What a person reads at the end of ``convoy train``: a short table, links, failures in words.
+
+Why a module of its own: the flow returns a machine summary (``convoy train --json`` prints it
+unchanged); this turns it into a handful of lines, and turns a :class:`ChunkFailed` into a
+sentence plus the right log and its last lines instead of an exception repr.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+#: MLflow 3 opens on its GenAI pages; this query selects the classic machine-learning view.
+ML_VIEW = "workflowType=machine_learning"
+LOG_LINES = 8
+
+
+def mlflow_link(run_dir: str | Path) -> tuple[str | None, str | None]:
+    """(URL of the run in the MLflow UI, hint how to start that UI), from ``run.json``.
+
+    A local store (``sqlite:``/a path) has no UI running: the URL is the default ``mlflow ui``
+    address and the hint the command that serves it."""
+    from training.rundir import run_info
+
+    info = run_info(run_dir) or {}
+    run_id, exp_id, uri = info.get("mlflow_run_id"), info.get("mlflow_experiment_id"), info.get("mlflow_tracking_uri")
+    if not run_id or not uri:
+        return None, None
+    path = f"#/experiments/{exp_id}/runs/{run_id}?{ML_VIEW}" if exp_id else f"#/runs/{run_id}?{ML_VIEW}"
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/{path}", None
+    return f"http://127.0.0.1:5000/{path}", f"mlflow ui --backend-store-uri {uri}"
+
+
+def prefect_link(flow_run_id: str | None) -> str | None:
+    """The flow run in the Prefect UI, when a server (``PREFECT_API_URL``) was used; an embedded
+    ephemeral API is gone once the command ends, so it gets no link."""
+    from prefect.settings import get_current_settings
+
+    ui = get_current_settings().ui_url
+    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui and flow_run_id else None
+
+
+def final_loss(summary: dict[str, Any]) -> float | None:
+    losses = summary.get("losses") or {}
+    return losses[max(losses)] if losses else None
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    """The end-of-run table: steps, time, chunks, attempts, failures, resumes, steps lost, loss, digest."""
+    audit = summary.get("audit") or {}
+    attempts = summary.get("attempts") or {}
+    kinds = [k for f in summary.get("failures", []) for k in f["kinds"]]
+    table = Table(title=f"convoy train: {escape(summary['run_name'])}", show_header=False, highlight=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    table.add_row("steps", f"{summary['final_step']} (run dir {escape(summary['run_dir'])})")
+    table.add_row("time", f"{summary['seconds']:.1f} s")
+    table.add_row("chunks", f"{summary['trained_chunks']} trained, {summary['skipped_chunks']} already committed")
+    table.add_row("attempts", f"{sum(attempts.values())} for {len(attempts)} chunk(s)")
+    table.add_row("failures / resumes", f"{audit.get('failures') or 0} / {audit.get('resumes') or 0}"
+                  + (f" ({', '.join(kinds)})" if kinds else ""))
+    table.add_row("steps lost", str(audit.get("steps_lost") or 0))
+    loss = final_loss(summary)
+    table.add_row("final loss", f"{loss:.4f}" if loss is not None else "-")
+    table.add_row("digest", escape(str(summary.get("digest"))))
+    return table
+
+
+def link_lines(summary: dict[str, Any]) -> list[str]:
+    """Where to look next: the MLflow run (machine-learning view) and the Prefect flow run."""
+    lines = []
+    url, hint = mlflow_link(summary["run_dir"])
+    if url:
+        lines.append(f"MLflow run: {url}" + (f"  (serve it with: {hint})" if hint else ""))
+    flow = prefect_link(summary.get("flow_run_id"))
+    if flow:
+        lines.append(f"Prefect flow run: {flow}")
+    return lines
+
+
+def failure_lines(exc: Any) -> list[str]:
+    """A failed chunk in words: kind, step, detection time, resume point, the log and its end.
+
+    The log is read from the file the supervisor followed (for a pipelined worker the log of the
+    chunk that started it), so its last lines are there even when the attempt's own tail is empty."""
+    from training.audit import log_tail
+
+    d = getattr(exc, "details", {}) or {}
+    at = d.get("trained_to", d.get("last_beat_step"))
+    lines = [f"{exc.kind}: {d.get('reason') or exc.message}"]
+    facts = []
+    if at is not None:
+        facts.append(f"at step {at}")
+    if d.get("detected_after_s") is not None:
+        facts.append(f"detected after {d['detected_after_s']:.1f} s")
+    if "last_committed_step" in d:
+        facts.append(f"a retry resumes from step {d.get('last_committed_step') or 0}")
+    if d.get("steps_lost") is not None:
+        facts.append(f"{d['steps_lost']} step(s) lost")
+    if facts:
+        lines.append(", ".join(facts))
+    if d.get("log"):
+        lines.append(f"log: {d['log']}")
+        lines.extend(f"  | {line}" for line in log_tail(d["log"], LOG_LINES))
+    return lines
+
+
+# ---------------------------------------------------------------------------------- live progress
+#: A non-TTY (CI, `dvc repro` logs) gets a plain line this often, or at every 10 % of the run.
+PLAIN_EVERY_S = 30.0
+PLAIN_EVERY_FRACTION = 0.1
+
+
+def progress_line(st: dict[str, Any], chunk_steps: int) -> str:
+    """One line from :func:`training.progress.run_status`: step/total, chunk k/n and attempt,
+    loss, speed, ETA, last checkpoint, failures."""
+    total, step = st["total_steps"], st["step"]
+    chunks = -(-total // chunk_steps)
+    chunk = min(chunks, step // chunk_steps + 1)
+    attempt = 1 + sum(1 for c in st.get("failure_chunks", []) if c == chunk)
+    parts = [f"step {step}/{total} ({100 * step / total:.0f}%)", f"chunk {chunk}/{chunks} attempt {attempt}"]
+    if st["loss"] is not None:
+        parts.append(f"loss {st['loss']:.4f}")
+    if st["tokens_per_s"]:
+        parts.append(f"{st['tokens_per_s']:,.0f} tok/s")
+    if st["steps_per_s"]:
+        parts.append(f"{st['steps_per_s']:.2f} steps/s")
+    if st["eta_s"] is not None:
+        parts.append(f"ETA {st['eta_s'] / 60:.1f} min" if st["eta_s"] >= 120 else f"ETA {st['eta_s']:.0f} s")
+    parts.append(f"checkpoint {st['checkpoint_step'] if st['checkpoint_step'] is not None else '-'}")
+    parts.append(f"failures {st['failures']}")
+    return " · ".join(parts)
+
+
+def plain_due(now: float, last_time: float, step: int, last_step: int, total: int) -> bool:
+    """Whether a non-TTY should get the next plain line: every 30 s, or 10 % more of the run."""
+    return now - last_time >= PLAIN_EVERY_S or step - last_step >= PLAIN_EVERY_FRACTION * total
+
+
+class _PlainPrinter:
+    """Stands in for a Prefect console handler's console: prints through the live console with
+    markup off, so a log line's ``[worker rank 0]`` is shown, not read as a style."""
+
+    def __init__(self, console: Any) -> None:
+        self.console = console
+
+    def print(self, message: Any, **_: Any) -> None:
+        self.console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
+class LiveProgress:
+    """A background thread that shows the run's progress while the flow trains in this process.
+
+    On a terminal: one rich live line under Prefect's log lines (Prefect's console handlers print
+    through the live console meanwhile, so the two never overwrite each other).  Elsewhere: a
+    plain line every :data:`PLAIN_EVERY_S` s or :data:`PLAIN_EVERY_FRACTION` of the run.  Fed by
+    :func:`training.progress.run_status` (heartbeat, metrics, checkpoints, events)."""
+
+    def __init__(self, config: Any, console: Any, every_s: float = 2.0) -> None:
+        import threading
+
+        self.config, self.console, self.every_s = config, console, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="convoy-progress", daemon=True)
+        self._live: Any = None
+        self._swapped: list[tuple[Any, Any]] = []
+
+    def _line(self) -> tuple[str, int] | None:
+        from training.progress import run_status
+
+        run_dir = self.config.run_dir
+        if not (run_dir / "config.json").exists():
+            return None
+        try:
+            st = run_status(self.config, run_dir, verify=False)  # the worker verifies what it restores
+        except Exception:  # noqa: BLE001 - a progress line must never break training
+            return None
+        from training.events import read_events
+
+        st["failure_chunks"] = [e.get("chunk") for e in read_events(run_dir, "failure")]
+        return progress_line(st, self.config.train.chunk_steps), st["step"]
+
+    def _run(self) -> None:
+        import time
+
+        last_time, last_step = time.time(), 0
+        while not self._stop.wait(self.every_s):
+            got = self._line()
+            if got is None:
+                continue
+            line, step = got
+            if self._live is not None:
+                from rich.text import Text
+
+                self._live.update(Text(line, style="cyan"))
+            elif plain_due(time.time(), last_time, step, last_step, self.config.train.total_steps):
+                self.console.print(f"progress: {line}", highlight=False, markup=False, soft_wrap=True)
+                last_time, last_step = time.time(), step
+
+    def _route_prefect_console(self) -> None:
+        """Point Prefect's console handlers at the live console while the line is shown."""
+        import logging
+
+        from prefect.logging.handlers import PrefectConsoleHandler
+
+        loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                          if isinstance(lg, logging.Logger))]
+        for lg in loggers:
+            for h in lg.handlers:
+                if isinstance(h, PrefectConsoleHandler):
+                    self._swapped.append((h, h.console))
+                    h.console = _PlainPrinter(self.console)
+
+    def __enter__(self) -> LiveProgress:
+        if self.console.is_terminal:
+            from rich.live import Live
+            from rich.text import Text
+
+            self._live = Live(Text("starting…"), console=self.console, refresh_per_second=2, transient=True)
+            self._live.start()
+            self._route_prefect_console()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for handler, original in self._swapped:
+            handler.console = original
+        if self._live is not None:
+            self._live.stop()

@@ -1,0 +1,74 @@
+"""What a person reads: the end-of-train summary (with the MLflow URL), ``--json`` that still
+parses, failures in words, and the live progress line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.report import PLAIN_EVERY_S, failure_lines, plain_due, progress_line
+from tasks.supervisor import ChunkFailed
+from tests.flow_util import REPO, params
+
+
+def test_progress_line_and_plain_cadence() -> None:
+    st = {"total_steps": 400, "step": 150, "loss": 2.345678, "tokens_per_s": 12345.6, "steps_per_s": 3.21,
+          "eta_s": 300.0, "checkpoint_step": 100, "failures": 1, "failure_chunks": [2]}
+    line = progress_line(st, chunk_steps=100)
+    assert line == ("step 150/400 (38%) · chunk 2/4 attempt 2 · loss 2.3457 · 12,346 tok/s · 3.21 steps/s · "
+                    "ETA 5.0 min · checkpoint 100 · failures 1")
+    assert not plain_due(10.0, 0.0, 20, 0, 400)
+    assert plain_due(PLAIN_EVERY_S, 0.0, 20, 0, 400) and plain_due(1.0, 0.0, 40, 0, 400)
+
+
+def test_failure_lines_name_the_log_and_its_last_lines(tmp_path: Path) -> None:
+    log = tmp_path / "chunk-1-attempt-1.log"
+    log.write_text("".join(f"line {i}\n" for i in range(30)))
+    exc = ChunkFailed("killed", "chunk 3 killed: signal SIGKILL",
+                      {"reason": "signal SIGKILL", "trained_to": 47, "detected_after_s": 0.21,
+                       "last_committed_step": 40, "steps_lost": 7, "log": str(log), "tail": []})
+    lines = failure_lines(exc)
+    assert lines[0] == "killed: signal SIGKILL"
+    assert lines[1] == "at step 47, detected after 0.2 s, a retry resumes from step 40, 7 step(s) lost"
+    assert lines[2] == f"log: {log}" and lines[-1] == "  | line 29"
+    assert "ChunkFailed" not in repr(exc) and "resumes from step 40" in repr(exc)
+
+
+@pytest.mark.slow
+def test_train_prints_a_summary_with_the_mlflow_url_and_json_parses(
+    prefect_api: str, data_dir: Path, tmp_path: Path
+) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    p = params(tmp_path, data_dir, "summary", train={"total_steps": 10, "chunk_steps": 10},
+               tracking={"mlflow": True, "mlflow_uri": uri})
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(p))
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "COLUMNS": "200"}
+
+    def convoy(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "flows.cli", "train", str(path), *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    human = convoy()
+    assert human.returncode == 0, human.stderr[-3000:]
+    out = human.stdout
+    print(out)
+    assert "convoy train: summary" in out and "final loss" in out and "steps lost" in out
+    assert "?workflowType=machine_learning" in out and f"mlflow ui --backend-store-uri {uri}" in out
+    assert "Prefect flow run: http://127.0.0.1:" in out
+    again = convoy("--json", "-S", "train.warmup_steps=5")  # finished: trains nothing, prints the machine summary
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads(again.stdout)
+    assert summary["final_step"] == 10 and summary["trained_chunks"] == 0
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:  # findable in the Prefect UI by the run's name
+        flow_run = client.read_flow_run(summary["flow_run_id"])
+    assert flow_run.name.startswith("summary-") and "run:summary" in flow_run.tags, (flow_run.name, flow_run.tags)
+    assert flow_run.parameters["overrides"] == ["train.warmup_steps=5"]  # what -S said, visible in the UI

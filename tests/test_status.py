@@ -1,0 +1,89 @@
+"""``convoy status`` is live: it reads the heartbeat and metrics, and tells running from dead."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.engine_util import kill_group, make_run, run_worker, start_worker, wait_for_step
+from training.heartbeat import read_heartbeat
+
+INTERVAL = 0.1  # heartbeat.interval_s of engine_util.SMALL
+
+
+def status_json(run_dir: Path) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "status", str(run_dir), "--json"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+def test_status_of_a_fresh_run_dir_is_never_started(tmp_path: Path) -> None:
+    assert status_json(make_run(tmp_path, "fresh"))["state"] == "never started"
+
+
+def test_status_follows_a_running_worker_then_sees_it_dead(tmp_path: Path) -> None:
+    """While the worker trains (before its first checkpoint), status reports the step of its
+    heartbeat, at most two beats old; after a SIGKILL with no flow around, ``dead``."""
+    run_dir = make_run(tmp_path, "live", ["checkpoint.every_steps=100"])
+    p = start_worker(run_dir, 120, {"CONVOY_FAULTS": "step_delay=0.05"})
+    try:
+        assert wait_for_step(run_dir, p, 3) is not None
+        before = read_heartbeat(run_dir, 0)
+        st = status_json(run_dir)
+        after = read_heartbeat(run_dir, 0)
+        assert st["state"] == "running" and st["worker_alive"], st
+        assert before["step"] <= st["step"] <= after["step"], (before, st, after)
+        assert st["heartbeat_age_s"] <= 2 * INTERVAL + 0.5, st  # + the CLI's own time to read
+        assert st["pid"] == p.pid and st["checkpoint_step"] is None and st["steps_since_checkpoint"] == st["step"]
+        assert st["loss"] is not None and st["eta_s"] is not None
+    finally:
+        kill_group(p, signal.SIGKILL)
+        p.wait()
+    st = status_json(run_dir)
+    assert st["state"] == "dead", st
+    assert not st["worker_alive"] and st["step"] >= after["step"]
+    code, out = run_worker(run_dir, 120)  # resumes from step 0 and finishes the run
+    assert code == 0, out
+    st = status_json(run_dir)
+    assert st["state"] == "finished" and st["step"] == st["checkpoint_step"] == 120, st
+    assert st["failures"] == st["resumes"] == 1, st
+    assert after["step"] <= st["steps_lost"] <= after["step"] + 10, st  # the killed worker's last beat
+
+
+def test_one_definition_of_steps_lost(tmp_path: Path) -> None:
+    """Steps lost = steps trained beyond the checkpoint resumed from; before the first checkpoint
+    that is every step trained; a kill right after a save loses nothing."""
+    from training.audit import analyse_events, steps_lost, trained_high_water
+    from training.events import append_event, read_events
+
+    assert steps_lost(36, None) == 36 and steps_lost(40, 40) == 0 and steps_lost(None, 10) is None
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "metrics": {}}) + "\n" for s in (1, 2, 3)))
+    assert trained_high_water(tmp_path, 2) == 3 and trained_high_water(tmp_path, 5) == 5
+    assert trained_high_water(tmp_path, None, metrics_offset=10**6) is None
+    append_event(tmp_path, "started", rank=0, until_step=100)
+    append_event(tmp_path, "failure", failure="killed", last_beat_step=35, trained_to=36, last_committed_step=None,
+                 steps_lost=steps_lost(36, None), chunk=1, attempt=1)
+    append_event(tmp_path, "started", rank=0, until_step=100)  # no checkpoint: from step 0
+    append_event(tmp_path, "failure", failure="killed", last_beat_step=40, trained_to=40, last_committed_step=40,
+                 steps_lost=steps_lost(40, 40), chunk=1, attempt=2)
+    append_event(tmp_path, "resumed", rank=0, step=40, until_step=100)
+    audit = analyse_events(read_events(tmp_path))
+    assert [r["lost_steps"] for r in audit["rows"]] == [36, 0] and audit["steps_lost"] == 36
+
+
+def test_state_rules() -> None:
+    """running beats everything; finished; failed only when the flow gave up after the last start."""
+    from training.progress import _state
+
+    gave_up = [{"kind": "flow_started"}, {"kind": "started"}, {"kind": "failure"}, {"kind": "chunk_failed"}]
+    assert _state(True, False, gave_up, True) == "running"
+    assert _state(False, True, gave_up, True) == "finished"
+    assert _state(False, False, gave_up, True) == "failed"
+    assert _state(False, False, [*gave_up, {"kind": "flow_started"}], True) == "dead"  # a new flow died since
+    assert _state(False, False, [{"kind": "started"}, {"kind": "failure"}], True) == "dead"
+    assert _state(False, False, [], False) == "never started"
+    assert _state(False, False, [{"kind": "resumed"}], True, clean_end=True) == "stopped"  # e.g. a pulled clone

@@ -1,0 +1,199 @@
+"""Where a run stands right now, read from its run directory alone (no Prefect, no MLflow).
+
+Why from files: ``convoy status``, the live line of ``convoy train`` and a person on another
+terminal must agree, and they must work while a worker trains (the heartbeat and ``metrics.jsonl``
+move every step, a checkpoint only every N steps), after a kill with no flow left, and on a
+pulled clone.  State:
+
+``running``        a fresh heartbeat (younger than ``heartbeat.timeout_s``) whose pid is alive
+                   on this host (a beat of another host: fresh is enough), or a live flow holding
+                   the run's lock (between two workers, or waiting to retry one).
+``finished``       the newest verified checkpoint is at ``train.total_steps``.
+``failed``         not running, and the flow gave up (a ``chunk_failed`` / ``flow_failed`` /
+                   ``flow_crashed`` event after the last start).
+``dead``           not running and not finished, and the last beat was not a clean end: a stale
+                   beat or a pid gone (a kill with no flow left).
+``stopped``        not running and not finished, but nothing died: the last worker ended its
+                   chunk cleanly (phase ``done``), or no worker ever beat here (a pulled clone).
+``never started``  no beat, no event of a worker, no checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from training.audit import analyse_events
+from training.checkpoint import CheckpointStore
+from training.config import RunConfig
+from training.events import read_events
+from training.heartbeat import HOST, read_heartbeat
+from training.paths import RunPaths
+
+#: Step times averaged for the ETA: long enough to smooth noise, short enough to follow a change.
+ETA_WINDOW = 50
+_GAVE_UP = ("chunk_failed", "flow_failed", "flow_crashed")
+_STARTS = ("flow_started", "started", "resumed")
+
+
+def pid_alive(pid: int) -> bool:
+    """A live, non-zombie process (a SIGKILLed worker not yet reaped is a zombie: dead)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def flow_holder(run_dir: Path) -> int | None:
+    """Pid of the live flow on this host holding ``.lock`` (its ``.lock.owner`` says
+    ``pid N on HOST``); None when there is none or it is gone."""
+    try:
+        words = (run_dir / ".lock.owner").read_text().split()
+    except OSError:
+        return None
+    if len(words) < 4 or words[0] != "pid" or words[3] != HOST or not words[1].isdigit():
+        return None
+    pid = int(words[1])
+    return pid if pid_alive(pid) else None
+
+
+def beat_alive(beat: dict[str, Any] | None, timeout_s: float, now: float) -> bool:
+    """Whether a heartbeat shows a worker that is training or finishing right now."""
+    if beat is None or beat.get("phase") == "done" or now - float(beat.get("time", 0)) > timeout_s:
+        return False
+    return beat.get("host", HOST) != HOST or pid_alive(int(beat.get("pid", 0)))
+
+
+def metrics_tail(run_dir: Path, rows: int = ETA_WINDOW, max_bytes: int = 256 * 1024) -> list[dict[str, Any]]:
+    """The last ``rows`` rows of ``metrics.jsonl``, read from its end (it grows every step)."""
+    path = RunPaths(run_dir).metrics
+    try:
+        with open(path, "rb") as f:
+            start = max(0, f.seek(0, os.SEEK_END) - max_bytes)
+            f.seek(start)
+            lines = f.read().splitlines()[1 if start else 0:]  # from mid-file: drop the partial line
+    except OSError:
+        return []
+    out = []
+    for line in lines[-rows:] if rows else lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # torn last line or a partial first one
+    return out
+
+
+def last_logged(run_dir: Path, key: str) -> tuple[int, float] | None:
+    """The newest (step, value) of a metric logged only now and then (``val_loss``), searched in
+    the file's last 256 KiB (some thousands of steps)."""
+    for row in reversed(metrics_tail(run_dir, rows=0)):
+        if key in row.get("metrics", {}):
+            return int(row["step"]), float(row["metrics"][key])
+    return None
+
+
+#: (checkpoint path, manifest mtime) → digest of a checkpoint already verified by this process, so
+#: ``status --follow`` hashes each checkpoint once, not at every refresh.
+_verified: dict[tuple[str, int], str] = {}
+
+
+def newest_checkpoint(run_dir: Path, verify: bool = True) -> tuple[int, str, str] | None:
+    """(step, name, digest) of the newest checkpoint that verifies (``verify``: sizes, hashes and
+    structure, the resume's own check) or, without ``verify``, whose manifest reads — cheap
+    enough for a live line refreshed every few seconds while checkpoints are gigabytes."""
+    store = CheckpointStore(run_dir)
+    for step, path in store.step_dirs():
+        try:
+            key = (str(path), (path / "manifest.json").stat().st_mtime_ns)
+            if not verify:
+                return step, path.name, store.read_manifest(path)["digest"]
+            if key not in _verified:
+                _verified[key] = store.verify(path).digest
+            return step, path.name, _verified[key]
+        except (ValueError, OSError):
+            continue
+    return None
+
+
+def _state(running: bool, finished: bool, events: list[dict[str, Any]], started: bool,
+           clean_end: bool = False) -> str:
+    if running:
+        return "running"
+    if finished:
+        return "finished"
+    last_start = max((i for i, e in enumerate(events) if e["kind"] in _STARTS), default=-1)
+    if any(e["kind"] in _GAVE_UP for e in events[last_start + 1:]):
+        return "failed"
+    if not started:
+        return "never started"
+    return "stopped" if clean_end else "dead"
+
+
+def _eta(rows: list[dict[str, Any]], step: int, total: int) -> tuple[float | None, float | None]:
+    """(steps per second, seconds to go) from the measured step times of the last rows."""
+    times = [float(r["metrics"]["step_time_s"]) for r in rows if "step_time_s" in r.get("metrics", {})]
+    if not times or sum(times) <= 0:
+        return None, None
+    rate = len(times) / sum(times)
+    return rate, max(0, total - step) / rate
+
+
+def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
+               verify: bool = True) -> dict[str, Any]:
+    """Everything ``convoy status`` shows, as one JSON-able dict; ``verify=False``: the newest
+    checkpoint by its manifest only (the live line of ``convoy train``)."""
+    run_dir = Path(run_dir)
+    now = time.time() if now is None else now
+    total = config.train.total_steps
+    beat = read_heartbeat(run_dir, 0)
+    events = read_events(run_dir)
+    newest = newest_checkpoint(run_dir, verify)
+    ck_step = newest[0] if newest is not None else None
+    rows = metrics_tail(run_dir)
+    metric_step = int(rows[-1]["step"]) if rows else None
+    worker_alive = beat_alive(beat, config.heartbeat.timeout_s, now)
+    flow_pid = flow_holder(run_dir)
+    finished = ck_step is not None and ck_step >= total
+    # The worker's step: its beat while it runs; otherwise the furthest any source got.
+    known = [s for s in (beat.get("step") if beat else None, metric_step, ck_step) if s is not None]
+    step = int(beat["step"]) if worker_alive and beat else (max(known) if known else 0)
+    started = bool(known) or any(e["kind"] in ("started", "resumed") for e in events)
+    audit = analyse_events(events)
+    rate, eta = _eta(rows, step, total)
+    last = rows[-1]["metrics"] if rows else {}
+    val = last_logged(run_dir, "val_loss")
+    return {
+        "run_name": config.run_name,
+        "run_dir": str(run_dir),
+        "state": _state(worker_alive or flow_pid is not None, finished, events, started,
+                        clean_end=beat is None or beat.get("phase") == "done"),
+        "step": step,
+        "total_steps": total,
+        "phase": beat.get("phase") if beat else None,
+        "heartbeat_age_s": round(now - float(beat["time"]), 3) if beat else None,
+        "pid": beat.get("pid") if beat else None,
+        "host": beat.get("host") if beat else None,
+        "worker_alive": worker_alive,
+        "flow_pid": flow_pid,
+        "loss": last.get("loss"),
+        "loss_step": metric_step,
+        "val_loss": val[1] if val else None,
+        "val_loss_step": val[0] if val else None,
+        "tokens_per_s": last.get("tokens_per_s"),
+        "steps_per_s": round(rate, 3) if rate else None,
+        "eta_s": round(eta, 1) if eta is not None and not finished else None,
+        "checkpoint_step": ck_step,
+        "checkpoint": newest[1] if newest is not None else None,
+        "checkpoint_digest": newest[2] if newest is not None else None,
+        "checkpoint_verified": verify,
+        "steps_since_checkpoint": max(0, step - (ck_step or 0)),
+        "failures": audit["failures"],
+        "resumes": audit["resumes"],
+        "steps_lost": audit["steps_lost"],
+        "failure_kinds": [r["kind"] for r in audit["rows"]],
+    }
