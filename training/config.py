@@ -236,8 +236,9 @@ class RunConfig(_Strict):
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.run_name
 
-    def fingerprint(self) -> str:
-        """Hash of the settings that change the trajectory; see the module docstring."""
+    def trajectory(self) -> dict[str, Any]:
+        """The settings that change the trajectory (what :meth:`fingerprint` hashes), as plain
+        JSON values: kept in ``run.json`` so a refusal can name the keys that changed."""
         excluded = {"chunk_steps", "eval_every", "ranks", "nnodes", "hosts"}
         if not self.train.amp or self.train.amp_dtype == "auto":
             # The dtype changes the trajectory only with AMP on; left out at its default so every
@@ -246,8 +247,48 @@ class RunConfig(_Strict):
         train = self.train.model_dump(exclude=excluded)
         data = self.data.model_dump(exclude={"num_workers", "prepared_dir"})
         payload = {"task": self.task, "task_args": self.task_args, "data": data, "train": train}
-        blob = json.dumps(payload, sort_keys=True, default=str).encode()
+        return json.loads(json.dumps(payload, sort_keys=True, default=str))
+
+    def fingerprint(self) -> str:
+        """Hash of the settings that change the trajectory; see the module docstring."""
+        blob = json.dumps(self.trajectory(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 1}}`` → ``{"train.lr": 1}`` (lists and scalars are leaves)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):  # an empty section has no keys to name
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _shown(value: Any) -> str:
+    """A value as a user would type it in ``-S``: ``0.003``, ``'file'``, ``[a, b]``; ``(unset)``
+    for a key one side does not have."""
+    if value is _UNSET:
+        return "(unset)"
+    return repr(value) if isinstance(value, str) else json.dumps(value)
+
+
+_UNSET = object()
+
+
+def trajectory_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``["train.lr 0.003 → 0.002", ...]``: each trajectory key whose value differs, sorted.
+
+    Why: a refusal that names fingerprints tells the user nothing they can act on; the keys and
+    both values say at once whether the change was meant (and what to undo otherwise)."""
+    a, b = _flatten(old), _flatten(new)
+    return [
+        f"{key} {_shown(a.get(key, _UNSET))} → {_shown(b.get(key, _UNSET))}"
+        for key in sorted(a.keys() | b.keys())
+        if a.get(key, _UNSET) != b.get(key, _UNSET)
+    ]
 
 
 def resolve_task_factory(spec: str) -> Any:

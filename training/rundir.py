@@ -13,7 +13,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from training.config import ConfigError, RunConfig, config_from_dict
+from training.config import ConfigError, RunConfig, config_from_dict, trajectory_changes
 from training.events import append_event
 from training.fsutil import atomic_write_bytes, atomic_write_json, read_json
 
@@ -59,6 +59,52 @@ def update_run_info(run_dir: str | Path, **fields: Any) -> dict[str, Any]:
     return info
 
 
+def recorded_trajectories(run_dir: Path, info: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{fingerprint: trajectory settings}`` of every config this run was opened with.
+
+    Runs created before ``run.json`` kept them: the trajectory is re-derived from ``config.json``,
+    which still holds the config the run was last opened with."""
+    known = dict(info.get("trajectories") or {})
+    if not known and (run_dir / CONFIG_FILE).exists():
+        try:
+            previous = load_run_config(run_dir)
+        except ConfigError:
+            return known
+        known[previous.fingerprint()] = previous.trajectory()
+    return known
+
+
+def describe_change(old: dict[str, Any] | None, config: RunConfig) -> str:
+    """``train.lr 0.003 → 0.002, train.seed 1 → 2``, or why the keys are unknown."""
+    if old is None:
+        return "changed keys unknown (the run never recorded that config)"
+    return ", ".join(trajectory_changes(old, config.trajectory())) or "no key differs (another code version?)"
+
+
+def mismatch_message(config: RunConfig, info: dict[str, Any], old: dict[str, Any] | None) -> str:
+    """One line: which run, which keys changed (old → new), and the commands that do what the
+    user may have meant (docs/architecture.md, invariant 7)."""
+    return (
+        f"run {config.run_name!r} was trained with other trajectory settings: {describe_change(old, config)}; "
+        f"to train these settings as a new run: `convoy train -S run_name=<new name>`; "
+        f"to go on training this run under them: `--allow-config-change`"
+    )
+
+
+def _refuse_finished(config: RunConfig, run_dir: Path, changes: str) -> None:
+    """``--allow-config-change`` on a run whose newest checkpoint is already at the new
+    ``total_steps`` would train nothing and exit 0 as if the new settings had been applied."""
+    from training.checkpoint import CheckpointStore  # imports torch: only on this path
+
+    newest = CheckpointStore(run_dir).latest_valid(record=False)
+    if newest is not None and newest.step >= config.train.total_steps:
+        raise ConfigError(
+            f"--allow-config-change: run {config.run_name!r} is already at step {newest.step} >= "
+            f"train.total_steps = {config.train.total_steps}, so nothing would be trained with the new "
+            f"settings ({changes}); train them as a new run: `convoy train -S run_name=<new name>`"
+        )
+
+
 def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
     """Create the run directory, or reopen it after checking the fingerprint.
 
@@ -71,22 +117,26 @@ def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
         from training.task import check_task  # imports torch: only when a run is created
 
         check_task(config)  # bad task_args fail here, before the run is pinned to their fingerprint
+    known = recorded_trajectories(run_dir, info) if info is not None else {}
     if info is not None and info.get("fingerprint") != fp:
+        old = known.get(info.get("fingerprint", ""))
         if not allow_config_change:
-            raise ConfigError(
-                f"run {config.run_name!r} was created with config fingerprint {info.get('fingerprint')}, "
-                f"this config has {fp}: it would change the training trajectory; use another "
-                f"run_name, or pass --allow-config-change to resume anyway"
-            )
-        append_event(run_dir, "config_changed", old=info.get("fingerprint"), new=fp)
+            raise ConfigError(mismatch_message(config, info, old))
+        _refuse_finished(config, run_dir, describe_change(old, config))
+        append_event(run_dir, "config_changed", old=info.get("fingerprint"), new=fp,
+                     changes=trajectory_changes(old, config.trajectory()) if old else None)
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     (run_dir / "heartbeat").mkdir(exist_ok=True)
+    known[fp] = config.trajectory()
     if info is None:
-        update_run_info(run_dir, name=config.run_name, fingerprint=fp, created=time.time(), mlflow_run_id=None)
+        update_run_info(run_dir, name=config.run_name, fingerprint=fp, created=time.time(), mlflow_run_id=None,
+                        trajectories=known)
     elif info.get("fingerprint") != fp:
         # The user explicitly accepted the change: checkpoints of the old config may be resumed.
         accepted = sorted({*info.get("accepted_fingerprints", []), info.get("fingerprint")} - {None})
-        update_run_info(run_dir, fingerprint=fp, accepted_fingerprints=accepted)
+        update_run_info(run_dir, fingerprint=fp, accepted_fingerprints=accepted, trajectories=known)
+    elif info.get("trajectories") != known:
+        update_run_info(run_dir, trajectories=known)
     atomic_write_json(run_dir / CONFIG_FILE, config.model_dump(mode="json"))
     return run_dir
 

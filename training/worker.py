@@ -36,7 +36,14 @@ from training.events import append_event
 from training.heartbeat import Heartbeat
 from training.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, StepMetricLogger
 from training.pipeline import wait_for_ack
-from training.rundir import RunBusy, load_run_config, run_info, take_worker_lease
+from training.rundir import (
+    RunBusy,
+    describe_change,
+    load_run_config,
+    recorded_trajectories,
+    run_info,
+    take_worker_lease,
+)
 from training.state import ExpectedState, TrainState, checkpoint_validator, configure_determinism, seed_everything
 from training.task import build_task
 
@@ -263,11 +270,18 @@ class Worker:
         append_event(self.run_dir, "started", rank=self.rank, until_step=self.until)
 
     def check_fingerprint(self, ck: Any) -> None:
-        accepted = (run_info(self.run_dir) or {}).get("accepted_fingerprints", [])
-        if ck.manifest.get("fingerprint") not in (self.config.fingerprint(), *accepted):
-            raise ConfigError(
-                f"checkpoint {ck.path.name} has config fingerprint {ck.manifest.get('fingerprint')}, this run "
-                f"has {self.config.fingerprint()}; refusing to resume a different configuration")
+        """Refuse a checkpoint of another trajectory, naming the keys that differ (old → new)
+        from what ``run.json`` recorded for the checkpoint's fingerprint."""
+        info = run_info(self.run_dir) or {}
+        saved = ck.manifest.get("fingerprint")
+        if saved in (self.config.fingerprint(), *info.get("accepted_fingerprints", [])):
+            return
+        old = recorded_trajectories(self.run_dir, info).get(saved)
+        raise ConfigError(
+            f"checkpoint {ck.path.name} was saved with other trajectory settings: "
+            f"{describe_change(old, self.config)}; refusing to resume it under this config; resume with the "
+            f"config that saved it, train a new run (`convoy train -S run_name=<new name>`), or accept the "
+            f"change (`convoy train --allow-config-change`)")
 
     def apply(self, ck: Any, parts: dict[str, Any]) -> None:
         """Restore the train state from a loaded checkpoint (every rank, same step)."""
