@@ -213,9 +213,17 @@ class TrackingConfig(_Strict):
 class RunConfig(_Strict):
     """The whole ``params.yaml``."""
 
-    #: Name of the run directory under ``runs_dir``.
-    run_name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    #: Name of the run directory under ``runs_dir``.  ``name@<8 hex>`` is the directory of one
+    #: config of run ``name`` under ``on_config_change: new_run`` (see :mod:`training.rundir`).
+    run_name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*(@[0-9a-f]{8})?$")
     runs_dir: str = "runs"
+    #: What a changed trajectory setting does to run ``run_name``.  ``refuse``: one directory
+    #: ``runs/<run_name>``; a config with another fingerprint is refused (naming the keys).
+    #: ``new_run``: each config trains in its own ``runs/<run_name>@<fingerprint[:8]>``, and
+    #: ``runs/<run_name>`` is a symbolic link to the one trained last; the same params again
+    #: resume (or reuse) the run that has them.  ``refuse`` by default: existing runs keep their
+    #: directory; the project's ``params.yaml`` (what ``dvc repro`` reads) sets ``new_run``.
+    on_config_change: Literal["refuse", "new_run"] = "refuse"
     #: ``package.module:factory`` returning a :class:`training.task.TaskParts`.
     task: str = Field("training.examples.char_gpt:build", pattern=r"^[\w.]+:\w+$")
     #: Keyword arguments for the task factory (validated by the task itself).

@@ -59,6 +59,41 @@ def update_run_info(run_dir: str | Path, **fields: Any) -> dict[str, Any]:
     return info
 
 
+def keyed_config(config: RunConfig) -> RunConfig:
+    """The config whose ``run_dir`` is the directory that trains ``config``.
+
+    Under ``on_config_change: new_run`` a run's identity is its name *and* its trajectory:
+    ``runs/<name>@<fingerprint[:8]>``, so a param change under ``dvc repro`` trains a new run
+    instead of being refused, the old run stays untouched, and changing back finds the old run.
+    A run created before this (a real ``runs/<name>`` directory) is kept while its fingerprint
+    matches.  Idempotent: a name that already carries a fingerprint is returned as is."""
+    if config.on_config_change != "new_run" or "@" in config.run_name:
+        return config
+    fp = config.fingerprint()
+    legacy = config.run_dir
+    if legacy.is_dir() and not legacy.is_symlink() and (run_info(legacy) or {}).get("fingerprint") == fp:
+        return config
+    return config.model_copy(update={"run_name": f"{config.run_name}@{fp[:8]}"})
+
+
+def link_current(config: RunConfig) -> Path | None:
+    """Point ``runs/<name>`` at the keyed run directory of ``config`` (a relative symbolic link,
+    replaced atomically), so ``convoy status runs/<name>`` shows the run trained last.  Returns
+    the link, or None when there is none to make: not keyed, or ``runs/<name>`` is a real
+    directory (a run created before keyed directories; it is left alone)."""
+    base, sep, _ = config.run_name.partition("@")
+    if not sep:
+        return None
+    link = Path(config.runs_dir) / base
+    if link.exists() and not link.is_symlink():
+        return None
+    tmp = link.with_name(f".{base}.link-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(config.run_name)
+    os.replace(tmp, link)
+    return link
+
+
 def recorded_trajectories(run_dir: Path, info: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``{fingerprint: trajectory settings}`` of every config this run was opened with.
 
@@ -86,7 +121,8 @@ def mismatch_message(config: RunConfig, info: dict[str, Any], old: dict[str, Any
     user may have meant (docs/architecture.md, invariant 7)."""
     return (
         f"run {config.run_name!r} was trained with other trajectory settings: {describe_change(old, config)}; "
-        f"to train these settings as a new run: `convoy train -S run_name=<new name>`; "
+        f"to train these settings as a new run: `convoy train -S run_name=<new name>` (or set "
+        f"on_config_change: new_run); "
         f"to go on training this run under them: `--allow-config-change`"
     )
 

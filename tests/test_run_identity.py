@@ -1,0 +1,132 @@
+"""Run identity: a run is its name *and* its trajectory (``on_config_change: new_run``).
+
+A param change under a real ``dvc repro`` (in a git clone of this repository, real MLflow on
+SQLite) trains a new run in its own directory, never refused and never mixed with the old one;
+the old run's checkpoints stay bitwise as they were; ``dvc repro`` again does nothing; changing
+the param back reuses the old run instead of training again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.test_dvc import GITIGNORE, ROOT, git
+from training.checkpoint import CheckpointStore
+from training.config import load_config
+from training.evaluate import load_model_file
+from training.events import read_events
+from training.rundir import keyed_config, link_current
+
+TINY = {
+    "on_config_change": "new_run",
+    "task_args": {"n_layer": 1, "n_head": 2, "d_model": 32, "dropout": 0.1},
+    "data": {"synthetic_chars": 20000, "seq_len": 16},
+    "train": {"total_steps": 20, "chunk_steps": 10, "batch_size": 4, "warmup_steps": 2},
+    "checkpoint": {"every_steps": 10},
+    "heartbeat": {"interval_s": 0.2},
+}
+
+
+def clone_project(tmp_path: Path, **tracking: Any) -> tuple[Path, dict[str, str]]:
+    """A git clone of this repository with the working tree's dvc.yaml and a tiny params.yaml;
+    returns it and the environment the ``convoy``/``dvc`` commands run in."""
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(ROOT), str(clone))
+    for name in ("dvc.yaml", "params.yaml"):
+        shutil.copy(ROOT / name, clone / name)
+    for package in ("training", "tasks", "flows"):  # workers import from their cwd: the working tree's code
+        shutil.rmtree(clone / package)
+        shutil.copytree(ROOT / package, clone / package, ignore=shutil.ignore_patterns("__pycache__"))
+    if not (clone / ".dvc").is_dir():
+        subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=clone, check=True)
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    for section, values in TINY.items():
+        if isinstance(values, dict):
+            params.setdefault(section, {}).update(values)
+        else:
+            params[section] = values
+    params.setdefault("tracking", {}).update(mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", **tracking)
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    ignore = [ln for ln in (clone / ".gitignore").read_text().splitlines() if ln.strip() not in ("runs/", "runs")]
+    (clone / ".gitignore").write_text("\n".join([*ignore, *GITIGNORE.splitlines()[:4]]) + "\n")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return clone, env
+
+
+def run(cwd: Path, env: dict[str, str], *cmd: str) -> str:
+    proc = subprocess.run(list(cmd), cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{cmd}: {proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def set_lr(clone: Path, lr: float) -> None:
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["train"]["lr"] = lr
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def checkpoint_digests(run_dir: Path) -> dict[str, str]:
+    """Every file of every checkpoint, hashed: "untouched" means bitwise."""
+    import hashlib
+
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((run_dir / "checkpoints").rglob("*")) if p.is_file()}
+
+
+def test_keyed_config_and_link(tmp_path: Path) -> None:
+    base = [f"runs_dir={tmp_path}", "on_config_change=new_run"]
+    a, b = load_config(None, base), load_config(None, [*base, "train.lr=0.002"])
+    ka, kb = keyed_config(a), keyed_config(b)
+    assert ka.run_name == f"demo@{a.fingerprint()[:8]}" and kb.run_name == f"demo@{b.fingerprint()[:8]}"
+    assert keyed_config(ka) is ka and keyed_config(load_config(None, [f"runs_dir={tmp_path}"])).run_name == "demo"
+    ka.run_dir.mkdir()
+    kb.run_dir.mkdir()
+    assert link_current(ka) == tmp_path / "demo" and (tmp_path / "demo").resolve() == ka.run_dir.resolve()
+    link_current(kb)
+    assert (tmp_path / "demo").resolve() == kb.run_dir.resolve()
+
+
+@pytest.mark.slow
+def test_param_change_under_dvc_repro_trains_a_new_run(tmp_path: Path, prefect_api: str) -> None:
+    clone, env = clone_project(tmp_path)
+    run(clone, env, sys.executable, "-m", "dvc", "repro")
+    first = keyed_config(load_config(clone / "params.yaml")).run_name
+    old_dir = clone / "runs" / first
+    old = checkpoint_digests(old_dir)
+    model_a = (clone / "models" / "model.safetensors").read_bytes()
+
+    set_lr(clone, 0.002)
+    out = run(clone, env, sys.executable, "-m", "dvc", "repro")
+    assert "Running stage 'train'" in out
+    cfg = load_config(clone / "params.yaml")
+    new_dir = clone / "runs" / keyed_config(cfg).run_name
+    assert new_dir != old_dir and (clone / "runs" / "demo").resolve() == new_dir.resolve()
+    _, meta = load_model_file(clone / "models" / "model.safetensors")
+    assert meta["fingerprint"] == cfg.fingerprint() and int(meta["step"]) == 20
+    assert json.loads((new_dir / "config.json").read_text())["train"]["lr"] == 0.002
+    assert checkpoint_digests(old_dir) == old, "the old run's checkpoints changed"
+    assert CheckpointStore(new_dir).latest_valid(record=False).manifest["fingerprint"] == cfg.fingerprint()
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("convoy")
+    names = {r.info.run_name for r in client.search_runs([exp.experiment_id], "tags.`convoy.run_name` LIKE 'demo@%'")}
+    assert names == {first, new_dir.name}
+
+    assert "Data and pipelines are up to date" in run(clone, env, sys.executable, "-m", "dvc", "repro")
+
+    set_lr(clone, 0.003)  # back: the old run has these params, nothing is trained again
+    run(clone, env, sys.executable, "-m", "dvc", "repro")
+    assert (clone / "models" / "model.safetensors").read_bytes() == model_a
+    assert len(read_events(old_dir, "started")) == 1 and not read_events(old_dir, "resumed")
+    assert checkpoint_digests(old_dir) == old
