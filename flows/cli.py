@@ -359,24 +359,62 @@ def chaos(
     raise typer.Exit(0 if report.survived else 1)
 
 
+def _pull_target(run_dir: Path, cfg: RunConfig | None) -> Path:
+    """The directory to pull into.  In a fresh clone ``runs/<name>`` (a link, not in git) is
+    absent: the run of these params is ``runs/<name>@<fingerprint>`` (its ``.dvc`` files are)."""
+    if run_dir.exists() or cfg is None:
+        return run_dir
+    from training.rundir import keyed_config
+
+    keyed = keyed_config(cfg).run_dir
+    if run_dir.name == cfg.run_name and keyed.is_dir():
+        return keyed
+    others = sorted(p.name for p in run_dir.parent.glob(f"{run_dir.name}@*")) if run_dir.parent.is_dir() else []
+    hint = f"; runs of that name here: {', '.join(others)}" if others else ""
+    raise fail(f"{run_dir}: no such run directory (are its checkpoints/*.dvc files committed?){hint}", 1)
+
+
+def _pull_remote(remote: str | None, cfg: RunConfig | None, run_dir: Path) -> tuple[str | None, str]:
+    """The remote to pull from and where it came from, by precedence: ``--remote``, the params'
+    ``tracking.dvc_remote``, the run's ``config.json``, then (None) the repository's default
+    remote (``dvc remote add -d``, in the committed ``.dvc/config``), else the local fallback."""
+    if remote:
+        return remote, "--remote"
+    if cfg is not None and cfg.tracking.dvc_remote:
+        return cfg.tracking.dvc_remote, "params tracking.dvc_remote"
+    from training.rundir import CONFIG_FILE, load_run_config
+
+    if (run_dir / CONFIG_FILE).exists():
+        try:
+            recorded = load_run_config(run_dir).tracking.dvc_remote
+        except ConfigError:
+            recorded = ""
+        if recorded:
+            return recorded, f"{run_dir / CONFIG_FILE} tracking.dvc_remote"
+    return None, ("no remote in --remote, params or the run's config.json: the repository's default remote, "
+                  "else a remote configured before, else $CONVOY_DVC_REMOTE or ~/.cache/convoy/dvc-remote")
+
+
 @app.command()
 def pull(
     run_dir: Path,
-    remote: str | None = typer.Option(None, help="DVC remote name or URL (default: the repo's)"),
+    params: Annotated[Path, typer.Option(help="params whose tracking.dvc_remote (and run) to use")] = Path(
+        "params.yaml"),
+    set_: SetOpt = None,
+    remote: str | None = typer.Option(None, help="DVC remote name, URL or directory (overrides everything)"),
     latest_only: bool = typer.Option(False, help="pull only the newest versioned checkpoint"),
 ) -> None:
-    """Restore a run's versioned checkpoints from the DVC remote (then `convoy train` resumes)."""
+    """Restore a run's versioned checkpoints from the DVC remote (then `convoy train` resumes).
+
+    Remote precedence: --remote, params tracking.dvc_remote, the run's config.json, the
+    repository's default DVC remote, then a local fallback; every error names the one used."""
     from tasks.version import VersioningError, pull_run
 
-    if remote is None:
-        from training.rundir import load_run_config
-
-        try:
-            remote = load_run_config(run_dir).tracking.dvc_remote or None
-        except ConfigError:
-            pass  # a bare copy of checkpoints without config.json: use the repo's default remote
+    cfg = config_or_exit(params, set_) if params.exists() or set_ else None
+    target = _pull_target(run_dir, cfg)
+    chosen, source = _pull_remote(remote, cfg, target)
     try:
-        out = pull_run(None, run_dir, remote, latest_only)
+        out = pull_run(None, target, chosen, latest_only, source=source)
     except VersioningError as exc:
         raise fail(str(exc), 1) from None
     console.print_json(json.dumps(out, default=str))

@@ -130,3 +130,65 @@ def test_param_change_under_dvc_repro_trains_a_new_run(tmp_path: Path, prefect_a
     assert (clone / "models" / "model.safetensors").read_bytes() == model_a
     assert len(read_events(old_dir, "started")) == 1 and not read_events(old_dir, "resumed")
     assert checkpoint_digests(old_dir) == old
+
+
+def summary_json(out: str) -> dict[str, Any]:
+    """The JSON document a convoy command prints last (DVC prints hints to stdout before it)."""
+    start = 0 if out.startswith("{") else out.index("\n{") + 1
+    return json.loads(out[start:])
+
+
+def commit_all(repo: Path) -> None:
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-q", "-m", "trained")
+
+
+@pytest.mark.slow
+def test_pull_in_a_fresh_clone_resumes_to_the_same_digest(tmp_path: Path, prefect_api: str) -> None:
+    """Versioning on, remote from params.yaml; two of three chunks reach git (the third .dvc file is
+    dropped: the first machine "stopped" there).  A fresh clone (no runs/, empty DVC cache) pulls
+    `runs/demo` and resumes to the uninterrupted run's digest; the same with the remote only as
+    the repository's committed default remote; a wrong remote is named in the error."""
+    remote = tmp_path / "remote"
+    origin, env = clone_project(tmp_path, dvc=True, dvc_remote=str(remote))
+    params = yaml.safe_load((origin / "params.yaml").read_text())
+    params["train"].update(total_steps=30)
+    (origin / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run(origin, env, "convoy", "prepare")
+    summary = summary_json(run(origin, env, "convoy", "train"))
+    digest = summary["digest"]
+    run_dir = Path(summary["run_dir"])
+    assert [p.name for p in sorted((run_dir / "checkpoints").glob("step-*.dvc"))][-1] == "step-000000030.dvc"
+    (run_dir / "checkpoints" / "step-000000030.dvc").unlink()
+    commit_all(origin)
+
+    def fresh_clone(name: str) -> Path:
+        clone = tmp_path / name
+        git(tmp_path, "clone", "-q", str(origin), str(clone))
+        assert not (clone / "runs" / "demo").exists() and not (clone / ".dvc" / "cache").exists()
+        run(clone, env, "convoy", "prepare")
+        return clone
+
+    def pull_and_train(clone: Path) -> None:
+        pulled = summary_json(run(clone, env, "convoy", "pull", "runs/demo"))
+        assert [c["checkpoint"] for c in pulled["checkpoints"]] == ["step-000000010", "step-000000020"]
+        out = summary_json(run(clone, env, "convoy", "train"))
+        assert out["digest"] == digest and out["trained_chunks"] == 1
+        assert "30/30 steps" in run(clone, env, "convoy", "status", "runs/demo")
+
+    a = fresh_clone("machine-a")
+    pull_and_train(a)
+    assert summary_json(run(a, env, "convoy", "pull", "runs/demo", "--latest-only"))["remote"].startswith(
+        "remote 'convoy'")
+
+    b = fresh_clone("machine-b")  # the remote only as the repository's default remote
+    params["tracking"]["dvc_remote"] = ""
+    (b / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    empty = tmp_path / "empty-remote"
+    empty.mkdir()
+    proc = subprocess.run(["convoy", "pull", "runs/demo", "--remote", str(empty)], cwd=b, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and str(empty) in proc.stderr and "step-000000020" in proc.stderr, proc.stderr
+    run(b, env, sys.executable, "-m", "dvc", "remote", "remove", "convoy", "--local")
+    run(b, env, sys.executable, "-m", "dvc", "remote", "add", "-d", "store", str(remote))
+    pull_and_train(b)
