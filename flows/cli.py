@@ -87,9 +87,17 @@ def train(
     params: ParamsArg = Path("params.yaml"),
     set_: SetOpt = None,
     allow_config_change: bool = typer.Option(False, help="resume a run whose trajectory settings changed"),
+    from_: Annotated[str | None, typer.Option(
+        "--from", help="start a new run from runs/<parent>[@step] (default: its newest verified checkpoint)")] = None,
 ) -> None:
-    """Run (or continue) a training run as a Prefect flow of chunk tasks."""
+    """Run (or continue) a training run as a Prefect flow of chunk tasks.
+
+    ``--from runs/<parent>[@step]`` trains these params as a new run that starts from that
+    checkpoint of the parent (model, optimizer state, RNG, data cursor, step), e.g. to train a
+    finished run longer: ``-S train.total_steps=2000 --from runs/demo``."""
     cfg = config_or_exit(params, set_, build_task=True)
+    if from_ is not None:
+        cfg = _child_config(cfg, from_)
     from flows.train import run_training
     from tasks.supervisor import ChunkFailed
 
@@ -100,6 +108,18 @@ def train(
     except ChunkFailed as exc:
         raise fail(str(exc), 1) from None
     console.print_json(json.dumps(summary, default=str))
+
+
+def _child_config(cfg: RunConfig, spec: str) -> RunConfig:
+    """``cfg`` as a child of ``spec``'s checkpoint: its own run directory (the name keyed by a
+    fingerprint that covers the parent checkpoint), never the parent's."""
+    from training.rundir import resolve_parent
+
+    try:
+        parent = resolve_parent(spec)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    return cfg.model_copy(update={"init_from": parent, "on_config_change": "new_run"})
 
 
 @app.command()

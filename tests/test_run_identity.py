@@ -192,3 +192,50 @@ def test_pull_in_a_fresh_clone_resumes_to_the_same_digest(tmp_path: Path, prefec
     run(b, env, sys.executable, "-m", "dvc", "remote", "remove", "convoy", "--local")
     run(b, env, sys.executable, "-m", "dvc", "remote", "add", "-d", "store", str(remote))
     pull_and_train(b)
+
+
+def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_path: Path) -> None:
+    """`--from` a finished run with total_steps doubled: the child starts at the parent's step
+    with its state, records the lineage (run.json, the forked checkpoint, MLflow tags), and a
+    child killed mid-way and resumed ends bitwise equal to an uninterrupted child."""
+    from tests.engine_util import SMALL, final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
+    from training.mlflow_backend import client_for, ensure_mlflow_run
+    from training.rundir import open_run, resolve_parent, run_info
+
+    parent = make_run(tmp_path, "parent", ["train.total_steps=20", "train.chunk_steps=20"])
+    assert run_worker(parent, 20)[0] == 0
+    parent_files = checkpoint_digests(parent)
+    assert resolve_parent(f"{parent}@10").step == 10
+
+    def child(name: str) -> tuple[Any, Path]:
+        cfg = load_config(None, SMALL + [f"runs_dir={tmp_path / 'runs'}", f"data.prepared_dir={tmp_path / 'data'}",
+                                         f"run_name={name}", "train.total_steps=40", "train.chunk_steps=20"])
+        cfg = cfg.model_copy(update={"init_from": resolve_parent(str(parent))})
+        return cfg, open_run(cfg)
+
+    cfg, a = child("child-a")
+    code, out = run_worker(a, 40)
+    assert code == 0 and "resumed from step 20" in out and "forked from" in out, out
+    lineage = run_info(a)["parent"]
+    assert lineage["step"] == 20 and lineage["digest"] == final_digest(parent) and lineage["run_name"] == "parent"
+    rows = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows][0] == 21 and rows[-1]["step"] == 40
+    from training.examples.char_gpt import warmup_cosine
+
+    assert rows[0]["metrics"]["lr"] == cfg.train.lr * warmup_cosine(5, 40)(20)  # the child's schedule at step 20
+
+    _, b = child("child-b")
+    p = start_worker(b, 40)
+    assert wait_for_step(b, p, 30) is not None
+    kill_group(p)
+    p.wait()
+    code, out = run_worker(b, 40)
+    assert code == 0 and "resumed from step" in out, out
+    assert final_digest(b) == final_digest(a) != final_digest(parent)
+    assert checkpoint_digests(parent) == parent_files, "the parent's checkpoints changed"
+
+    tracked = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(
+        update={"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})})
+    tags = client_for(tracked.tracking.mlflow_uri).get_run(ensure_mlflow_run(tracked, a)).data.tags
+    assert tags["convoy.parent_run"] == "parent" and tags["convoy.parent_step"] == "20"
+    assert tags["convoy.parent_digest"] == lineage["digest"]

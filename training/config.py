@@ -210,6 +210,16 @@ class TrackingConfig(_Strict):
     dvc_remote: str = ""
 
 
+class InitFrom(_Strict):
+    """The parent checkpoint a run starts from (``convoy train --from runs/<parent>[@step]``)."""
+
+    #: The parent's run directory.
+    run: str
+    step: int = Field(ge=0)
+    #: The parent checkpoint's whole-state digest: the child's identity names the exact state.
+    digest: str
+
+
 class RunConfig(_Strict):
     """The whole ``params.yaml``."""
 
@@ -224,6 +234,8 @@ class RunConfig(_Strict):
     #: resume (or reuse) the run that has them.  ``refuse`` by default: existing runs keep their
     #: directory; the project's ``params.yaml`` (what ``dvc repro`` reads) sets ``new_run``.
     on_config_change: Literal["refuse", "new_run"] = "refuse"
+    #: Start from this checkpoint of another run instead of from scratch (set by ``--from``).
+    init_from: InitFrom | None = None
     #: ``package.module:factory`` returning a :class:`training.task.TaskParts`.
     task: str = Field("training.examples.char_gpt:build", pattern=r"^[\w.]+:\w+$")
     #: Keyword arguments for the task factory (validated by the task itself).
@@ -255,6 +267,9 @@ class RunConfig(_Strict):
         train = self.train.model_dump(exclude=excluded)
         data = self.data.model_dump(exclude={"num_workers", "prepared_dir"})
         payload = {"task": self.task, "task_args": self.task_args, "data": data, "train": train}
+        if self.init_from is not None:  # absent otherwise: every fingerprint from before stays valid
+            payload["init_from"] = {"run": Path(self.init_from.run).name, "step": self.init_from.step,
+                                    "digest": self.init_from.digest}
         return json.loads(json.dumps(payload, sort_keys=True, default=str))
 
     def fingerprint(self) -> str:

@@ -7,13 +7,14 @@ changes the trajectory can never silently resume an old run (docs/architecture.m
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
 
-from training.config import ConfigError, RunConfig, config_from_dict, trajectory_changes
+from training.config import ConfigError, InitFrom, RunConfig, config_from_dict, trajectory_changes
 from training.events import append_event
 from training.fsutil import atomic_write_bytes, atomic_write_json, read_json
 
@@ -94,6 +95,92 @@ def link_current(config: RunConfig) -> Path | None:
     return link
 
 
+def _split_from(spec: str) -> tuple[Path, int | None]:
+    """``runs/demo`` or ``runs/demo@600`` (also ``runs/demo@1a2b3c4d@600``: a keyed directory's
+    name holds an ``@`` too, so ``@step`` is split off only when the whole path is no directory)."""
+    path = Path(spec)
+    head, sep, tail = spec.rpartition("@")
+    if path.is_dir() or not sep or not tail.isdigit():
+        return path, None
+    return Path(head), int(tail)
+
+
+def resolve_parent(spec: str) -> InitFrom:
+    """``--from runs/<parent>[@step]`` → the exact parent checkpoint: its run directory (links
+    resolved: the child must name the run, not whatever ``runs/<name>`` points at later), the
+    step (default: the newest verified one) and its digest.  A ConfigError says what is wrong."""
+    from training.checkpoint import CheckpointStore, checkpoint_name
+
+    path, step = _split_from(spec)
+    if not (path / "checkpoints").is_dir():
+        raise ConfigError(f"--from {spec}: {path} is not a convoy run directory (no checkpoints/)")
+    store = CheckpointStore(path.resolve())
+    try:
+        ck = store.latest_valid(record=False) if step is None else store.verify(path / "checkpoints" /
+                                                                                checkpoint_name(step))
+    except (ValueError, OSError) as exc:
+        steps = ", ".join(str(s) for s, _ in store.step_dirs()) or "none"
+        raise ConfigError(f"--from {spec}: checkpoint of step {step} not usable ({exc}); "
+                          f"steps there: {steps}") from None
+    if ck is None:
+        raise ConfigError(f"--from {spec}: {path} has no verified checkpoint")
+    return InitFrom(run=os.path.relpath(path.resolve()), step=ck.step, digest=ck.digest)
+
+
+def _parent_dvc_md5(ckpt: Path) -> str | None:
+    """The DVC hash of the parent checkpoint (its ``step-N.dvc``), when it was versioned."""
+    dvcfile = ckpt.with_name(ckpt.name + ".dvc")
+    if not dvcfile.exists():
+        return None
+    import yaml
+
+    outs = (yaml.safe_load(dvcfile.read_text()) or {}).get("outs") or [{}]
+    return outs[0].get("md5")
+
+
+def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """Make the parent checkpoint the child's first one and return the lineage for ``run.json``.
+
+    The files are hard-linked (a committed checkpoint is immutable: no bytes copied); the
+    manifest is a new file naming the child's fingerprint and ``forked_from``, without the
+    parent's MLflow run id (the child logs to its own run).  Built in a temporary sibling and
+    renamed, then ``LATEST`` (invariant 1).  The worker restores it like any checkpoint and then
+    takes the optimisation settings of the child's config (:mod:`training.worker`)."""
+    from training.checkpoint import LATEST, MANIFEST, CheckpointStore, checkpoint_name
+
+    src = config.init_from
+    assert src is not None
+    parent = Path(src.run)
+    ckpt = parent / "checkpoints" / checkpoint_name(src.step)
+    ck = CheckpointStore(parent).verify(ckpt)
+    if ck.digest != src.digest:
+        raise ConfigError(f"--from {src.run}@{src.step}: that checkpoint's digest is {ck.digest}, not {src.digest}")
+    final = run_dir / "checkpoints" / ckpt.name
+    lineage = {"run": str(parent), "run_name": parent.name, "step": ck.step, "digest": ck.digest,
+               "fingerprint": ck.manifest.get("fingerprint"),
+               "mlflow_run_id": (run_info(parent) or {}).get("mlflow_run_id"), "dvc_md5": _parent_dvc_md5(ckpt)}
+    if final.is_dir():  # forked before, killed before run.json was written
+        return lineage
+    tmp = run_dir / "checkpoints" / f".tmp-fork-{ckpt.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(ckpt, tmp, copy_function=_link_or_copy)
+    manifest = {**ck.manifest, "fingerprint": config.fingerprint(), "forked_from": lineage}
+    manifest.pop("mlflow_run_id", None)
+    (tmp / MANIFEST).unlink()  # a hard link to the parent's: never written through
+    atomic_write_json(tmp / MANIFEST, manifest)
+    os.rename(tmp, final)
+    atomic_write_bytes(run_dir / "checkpoints" / LATEST, (final.name + "\n").encode())
+    append_event(run_dir, "forked", **lineage)
+    return lineage
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # no hard links here (another filesystem): copy
+        shutil.copy2(src, dst)
+
+
 def recorded_trajectories(run_dir: Path, info: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``{fingerprint: trajectory settings}`` of every config this run was opened with.
 
@@ -165,8 +252,9 @@ def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
     (run_dir / "heartbeat").mkdir(exist_ok=True)
     known[fp] = config.trajectory()
     if info is None:
+        parent = fork_checkpoint(config, run_dir) if config.init_from is not None else None
         update_run_info(run_dir, name=config.run_name, fingerprint=fp, created=time.time(), mlflow_run_id=None,
-                        trajectories=known)
+                        trajectories=known, **({"parent": parent} if parent else {}))
     elif info.get("fingerprint") != fp:
         # The user explicitly accepted the change: checkpoints of the old config may be resumed.
         accepted = sorted({*info.get("accepted_fingerprints", []), info.get("fingerprint")} - {None})

@@ -225,6 +225,10 @@ class Worker:
         cfg = self.config
         seed_everything(cfg.train.seed)  # identical model init on every rank
         self.parts = build_task(cfg, self.device)
+        # The settings this config asks for, before a restore overwrites them (a forked child, see
+        # adopt_child_settings).
+        self.fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.parts.optimizer.param_groups]
+        self.fresh_base_lrs = list(getattr(self.parts.scheduler, "base_lrs", []))
         if self.rank > 0:  # rank 0 keeps the single-process stream; others get their own (dropout)
             seed_everything(mix_seed(cfg.train.seed, self.rank))
         self.model = self.parts.model
@@ -261,13 +265,39 @@ class Worker:
                 self.log(f"skipping checkpoint {ck.path.name}: restore failed: {exc}")
                 self.build()
                 continue
+            if ck.manifest.get("forked_from"):
+                self.adopt_child_settings(ck.manifest["forked_from"])
             dt = time.perf_counter() - t0
             self.log(f"resumed from step {ck.step} (checkpoint {ck.path.name}, verified in {dt:.2f} s)")
             append_event(self.run_dir, "resumed", rank=self.rank, step=ck.step, checkpoint=ck.path.name,
                          digest=ck.digest, load_s=round(dt, 4), until_step=self.until)
             return
+        parent = (run_info(self.run_dir) or {}).get("parent")
+        if parent:  # a child trained from scratch would be another run under the child's name
+            raise ConfigError(f"run {self.config.run_name} starts from {parent['run']} step {parent['step']}, but no "
+                              "checkpoint here restores (see the skipped checkpoints above); fork it again")
         self.log("no valid checkpoint: starting from step 0")
         append_event(self.run_dir, "started", rank=self.rank, until_step=self.until)
+
+    def adopt_child_settings(self, parent: dict[str, Any]) -> None:
+        """Restoring the parent checkpoint a child run was forked from (``--from``) brought the
+        parent's optimisation settings with its state: take the child's instead (optimizer
+        hyper-parameters, and for a LambdaLR the base LR, then the LR at the restored step from
+        the child's schedule).  Model, optimizer moments, RNG, data cursor and step stay the
+        parent's.  Deterministic, so a resumed child (restoring its own checkpoints, which
+        already hold these settings) stays bitwise equal to an uninterrupted one."""
+        opt, sched = self.parts.optimizer, self.parts.scheduler
+        for group, fresh in zip(opt.param_groups, self.fresh_groups, strict=True):
+            group.update(fresh)
+        if isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+            sched.base_lrs = list(self.fresh_base_lrs)
+            lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+            for group, lr in zip(opt.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            sched._last_lr = lrs  # what get_last_lr() reports
+        elif sched is not None:
+            self.log(f"scheduler {type(sched).__name__}: the parent's schedule state continues unchanged")
+        self.log(f"forked from {parent.get('run')} step {parent.get('step')}: this run's optimizer settings apply")
 
     def check_fingerprint(self, ck: Any) -> None:
         """Refuse a checkpoint of another trajectory, naming the keys that differ (old → new)
