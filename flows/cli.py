@@ -119,6 +119,10 @@ def _child_config(cfg: RunConfig, spec: str) -> RunConfig:
         parent = resolve_parent(spec)
     except ConfigError as exc:
         raise fail(str(exc)) from None
+    if parent.step >= cfg.train.total_steps:  # the child would train nothing and exit 0
+        raise fail(f"--from {spec}: that checkpoint ({parent.run} step {parent.step}) is already at "
+                   f"train.total_steps = {cfg.train.total_steps}; set a larger -S train.total_steps, or name "
+                   f"an earlier checkpoint (`{parent.run}@<step>`)")
     return cfg.model_copy(update={"init_from": parent, "on_config_change": "new_run"})
 
 

@@ -239,3 +239,23 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     tags = client_for(tracked.tracking.mlflow_uri).get_run(ensure_mlflow_run(tracked, a)).data.tags
     assert tags["convoy.parent_run"] == "parent" and tags["convoy.parent_step"] == "20"
     assert tags["convoy.parent_digest"] == lineage["digest"]
+
+
+@pytest.mark.slow
+def test_dvc_exp_run_twice_gives_two_experiments_with_their_own_runs(tmp_path: Path, prefect_api: str) -> None:
+    clone, env = clone_project(tmp_path)
+    for lr in ("0.002", "0.001"):
+        run(clone, env, sys.executable, "-m", "dvc", "exp", "run", "-S", f"train.lr={lr}")
+    shown = json.loads(run(clone, env, sys.executable, "-m", "dvc", "exp", "show", "--json"))
+    exps = [e for rev in shown for e in (rev.get("experiments") or [])]
+    digests = {}
+    for exp in exps:
+        data = exp["revs"][0]["data"]
+        lr = data["params"]["params.yaml"]["data"]["train"]["lr"]
+        digests[lr] = data["metrics"]["metrics/train.json"]["data"]["digest"]
+    assert set(digests) == {0.002, 0.001} and len(set(digests.values())) == 2
+    for lr, digest in digests.items():
+        cfg = load_config(clone / "params.yaml", [f"train.lr={lr}"])
+        run_dir = clone / "runs" / keyed_config(cfg).run_name
+        assert CheckpointStore(run_dir).latest_valid(record=False).digest == digest
+        assert json.loads((run_dir / "config.json").read_text())["train"]["lr"] == lr
