@@ -33,7 +33,7 @@ from tasks.supervisor import last_committed_step, reap_stale_worker
 from training.config import ConfigError, RunConfig, load_config
 from training.events import append_event, read_events
 from training.pipeline import acknowledge_chunk
-from training.rundir import open_run
+from training.rundir import keyed_config, link_current, open_run
 
 LOCK_FILE = ".lock"
 
@@ -108,12 +108,13 @@ def train(
 ) -> dict[str, Any]:
     """Train (or continue) the run described by ``config``, or by ``params`` + ``overrides``."""
     logger = get_run_logger()
-    cfg = config if config is not None else load_config(params, overrides or [])
+    cfg = keyed_config(config if config is not None else load_config(params, overrides or []))
     t0 = time.time()
     ctx = FlowRunContext.get()
     flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else None
     with run_lock(cfg.run_dir, cfg.run_name):
         run_dir = open_run(cfg, allow_config_change=allow_config_change).resolve()
+        link_current(cfg)
         if flow_run_id:
             remember(flow_run_id, run_dir=run_dir, run_name=cfg.run_name, chunk=None)
         tracking.begin_run(cfg, run_dir)
@@ -248,6 +249,13 @@ def run_training(config: RunConfig, allow_config_change: bool = False,
     # Refuse a second writer or a trajectory-changing config before a flow run even exists (a clean
     # one-line message, no failed run in the UI); the flow repeats both under its own lock, so a
     # race between two callers is still safe.  open_run is idempotent.
+    if allow_config_change and config.on_config_change == "new_run":
+        raise ConfigError(
+            "--allow-config-change does nothing with on_config_change: new_run (a changed config trains its "
+            f"own run, {keyed_config(config).run_dir}); to change the settings of an existing run set "
+            "-S on_config_change=refuse as well"
+        )
+    config = keyed_config(config)
     with run_lock(config.run_dir, config.run_name):
         open_run(config, allow_config_change=allow_config_change)
     from prefect import tags

@@ -35,6 +35,7 @@ from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, ConfigError, RunConfig, load_config
 from training.events import read_events
 from training.metrics import metric_rows
+from training.rundir import describe_change, keyed_config, recorded_trajectories, run_info
 from training.safetensors_io import write_file
 
 MODEL_PATH = Path("models/model.safetensors")
@@ -73,7 +74,8 @@ def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     write_file(tmp, tensors, meta)
     os.replace(tmp, out)
-    return {"path": str(out_path), "step": ck.step, "digest": ck.digest, "tensors": len(tensors),
+    return {"path": str(out_path), "step": ck.step, "digest": ck.digest, "fingerprint": meta["fingerprint"],
+            "tensors": len(tensors),
             "parameters": sum(t.numel() for t in tensors.values())}
 
 
@@ -121,11 +123,23 @@ def train_info(config: RunConfig, run_dir: str | Path, export: dict[str, Any]) -
             "nondeterministic": audit["nondeterministic"]}
 
 
+def _check_trained_with(config: RunConfig, run_dir: Path, fingerprint: str) -> None:
+    """The exported model must come from these params' trajectory: a pipeline must never record
+    params.yaml's values against a model trained with others (the keys that differ are named)."""
+    info = run_info(run_dir) or {}
+    if not fingerprint or fingerprint in (config.fingerprint(), *info.get("accepted_fingerprints", [])):
+        return
+    old = recorded_trajectories(run_dir, info).get(fingerprint)
+    raise ConfigError(f"{run_dir}: its newest checkpoint was trained with other settings than the params "
+                      f"({describe_change(old, config)}); run `convoy train` with these params first")
+
+
 def export_outputs(config: RunConfig, run_dir: str | Path | None = None, model_path: Path = MODEL_PATH,
                    metrics_path: Path = TRAIN_METRICS, plot_path: Path = LOSS_PLOT,
                    info_path: Path = TRAIN_INFO) -> dict[str, Any]:
-    run_dir = Path(run_dir) if run_dir is not None else config.run_dir
+    run_dir = Path(run_dir) if run_dir is not None else keyed_config(config).run_dir
     export = export_final_model(run_dir, model_path)
+    _check_trained_with(config, run_dir, export["fingerprint"])
     if export["step"] != config.train.total_steps:
         raise ConfigError(f"{run_dir}: newest valid checkpoint is step {export['step']}, not train.total_steps = "
                           f"{config.train.total_steps}; the run is not finished (run `convoy train` again)")

@@ -156,6 +156,16 @@ def run_id_from_checkpoints(run_dir: str | Path) -> str | None:
     return None
 
 
+def lineage_tags(parent: dict[str, Any] | None) -> dict[str, str]:
+    """``convoy.parent_*`` tags of a run forked from another (``--from``): the parent's run,
+    step, digest, MLflow run id (the link to it) and DVC hash."""
+    if not parent:
+        return {}
+    keys = {"run_name": "parent_run", "step": "parent_step", "digest": "parent_digest",
+            "mlflow_run_id": "parent_mlflow_run_id", "dvc_md5": "parent_dvc_md5"}
+    return {f"{TAG_PREFIX}{tag}": str(parent[key]) for key, tag in keys.items() if parent.get(key) is not None}
+
+
 def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> str:
     """The MLflow run id of this training run, creating the run (and recording it) if needed.
 
@@ -186,6 +196,7 @@ def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> s
         f"{TAG_PREFIX}resumes": "0",
         f"{TAG_PREFIX}failures": "0",
         f"{TAG_PREFIX}steps_lost": "0",
+        **lineage_tags(info.get("parent")),
     }
     run = client.create_run(exp_id, run_name=config.run_name, tags=tags)
     run_id = run.info.run_id

@@ -40,7 +40,14 @@ from training.heartbeat import Heartbeat, read_heartbeat
 from training.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, StepMetricLogger
 from training.paths import RunPaths
 from training.pipeline import wait_for_ack
-from training.rundir import RunBusy, load_run_config, run_info, take_worker_lease
+from training.rundir import (
+    RunBusy,
+    describe_change,
+    load_run_config,
+    recorded_trajectories,
+    run_info,
+    take_worker_lease,
+)
 from training.state import (
     ExpectedState,
     TrainState,
@@ -235,6 +242,10 @@ class Worker:
         cfg = self.config
         seed_everything(cfg.train.seed)  # identical model init on every rank
         self.parts = build_task(cfg, self.device)
+        # The settings this config asks for, before a restore overwrites them (a forked child, see
+        # adopt_child_settings).
+        self.fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.parts.optimizer.param_groups]
+        self.fresh_base_lrs = list(getattr(self.parts.scheduler, "base_lrs", []))
         if self.rank > 0:  # rank 0 keeps the single-process stream; others get their own (dropout)
             seed_everything(mix_seed(cfg.train.seed, self.rank))
         self.model = self.parts.model
@@ -271,22 +282,55 @@ class Worker:
                 self.log(f"skipping checkpoint {ck.path.name}: restore failed: {exc}")
                 self.build()
                 continue
+            if ck.manifest.get("forked_from"):
+                self.adopt_child_settings(ck.manifest["forked_from"])
             dt = time.perf_counter() - t0
             self.log(f"resumed from step {ck.step} (checkpoint {ck.path.name}, verified in {dt:.2f} s)")
             append_event(self.run_dir, "resumed", rank=self.rank, step=ck.step, checkpoint=ck.path.name,
                          digest=ck.digest, load_s=round(dt, 4), until_step=self.until,
                          previous_beat_step=self.previous_beat_step)
             return
+        parent = (run_info(self.run_dir) or {}).get("parent")
+        if parent:  # a child trained from scratch would be another run under the child's name
+            raise ConfigError(f"run {self.config.run_name} starts from {parent['run']} step {parent['step']}, but no "
+                              "checkpoint here restores (see the skipped checkpoints above); fork it again")
         self.log("no valid checkpoint: starting from step 0")
         append_event(self.run_dir, "started", rank=self.rank, until_step=self.until,
                      previous_beat_step=self.previous_beat_step)
 
+    def adopt_child_settings(self, parent: dict[str, Any]) -> None:
+        """Restoring the parent checkpoint a child run was forked from (``--from``) brought the
+        parent's optimisation settings with its state: take the child's instead (optimizer
+        hyper-parameters, and for a LambdaLR the base LR, then the LR at the restored step from
+        the child's schedule).  Model, optimizer moments, RNG, data cursor and step stay the
+        parent's.  Deterministic, so a resumed child (restoring its own checkpoints, which
+        already hold these settings) stays bitwise equal to an uninterrupted one."""
+        opt, sched = self.parts.optimizer, self.parts.scheduler
+        for group, fresh in zip(opt.param_groups, self.fresh_groups, strict=True):
+            group.update(fresh)
+        if isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+            sched.base_lrs = list(self.fresh_base_lrs)
+            lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+            for group, lr in zip(opt.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            sched._last_lr = lrs  # what get_last_lr() reports
+        elif sched is not None:
+            self.log(f"scheduler {type(sched).__name__}: the parent's schedule state continues unchanged")
+        self.log(f"forked from {parent.get('run')} step {parent.get('step')}: this run's optimizer settings apply")
+
     def check_fingerprint(self, ck: Any) -> None:
-        accepted = (run_info(self.run_dir) or {}).get("accepted_fingerprints", [])
-        if ck.manifest.get("fingerprint") not in (self.config.fingerprint(), *accepted):
-            raise ConfigError(
-                f"checkpoint {ck.path.name} has config fingerprint {ck.manifest.get('fingerprint')}, this run "
-                f"has {self.config.fingerprint()}; refusing to resume a different configuration")
+        """Refuse a checkpoint of another trajectory, naming the keys that differ (old → new)
+        from what ``run.json`` recorded for the checkpoint's fingerprint."""
+        info = run_info(self.run_dir) or {}
+        saved = ck.manifest.get("fingerprint")
+        if saved in (self.config.fingerprint(), *info.get("accepted_fingerprints", [])):
+            return
+        old = recorded_trajectories(self.run_dir, info).get(saved)
+        raise ConfigError(
+            f"checkpoint {ck.path.name} was saved with other trajectory settings: "
+            f"{describe_change(old, self.config)}; refusing to resume it under this config; resume with the "
+            f"config that saved it, train a new run (`convoy train -S run_name=<new name>`), or accept the "
+            f"change (`convoy train --allow-config-change`)")
 
     def apply(self, ck: Any, parts: dict[str, Any]) -> None:
         """Restore the train state from a loaded checkpoint (every rank, same step)."""
