@@ -30,6 +30,7 @@ from tasks import handoff, tracking
 from tasks.artifacts import publish_failure_note
 from tasks.hooks import chunk_failed, remember
 from tasks.supervisor import (
+    AttemptSpec,
     ChunkFailed,
     Limits,
     last_committed_step,
@@ -130,7 +131,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
         child = tracking.start_attempt(cfg, rd, chunk, attempt, start_step, end_step)
         t_attempt = time.time()
         try:
-            outcome = supervise(
+            outcome = supervise(AttemptSpec(
                 worker_command(rd.resolve(), until, cfg.train.ranks,
                                pipelined=pipeline, hosts=cfg.train.hosts if cfg.train.nnodes > 1 else (),
                                node_launch=cfg.orchestration.node_launch),
@@ -144,7 +145,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
                 done_at_step=end_step if pipeline and end_step < cfg.train.total_steps else None,
                 pipeline=pipeline,
                 standby_order={"until_step": until, "pipelined": pipeline} if use_standby else None,
-            )
+            ))
         except ChunkFailed as exc:
             resume_at = exc.details.get("last_committed_step") or 0
             trained = max(0, resume_at - resume)
