@@ -38,7 +38,7 @@ from typing import Any
 from training.audit import analyse_events, steps_lost
 from training.checkpoint import CheckpointStore
 from training.config import RunConfig, load_config
-from training.events import read_events
+from training.events import Event, read_events
 from training.heartbeat import read_heartbeat
 from training.metrics import read_metric_lines
 from training.paths import RunPaths
@@ -254,7 +254,7 @@ class ChaosRunner:
                 self._wait_for_step(int(stalled["step"]) + 1, flow, deadline)
             return
         while time.time() < deadline and flow.poll() is None:
-            resumed = [e for e in read_events(self.run_dir, "resumed")
+            resumed = [e for e in read_events(self.run_dir, Event.RESUMED)
                        if e.get("rank", 0) == 0 and e["time"] >= (fault.injected_at or 0)]
             if resumed:
                 return
@@ -264,8 +264,8 @@ class ChaosRunner:
     def _score(self, report: ChaosReport) -> None:
         events = read_events(self.run_dir)
         audit_rows = analyse_events(events)["rows"]  # the same rows as MLflow's resume table
-        failures = [e for e in events if e["kind"] == "failure"]
-        resumes = [e for e in events if e["kind"] == "resumed" and e.get("rank", 0) == 0]
+        failures = [e for e in events if e["kind"] == Event.FAILURE]
+        resumes = [e for e in events if e["kind"] == Event.RESUMED and e.get("rank", 0) == 0]
         rows = [{"step": s, "metrics": m} for s, m in read_metric_lines(RunPaths(self.run_dir).metrics)]
         for f in report.faults:
             if f.injected_at is None:

@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from training.config import ConfigError, RunConfig, load_config
+from training.events import Event
 from training.paths import RunPaths
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fault-tolerant, exactly-resumable training.")
@@ -283,8 +284,8 @@ def _measured_from_run(run_dir: Path, values: dict) -> dict:
     events = read_events(run_dir)
     if not events:
         raise fail(f"{run_dir}: no events.jsonl; run training first")
-    saves = [e["persist_s"] + e["stall_s"] for e in events if e["kind"] == "checkpoint_saved"]
-    failures = [e for e in events if e["kind"] == "failure" and e.get("failure") != "config"]
+    saves = [e["persist_s"] + e["stall_s"] for e in events if e["kind"] == Event.CHECKPOINT_SAVED]
+    failures = [e for e in events if e["kind"] == Event.FAILURE and e.get("failure") != "config"]
     out: dict = {}
     if saves:
         out["save_hours"] = median(saves) / 3600

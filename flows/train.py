@@ -31,7 +31,7 @@ from tasks.chunk import configured
 from tasks.hooks import flow_crashed, flow_failed, remember
 from tasks.supervisor import last_committed_step, reap_stale_worker
 from training.config import ConfigError, RunConfig, load_config
-from training.events import append_event, read_events
+from training.events import Event, append_event, read_events
 from training.pipeline import acknowledge_chunk
 from training.rundir import keyed_config, link_current, open_run
 
@@ -76,7 +76,8 @@ def run_lock(run_dir: Path, run_name: str) -> Iterator[None]:
 
 def _failure_kinds(run_dir: Path, chunk: int, since: float) -> list[str]:
     return [
-        e["failure"] for e in read_events(run_dir, "failure") if e.get("chunk") == chunk and e.get("time", 0) >= since
+        e["failure"] for e in read_events(run_dir, Event.FAILURE)
+        if e.get("chunk") == chunk and e.get("time", 0) >= since
     ]
 
 
@@ -122,7 +123,7 @@ def train(
             logger.warning("stopped a worker of this run left over from a flow that died")
         chunks = plan_chunks(cfg.train.total_steps, cfg.train.chunk_steps)
         committed = last_committed_step(run_dir) or 0
-        append_event(run_dir, "flow_started", flow_run_id=flow_run_id, committed_step=committed, chunks=len(chunks))
+        append_event(run_dir, Event.FLOW_STARTED, flow_run_id=flow_run_id, committed_step=committed, chunks=len(chunks))
         logger.info(
             "run %s: %d chunk(s) of %d steps (%s mode); newest verified checkpoint: step %d",
             cfg.run_name,

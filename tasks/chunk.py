@@ -39,7 +39,7 @@ from tasks.supervisor import (
     worker_command,
 )
 from training.config import ConfigError, RunConfig
-from training.events import append_event, read_events
+from training.events import Event, append_event, read_events
 from training.paths import RunPaths
 from training.rundir import load_run_config
 
@@ -73,7 +73,7 @@ def _attempt() -> int:
 
 
 def _loss_at(run_dir: Path, step: int) -> float | None:
-    for ev in reversed(read_events(run_dir, "worker_done")):
+    for ev in reversed(read_events(run_dir, Event.WORKER_DONE)):
         if ev.get("step") == step and ev.get("rank", 0) == 0:
             return ev.get("loss")
     from training.metrics import read_metric_lines  # a pipelined worker passed this boundary without stopping
@@ -153,7 +153,8 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
             if exc.kind == "preempted" and preemptions < cfg.orchestration.retries:
                 preemptions += 1
                 logger.warning("chunk %d preempted; re-submitting at once, resuming from step %d", chunk, resume_at)
-                append_event(rd, "resubmitted", chunk=chunk, attempt=attempt, reason="preempted", resume_step=resume_at)
+                append_event(rd, Event.RESUBMITTED, chunk=chunk, attempt=attempt, reason="preempted",
+                             resume_step=resume_at)
                 continue
             _report(logger, cfg, exc, chunk, attempt, resume_at)
             raise
@@ -178,7 +179,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
         "seconds": round(time.time() - started, 3),
         "worker_seconds": round(outcome.seconds, 3),
     }
-    append_event(rd, "chunk_done", **record)
+    append_event(rd, Event.CHUNK_DONE, **record)
     logger.info("chunk %d done: steps [%d, %d) digest %s (attempt %d)", chunk, start_step, end_step, digest, attempt)
     return record
 

@@ -42,7 +42,7 @@ from tasks.multinode import failed_node, launcher_command
 from tasks.procs import child_setup, pid_gone, reap_stale_worker, stop_group
 from training.audit import steps_lost, trained_high_water
 from training.config import EXIT_CONFIG
-from training.events import append_event
+from training.events import Event, append_event
 from training.heartbeat import beat_is_local, heartbeat_path, read_heartbeat
 from training.paths import RunPaths
 
@@ -442,7 +442,7 @@ class WorkerAttempt:
         with open(ready.log_path, "ab") as log:
             log.write(f"# convoy chunk={spec.chunk} attempt={spec.attempt} took over standby pid {ready.proc.pid} "
                       f"at {self.started:.3f}\n".encode())
-        append_event(self.run_dir, "standby_called", chunk=spec.chunk, attempt=spec.attempt, pid=ready.proc.pid,
+        append_event(self.run_dir, Event.STANDBY_CALLED, chunk=spec.chunk, attempt=spec.attempt, pid=ready.proc.pid,
                      ready_s=round(self.started - ready.started, 3))
         return ready.proc, ready.offset
 
@@ -517,7 +517,7 @@ class WorkerAttempt:
         if not self.handed_off:
             self.note(f"exit={rc} after {seconds:.2f} s")
         if self.leftover:
-            append_event(self.run_dir, "reap_failed", chunk=self.spec.chunk, attempt=self.spec.attempt,
+            append_event(self.run_dir, Event.REAP_FAILED, chunk=self.spec.chunk, attempt=self.spec.attempt,
                          pids=self.leftover)
         if self.handed_off:
             self.note(f"chunk={self.spec.chunk} committed step {self.spec.done_at_step} after {seconds:.2f} s; "
@@ -561,7 +561,7 @@ class WorkerAttempt:
             "reason": reason,
             "log": str(self.log_path),
         }
-        append_event(self.run_dir, "failure", failure=kind, chunk=self.spec.chunk, attempt=self.spec.attempt,
+        append_event(self.run_dir, Event.FAILURE, failure=kind, chunk=self.spec.chunk, attempt=self.spec.attempt,
                      detected_at=round(self.exit_seen, 3), leftover_pids=self.leftover, **details)
         details.update(tail=list(self.tail)[-10:], seconds=round(seconds, 3))
         where = f"chunk {self.spec.chunk}" if self.spec.chunk is not None else "worker"

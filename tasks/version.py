@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from training.checkpoint import CheckpointStore, parse_step
-from training.events import append_event
+from training.events import Event, append_event
 from training.paths import RunPaths
 
 #: Prefix of the private hard-link stage of a checkpoint being versioned (ignored by the store).
@@ -251,7 +251,7 @@ def _version_locked(
     finally:
         shutil.rmtree(stage, ignore_errors=True)
         stage.with_name(stage.name + ".dvc").unlink(missing_ok=True)
-    append_event(run_dir, "checkpoint_versioned", **result)
+    append_event(run_dir, Event.CHECKPOINT_VERSIONED, **result)
     return result
 
 
@@ -380,6 +380,6 @@ def pull_run(
         "pull_s": round(time.perf_counter() - t0, 3),
         "fetched": (stats or {}).get("fetched") if isinstance(stats, dict) else None,
     }
-    append_event(run_dir, "checkpoints_pulled", checkpoints=[v["checkpoint"] for v in verified])
+    append_event(run_dir, Event.CHECKPOINTS_PULLED, checkpoints=[v["checkpoint"] for v in verified])
     return result
 

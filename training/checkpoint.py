@@ -34,7 +34,7 @@ from training import faults, sharded
 from training import safetensors_io as st
 from training.codec import join_tree, split_tree, tensor_refs
 from training.config import CheckpointConfig
-from training.events import append_event, read_events
+from training.events import Event, append_event, read_events
 from training.fsutil import atomic_write_bytes, atomic_write_json, fsync_dir, read_json
 from training.paths import LATEST_FILE as LATEST
 from training.paths import RunPaths, checkpoint_name
@@ -188,7 +188,7 @@ class CheckpointStore:
         reaches that step again, the directory is quarantined as invalid, not mistaken for
         evidence of a non-deterministic replay."""
         self.refused[path.name] = reason
-        append_event(self.run_dir, "checkpoint_skipped", checkpoint=path.name, reason=reason)
+        append_event(self.run_dir, Event.CHECKPOINT_SKIPPED, checkpoint=path.name, reason=reason)
 
     def latest_valid(self, record: bool = True) -> Checkpoint | None:
         """Newest checkpoint that verifies; invalid newer ones are recorded and left alone."""
@@ -499,7 +499,7 @@ class CheckpointStore:
         doomed = path.with_name(f".deleting-{path.name}")
         os.rename(path, doomed)
         shutil.rmtree(doomed)
-        append_event(self.run_dir, "checkpoint_retired", checkpoint=path.name, reason=reason)
+        append_event(self.run_dir, Event.CHECKPOINT_RETIRED, checkpoint=path.name, reason=reason)
 
     def cleanup_stale_temp(self) -> None:
         """Remove ``.tmp-*``/``.deleting-*`` left by a killed writer (never committed).  Only the

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from training.events import append_event
+from training.events import Event, append_event
 from training.paths import RunPaths
 
 #: Metrics that are a pure function of the state, so a replay must reproduce them bit for bit.
@@ -178,7 +178,7 @@ class StepMetricLogger:
                     rec = {"step": step, "metric": key, "logged": before, "replayed": metrics[key]}
                     self.mismatches.append(rec)
                     if len(self.mismatches) == 1:
-                        append_event(self.run_dir, "nondeterministic_resume", **rec)
+                        append_event(self.run_dir, Event.NONDETERMINISTIC_RESUME, **rec)
                         for backend in self.backends:
                             tag = getattr(backend, "tag_nondeterminism", None)
                             if tag is not None:
@@ -204,10 +204,10 @@ class StepMetricLogger:
             return
         self._verdict_sent = True
         if not self.exact:
-            append_event(self.run_dir, "replay_after_resize", values_compared=self.replayed,
+            append_event(self.run_dir, Event.REPLAY_AFTER_RESIZE, values_compared=self.replayed,
                          max_abs_diff=self.max_abs_diff)
         else:
-            append_event(self.run_dir, "replay_verified" if not self.mismatches else "replay_mismatch",
+            append_event(self.run_dir, Event.REPLAY_VERIFIED if not self.mismatches else "replay_mismatch",
                          values_compared=self.replayed, mismatches=len(self.mismatches))
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from training.config import ConfigError, InitFrom, RunConfig, config_from_dict, trajectory_changes
-from training.events import append_event
+from training.events import Event, append_event
 from training.fsutil import atomic_write_bytes, atomic_write_json, read_json
 
 RUN_FILE = "run.json"
@@ -170,7 +170,7 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     atomic_write_json(tmp / MANIFEST, manifest)
     os.rename(tmp, final)
     atomic_write_bytes(run_dir / "checkpoints" / LATEST, (final.name + "\n").encode())
-    append_event(run_dir, "forked", **lineage)
+    append_event(run_dir, Event.FORKED, **lineage)
     return lineage
 
 
@@ -246,7 +246,7 @@ def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
         if not allow_config_change:
             raise ConfigError(mismatch_message(config, info, old))
         _refuse_finished(config, run_dir, describe_change(old, config))
-        append_event(run_dir, "config_changed", old=info.get("fingerprint"), new=fp,
+        append_event(run_dir, Event.CONFIG_CHANGED, old=info.get("fingerprint"), new=fp,
                      changes=trajectory_changes(old, config.trajectory()) if old else None)
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     (run_dir / "heartbeat").mkdir(exist_ok=True)

@@ -35,7 +35,7 @@ from training.batch import to_device
 from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
 from training.data import make_loader, mix_seed
-from training.events import append_event
+from training.events import Event, append_event
 from training.heartbeat import Heartbeat, read_heartbeat
 from training.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, StepMetricLogger
 from training.paths import RunPaths
@@ -188,7 +188,7 @@ class Worker:
         self.pipelined = bool(go.get("pipelined", False))
         self.claim()
         self.log(f"standby taking over: training to step {self.until}")
-        append_event(self.run_dir, "standby_took_over", rank=self.rank, pid=os.getpid(), until_step=self.until,
+        append_event(self.run_dir, Event.STANDBY_TOOK_OVER, rank=self.rank, pid=os.getpid(), until_step=self.until,
                      ordered_at=round(t0, 4))
         return True
 
@@ -286,7 +286,7 @@ class Worker:
                 self.adopt_child_settings(ck.manifest["forked_from"])
             dt = time.perf_counter() - t0
             self.log(f"resumed from step {ck.step} (checkpoint {ck.path.name}, verified in {dt:.2f} s)")
-            append_event(self.run_dir, "resumed", rank=self.rank, step=ck.step, checkpoint=ck.path.name,
+            append_event(self.run_dir, Event.RESUMED, rank=self.rank, step=ck.step, checkpoint=ck.path.name,
                          digest=ck.digest, load_s=round(dt, 4), until_step=self.until,
                          previous_beat_step=self.previous_beat_step)
             return
@@ -295,7 +295,7 @@ class Worker:
             raise ConfigError(f"run {self.config.run_name} starts from {parent['run']} step {parent['step']}, but no "
                               "checkpoint here restores (see the skipped checkpoints above); fork it again")
         self.log("no valid checkpoint: starting from step 0")
-        append_event(self.run_dir, "started", rank=self.rank, until_step=self.until,
+        append_event(self.run_dir, Event.STARTED, rank=self.rank, until_step=self.until,
                      previous_beat_step=self.previous_beat_step)
 
     def adopt_child_settings(self, parent: dict[str, Any]) -> None:
@@ -345,7 +345,7 @@ class Worker:
         self.world_changed = saved_world != self.world
         if self.world_changed and self.rank == 0:
             self.log(f"world size changed {saved_world} -> {self.world}: same global batch and sample position")
-            append_event(self.run_dir, "world_size_changed", step=ck.step, old=saved_world, new=self.world)
+            append_event(self.run_dir, Event.WORLD_SIZE_CHANGED, step=ck.step, old=saved_world, new=self.world)
 
     def train_step(self, micro_batches: list[Any]) -> dict[str, float]:
         """One optimizer step over ``grad_accum_steps`` micro-batches (invariant 4: a kill anywhere
@@ -463,7 +463,7 @@ class Worker:
                                 collective_write=writer)
         self.hb.set(phase="train")
         if self.rank == 0:
-            append_event(self.run_dir, "checkpoint_saved", step=self.state.step, stall_s=round(stall, 5),
+            append_event(self.run_dir, Event.CHECKPOINT_SAVED, step=self.state.step, stall_s=round(stall, 5),
                          blocking=blocking, persist_s=round(self.store.last_persist_s, 5))
         return stall
 
@@ -475,7 +475,7 @@ class Worker:
         self.adaptive.observe_save(stall)
         new = self.adaptive.interval_steps()
         if new != old:
-            append_event(self.run_dir, "interval_chosen", step=self.state.step, interval_steps=new,
+            append_event(self.run_dir, Event.INTERVAL_CHOSEN, step=self.state.step, interval_steps=new,
                          interval_s=self.adaptive.interval_seconds(), cost_s=self.adaptive.cost_s,
                          step_s=self.adaptive.step_s, mtbf_s=self.adaptive.mtbf_s)
             metrics.log_extra(self.state.step, {"ckpt_interval_steps": float(new)})
@@ -525,7 +525,7 @@ class Worker:
             self.attach_tracking(metrics, wait=False)
             self.hb.set(step=st.step)
             if st.step == self.resumed_step + 1 and self.rank == 0:  # recovery ends here (MTTR)
-                append_event(self.run_dir, "first_step", step=st.step, step_s=round(dt, 4))
+                append_event(self.run_dir, Event.FIRST_STEP, step=st.step, step_s=round(dt, 4))
                 self.start_tracking()
             if self.adaptive is not None:
                 self.adaptive.observe_step(dt, self.store.in_flight)
@@ -574,7 +574,7 @@ class Worker:
         self.save(blocking=True)
         self.attach_tracking(metrics, wait=True)
         metrics.close()
-        append_event(self.run_dir, "preempted", rank=self.rank, step=self.state.step)
+        append_event(self.run_dir, Event.PREEMPTED, rank=self.rank, step=self.state.step)
         self.hb.stop("done")
         distributed.shutdown()
         return EXIT_PREEMPTED
@@ -583,7 +583,7 @@ class Worker:
         self.store.wait()
         ck = (self.store.last_committed or self.store.latest_valid(record=False)) if self.rank == 0 else None
         digest = ck.digest if ck else None
-        append_event(self.run_dir, "worker_done", rank=self.rank, step=self.state.step, digest=digest, loss=loss)
+        append_event(self.run_dir, Event.WORKER_DONE, rank=self.rank, step=self.state.step, digest=digest, loss=loss)
         self.log(f"done at step {self.state.step} (digest {digest})")
         self.hb.stop("done")
         distributed.shutdown()
@@ -615,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
-        append_event(args.run_dir, "config_error", rank=rank, message=str(exc))
+        append_event(args.run_dir, Event.CONFIG_ERROR, rank=rank, message=str(exc))
         return EXIT_CONFIG
 
 
