@@ -131,6 +131,17 @@ def test_param_change_under_dvc_repro_trains_a_new_run(tmp_path: Path, prefect_a
     assert len(read_events(old_dir, "started")) == 1 and not read_events(old_dir, "resumed")
     assert checkpoint_digests(old_dir) == old
 
+    # A refused stage (on_config_change: refuse, another lr) fails, names the key, and leaves the
+    # model in the workspace (persist: DVC does not delete it before the stage runs).
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params.update(on_config_change="refuse")
+    params["train"]["lr"] = 0.005
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=clone, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode != 0 and "train.lr 0.003 → 0.005" in proc.stderr, proc.stderr[-3000:]
+    assert (clone / "models" / "model.safetensors").read_bytes() == model_a
+
 
 def summary_json(out: str) -> dict[str, Any]:
     """The JSON document a convoy command prints last (DVC prints hints to stdout before it)."""
