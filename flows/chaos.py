@@ -39,6 +39,7 @@ from training.checkpoint import CheckpointStore
 from training.config import RunConfig, load_config
 from training.events import read_events
 from training.heartbeat import read_heartbeat
+from training.rundir import keyed_config
 
 FAULT_KINDS = ("kill", "term", "hang", "slow", "corrupt", "delete", "diskfull", "flowkill")
 
@@ -111,8 +112,10 @@ class ChaosRunner:
     ) -> None:
         self.params, self.overrides, self.seed, self.log, self.timeout_s = params, overrides, seed, log, timeout_s
         base = load_config(params, overrides)
-        self.ref_cfg = load_config(params, [*overrides, f"run_name={base.run_name}-reference"])
-        self.cfg = load_config(params, [*overrides, f"run_name={base.run_name}-chaos"])
+        # The directories the runs really train in (runs/<name>@<fp8> under on_config_change:
+        # new_run): the fault flags must be in the run directory the worker watches.
+        self.ref_cfg = keyed_config(load_config(params, [*overrides, f"run_name={base.run_name}-reference"]))
+        self.cfg = keyed_config(load_config(params, [*overrides, f"run_name={base.run_name}-chaos"]))
         self.faults = plan_faults(kinds, self.cfg.train.total_steps, seed)
         self.run_dir = self.cfg.run_dir
         self.flag = (self.run_dir / ".fault-diskfull").resolve()
