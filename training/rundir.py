@@ -152,7 +152,10 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     assert src is not None
     parent = Path(src.run)
     ckpt = parent / "checkpoints" / checkpoint_name(src.step)
-    ck = CheckpointStore(parent).verify(ckpt)
+    try:
+        ck = CheckpointStore(parent).verify(ckpt)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"--from {src.run}@{src.step}: the parent checkpoint does not verify ({exc})") from None
     if ck.digest != src.digest:
         raise ConfigError(f"--from {src.run}@{src.step}: that checkpoint's digest is {ck.digest}, not {src.digest}")
     final = run_dir / "checkpoints" / ckpt.name
