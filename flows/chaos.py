@@ -295,7 +295,9 @@ class ChaosRunner:
     def run(self) -> ChaosReport:
         report = ChaosReport(faults=self.faults)
         report.reference_digest = self.reference()
-        if self.run_dir.exists():
+        if self.run_dir.is_symlink():  # runs/<name> linking to a fingerprint-named run: only the link goes
+            self.run_dir.unlink()
+        elif self.run_dir.exists():
             shutil.rmtree(self.run_dir)
         self.log(f"chaos run {self.cfg.run_name}: faults " + ", ".join(f"{f.kind}@{f.at_step}" for f in self.faults))
         t0 = time.time()
