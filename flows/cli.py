@@ -111,19 +111,13 @@ def train(
 
 
 def _child_config(cfg: RunConfig, spec: str) -> RunConfig:
-    """``cfg`` as a child of ``spec``'s checkpoint: its own run directory (the name keyed by a
-    fingerprint that covers the parent checkpoint), never the parent's."""
-    from training.rundir import resolve_parent
+    """``cfg`` as a child of ``spec``'s checkpoint (or the child it already is), one line if not."""
+    from training.rundir import child_config
 
     try:
-        parent = resolve_parent(spec)
+        return child_config(cfg, spec)
     except ConfigError as exc:
         raise fail(str(exc)) from None
-    if parent.step >= cfg.train.total_steps:  # the child would train nothing and exit 0
-        raise fail(f"--from {spec}: that checkpoint ({parent.run} step {parent.step}) is already at "
-                   f"train.total_steps = {cfg.train.total_steps}; set a larger -S train.total_steps, or name "
-                   f"an earlier checkpoint (`{parent.run}@<step>`)")
-    return cfg.model_copy(update={"init_from": parent, "on_config_change": "new_run"})
 
 
 @app.command()

@@ -246,6 +246,12 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     assert final_digest(b) == final_digest(a) != final_digest(parent)
     assert checkpoint_digests(parent) == parent_files, "the parent's checkpoints changed"
 
+    # `--from` the child itself (runs/<name> links to it once it trained) with the same params
+    # resumes that child instead of forking a grandchild.
+    from training.rundir import child_config
+
+    assert child_config(cfg.model_copy(update={"init_from": None}), str(a)).init_from == cfg.init_from
+
     # The CLI refuses a parent checkpoint already at total_steps (the child would train nothing).
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(json.loads((parent / "config.json").read_text())))
