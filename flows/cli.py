@@ -88,13 +88,14 @@ def train(
     set_: SetOpt = None,
     allow_config_change: bool = typer.Option(False, help="resume a run whose trajectory settings changed"),
     from_: Annotated[str | None, typer.Option(
-        "--from", help="start a new run from runs/<parent>[@step] (default: its newest verified checkpoint)")] = None,
+        "--from", help="start a new run from runs/<parent> (its newest verified checkpoint) or "
+                       "runs/<parent>@<step>")] = None,
 ) -> None:
     """Run (or continue) a training run as a Prefect flow of chunk tasks.
 
-    ``--from runs/<parent>[@step]`` trains these params as a new run that starts from that
-    checkpoint of the parent (model, optimizer state, RNG, data cursor, step), e.g. to train a
-    finished run longer: ``-S train.total_steps=2000 --from runs/demo``."""
+    With --from, these params train as a new run that starts from that checkpoint of the parent
+    (model, optimizer state, RNG, data cursor, step), e.g. to train a finished run longer:
+    convoy train -S train.total_steps=2000 --from runs/demo"""
     cfg = config_or_exit(params, set_, build_task=True)
     if from_ is not None:
         cfg = _child_config(cfg, from_)
