@@ -253,3 +253,47 @@ def test_eval_phase_has_its_own_limit() -> None:
     beat = {"rank": 0, "pid": os.getpid(), "phase": "eval", "step": 12, "time": t + 9.5, "progress_time": t - 1}
     kind, reason, _ = _check(w, [beat], 1, lim, t + 9.6)
     assert kind == "hang" and "phase eval" in reason and "limit 10" in reason
+
+
+def build_custom_step_task(config: RunConfig, device: torch.device) -> TaskParts:
+    """The char GPT with its own update: clipping per parameter instead of the global norm."""
+    parts = char_gpt.build(config, device)
+
+    def train_step(model: torch.nn.Module, batch: Any, optimizer: torch.optim.Optimizer, scaler: Any) -> dict:
+        loss = parts.loss_fn(model, batch)
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                torch.nn.utils.clip_grad_norm_([p], 0.5)
+        optimizer.step()
+        return {"loss": float(loss.detach()), "custom": 1.0}
+
+    parts.train_step = train_step
+    return parts
+
+
+def test_task_train_step_escape_hatch(tmp_path: Path) -> None:
+    """The task's own update runs; convoy still steps the schedule, moves the cursor, saves and
+    logs.  Run in this process (no subprocess start) for a few steps."""
+    from training.config import ConfigError
+    from training.rundir import load_run_config
+    from training.task import build_task
+    from training.worker import Worker
+
+    task = ["task=tests.test_real_models:build_custom_step_task", "train.total_steps=6", "train.chunk_steps=6"]
+    run_dir = make_run(tmp_path, "custom", SHORT + task)
+    worker = Worker(run_dir, 6)
+    try:
+        assert worker.run() == 0
+    finally:
+        if worker.lease is not None:
+            worker.lease.release()
+    rows = metric_rows(run_dir)
+    assert [s for s, _ in rows] == list(range(1, 7)) and all(m["custom"] == 1.0 for _, m in rows)
+    assert rows[0][1]["lr"] != rows[3][1]["lr"]  # the scheduler was stepped by convoy
+    ck = CheckpointStore(run_dir).latest_valid(record=False)
+    assert ck is not None and ck.step == 6
+    cfg = load_run_config(run_dir).model_copy(deep=True)
+    cfg.train.grad_accum_steps = 2
+    with pytest.raises(ConfigError, match="grad_accum_steps"):
+        build_task(cfg, torch.device("cpu"))
