@@ -1,6 +1,6 @@
 """Step time of convoy's training loop vs a bare PyTorch loop of the same model, same process.
 
-    python bench/loop_overhead.py [--steps 200] [--block 50] [--eval-every 10] [-S k=v ...]
+    python bench/loop_overhead.py [--steps 200] [--block 25] [--eval-every 10] [--threads 1] [-S k=v ...]
 
 Two pairs, in interleaved blocks (machine-load drifts hit both sides alike):
 
@@ -17,6 +17,8 @@ Each convoy block is one ``Worker.run`` resuming the previous block's checkpoint
 are the gaps between successive steps as the loop reports them to the heartbeat (everything the
 loop does per step), the first two after the restore left out.  Printed: mean and median step
 time per side and the ratio convoy / bare (goal <= 1.03 without saves).  A figure, not an assertion.
+Both sides run with the same torch thread count (``--threads``, 1 by default: on a shared 2-core
+machine two threads per process oversubscribe the cores and step times swing by tens of %).
 """
 
 from __future__ import annotations
@@ -109,8 +111,11 @@ def summary(times: list[float]) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200, help="timed steps per side and variant")
-    ap.add_argument("--block", type=int, default=50, help="steps per interleaved block")
+    ap.add_argument("--block", type=int, default=25, help="steps per interleaved block")
     ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads for both sides (0 = torch's default); on a small shared "
+                         "machine more than one thread per process makes step times swing by tens of %%")
     ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
     args = ap.parse_args()
 
@@ -120,6 +125,8 @@ def main() -> int:
     from training.corpus import prepare
     from training.rundir import open_run
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="convoy-bench-loop-"))
     blocks = -(-args.steps // args.block)
     total = blocks * args.block
