@@ -297,3 +297,48 @@ def test_task_train_step_escape_hatch(tmp_path: Path) -> None:
     cfg.train.grad_accum_steps = 2
     with pytest.raises(ConfigError, match="grad_accum_steps"):
         build_task(cfg, torch.device("cpu"))
+
+
+def build_random_eval_task(config: RunConfig, device: torch.device) -> TaskParts:
+    """A loss that draws from every global RNG stream, in training and in validation alike."""
+    import random as py_random
+
+    import numpy as np
+
+    parts = char_gpt.build(config, device)
+    plain = parts.loss_fn
+
+    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        noise = torch.rand(()) + py_random.random() + float(np.random.rand())
+        return plain(m, batch) + 0.0 * noise
+
+    parts.loss_fn = loss_fn
+    return parts
+
+
+def test_evaluate_restores_every_rng_stream_and_the_train_mode(tmp_path: Path) -> None:
+    """In-process: whatever the task's loss draws during validation, the training streams are
+    as before it, and the model is back in train mode."""
+    import random as py_random
+
+    import numpy as np
+
+    from training.worker import Worker
+
+    run_dir = make_run(tmp_path, "rng", SHORT + ["task=tests.test_real_models:build_random_eval_task",
+                                                 "train.eval_every=1", "train.eval_samples=8"])
+    worker = Worker(run_dir, TOTAL)
+    try:
+        worker.setup()
+        worker.restore()
+        worker.parts.model.train()
+        before = (torch.get_rng_state().clone(), py_random.getstate(), np.random.get_state()[1].copy())
+        val = worker.evaluate()
+        after = (torch.get_rng_state(), py_random.getstate(), np.random.get_state()[1])
+        assert math.isfinite(val) and worker.parts.model.training
+        assert torch.equal(before[0], after[0]) and before[1] == after[1] and (before[2] == after[2]).all()
+        assert worker.evaluate() == val  # deterministic order, same weights: same value
+    finally:
+        worker.hb.stop()
+        if worker.lease is not None:
+            worker.lease.release()
