@@ -342,3 +342,27 @@ def test_evaluate_restores_every_rng_stream_and_the_train_mode(tmp_path: Path) -
         worker.hb.stop()
         if worker.lease is not None:
             worker.lease.release()
+
+
+@pytest.mark.slow
+def test_two_ranks_accumulate_and_evaluate_like_one(tmp_path: Path) -> None:
+    """DDP (gloo, 2 ranks): no_sync on the first micro-batch, one all-reduce per optimizer step,
+    validation split over the ranks and all-reduced; same losses as one rank on the same global
+    micro-batches up to the all-reduce's summation order (dropout off)."""
+    from tests.test_distributed import finish, torchrun
+
+    extra = SHORT + ACCUM + ["train.total_steps=12", "train.chunk_steps=12", "train.grad_accum_steps=2",
+                             "train.eval_every=6", "train.eval_samples=12"]
+    one = make_run(tmp_path, "one-rank", extra)
+    two = make_run(tmp_path, "two-ranks", extra + ["train.ranks=2"])
+    p2 = torchrun(two, 12, 2)
+    code, out = run_worker(one, 12)
+    assert code == 0, out
+    finish(p2)
+    a, b = dict(metric_rows(one)), dict(metric_rows(two))
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    for step in a:
+        assert math.isclose(a[step]["loss"], b[step]["loss"], rel_tol=1e-5), step
+    assert [s for s in b if "val_loss" in b[s]] == [6, 12]
+    for step in (6, 12):
+        assert math.isclose(a[step]["val_loss"], b[step]["val_loss"], rel_tol=1e-5)
