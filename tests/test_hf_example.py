@@ -32,23 +32,25 @@ HF = ["task=training.examples.hf_causal_lm:build", "task_args={}", f"train.total
 @pytest.mark.slow
 def test_hf_causal_lm_killed_resumes_bitwise(tmp_path: Path) -> None:
     ref_dir = make_run(tmp_path, "reference", HF)
-    code, out = run_worker(ref_dir, TOTAL, {"HF_HUB_OFFLINE": "1"})
-    assert code == 0, out
-    rows = metric_rows(ref_dir)
-    assert abs(rows[0][1]["loss"] - math.log(256)) < 0.1  # random init, byte vocabulary
-    assert [s for s, m in rows if "val_loss" in m] == [4, 8, 12]
-    assert "lr/group-1" in rows[0][1]  # weight-decay groups
-
     run_dir = make_run(tmp_path, "killed", HF)
+    offline = {"HF_HUB_OFFLINE": "1"}
+    ref = start_worker(ref_dir, TOTAL, offline)  # uninterrupted, alongside the one to kill
     flag = tmp_path / "in-window"
-    p = start_worker(run_dir, TOTAL, {"HF_HUB_OFFLINE": "1", "CONVOY_FAULTS": f"micro_stall=5:2:60:{flag}"})
+    p = start_worker(run_dir, TOTAL, {**offline, "CONVOY_FAULTS": f"micro_stall=5:2:60:{flag}"})
     deadline = time.time() + 180
     while not flag.exists() and p.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     assert flag.exists(), p.communicate()[0]  # micro-batch 1 of step 5 done, 2 and the update not
     kill_group(p)
     p.wait()
-    code, out = run_worker(run_dir, TOTAL, {"HF_HUB_OFFLINE": "1"})
+    code, out = run_worker(run_dir, TOTAL, offline)
     assert code == 0, out
+    out, _ = ref.communicate(timeout=300)
+    assert ref.returncode == 0, out
     assert read_events(run_dir, "resumed")[0]["step"] == 3
     assert final_digest(run_dir) == final_digest(ref_dir)
+
+    rows = metric_rows(ref_dir)
+    assert abs(rows[0][1]["loss"] - math.log(256)) < 0.1  # random init, byte vocabulary
+    assert [s for s, m in rows if "val_loss" in m] == [4, 8, 12]
+    assert "lr/group-1" in rows[0][1]  # weight-decay groups
