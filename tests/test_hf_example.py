@@ -54,3 +54,26 @@ def test_hf_causal_lm_killed_resumes_bitwise(tmp_path: Path) -> None:
     assert abs(rows[0][1]["loss"] - math.log(256)) < 0.1  # random init, byte vocabulary
     assert [s for s, m in rows if "val_loss" in m] == [4, 8, 12]
     assert "lr/group-1" in rows[0][1]  # weight-decay groups
+
+
+def test_llama_family_builds_offline_with_ln_vocab_loss(tmp_path: Path) -> None:
+    """``task_args.family: llama`` builds from its config in this process (no download) and its
+    first loss on a dict batch is about ln(256)."""
+    import torch
+
+    from training.config import load_config
+    from training.corpus import prepare
+    from training.state import seed_everything
+    from training.task import build_task
+
+    cfg = load_config(None, [*HF, "task_args.family=llama", f"data.prepared_dir={tmp_path / 'data'}",
+                             "data.synthetic_chars=20000"])
+    prepare(cfg.data, cfg.train.seed)
+    seed_everything(cfg.train.seed)
+    parts = build_task(cfg, torch.device("cpu"))
+    assert type(parts.model).__name__ == "LlamaForCausalLM"
+    assert len(parts.optimizer.param_groups) == 2 and parts.optimizer.param_groups[1]["weight_decay"] == 0.0
+    batch = torch.utils.data.default_collate([parts.train_data[i] for i in range(4)])
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    with torch.no_grad():
+        assert abs(float(parts.loss_fn(parts.model, batch)) - math.log(256)) < 0.1
