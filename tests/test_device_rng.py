@@ -130,7 +130,8 @@ def test_amp_dtype_choice() -> None:
 def _legacy_fingerprint(overrides: list[str]) -> str:
     """The fingerprint as computed before ``train.amp_dtype`` existed."""
     cfg = load_config(None, overrides)
-    train = cfg.train.model_dump(exclude={"chunk_steps", "eval_every", "ranks", "nnodes", "hosts", "amp_dtype"})
+    newer = {"amp_dtype", "eval_samples", "grad_accum_steps"}  # settings added since (at their defaults here)
+    train = cfg.train.model_dump(exclude={"chunk_steps", "eval_every", "ranks", "nnodes", "hosts", *newer})
     data = cfg.data.model_dump(exclude={"num_workers", "prepared_dir"})
     payload = {"task": cfg.task, "task_args": cfg.task_args, "data": data, "train": train}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
