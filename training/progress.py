@@ -183,4 +183,5 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
         "resumes": audit["resumes"],
         "steps_lost": audit["steps_lost"],
         "failure_kinds": [r["kind"] for r in audit["rows"]],
+        "failure_chunks": [e.get("chunk") for e in events if e["kind"] == "failure"],  # attempt numbers
     }
