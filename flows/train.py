@@ -26,6 +26,7 @@ from filelock import FileLock, Timeout
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
+from flows.report import mlflow_link
 from tasks import handoff, standby, tracking
 from tasks.artifacts import publish_chunk_table
 from tasks.chunk import chunk_record, configured
@@ -218,7 +219,7 @@ def train(
                 logger.info("stopped the pipelined worker of run %s", cfg.run_name)
             standby.release(run_dir)
             versioned.extend(tracking.collect_versions(version_futures))
-            publish_chunk_table(cfg.run_name, rows)
+            publish_chunk_table(cfg.run_name, rows, mlflow_link(run_dir)[0])
             audit = tracking.finish_run(cfg, run_dir, ok)
         final_step = last_committed_step(run_dir) or 0
         from training.checkpoint import CheckpointStore

@@ -89,3 +89,9 @@ def test_train_prints_a_summary_with_the_mlflow_url_and_json_parses(
         flow_run = client.read_flow_run(summary["flow_run_id"])
     assert flow_run.name.startswith("summary-") and "run:summary" in flow_run.tags, (flow_run.name, flow_run.tags)
     assert flow_run.parameters["overrides"] == ["train.warmup_steps=5"]  # what -S said, visible in the UI
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        key = ArtifactFilterKey(any_=["convoy-summary-chunks"])
+        tables = client.read_artifacts(artifact_filter=ArtifactFilter(key=key))
+    assert tables and all("?workflowType=machine_learning" in (t.description or "") for t in tables)
