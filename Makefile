@@ -3,12 +3,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo check test test-fast lint format bench clean
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c requirements.lock -e '.[dev]'
+	$(BIN)/python -m pip install -q -c requirements.lock -e '.[dev,hf]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -18,12 +18,25 @@ demo: install
 	$(BIN)/convoy prepare
 	$(BIN)/convoy train
 
-## The whole test suite (what CI runs).
+## Lint and format check (run by `make test` before the tests, so CI enforces both).
+check: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+## The whole test suite (what CI runs): the checks, then every test.
 test: install
 	$(BIN)/python -m pytest -q -ra --durations=15
 
-lint: install
-	$(BIN)/ruff check .
+## The quick tests only (no end-to-end runs marked slow): a few minutes.
+test-fast: install
+	$(BIN)/python -m pytest -q -ra -m "not slow"
+
+lint: check
+
+## Apply the formatter and the safe lint fixes.
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 bench: install
 	$(BIN)/python bench/checkpoint.py

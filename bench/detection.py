@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from tasks.supervisor import ChunkFailed, Limits, supervise, worker_command
+from tasks.supervisor import AttemptSpec, ChunkFailed, Limits, supervise, worker_command
 from training.checkpoint import CheckpointStore
 from training.config import load_config
 from training.corpus import prepare
@@ -75,7 +75,8 @@ def one(root: Path, kind: str, i: int, ranks: int, nnodes: int = 1) -> dict:
         return worker_command(run_dir, until, ranks, hosts=hosts, node_launch=cfg.orchestration.node_launch)
 
     try:
-        supervise(command(400), run_dir, limits, run_dir / "logs" / "bench.log", ranks=world, chunk=1, attempt=1)
+        supervise(AttemptSpec(command(400), run_dir, limits, run_dir / "logs" / "bench.log", ranks=world, chunk=1,
+                              attempt=1))
         raise RuntimeError("worker finished without the injected failure")
     except ChunkFailed as exc:
         detected_as = exc.kind

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -53,10 +55,20 @@ def kill_when(run_dir: Path, step: int, standby: bool, out: dict[str, Any]) -> N
         log = run_dir / "logs" / "standby-1.log"
         ready = not standby or (log.exists() and "standby ready" in log.read_text(errors="replace"))
         if ready and beat and beat.get("phase") == "train" and int(beat["step"]) >= step:
+            if standby:
+                out.update(memory_mb(int(beat["pid"])))
             out.update(t=time.time(), step=int(beat["step"]))
             os.kill(int(beat["pid"]), signal.SIGKILL)
             return
         time.sleep(0.01)
+
+
+def memory_mb(worker_pid: int) -> dict[str, float]:
+    """Resident memory of the training worker and of the waiting standby (its cost), in MB."""
+    spare = [p for p in psutil.Process().children(recursive=True)
+             if "--standby" in p.cmdline() and "training.worker" in " ".join(p.cmdline())]
+    return {"worker_rss_mb": psutil.Process(worker_pid).memory_info().rss / 2**20,
+            "standby_rss_mb": sum(p.memory_info().rss for p in spare) / 2**20}
 
 
 def one(root: Path, standby: bool, i: int, kill_step: int) -> dict[str, float]:
@@ -83,6 +95,7 @@ def one(root: Path, standby: bool, i: int, kill_step: int) -> dict[str, float]:
         "mttr": first["time"] - shot["t"],
         "ckpt_path": str(CheckpointStore(run_dir).root / resumed["checkpoint"]),
         "took_over": bool(read_events(run_dir, "standby_took_over")),
+        **{k: v for k, v in shot.items() if k.endswith("_mb")},
     }
 
 
@@ -131,6 +144,10 @@ def main() -> None:
         label = "standby" if standby else "restart"
         print(f"{label:>10} " + " ".join(f"{med[k]:>10.3f}" for k in keys)
               + f" {med['mttr'] / floor_s:>8.2f} {verdict:>18}")
+    worker = statistics.median(r["worker_rss_mb"] for r in rows[True])
+    spare = statistics.median(r["standby_rss_mb"] for r in rows[True])
+    print(f"\nstandby memory: the waiting standby holds {spare:.0f} MB resident next to the worker's "
+          f"{worker:.0f} MB ({spare / worker:.2f}x)")
 
 
 if __name__ == "__main__":

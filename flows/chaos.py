@@ -38,8 +38,10 @@ from typing import Any
 from training.audit import analyse_events, steps_lost
 from training.checkpoint import CheckpointStore
 from training.config import RunConfig, load_config
-from training.events import read_events
+from training.events import Event, read_events
 from training.heartbeat import read_heartbeat
+from training.metrics import read_metric_lines
+from training.paths import RunPaths
 
 FAULT_KINDS = ("kill", "term", "hang", "slow", "corrupt", "delete", "diskfull", "flowkill")
 
@@ -162,7 +164,7 @@ class ChaosRunner:
             pass
 
     def reference(self) -> str:
-        store = CheckpointStore(self.ref_cfg.run_dir) if (self.ref_cfg.run_dir / "checkpoints").exists() else None
+        store = CheckpointStore(self.ref_cfg.run_dir) if RunPaths(self.ref_cfg.run_dir).checkpoints.exists() else None
         ck = store.latest_valid(record=False) if store else None
         if ck is None or ck.step != self.ref_cfg.train.total_steps:
             self.log(f"reference run {self.ref_cfg.run_name}: training fault-free")
@@ -252,7 +254,7 @@ class ChaosRunner:
                 self._wait_for_step(int(stalled["step"]) + 1, flow, deadline)
             return
         while time.time() < deadline and flow.poll() is None:
-            resumed = [e for e in read_events(self.run_dir, "resumed")
+            resumed = [e for e in read_events(self.run_dir, Event.RESUMED)
                        if e.get("rank", 0) == 0 and e["time"] >= (fault.injected_at or 0)]
             if resumed:
                 return
@@ -262,10 +264,9 @@ class ChaosRunner:
     def _score(self, report: ChaosReport) -> None:
         events = read_events(self.run_dir)
         audit_rows = analyse_events(events)["rows"]  # the same rows as MLflow's resume table
-        failures = [e for e in events if e["kind"] == "failure"]
-        resumes = [e for e in events if e["kind"] == "resumed" and e.get("rank", 0) == 0]
-        path = self.run_dir / "metrics.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        failures = [e for e in events if e["kind"] == Event.FAILURE]
+        resumes = [e for e in events if e["kind"] == Event.RESUMED and e.get("rank", 0) == 0]
+        rows = [{"step": s, "metrics": m} for s, m in read_metric_lines(RunPaths(self.run_dir).metrics)]
         for f in report.faults:
             if f.injected_at is None:
                 f.survived = False

@@ -18,6 +18,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from training.config import ConfigError, RunConfig, load_config
+from training.events import Event
+from training.paths import RunPaths
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fault-tolerant, exactly-resumable training.")
 console = Console()
@@ -90,6 +92,8 @@ def train(
     allow_config_change: bool = typer.Option(False, help="resume a run whose trajectory settings changed"),
     as_json: bool = typer.Option(False, "--json", metavar="",
                                  help="print the flow's machine summary (JSON) instead of the table"),
+    from_: Annotated[str | None, typer.Option(
+        "--from", help="start a new run from runs/<parent>[@step] (default: its newest verified checkpoint)")] = None,
 ) -> None:
     """Run (or continue) a training run as a Prefect flow of chunk tasks.
 
@@ -97,15 +101,22 @@ def train(
     failures, resumes, steps lost, final loss, digest) with the MLflow run URL and, with a Prefect
     server, the flow-run URL.  Exit 1 if a chunk failed for good (its log's last lines are shown).
 
-    Example: convoy train params.yaml -S train.total_steps=2000
+    ``--from runs/<parent>[@step]`` trains these params as a new run that starts from that
+    checkpoint of the parent (model, optimizer state, RNG, data cursor, step).
+
+    Examples: convoy train params.yaml -S train.lr=3e-4
+              convoy train -S train.total_steps=2000 --from runs/demo   (train a finished run longer)
     """
     cfg = config_or_exit(params, set_, build_task=True)
+    if from_ is not None:
+        cfg = _child_config(cfg, from_)
     from flows.report import LiveProgress, failure_lines, link_lines, summary_table
     from flows.train import run_training
     from tasks.supervisor import ChunkFailed
+    from training.rundir import keyed_config
 
     try:
-        with LiveProgress(cfg, err):
+        with LiveProgress(keyed_config(cfg), err):  # the directory that trains cfg (runs/<name>@<fp>)
             summary = run_training(cfg, allow_config_change=allow_config_change, overrides=set_)
     except ConfigError as exc:
         raise fail(str(exc)) from None
@@ -121,6 +132,22 @@ def train(
     console.print(summary_table(summary))
     for line in link_lines(summary):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _child_config(cfg: RunConfig, spec: str) -> RunConfig:
+    """``cfg`` as a child of ``spec``'s checkpoint: its own run directory (the name keyed by a
+    fingerprint that covers the parent checkpoint), never the parent's."""
+    from training.rundir import resolve_parent
+
+    try:
+        parent = resolve_parent(spec)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    if parent.step >= cfg.train.total_steps:  # the child would train nothing and exit 0
+        raise fail(f"--from {spec}: that checkpoint ({parent.run} step {parent.step}) is already at "
+                   f"train.total_steps = {cfg.train.total_steps}; set a larger -S train.total_steps, or name "
+                   f"an earlier checkpoint (`{parent.run}@<step>`)")
+    return cfg.model_copy(update={"init_from": parent, "on_config_change": "new_run"})
 
 
 @app.command()
@@ -142,7 +169,7 @@ def _store(run_dir: Path):
     from training.state import ExpectedState, checkpoint_validator
     from training.task import check_task
 
-    if not (run_dir / "checkpoints").is_dir():
+    if not RunPaths(run_dir).checkpoints.is_dir():
         raise fail(f"{run_dir}: no checkpoints/ folder; is this a convoy run directory?")
     parts = None
     try:
@@ -257,8 +284,8 @@ def _measured_from_run(run_dir: Path, values: dict) -> dict:
     events = read_events(run_dir)
     if not events:
         raise fail(f"{run_dir}: no events.jsonl; run training first")
-    saves = [e["persist_s"] + e["stall_s"] for e in events if e["kind"] == "checkpoint_saved"]
-    failures = [e for e in events if e["kind"] == "failure" and e.get("failure") != "config"]
+    saves = [e["persist_s"] + e["stall_s"] for e in events if e["kind"] == Event.CHECKPOINT_SAVED]
+    failures = [e for e in events if e["kind"] == Event.FAILURE and e.get("failure") != "config"]
     out: dict = {}
     if saves:
         out["save_hours"] = median(saves) / 3600
@@ -293,6 +320,8 @@ def _status_table(st: dict) -> Table:
                   else "none")
     loss = f"{st['loss']:.4f} at step {st['loss_step']}" if st["loss"] is not None else "-"
     table.add_row("loss", loss)
+    if st.get("val_loss") is not None:
+        table.add_row("validation loss", f"{st['val_loss']:.4f} at step {st['val_loss_step']}")
     speed = f"{st['steps_per_s']:.2f} steps/s" if st["steps_per_s"] else "-"
     if st["tokens_per_s"]:
         speed += f", {st['tokens_per_s']:,.0f} tokens/s"
@@ -429,24 +458,62 @@ def chaos(
     raise typer.Exit(0 if report.survived else 1)
 
 
+def _pull_target(run_dir: Path, cfg: RunConfig | None) -> Path:
+    """The directory to pull into.  In a fresh clone ``runs/<name>`` (a link, not in git) is
+    absent: the run of these params is ``runs/<name>@<fingerprint>`` (its ``.dvc`` files are)."""
+    if run_dir.exists() or cfg is None:
+        return run_dir
+    from training.rundir import keyed_config
+
+    keyed = keyed_config(cfg).run_dir
+    if run_dir.name == cfg.run_name and keyed.is_dir():
+        return keyed
+    others = sorted(p.name for p in run_dir.parent.glob(f"{run_dir.name}@*")) if run_dir.parent.is_dir() else []
+    hint = f"; runs of that name here: {', '.join(others)}" if others else ""
+    raise fail(f"{run_dir}: no such run directory (are its checkpoints/*.dvc files committed?){hint}", 1)
+
+
+def _pull_remote(remote: str | None, cfg: RunConfig | None, run_dir: Path) -> tuple[str | None, str]:
+    """The remote to pull from and where it came from, by precedence: ``--remote``, the params'
+    ``tracking.dvc_remote``, the run's ``config.json``, then (None) the repository's default
+    remote (``dvc remote add -d``, in the committed ``.dvc/config``), else the local fallback."""
+    if remote:
+        return remote, "--remote"
+    if cfg is not None and cfg.tracking.dvc_remote:
+        return cfg.tracking.dvc_remote, "params tracking.dvc_remote"
+    from training.rundir import CONFIG_FILE, load_run_config
+
+    if (run_dir / CONFIG_FILE).exists():
+        try:
+            recorded = load_run_config(run_dir).tracking.dvc_remote
+        except ConfigError:
+            recorded = ""
+        if recorded:
+            return recorded, f"{run_dir / CONFIG_FILE} tracking.dvc_remote"
+    return None, ("no remote in --remote, params or the run's config.json: the repository's default remote, "
+                  "else a remote configured before, else $CONVOY_DVC_REMOTE or ~/.cache/convoy/dvc-remote")
+
+
 @app.command()
 def pull(
     run_dir: Path,
-    remote: str | None = typer.Option(None, help="DVC remote name or URL (default: the repo's)"),
+    params: Annotated[Path, typer.Option(help="params whose tracking.dvc_remote (and run) to use")] = Path(
+        "params.yaml"),
+    set_: SetOpt = None,
+    remote: str | None = typer.Option(None, help="DVC remote name, URL or directory (overrides everything)"),
     latest_only: bool = typer.Option(False, help="pull only the newest versioned checkpoint"),
 ) -> None:
-    """Restore a run's versioned checkpoints from the DVC remote (then `convoy train` resumes)."""
+    """Restore a run's versioned checkpoints from the DVC remote (then `convoy train` resumes).
+
+    Remote precedence: --remote, params tracking.dvc_remote, the run's config.json, the
+    repository's default DVC remote, then a local fallback; every error names the one used."""
     from tasks.version import VersioningError, pull_run
 
-    if remote is None:
-        from training.rundir import load_run_config
-
-        try:
-            remote = load_run_config(run_dir).tracking.dvc_remote or None
-        except ConfigError:
-            pass  # a bare copy of checkpoints without config.json: use the repo's default remote
+    cfg = config_or_exit(params, set_) if params.exists() or set_ else None
+    target = _pull_target(run_dir, cfg)
+    chosen, source = _pull_remote(remote, cfg, target)
     try:
-        out = pull_run(None, run_dir, remote, latest_only)
+        out = pull_run(None, target, chosen, latest_only, source=source)
     except VersioningError as exc:
         raise fail(str(exc), 1) from None
     console.print_json(json.dumps(out, default=str))

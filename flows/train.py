@@ -33,9 +33,9 @@ from tasks.chunk import chunk_record, configured
 from tasks.hooks import flow_crashed, flow_failed, remember
 from tasks.supervisor import ChunkFailed, last_committed_step, reap_stale_worker
 from training.config import ConfigError, RunConfig, load_config
-from training.events import append_event, read_events
+from training.events import Event, append_event, read_events
 from training.pipeline import acknowledge_chunk
-from training.rundir import open_run
+from training.rundir import keyed_config, link_current, open_run
 
 LOCK_FILE = ".lock"
 
@@ -99,7 +99,8 @@ def run_lock(run_dir: Path, run_name: str) -> Iterator[None]:
 
 def _failure_kinds(run_dir: Path, chunk: int, since: float) -> list[str]:
     return [
-        e["failure"] for e in read_events(run_dir, "failure") if e.get("chunk") == chunk and e.get("time", 0) >= since
+        e["failure"] for e in read_events(run_dir, Event.FAILURE)
+        if e.get("chunk") == chunk and e.get("time", 0) >= since
     ]
 
 
@@ -132,12 +133,13 @@ def train(
     """Train (or continue) the run described by ``config``, or by ``params`` + ``overrides``."""
     quiet_classified_tracebacks()
     logger = get_run_logger()
-    cfg = config if config is not None else load_config(params, overrides or [])
+    cfg = keyed_config(config if config is not None else load_config(params, overrides or []))
     t0 = time.time()
     ctx = FlowRunContext.get()
     flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else None
     with run_lock(cfg.run_dir, cfg.run_name):
         run_dir = open_run(cfg, allow_config_change=allow_config_change).resolve()
+        link_current(cfg)
         if flow_run_id:
             remember(flow_run_id, run_dir=run_dir, run_name=cfg.run_name, chunk=None)
         tracking.begin_run(cfg, run_dir)
@@ -145,7 +147,7 @@ def train(
             logger.warning("stopped a worker of this run left over from a flow that died")
         chunks = plan_chunks(cfg.train.total_steps, cfg.train.chunk_steps)
         committed = last_committed_step(run_dir) or 0
-        append_event(run_dir, "flow_started", flow_run_id=flow_run_id, committed_step=committed, chunks=len(chunks))
+        append_event(run_dir, Event.FLOW_STARTED, flow_run_id=flow_run_id, committed_step=committed, chunks=len(chunks))
         logger.info(
             "run %s: %d chunk(s) of %d steps (%s mode); newest verified checkpoint: step %d",
             cfg.run_name,
@@ -272,6 +274,13 @@ def run_training(config: RunConfig, allow_config_change: bool = False,
     # Refuse a second writer or a trajectory-changing config before a flow run even exists (a clean
     # one-line message, no failed run in the UI); the flow repeats both under its own lock, so a
     # race between two callers is still safe.  open_run is idempotent.
+    if allow_config_change and config.on_config_change == "new_run":
+        raise ConfigError(
+            "--allow-config-change does nothing with on_config_change: new_run (a changed config trains its "
+            f"own run, {keyed_config(config).run_dir}); to change the settings of an existing run set "
+            "-S on_config_change=refuse as well"
+        )
+    config = keyed_config(config)
     with run_lock(config.run_dir, config.run_name):
         open_run(config, allow_config_change=allow_config_change)
     from prefect import tags

@@ -19,7 +19,6 @@ checkpoint is still verified here and is the chunk's artifact.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from tasks import handoff, tracking
 from tasks.artifacts import publish_failure_note
 from tasks.hooks import chunk_failed, remember
 from tasks.supervisor import (
+    AttemptSpec,
     ChunkFailed,
     Limits,
     last_committed_step,
@@ -40,7 +40,8 @@ from tasks.supervisor import (
     worker_command,
 )
 from training.config import ConfigError, RunConfig
-from training.events import append_event, read_events
+from training.events import Event, append_event, read_events
+from training.paths import RunPaths
 from training.rundir import load_run_config
 
 #: Worker output lines echoed to the Prefect log (everything goes to the chunk's log file).
@@ -73,16 +74,13 @@ def _attempt() -> int:
 
 
 def _loss_at(run_dir: Path, step: int) -> float | None:
-    for ev in reversed(read_events(run_dir, "worker_done")):
+    for ev in reversed(read_events(run_dir, Event.WORKER_DONE)):
         if ev.get("step") == step and ev.get("rank", 0) == 0:
             return ev.get("loss")
-    path = run_dir / "metrics.jsonl"  # a pipelined worker passed this boundary without stopping
-    if path.exists():
-        for line in reversed(path.read_text().splitlines()):
-            row = json.loads(line) if line.strip() else {}
-            if row.get("step") == step:
-                return row.get("metrics", {}).get("loss")
-    return None
+    from training.metrics import read_metric_lines  # a pipelined worker passed this boundary without stopping
+
+    rows = [m for s, m in read_metric_lines(RunPaths(run_dir).metrics) if s == step]
+    return rows[0].get("loss") if rows else None
 
 
 def _committed_digest(run_dir: Path, step: int) -> str | None:
@@ -127,7 +125,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> State
                 "chunk %d: newest valid checkpoint is step %d, before the chunk start %d", chunk, resume, start_step
             )
         sub = f"{attempt}" + (f"-{preemptions}" if preemptions else "")
-        log_path = rd / "logs" / f"chunk-{chunk}-attempt-{sub}.log"
+        log_path = RunPaths(rd).chunk_log(chunk, sub)
 
         def echo(line: str) -> None:
             if any(m in line for m in _ECHO):
@@ -136,7 +134,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> State
         child = tracking.start_attempt(cfg, rd, chunk, attempt, start_step, end_step)
         t_attempt = time.time()
         try:
-            outcome = supervise(
+            outcome = supervise(AttemptSpec(
                 worker_command(rd.resolve(), until, cfg.train.ranks,
                                pipelined=pipeline, hosts=cfg.train.hosts if cfg.train.nnodes > 1 else (),
                                node_launch=cfg.orchestration.node_launch),
@@ -150,7 +148,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> State
                 done_at_step=end_step if pipeline and end_step < cfg.train.total_steps else None,
                 pipeline=pipeline,
                 standby_order={"until_step": until, "pipelined": pipeline} if use_standby else None,
-            )
+            ))
         except ChunkFailed as exc:
             resume_at = exc.details.get("last_committed_step") or 0
             trained = max(0, resume_at - resume)
@@ -158,7 +156,8 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> State
             if exc.kind == "preempted" and preemptions < cfg.orchestration.retries:
                 preemptions += 1
                 logger.warning("chunk %d preempted; re-submitting at once, resuming from step %d", chunk, resume_at)
-                append_event(rd, "resubmitted", chunk=chunk, attempt=attempt, reason="preempted", resume_step=resume_at)
+                append_event(rd, Event.RESUBMITTED, chunk=chunk, attempt=attempt, reason="preempted",
+                             resume_step=resume_at)
                 continue
             _report(logger, cfg, exc, chunk, attempt, resume_at)
             raise
@@ -183,7 +182,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> State
         "seconds": round(time.time() - started, 3),
         "worker_seconds": round(outcome.seconds, 3),
     }
-    append_event(rd, "chunk_done", **record)
+    append_event(rd, Event.CHUNK_DONE, **record)
     logger.info("chunk %d done: steps [%d, %d) digest %s (attempt %d)", chunk, start_step, end_step, digest, attempt)
     return Completed(message=_done_message(rd, chunk, start_step, end_step, attempt), data=record)
 
@@ -192,8 +191,8 @@ def _done_message(run_dir: Path, chunk: int, start: int, end: int, attempt: int)
     """The task run's state message: a retried chunk says so in Prefect's task list, which
     otherwise shows only "Completed"."""
     events = read_events(run_dir)
-    since = max((i for i, e in enumerate(events) if e["kind"] == "flow_started"), default=-1)
-    kinds = [e["failure"] for e in events[since + 1:] if e["kind"] == "failure" and e.get("chunk") == chunk]
+    since = max((i for i, e in enumerate(events) if e["kind"] == Event.FLOW_STARTED), default=-1)
+    kinds = [e["failure"] for e in events[since + 1:] if e["kind"] == Event.FAILURE and e.get("chunk") == chunk]
     after = f" after {', '.join(kinds)}" if kinds else ""
     return f"steps [{start}, {end}) committed on attempt {attempt}{after}"
 

@@ -15,8 +15,8 @@ lost rank) are decided while watching, in :mod:`tasks.supervisor`.
                28): free space or lower ``checkpoint.keep_last`` / ``max_bytes``; retried, since
                retention or an operator may have freed space meanwhile.
 ``hang``       alive and beating but no step progress for ``stall_s`` in phase ``train``, or stuck
-               in a phase longer than its own limit (init/load: ``init_timeout_s``; save/eval and
-               the exit after ``done``: ``save_timeout_s``).
+               in a phase longer than its own limit (init/load: ``init_timeout_s``; eval: ``eval_timeout_s``;
+               save and the exit after ``done``: ``save_timeout_s``).
 ``dead``       no heartbeat for ``timeout_s`` (a frozen or wedged process), or none at all within
                ``init_timeout_s`` of the start.
 ``timeout``    the attempt ran past the chunk deadline.
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED
-from training.events import read_events
+from training.events import Event, read_events
 
 FAILURE_KINDS = ("crash", "killed", "oom", "diskfull", "hang", "dead", "preempted", "timeout", "config")
 #: Kinds Prefect must never retry: the same input fails the same way.
@@ -85,9 +85,9 @@ def launcher_exit(run_dir: Path, returncode: int, tail: Sequence[str], since: fl
     if returncode in (0, EXIT_CONFIG, EXIT_PREEMPTED):
         return returncode
     recent = [e for e in read_events(run_dir) if e.get("time", 0) >= since]
-    if any(e["kind"] == "config_error" for e in recent):
+    if any(e["kind"] == Event.CONFIG_ERROR for e in recent):
         return EXIT_CONFIG
-    if any(e["kind"] == "preempted" for e in recent):
+    if any(e["kind"] == Event.PREEMPTED for e in recent):
         return EXIT_PREEMPTED
     text = "\n".join(tail)
     root = text[text.find("Root Cause") :] if "Root Cause" in text else text

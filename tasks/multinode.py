@@ -37,6 +37,7 @@ import uuid
 from collections.abc import Sequence
 
 from tasks.procs import child_setup
+from training.config import EXIT_CONFIG
 
 #: How long the other nodes get to exit by themselves after one node's agent failed.
 PEER_EXIT_GRACE_S = 5.0
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if not is_local(hosts[0]):
         print(f"config error: train.hosts[0] = {hosts[0]!r} is not this machine ({socket.gethostname()}); node 0 "
               "must be the machine running the chunk task (it hosts the rendezvous)", file=sys.stderr, flush=True)
-        return 78
+        return EXIT_CONFIG
     # Remote agents must reach the rendezvous: name node 0 as the others know it.
     host0 = "127.0.0.1" if all(is_local(h) for h in hosts) else socket.getfqdn()
     endpoint = f"{host0}:{free_port()}"

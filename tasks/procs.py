@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 
 from training.config import EXIT_PREEMPTED
-from training.events import append_event
+from training.events import Event, append_event
 from training.heartbeat import beat_is_local, read_heartbeat
 
 _PR_SET_PDEATHSIG = 1
@@ -143,5 +143,5 @@ def reap_stale_worker(run_dir: Path, ranks: int = 1, grace_s: float = 5.0) -> li
         except (psutil.Error, KeyError, ValueError):
             continue
     if stopped:
-        append_event(run_dir, "stale_worker_stopped", pids=stopped)
+        append_event(run_dir, Event.STALE_WORKER_STOPPED, pids=stopped)
     return stopped

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.procs import stop_group
+from training.paths import RunPaths
 
 
 @dataclass
@@ -67,8 +68,9 @@ def ensure(run_dir: str | Path, start: StartFn) -> Standby:
         if current is not None and current.proc.poll() is None:
             return current
         _STANDBY.pop(_key(rd), None)
-    n = len(list((rd / "logs").glob("standby-*.log"))) + 1
-    log_path = rd / "logs" / f"standby-{n}.log"
+    paths = RunPaths(rd)
+    n = len(list(paths.logs.glob("standby-*.log"))) + 1
+    log_path = paths.standby_log(n)
     proc, offset = start(standby_command(rd), log_path)
     standby = Standby(proc, log_path, offset, time.time())
     with _LOCK:

@@ -42,8 +42,9 @@ from tasks.multinode import failed_node, launcher_command
 from tasks.procs import child_setup, pid_gone, reap_stale_worker, stop_group
 from training.audit import steps_lost, trained_high_water
 from training.config import EXIT_CONFIG
-from training.events import append_event
+from training.events import Event, append_event
 from training.heartbeat import beat_is_local, heartbeat_path, read_heartbeat
+from training.paths import RunPaths
 
 #: Re-exported: callers only need this module.
 __all__ = [
@@ -51,11 +52,13 @@ __all__ = [
     "NOT_RETRYABLE",
     "ChunkFailed",
     "Limits",
+    "AttemptSpec",
     "Outcome",
     "classify_exit",
     "last_committed_step",
     "reap_stale_worker",
     "stop_group",
+    "WorkerAttempt",
     "supervise",
     "worker_command",
 ]
@@ -100,6 +103,7 @@ class Limits:
     timeout_s: float = 10.0
     init_timeout_s: float = 120.0
     save_timeout_s: float = 120.0
+    eval_timeout_s: float = 300.0
     grace_s: float = 10.0
     deadline_s: float = 0.0  # 0 = none
     poll_s: float = 0.2
@@ -112,6 +116,7 @@ class Limits:
             timeout_s=hb.timeout_s,
             init_timeout_s=hb.init_timeout_s,
             save_timeout_s=hb.save_timeout_s,
+            eval_timeout_s=hb.eval_timeout_s,
             grace_s=hb.grace_s,
             deadline_s=orch.chunk_deadline_s,
             poll_s=min(0.2, hb.interval_s),
@@ -255,7 +260,7 @@ def _check(
         "init": lim.init_timeout_s,
         "load": lim.init_timeout_s,
         "save": lim.save_timeout_s,
-        "eval": lim.save_timeout_s,
+        "eval": lim.eval_timeout_s,
         "done": lim.save_timeout_s,
     }.get(phase)
     if limit is not None and now - w.phase_since > limit:
@@ -332,177 +337,235 @@ def last_committed_step(run_dir: Path) -> int | None:
     return ck.step if ck is not None else None
 
 
-def supervise(
-    cmd: Sequence[str],
-    run_dir: str | Path,
-    limits: Limits,
-    log_path: str | Path,
-    *,
-    ranks: int = 1,
-    chunk: int | None = None,
-    attempt: int | None = None,
-    env: dict[str, str] | None = None,
-    cwd: str | Path | None = None,
-    on_line: Callable[[str], None] | None = None,
-    tail_lines: int = 80,
-    done_at_step: int | None = None,
-    pipeline: bool = False,
-    standby_order: dict[str, Any] | None = None,
-) -> Outcome:
-    """Run ``cmd`` to completion under watch; return on exit 0, raise :class:`ChunkFailed` otherwise.
+@dataclass(frozen=True)
+class AttemptSpec:
+    """What one worker attempt runs and how it is watched: the input of :class:`WorkerAttempt`.
+
+    ``pipeline``: a worker parked by the previous chunk (same ``cmd``) is adopted instead of
+    spawned; ``done_at_step`` (pipelined, every chunk but the last): once that step's checkpoint is
+    committed the attempt ends with the worker still training, parked for the next chunk
+    (:mod:`tasks.handoff`).  ``standby_order`` (``until_step``, ``pipelined``): a warm standby of
+    the run is given that order instead of spawning ``cmd``, and once the worker trains a new
+    standby is kept ready behind it (:mod:`tasks.standby`)."""
+
+    cmd: Sequence[str]
+    run_dir: Path
+    limits: Limits
+    log_path: Path
+    ranks: int = 1
+    chunk: int | None = None
+    attempt: int | None = None
+    env: dict[str, str] | None = None
+    cwd: str | Path | None = None
+    on_line: Callable[[str], None] | None = None
+    tail_lines: int = 80
+    done_at_step: int | None = None
+    pipeline: bool = False
+    standby_order: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "run_dir", Path(self.run_dir))
+        object.__setattr__(self, "log_path", Path(self.log_path))
+
+
+def supervise(spec: AttemptSpec) -> Outcome:
+    """Run one attempt to completion under watch; return on exit 0 (or a parked hand-off), raise
+    :class:`ChunkFailed` otherwise.  See :class:`WorkerAttempt`."""
+    return WorkerAttempt(spec).run()
+
+
+class WorkerAttempt:
+    """One worker attempt: start or adopt → watch → stop or park → outcome or failure report.
 
     Exit 0 only means the worker *says* it finished; the caller checks the committed checkpoint.
     Whatever happens (including KeyboardInterrupt or a Prefect cancellation in this thread), no
-    process of the worker's group outlives this call — except with ``pipeline``: a worker parked
-    by the previous chunk (same ``cmd``) is adopted instead of spawned, and once the checkpoint of
-    ``done_at_step`` is committed the call returns with the worker still training, parked for the
-    next chunk (:mod:`tasks.handoff`).  With ``standby_order`` (``until_step``, ``pipelined``) a
-    warm standby of the run is given that order instead of spawning ``cmd``, and once the worker
-    trains a new standby is kept ready behind it (:mod:`tasks.standby`).
+    process of the worker's group outlives :meth:`run`, except a worker parked for the next chunk.
     """
-    run_dir = Path(run_dir)
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    live = handoff.adopt(run_dir, list(cmd)) if pipeline else None
-    oom_before = oom_kills()
-    metrics_offset = _size(run_dir / "metrics.jsonl")  # this attempt's rows start here (steps lost)
-    tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-    started = time.time()
-    if live is not None:  # its beats are current; the log is the one it was started with
-        # Read on from where the previous chunk stopped: what it said in between (a traceback if it
-        # died between the tasks, a launcher naming the failed node) is this chunk's to report.
-        proc, log_path, offset = live.proc, live.log_path, live.offset
-    else:
-        for r in range(ranks):  # stale beats of an earlier attempt must not count as liveness
-            with contextlib.suppress(FileNotFoundError):
-                heartbeat_path(run_dir, r).unlink()
-        ready = standby.take(run_dir, **standby_order) if standby_order is not None else None
-        if ready is not None:
-            proc, log_path, offset = ready.proc, ready.log_path, ready.offset
-            with open(log_path, "ab") as log:
-                log.write(f"# convoy chunk={chunk} attempt={attempt} took over standby pid {proc.pid} at "
-                          f"{started:.3f}\n".encode())
-            append_event(run_dir, "standby_called", chunk=chunk, attempt=attempt, pid=proc.pid,
-                         ready_s=round(started - ready.started, 3))
-        else:
-            proc, offset = _spawn(cmd, log_path, chunk, attempt, started, cwd, {**os.environ, **(env or {})})
 
-    def start_standby(standby_cmd: list[str], standby_log: Path) -> tuple[subprocess.Popen, int]:
-        return _spawn(standby_cmd, standby_log, None, None, time.time(), cwd, {**os.environ, **(env or {})},
+    def __init__(self, spec: AttemptSpec) -> None:
+        self.spec = spec
+        self.run_dir = spec.run_dir
+        self.log_path = spec.log_path
+        self.tail: collections.deque[str] = collections.deque(maxlen=spec.tail_lines)
+        self.failure: tuple[str, str, float] | None = None
+        self.handed_off = False
+        self.leftover: list[int] = []
+
+    def run(self) -> Outcome:
+        self.start()
+        try:
+            self.watch()
+        finally:
+            self.stop()
+        return self.report()
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> None:
+        """Adopt the parked worker, take the standby, or spawn; then follow its log."""
+        spec = self.spec
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        live = handoff.adopt(self.run_dir, list(spec.cmd)) if spec.pipeline else None
+        self.oom_before = oom_kills()
+        self.metrics_offset = _size(RunPaths(self.run_dir).metrics)  # this attempt's rows start here (steps lost)
+        self.started = time.time()
+        if live is not None:  # its beats are current; the log is the one it was started with
+            # Read on from where the previous chunk stopped: what it said in between (a traceback if it
+            # died between the tasks, a launcher naming the failed node) is this chunk's to report.
+            self.proc, self.log_path, offset = live.proc, live.log_path, live.offset
+        else:
+            for r in range(spec.ranks):  # stale beats of an earlier attempt must not count as liveness
+                with contextlib.suppress(FileNotFoundError):
+                    heartbeat_path(self.run_dir, r).unlink()
+            self.proc, offset = self.take_standby() or _spawn(
+                spec.cmd, self.log_path, spec.chunk, spec.attempt, self.started, spec.cwd, self.environment())
+        self.position = [offset]
+        self.stop_follow = threading.Event()
+        self.follower = threading.Thread(
+            target=_follow, args=(self.log_path, offset, self.stop_follow, self.tail, spec.on_line, self.position),
+            daemon=True)
+        self.follower.start()
+        self.watched = _Watch(started=self.started, phase_since=self.started, progress=self.started)
+        self.last_seen_running = self.exit_seen = self.started
+        if live is not None:
+            self.recall_adopted()
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, **(self.spec.env or {})}
+
+    def take_standby(self) -> tuple[subprocess.Popen, int] | None:
+        """Give the run's warm standby its order (``standby_order``); None when there is none."""
+        spec = self.spec
+        ready = standby.take(self.run_dir, **spec.standby_order) if spec.standby_order is not None else None
+        if ready is None:
+            return None
+        self.log_path = ready.log_path
+        with open(ready.log_path, "ab") as log:
+            log.write(f"# convoy chunk={spec.chunk} attempt={spec.attempt} took over standby pid {ready.proc.pid} "
+                      f"at {self.started:.3f}\n".encode())
+        append_event(self.run_dir, Event.STANDBY_CALLED, chunk=spec.chunk, attempt=spec.attempt, pid=ready.proc.pid,
+                     ready_s=round(self.started - ready.started, 3))
+        return ready.proc, ready.offset
+
+    def start_standby(self, standby_cmd: list[str], standby_log: Path) -> tuple[subprocess.Popen, int]:
+        return _spawn(standby_cmd, standby_log, None, None, time.time(), self.spec.cwd, self.environment(),
                       stdin=subprocess.PIPE)
-    committed_marker = run_dir / "checkpoints" / f"step-{done_at_step:09d}" / "manifest.json" \
-        if done_at_step is not None else None
-    handed_off = False
-    stop_follow = threading.Event()
-    position = [offset]
-    follower = threading.Thread(target=_follow, args=(log_path, offset, stop_follow, tail, on_line, position),
-                                daemon=True)
-    follower.start()
-    watch = _Watch(started=started, phase_since=started, progress=started)
-    failure: tuple[str, str, float] | None = None
-    last_seen_running = exit_seen = started
-    standby_checked = False
-    if live is not None:  # what the adopted worker last said, so a death in the hand-off is measured
-        beats = [b for b in (read_heartbeat(run_dir, r) for r in range(ranks)) if b]
+
+    def recall_adopted(self) -> None:
+        """What the adopted worker last said, so a death in the hand-off is measured."""
+        beats = [b for b in (read_heartbeat(self.run_dir, r) for r in range(self.spec.ranks)) if b]
         if beats:
-            watch.last_step = min(int(b.get("step", 0)) for b in beats)
-            if proc.poll() is not None:  # it died between the tasks: it was last alive at its last beat
-                last_seen_running = max(float(b.get("time", started)) for b in beats)
-    try:
-        while proc.poll() is None:
-            last_seen_running = time.time()
+            self.watched.last_step = min(int(b.get("step", 0)) for b in beats)
+            if self.proc.poll() is not None:  # it died between the tasks: it was last alive at its last beat
+                self.last_seen_running = max(float(b.get("time", self.started)) for b in beats)
+
+    # ------------------------------------------------------------------ watch
+    def boundary_committed(self) -> bool:
+        marker = self.spec.done_at_step
+        return self.spec.pipeline and marker is not None and \
+            (RunPaths(self.run_dir).checkpoint(marker) / "manifest.json").exists()
+
+    def watch(self) -> None:
+        """Poll until the worker exits, a limit is crossed, or (pipelined) the boundary is committed."""
+        spec = self.spec
+        standby_checked = False
+        while self.proc.poll() is None:
+            self.last_seen_running = time.time()
             # The boundary first: whatever happens after it is committed is the next chunk's.
-            if pipeline and committed_marker is not None and committed_marker.exists():
+            if self.boundary_committed():
                 break
-            failure = _check(watch, _beats(run_dir, ranks, started), ranks, limits, last_seen_running)
-            if failure is not None:
+            self.failure = _check(self.watched, _beats(self.run_dir, spec.ranks, self.started), spec.ranks,
+                                  spec.limits, self.last_seen_running)
+            if self.failure is not None:
                 break
-            if standby_order is not None and not standby_checked and watch.phase == "train":
+            if spec.standby_order is not None and not standby_checked and self.watched.phase == "train":
                 standby_checked = True  # once per attempt: a standby that cannot start is not retried
-                standby.ensure(run_dir, start_standby)  # once the worker trains: not during its start
-            time.sleep(limits.poll_s)
-        if pipeline and failure is None and committed_marker is not None and committed_marker.exists():
+                standby.ensure(self.run_dir, self.start_standby)  # once the worker trains: not during its start
+            time.sleep(spec.limits.poll_s)
+        if self.failure is None and self.boundary_committed():
             # Running, or died just after the commit (between two polls): either way this chunk is
             # done and the worker, alive or not, is the next chunk's to adopt and judge.
-            parked = handoff.LiveWorker(proc, list(cmd), log_path)
-            handoff.park(run_dir, parked)
-            handed_off = True
+            self.parked = handoff.LiveWorker(self.proc, list(spec.cmd), self.log_path)
+            handoff.park(self.run_dir, self.parked)
+            self.handed_off = True
         # Wall time of the detection (exit seen or limit crossed), before the stop takes its grace.
-        exit_seen = time.time()
-    finally:
-        if handed_off:
-            leftover = []
-        elif proc.poll() is None:
-            leftover = stop_group(proc, limits.grace_s)
+        self.exit_seen = time.time()
+
+    # ------------------------------------------------------------------ stop
+    def stop(self) -> None:
+        """Stop and reap the worker's group (unless parked), then the log follower."""
+        grace = self.spec.limits.grace_s
+        if self.handed_off:
+            self.leftover = []
+        elif self.proc.poll() is None:
+            self.leftover = stop_group(self.proc, grace)
         else:
-            leftover = stop_group(proc, min(limits.grace_s, 2.0))  # the group may outlive its leader
-        stop_follow.set()
-        follower.join(timeout=5)
-        if handed_off:
-            parked.offset = position[0]  # before the next chunk's task exists: same thread
-    seconds = time.time() - started
-    rc = proc.returncode
-    if not handed_off:
-        with open(log_path, "ab") as log:
-            log.write(f"# convoy exit={rc} after {seconds:.2f} s\n".encode())
-    if leftover:
-        append_event(run_dir, "reap_failed", chunk=chunk, attempt=attempt, pids=leftover)
-    if handed_off:
-        with open(log_path, "ab") as log:
-            log.write(f"# convoy chunk={chunk} committed step {done_at_step} after {seconds:.2f} s; worker "
-                      "continues into the next chunk\n".encode())
-        return Outcome(0, seconds, watch.last_step, log_path, list(tail))
-    if failure is None and rc == 0:
-        return Outcome(rc, seconds, watch.last_step, log_path, list(tail))
-    if failure is not None:
-        kind, reason, detected_after = failure
-        if kind == "crash" and ranks > 1 and launcher_exit(run_dir, 1, list(tail), started) == EXIT_CONFIG:
-            kind, reason = "config", config_message(tail)  # a rank's config error: never retried
-    else:
-        code = rc if ranks <= 1 else launcher_exit(run_dir, rc, list(tail), started)
-        kind = classify_exit(code, list(tail), oom_before, oom_kills())
+            self.leftover = stop_group(self.proc, min(grace, 2.0))  # the group may outlive its leader
+        self.stop_follow.set()
+        self.follower.join(timeout=5)
+        if self.handed_off:
+            self.parked.offset = self.position[0]  # before the next chunk's task exists: same thread
+
+    # ------------------------------------------------------------------ report
+    def note(self, text: str) -> None:
+        with open(self.log_path, "ab") as log:
+            log.write(f"# convoy {text}\n".encode())
+
+    def report(self) -> Outcome:
+        """The outcome of a finished or parked attempt; :class:`ChunkFailed` for any other."""
+        seconds = time.time() - self.started
+        rc = self.proc.returncode
+        if not self.handed_off:
+            self.note(f"exit={rc} after {seconds:.2f} s")
+        if self.leftover:
+            append_event(self.run_dir, Event.REAP_FAILED, chunk=self.spec.chunk, attempt=self.spec.attempt,
+                         pids=self.leftover)
+        if self.handed_off:
+            self.note(f"chunk={self.spec.chunk} committed step {self.spec.done_at_step} after {seconds:.2f} s; "
+                      "worker continues into the next chunk")
+        if self.handed_off or (self.failure is None and rc == 0):
+            return Outcome(0 if self.handed_off else rc, seconds, self.watched.last_step, self.log_path,
+                           list(self.tail))
+        raise self.failure_report(rc, seconds)
+
+    def classify(self, rc: int) -> tuple[str, str, float]:
+        """(kind, reason, detected_after_s) of a failed attempt: the watch's verdict, or the exit's."""
+        tail, ranks = list(self.tail), self.spec.ranks
+        if self.failure is not None:
+            kind, reason, detected_after = self.failure
+            if kind == "crash" and ranks > 1 and launcher_exit(self.run_dir, 1, tail, self.started) == EXIT_CONFIG:
+                kind, reason = "config", config_message(self.tail)  # a rank's config error: never retried
+            return kind, reason, detected_after
+        code = rc if ranks <= 1 else launcher_exit(self.run_dir, rc, tail, self.started)
+        kind = classify_exit(code, tail, self.oom_before, oom_kills())
         reason = {
-            "config": config_message(tail),
+            "config": config_message(self.tail),
             "preempted": "preempted (exit 75) after saving an emergency checkpoint",
-            "diskfull": diskfull_message(tail),
+            "diskfull": diskfull_message(self.tail),
         }.get(kind, signame(code) + ("" if code == rc else f" in a rank (launcher {signame(rc)})"))
         if kind not in ("config", "preempted", "diskfull") and (node := failed_node(tail)):
             reason += f"; first to fail: {node}"
-        detected_after = exit_seen - last_seen_running  # upper bound: the exit happened in between
-    committed = last_committed_step(run_dir)
-    trained_to = trained_high_water(run_dir, watch.last_step, metrics_offset)
-    lost = steps_lost(trained_to, committed)  # the next attempt resumes from `committed` (0 if none)
-    append_event(
-        run_dir,
-        "failure",
-        failure=kind,
-        reason=reason,
-        chunk=chunk,
-        attempt=attempt,
-        returncode=rc,
-        detected_after_s=round(detected_after, 3),
-        detected_at=round(exit_seen, 3),
-        last_beat_step=watch.last_step,
-        trained_to=trained_to,
-        last_committed_step=committed,
-        steps_lost=lost,
-        log=str(log_path),
-        leftover_pids=leftover,
-    )
-    details = {
-        "detected_after_s": round(detected_after, 3),
-        "last_beat_step": watch.last_step,
-        "trained_to": trained_to,
-        "last_committed_step": committed,
-        "steps_lost": lost,
-        "returncode": rc,
-        "reason": reason,
-        "log": str(log_path),
-        "tail": list(tail)[-10:],
-        "seconds": round(seconds, 3),
-    }
-    where = f"chunk {chunk}" if chunk is not None else "worker"
-    message = f"{where} {kind}: {reason}"
-    if kind not in ("config", "preempted", "diskfull") and tail:
-        message += f" | last output: {tail[-1][:300]}"
-    raise ChunkFailed(kind, message, details)
+        return kind, reason, self.exit_seen - self.last_seen_running  # upper bound: the exit happened in between
+
+    def failure_report(self, rc: int, seconds: float) -> ChunkFailed:
+        """Audit the failure (one ``failure`` event, steps lost by their one definition) and say it."""
+        kind, reason, detected_after = self.classify(rc)
+        committed = last_committed_step(self.run_dir)
+        trained_to = trained_high_water(self.run_dir, self.watched.last_step, self.metrics_offset)
+        details = {
+            "detected_after_s": round(detected_after, 3),
+            "last_beat_step": self.watched.last_step,
+            "trained_to": trained_to,
+            "last_committed_step": committed,
+            "steps_lost": steps_lost(trained_to, committed),  # the next attempt resumes from `committed`
+            "returncode": rc,
+            "reason": reason,
+            "log": str(self.log_path),
+        }
+        append_event(self.run_dir, Event.FAILURE, failure=kind, chunk=self.spec.chunk, attempt=self.spec.attempt,
+                     detected_at=round(self.exit_seen, 3), leftover_pids=self.leftover, **details)
+        details.update(tail=list(self.tail)[-10:], seconds=round(seconds, 3))
+        where = f"chunk {self.spec.chunk}" if self.spec.chunk is not None else "worker"
+        message = f"{where} {kind}: {reason}"
+        if kind not in ("config", "preempted", "diskfull") and self.tail:
+            message += f" | last output: {self.tail[-1][:300]}"
+        return ChunkFailed(kind, message, details)

@@ -104,9 +104,9 @@ def version_async(config: RunConfig, run_dir: Path, step: int, only_if_missing: 
     if not config.tracking.dvc:
         return None
     from tasks.version import version_checkpoint_async
-    from training.checkpoint import checkpoint_name
+    from training.paths import RunPaths
 
-    path = run_dir / "checkpoints" / checkpoint_name(step)
+    path = RunPaths(run_dir).checkpoint(step)
     if only_if_missing and (not path.is_dir() or path.with_name(path.name + ".dvc").exists()):
         return None
     future = version_checkpoint_async(None, str(path), config.tracking.dvc_remote or None)

@@ -72,8 +72,41 @@ def test_trajectory_change_refused_unless_explicitly_allowed(tmp_path: Path) -> 
     assert run_worker(run_dir, 20)[0] == 0
     changed = load_config(None, SMALL + [f"runs_dir={tmp_path / 'runs'}", f"data.prepared_dir={tmp_path / 'data'}",
                                          "run_name=run", "train.lr=0.01"])
-    with pytest.raises(ConfigError, match="--allow-config-change"):
+    with pytest.raises(ConfigError, match="--allow-config-change") as refused:
         open_run(changed)
+    assert "train.lr 0.003 → 0.01" in str(refused.value) and "run_name=<new name>" in str(refused.value)
     open_run(changed, allow_config_change=True)
     code, out = run_worker(run_dir, 30)
     assert code == 0 and "resumed from step 20" in out, out
+
+
+def test_mismatch_refusals_name_the_changed_keys(tmp_path: Path) -> None:
+    """CLI and worker refusals name `train.lr` old → new; `--allow-config-change` on a finished
+    run refuses (exit 2) instead of training nothing and exiting 0."""
+    import json
+
+    from tests.engine_util import make_run, run_worker
+
+    run_dir = make_run(tmp_path, extra=["train.total_steps=20", "train.chunk_steps=20"])
+    assert run_worker(run_dir, 20)[0] == 0
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(json.loads((run_dir / "config.json").read_text())))
+
+    def convoy(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "flows.cli", "train", str(params), *args], capture_output=True,
+                              text=True, cwd=tmp_path, timeout=300)
+
+    proc = convoy("-S", "train.lr=0.002")
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "train.lr 0.003 → 0.002" in lines[0] and "convoy train -S run_name=" in lines[0]
+    proc = convoy("-S", "train.lr=0.002", "--allow-config-change")
+    assert proc.returncode == 2 and "already at step 20" in proc.stderr and "train.lr" in proc.stderr, proc.stderr
+    assert json.loads((run_dir / "config.json").read_text())["train"]["lr"] == 0.003  # nothing changed
+
+    # The worker's own check (config.json edited behind the run's back): exit 78, keys named.
+    edited = json.loads((run_dir / "config.json").read_text())
+    edited["train"]["lr"], edited["train"]["total_steps"] = 0.002, 30
+    (run_dir / "config.json").write_text(json.dumps(edited))
+    code, out = run_worker(run_dir, 30)
+    assert code == 78 and "train.lr 0.003 → 0.002" in out and "train.total_steps 20 → 30" in out, out

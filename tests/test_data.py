@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.data import Dataset
 
@@ -78,3 +80,17 @@ def test_loader_start_does_not_consume_global_rng() -> None:
     before = torch.get_rng_state()
     next(iter(make_loader(ds, 8, 3, Cursor(), num_workers=2)))
     assert torch.equal(before, torch.get_rng_state())
+
+
+def test_metrics_reader_skips_only_a_torn_last_line(tmp_path: Path) -> None:
+    """One rule for every reader of metrics.jsonl: a torn last line is a kill mid-append and is
+    skipped; a damaged line before it is an error that names the line."""
+    from training.metrics import read_metric_lines
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "metrics": {"loss": 2.5}}\n{"step": 2, "metrics": {"loss": 2.4}}\n{"step": 3, "met')
+    assert list(read_metric_lines(path)) == [(1, {"loss": 2.5}), (2, {"loss": 2.4})]
+    path.write_text('{"step": 1, "metrics": {"loss": 2.5}}\nnot json\n{"step": 3, "metrics": {"loss": 2.3}}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a metrics row"):
+        list(read_metric_lines(path))
+    assert list(read_metric_lines(tmp_path / "absent.jsonl")) == []

@@ -107,7 +107,7 @@ def test_sigstop_one_rank_is_a_hang_and_all_ranks_are_reaped(tmp_path: Path) -> 
 
     import psutil
 
-    from tasks.supervisor import ChunkFailed, Limits, supervise, worker_command
+    from tasks.supervisor import AttemptSpec, ChunkFailed, Limits, supervise, worker_command
     from training.heartbeat import read_heartbeat
 
     run = make_run(tmp_path, "stop1", [f"train.total_steps={TOTAL}", "train.ranks=2", "heartbeat.stall_s=3",
@@ -126,7 +126,8 @@ def test_sigstop_one_rank_is_a_hang_and_all_ranks_are_reaped(tmp_path: Path) -> 
     threading.Thread(target=stop_rank_1, daemon=True).start()
     limits = Limits(stall_s=3, timeout_s=6, grace_s=2, poll_s=0.2)
     with pytest.raises(ChunkFailed) as info:
-        supervise(worker_command(run, TOTAL, 2), run, limits, run / "logs" / "t.log", ranks=2, chunk=1, attempt=1)
+        supervise(AttemptSpec(worker_command(run, TOTAL, 2), run, limits, run / "logs" / "t.log", ranks=2, chunk=1,
+                              attempt=1))
     assert info.value.kind == "hang"
     fail = read_events(run, "failure")[-1]
     print(f"one stopped rank detected as hang after {fail['detected_at'] - stopped['t']:.2f} s (stall_s 3)")

@@ -133,7 +133,7 @@ def test_dvc_yaml_stages_read_params() -> None:
     assert "train" in stages["train"]["params"] and "data" in stages["prepare"]["params"]
     assert [next(iter(m)) for m in stages["train"]["metrics"]] == ["metrics/train.json"]
     assert [next(iter(m)) for m in stages["train"]["plots"]] == ["plots/loss.csv", "plots/timeline.png"]
-    assert [next(iter(p)) for p in spec["plots"]] == ["learning rate", "gradient norm"]
+    assert [next(iter(p)) for p in spec["plots"]] == ["train_vs_val", "learning rate", "gradient norm"]
     assert "models/model.safetensors" in stages["evaluate"]["deps"]
 
 

@@ -16,8 +16,8 @@ import pytest
 
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
 from training.audit import analyse_events, end_attempt, refresh_audit, start_attempt
-from training.evaluate import metric_rows
 from training.events import append_event, read_events
+from training.metrics import metric_rows
 from training.mlflow_backend import (
     MlflowBackend,
     client_for,

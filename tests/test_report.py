@@ -36,7 +36,7 @@ def test_classified_failures_log_no_traceback() -> None:
     def record(exc: BaseException) -> logging.LogRecord:
         try:
             raise exc
-        except BaseException:
+        except (ChunkFailed, RuntimeError):
             return logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
 
     quiet, loud = record(ChunkFailed("diskfull", "chunk 1 diskfull: disk full")), record(RuntimeError("bug"))

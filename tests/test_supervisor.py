@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.supervisor import ChunkFailed, Limits, classify_exit, supervise
+from tasks.supervisor import AttemptSpec, ChunkFailed, Limits, classify_exit, supervise
 from training.events import read_events
 
 STANDIN = textwrap.dedent(
@@ -121,7 +121,7 @@ def run(tmp_path: Path, run_dir: Path, mode: str, limits: Limits = FAST, steps: 
     t0 = time.monotonic()
     try:
         cmd = standin(tmp_path, run_dir, mode, steps)
-        supervise(cmd, run_dir, limits, run_dir / "logs" / "x.log", chunk=0, attempt=1)
+        supervise(AttemptSpec(cmd, run_dir, limits, run_dir / "logs" / "x.log", chunk=0, attempt=1))
     except ChunkFailed as exc:
         assert not leftovers(run_dir), f"processes left after {mode}"
         return exc
@@ -299,12 +299,12 @@ def test_a_worker_that_dies_between_chunk_tasks_is_reported_with_its_last_words(
     script.write_text(DIES_AFTER_BOUNDARY)
     cmd = [sys.executable, str(script), str(run_dir)]
     log = run_dir / "logs" / "chunk-1.log"
-    out = supervise(cmd, run_dir, FAST, log, chunk=1, attempt=1, done_at_step=10, pipeline=True)
+    out = supervise(AttemptSpec(cmd, run_dir, FAST, log, chunk=1, attempt=1, done_at_step=10, pipeline=True))
     assert out.returncode == 0  # the boundary was committed: chunk 1 is done, the worker parked
     time.sleep(1.5)  # the worker dies while no task watches it
     with pytest.raises(ChunkFailed) as info:
-        supervise(cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, attempt=1, done_at_step=20,
-                  pipeline=True)
+        supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, attempt=1,
+                              done_at_step=20, pipeline=True))
     assert info.value.kind == "crash" and "boom between the two chunk tasks" in str(info.value), info.value
     assert not leftovers(run_dir)
 

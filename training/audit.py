@@ -179,7 +179,7 @@ def _row(start: dict[str, Any], pending: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------- timeline
 def read_loss(run_dir: str | Path) -> tuple[list[int], list[float]]:
-    from training.evaluate import metric_rows
+    from training.metrics import metric_rows
 
     rows = [(step, m["loss"]) for step, m in metric_rows(run_dir) if "loss" in m]
     return [s for s, _ in rows], [float(v) for _, v in rows]

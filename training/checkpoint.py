@@ -34,11 +34,12 @@ from training import faults, sharded
 from training import safetensors_io as st
 from training.codec import join_tree, split_tree, tensor_refs
 from training.config import CheckpointConfig
-from training.events import append_event, read_events
+from training.events import Event, append_event, read_events
 from training.fsutil import atomic_write_bytes, atomic_write_json, fsync_dir, read_json
+from training.paths import LATEST_FILE as LATEST
+from training.paths import RunPaths, checkpoint_name
 
 MANIFEST = "manifest.json"
-LATEST = "LATEST"
 FORMAT_VERSION = 1
 #: What a manifest may name: a plain file of the checkpoint directory, or one in its ``dcp/``
 #: sub-directory.  No leading dot, so no ``..``, no hidden temp files, no absolute paths.
@@ -53,10 +54,6 @@ Validator = Callable[[dict[str, Any], dict[str, Any]], None]
 
 class CheckpointError(RuntimeError):
     """A save failed (e.g. ENOSPC); raised in the training loop, never swallowed."""
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:09d}"
 
 
 def parse_step(name: str) -> int | None:
@@ -131,7 +128,7 @@ class CheckpointStore:
                  fingerprint: str = "", world_size: int = 1, rank: int = 0, gather_timeout_s: float = 300,
                  boundary_every: int = 0, validator: Validator | None = None) -> None:
         self.run_dir = Path(run_dir)
-        self.root = self.run_dir / "checkpoints"
+        self.root = RunPaths(self.run_dir).checkpoints
         self.root.mkdir(parents=True, exist_ok=True)
         self.policy = policy or CheckpointConfig()
         self.fingerprint = fingerprint
@@ -191,7 +188,7 @@ class CheckpointStore:
         reaches that step again, the directory is quarantined as invalid, not mistaken for
         evidence of a non-deterministic replay."""
         self.refused[path.name] = reason
-        append_event(self.run_dir, "checkpoint_skipped", checkpoint=path.name, reason=reason)
+        append_event(self.run_dir, Event.CHECKPOINT_SKIPPED, checkpoint=path.name, reason=reason)
 
     def latest_valid(self, record: bool = True) -> Checkpoint | None:
         """Newest checkpoint that verifies; invalid newer ones are recorded and left alone."""
@@ -502,7 +499,7 @@ class CheckpointStore:
         doomed = path.with_name(f".deleting-{path.name}")
         os.rename(path, doomed)
         shutil.rmtree(doomed)
-        append_event(self.run_dir, "checkpoint_retired", checkpoint=path.name, reason=reason)
+        append_event(self.run_dir, Event.CHECKPOINT_RETIRED, checkpoint=path.name, reason=reason)
 
     def cleanup_stale_temp(self) -> None:
         """Remove ``.tmp-*``/``.deleting-*`` left by a killed writer (never committed).  Only the

@@ -98,8 +98,17 @@ class TrainConfig(_Strict):
     #: hosts the c10d rendezvous; the others are started through ``orchestration.node_launch``
     #: (``localhost``/``127.0.0.1`` entries are started here directly).
     hosts: list[str] = Field(default_factory=list)
-    #: Evaluate on the validation split every this many steps (0 = never).
+    #: Micro-batches per optimizer step (gradient accumulation).  ``batch_size`` is the global
+    #: micro-batch (split over ranks), so one optimizer step sees ``batch_size * grad_accum_steps``
+    #: samples = micro-batch per rank x accumulation x world size.  Each micro-batch's loss is
+    #: scaled by 1/grad_accum_steps; checkpoints fall only on optimizer-step boundaries.
+    grad_accum_steps: int = Field(1, ge=1, le=4096)
+    #: Evaluate on the validation split every this many optimizer steps (0 = never); ``val_loss``
+    #: is logged at that step.  Does not change the trajectory (own data order, RNG untouched).
     eval_every: int = Field(0, ge=0)
+    #: Validation samples per evaluation: the first this many of the validation split, in order
+    #: (fewer if the split is smaller), in batches of ``batch_size``.
+    eval_samples: int = Field(256, gt=0)
 
     @model_validator(mode="after")
     def _chunk_fits(self) -> TrainConfig:
@@ -166,6 +175,9 @@ class HeartbeatConfig(_Strict):
     #: Phase limits for start-up (import, init, restore) and saving.
     init_timeout_s: float = Field(120.0, gt=0)
     save_timeout_s: float = Field(120.0, gt=0)
+    #: Limit for one in-loop validation (phase ``eval``, ``train.eval_every``): a long eval is not
+    #: a hang, an eval stuck past this is.
+    eval_timeout_s: float = Field(300.0, gt=0)
     #: SIGTERM → SIGKILL grace period when the supervisor stops a worker.
     grace_s: float = Field(10.0, gt=0)
 
@@ -210,12 +222,32 @@ class TrackingConfig(_Strict):
     dvc_remote: str = ""
 
 
+class InitFrom(_Strict):
+    """The parent checkpoint a run starts from (``convoy train --from runs/<parent>[@step]``)."""
+
+    #: The parent's run directory.
+    run: str
+    step: int = Field(ge=0)
+    #: The parent checkpoint's whole-state digest: the child's identity names the exact state.
+    digest: str
+
+
 class RunConfig(_Strict):
     """The whole ``params.yaml``."""
 
-    #: Name of the run directory under ``runs_dir``.
-    run_name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    #: Name of the run directory under ``runs_dir``.  ``name@<8 hex>`` is the directory of one
+    #: config of run ``name`` under ``on_config_change: new_run`` (see :mod:`training.rundir`).
+    run_name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*(@[0-9a-f]{8})?$")
     runs_dir: str = "runs"
+    #: What a changed trajectory setting does to run ``run_name``.  ``refuse``: one directory
+    #: ``runs/<run_name>``; a config with another fingerprint is refused (naming the keys).
+    #: ``new_run``: each config trains in its own ``runs/<run_name>@<fingerprint[:8]>``, and
+    #: ``runs/<run_name>`` is a symbolic link to the one trained last; the same params again
+    #: resume (or reuse) the run that has them.  ``refuse`` by default: existing runs keep their
+    #: directory; the project's ``params.yaml`` (what ``dvc repro`` reads) sets ``new_run``.
+    on_config_change: Literal["refuse", "new_run"] = "refuse"
+    #: Start from this checkpoint of another run instead of from scratch (set by ``--from``).
+    init_from: InitFrom | None = None
     #: ``package.module:factory`` returning a :class:`training.task.TaskParts`.
     task: str = Field("training.examples.char_gpt:build", pattern=r"^[\w.]+:\w+$")
     #: Keyword arguments for the task factory (validated by the task itself).
@@ -236,9 +268,12 @@ class RunConfig(_Strict):
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.run_name
 
-    def fingerprint(self) -> str:
-        """Hash of the settings that change the trajectory; see the module docstring."""
-        excluded = {"chunk_steps", "eval_every", "ranks", "nnodes", "hosts"}
+    def trajectory(self) -> dict[str, Any]:
+        """The settings that change the trajectory (what :meth:`fingerprint` hashes), as plain
+        JSON values: kept in ``run.json`` so a refusal can name the keys that changed."""
+        excluded = {"chunk_steps", "eval_every", "eval_samples", "ranks", "nnodes", "hosts"}
+        if self.train.grad_accum_steps == 1:
+            excluded.add("grad_accum_steps")  # left out at its default: older fingerprints stay valid
         if not self.train.amp or self.train.amp_dtype == "auto":
             # The dtype changes the trajectory only with AMP on; left out at its default so every
             # fingerprint from before the setting existed stays valid.
@@ -246,8 +281,51 @@ class RunConfig(_Strict):
         train = self.train.model_dump(exclude=excluded)
         data = self.data.model_dump(exclude={"num_workers", "prepared_dir"})
         payload = {"task": self.task, "task_args": self.task_args, "data": data, "train": train}
-        blob = json.dumps(payload, sort_keys=True, default=str).encode()
+        if self.init_from is not None:  # absent otherwise: every fingerprint from before stays valid
+            payload["init_from"] = {"run": Path(self.init_from.run).name, "step": self.init_from.step,
+                                    "digest": self.init_from.digest}
+        return json.loads(json.dumps(payload, sort_keys=True, default=str))
+
+    def fingerprint(self) -> str:
+        """Hash of the settings that change the trajectory; see the module docstring."""
+        blob = json.dumps(self.trajectory(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 1}}`` → ``{"train.lr": 1}`` (lists and scalars are leaves)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):  # an empty section has no keys to name
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _shown(value: Any) -> str:
+    """A value as a user would type it in ``-S``: ``0.003``, ``'file'``, ``[a, b]``; ``(unset)``
+    for a key one side does not have."""
+    if value is _UNSET:
+        return "(unset)"
+    return repr(value) if isinstance(value, str) else json.dumps(value)
+
+
+_UNSET = object()
+
+
+def trajectory_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``["train.lr 0.003 → 0.002", ...]``: each trajectory key whose value differs, sorted.
+
+    Why: a refusal that names fingerprints tells the user nothing they can act on; the keys and
+    both values say at once whether the change was meant (and what to undo otherwise)."""
+    a, b = _flatten(old), _flatten(new)
+    return [
+        f"{key} {_shown(a.get(key, _UNSET))} → {_shown(b.get(key, _UNSET))}"
+        for key in sorted(a.keys() | b.keys())
+        if a.get(key, _UNSET) != b.get(key, _UNSET)
+    ]
 
 
 def resolve_task_factory(spec: str) -> Any:

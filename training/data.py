@@ -5,6 +5,10 @@
   Restoring it costs one permutation of indices; no sample before it is read, no batch replayed.
 * Rank *r* of *W* takes the slice ``[r·B/W, (r+1)·B/W)`` of each fixed global batch of ``B``
   samples, so changing the world size keeps the global sample sequence.
+* With gradient accumulation (``accum`` = A) one optimizer step reads A consecutive global
+  micro-batches of B samples, i.e. the same A·B samples, in the same order, as one batch of A·B
+  would be; the cursor and the epoch's dropped tail count whole optimizer batches of A·B, so
+  ``accum 4 x B`` and ``accum 1 x 4B`` see exactly the same samples at every step.
 * With ``num_workers > 0`` the DataLoader gets its own generator seeded from the cursor, so the
   trainer's global RNG is never consumed by loader start-up (it would be, once per process, and
   a resumed run would drift from an uninterrupted one), and worker seeds depend on the cursor.
@@ -14,8 +18,9 @@ from __future__ import annotations
 
 import random
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,13 +69,14 @@ class ResumableBatchSampler(Sampler[list[int]]):
     """Infinite stream of this rank's slice of each global batch, starting at ``start``."""
 
     def __init__(self, num_samples: int, batch_size: int, seed: int, start: Cursor,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, accum: int = 1) -> None:
         if batch_size % world_size:
             raise ValueError(f"global batch {batch_size} is not divisible by world size {world_size}")
-        if batch_size > num_samples:
-            raise ValueError(f"global batch {batch_size} is larger than the dataset ({num_samples} samples)")
+        if batch_size * accum > num_samples:
+            raise ValueError(f"global batch {batch_size} x {accum} accumulation steps is larger than the dataset "
+                             f"({num_samples} samples)")
         self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
-        self.start, self.rank, self.world_size = start, rank, world_size
+        self.start, self.rank, self.world_size, self.accum = start, rank, world_size, accum
         self.per_rank = batch_size // world_size
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -78,9 +84,10 @@ class ResumableBatchSampler(Sampler[list[int]]):
         order = epoch_order(self.num_samples, self.seed, cursor.epoch)
         lo = self.rank * self.per_rank
         while True:
-            batch = order[cursor.offset + lo : cursor.offset + lo + self.per_rank]
-            yield batch.tolist()
-            nxt = cursor.advance(self.batch_size, self.num_samples)
+            for k in range(self.accum):  # the micro-batches of one optimizer step
+                at = cursor.offset + k * self.batch_size + lo
+                yield order[at : at + self.per_rank].tolist()
+            nxt = cursor.advance(self.batch_size * self.accum, self.num_samples)
             if nxt.epoch != cursor.epoch:
                 order = epoch_order(self.num_samples, self.seed, nxt.epoch)
             cursor = nxt
@@ -100,11 +107,15 @@ def _worker_init(worker_id: int) -> None:
 
 
 def make_loader(dataset: Dataset, batch_size: int, seed: int, start: Cursor, rank: int = 0,
-                world_size: int = 1, num_workers: int = 0) -> DataLoader:
-    sampler = ResumableBatchSampler(len(dataset), batch_size, seed, start, rank, world_size)  # type: ignore[arg-type]
+                world_size: int = 1, num_workers: int = 0, accum: int = 1,
+                collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
+    """The resumable loader; yields ``accum`` micro-batches per optimizer step, each collated by
+    ``collate_fn`` (the task's, or PyTorch's default, which already handles dicts and tuples)."""
+    sampler = ResumableBatchSampler(len(dataset), batch_size, seed, start, rank, world_size,  # type: ignore[arg-type]
+                                    accum)
     generator = torch.Generator().manual_seed(mix_seed(seed, start.epoch, start.offset, rank))
     return DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, generator=generator,
+        dataset, batch_sampler=sampler, num_workers=num_workers, generator=generator, collate_fn=collate_fn,
         worker_init_fn=_worker_init if num_workers else None, prefetch_factor=2 if num_workers else None,
     )
 

@@ -46,6 +46,15 @@ def mean(value: float) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
+def sum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Element-wise sum over ranks of a small CPU tensor (returned on the CPU)."""
+    if not active():
+        return t
+    d = t.to(_device())
+    dist.all_reduce(d, op=dist.ReduceOp.SUM)
+    return d.cpu()
+
+
 def check_same_step(step: int) -> None:
     """Every rank must resume from the same step; a mismatch is an error, never silent."""
     if not active():

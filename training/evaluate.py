@@ -7,7 +7,8 @@
     failures, steps lost (``dvc metrics show`` stays narrow);
   * ``reports/train-info.json`` — what identifies the result but is no metric: state digest,
     config fingerprint, whether a resume was non-deterministic;
-  * ``plots/loss.csv`` — step,loss,lr,grad_norm from ``metrics.jsonl`` (one row per step);
+  * ``plots/loss.csv`` — step,loss,lr,grad_norm,val_loss from ``metrics.jsonl`` (one row per
+    step; val_loss only at the ``train.eval_every`` steps, empty elsewhere);
   * ``plots/timeline.png`` — loss vs step with a marker at each failure and resume (the audit's
     picture, as a DVC image plot).
 ``python -m training.evaluate evaluate [PARAMS] [-S k=v]`` (``evaluate`` stage):
@@ -28,9 +29,13 @@ from typing import Any
 
 import torch
 
+from training.audit import analyse_events
+from training.batch import batch_len
 from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, ConfigError, RunConfig, load_config
 from training.events import read_events
+from training.metrics import metric_rows
+from training.rundir import describe_change, keyed_config, recorded_trajectories, run_info
 from training.safetensors_io import write_file
 
 MODEL_PATH = Path("models/model.safetensors")
@@ -69,7 +74,8 @@ def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     write_file(tmp, tensors, meta)
     os.replace(tmp, out)
-    return {"path": str(out_path), "step": ck.step, "digest": ck.digest, "tensors": len(tensors),
+    return {"path": str(out_path), "step": ck.step, "digest": ck.digest, "fingerprint": meta["fingerprint"],
+            "tensors": len(tensors),
             "parameters": sum(t.numel() for t in tensors.values())}
 
 
@@ -81,22 +87,8 @@ def load_model_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
         return {k: f.get_tensor(k) for k in f.keys()}, meta  # noqa: SIM118 - safe_open has no __iter__
 
 
-def metric_rows(run_dir: str | Path) -> list[tuple[int, dict[str, float]]]:
-    """``metrics.jsonl`` as (step, metrics) sorted by step; the first value of a step wins."""
-    path = Path(run_dir) / "metrics.jsonl"
-    by_step: dict[int, dict[str, float]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            by_step.setdefault(int(rec["step"]), rec.get("metrics", {}))
-    return sorted(by_step.items())
-
-
 def write_loss_plot(run_dir: str | Path, out_path: str | Path = LOSS_PLOT) -> int:
-    cols = ("loss", "lr", "grad_norm")
+    cols = ("loss", "lr", "grad_norm", "val_loss")
     lines = [",".join(("step", *cols))]
     rows = metric_rows(run_dir)
     for step, m in rows:
@@ -106,7 +98,6 @@ def write_loss_plot(run_dir: str | Path, out_path: str | Path = LOSS_PLOT) -> in
 
 
 def train_metrics(config: RunConfig, run_dir: str | Path, export: dict[str, Any]) -> dict[str, Any]:
-    from training.audit import analyse_events
 
     rows = metric_rows(run_dir)
     tail = [m["loss"] for _, m in rows[-20:] if "loss" in m]
@@ -132,11 +123,23 @@ def train_info(config: RunConfig, run_dir: str | Path, export: dict[str, Any]) -
             "nondeterministic": audit["nondeterministic"]}
 
 
+def _check_trained_with(config: RunConfig, run_dir: Path, fingerprint: str) -> None:
+    """The exported model must come from these params' trajectory: a pipeline must never record
+    params.yaml's values against a model trained with others (the keys that differ are named)."""
+    info = run_info(run_dir) or {}
+    if not fingerprint or fingerprint in (config.fingerprint(), *info.get("accepted_fingerprints", [])):
+        return
+    old = recorded_trajectories(run_dir, info).get(fingerprint)
+    raise ConfigError(f"{run_dir}: its newest checkpoint was trained with other settings than the params "
+                      f"({describe_change(old, config)}); run `convoy train` with these params first")
+
+
 def export_outputs(config: RunConfig, run_dir: str | Path | None = None, model_path: Path = MODEL_PATH,
                    metrics_path: Path = TRAIN_METRICS, plot_path: Path = LOSS_PLOT,
                    info_path: Path = TRAIN_INFO) -> dict[str, Any]:
-    run_dir = Path(run_dir) if run_dir is not None else config.run_dir
+    run_dir = Path(run_dir) if run_dir is not None else keyed_config(config).run_dir
     export = export_final_model(run_dir, model_path)
+    _check_trained_with(config, run_dir, export["fingerprint"])
     if export["step"] != config.train.total_steps:
         raise ConfigError(f"{run_dir}: newest valid checkpoint is step {export['step']}, not train.total_steps = "
                           f"{config.train.total_steps}; the run is not finished (run `convoy train` again)")
@@ -175,12 +178,13 @@ def validation_loss(config: RunConfig, model_path: str | Path = MODEL_PATH, batc
                           f"{config.fingerprint()}; re-run the train stage")
     parts.model.load_state_dict(tensors)
     parts.model.eval()
-    loader = torch.utils.data.DataLoader(parts.val_data, batch_size=batch_size, shuffle=False)
+    loader = torch.utils.data.DataLoader(parts.val_data, batch_size=batch_size, shuffle=False,
+                                         collate_fn=parts.collate_fn)
     total, n = 0.0, 0
     for i, batch in enumerate(loader):
         if i >= max_batches:
             break
-        size = len(batch[0]) if isinstance(batch, list | tuple) else len(batch)
+        size = batch_len(batch)  # dict batches too: the leading dimension of the first tensor
         total += float(parts.loss_fn(parts.model, batch)) * size
         n += size
     val = total / n

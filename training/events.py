@@ -9,16 +9,48 @@ from __future__ import annotations
 import json
 import os
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-EVENTS_FILE = "events.jsonl"
+from training.paths import EVENTS_FILE, RunPaths  # noqa: F401 - EVENTS_FILE re-exported
+
+
+class Event(StrEnum):
+    """Every kind of audit event, named once (a StrEnum: equal to its string, written as it)."""
+
+    CHECKPOINT_RETIRED = "checkpoint_retired"
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    CHECKPOINT_VERSIONED = "checkpoint_versioned"
+    CHECKPOINTS_PULLED = "checkpoints_pulled"
+    CHUNK_DONE = "chunk_done"
+    CONFIG_CHANGED = "config_changed"
+    CONFIG_ERROR = "config_error"
+    FAILURE = "failure"
+    FIRST_STEP = "first_step"
+    FLOW_STARTED = "flow_started"
+    FORKED = "forked"
+    INTERVAL_CHOSEN = "interval_chosen"
+    NONDETERMINISTIC_RESUME = "nondeterministic_resume"
+    PREEMPTED = "preempted"
+    REAP_FAILED = "reap_failed"
+    REPLAY_AFTER_RESIZE = "replay_after_resize"
+    REPLAY_VERIFIED = "replay_verified"
+    RESUBMITTED = "resubmitted"
+    RESUMED = "resumed"
+    STALE_WORKER_STOPPED = "stale_worker_stopped"
+    STANDBY_CALLED = "standby_called"
+    STANDBY_TOOK_OVER = "standby_took_over"
+    STARTED = "started"
+    WORKER_DONE = "worker_done"
+    WORLD_SIZE_CHANGED = "world_size_changed"
 
 
 def append_event(run_dir: str | Path, kind: str, **fields: Any) -> dict[str, Any]:
     record = {"time": round(time.time(), 3), "kind": kind, **fields}
     line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
-    path = Path(run_dir) / EVENTS_FILE
+    path = RunPaths(run_dir).events
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -29,7 +61,7 @@ def append_event(run_dir: str | Path, kind: str, **fields: Any) -> dict[str, Any
 
 
 def read_events(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
-    path = Path(run_dir) / EVENTS_FILE
+    path = RunPaths(run_dir).events
     if not path.exists():
         return []
     out = []

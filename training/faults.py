@@ -4,8 +4,10 @@
 (also ``diskfull_flag=PATH`` and ``slow_flag=PATH:SECONDS``) — each entry is read where the
 fault belongs: a slow background persist (to land a kill inside it), a save that fails with
 ENOSPC from a given step on, or once when PATH exists (an injected writer error, not a real full
-disk), one stalled training step (``step:seconds``, or the next one once PATH exists) and a
-pause before every step.  Unset in normal runs: every check is one
+disk), one stalled training step (``step:seconds``, or the next one once PATH exists), a
+pause before every step, and ``micro_stall=S:K:SECONDS:PATH``: before micro-batch K (1-based)
+of optimizer step S, create PATH and stall, once (not again once PATH exists), so a test can
+kill the worker provably inside a gradient-accumulation window.  Unset in normal runs: every check is one
 dict lookup.
 """
 
@@ -66,3 +68,17 @@ def slow_step(step: int) -> None:
             time.sleep(float(seconds or 5))
             with open(f"{flag}.done", "w") as fh:  # tells the chaos runner which step stalled, how long
                 fh.write(f'{{"step": {step}, "seconds": {time.monotonic() - t0:.3f}}}\n')
+
+
+def micro_stall(step: int, micro: int) -> None:
+    """``micro_stall=S:K:SECONDS:PATH``: before micro-batch K of step S, if PATH does not exist
+    yet, create it and sleep SECONDS (micro-batches 1..K-1 of S are then done, the optimizer step
+    is not).  A resumed worker replaying step S finds PATH and does not stall again."""
+    spec = _faults().get("micro_stall")
+    if not spec:
+        return
+    at, k, seconds, path = spec.split(":", 3)
+    if step == int(at) and micro == int(k) and not os.path.exists(path):
+        with open(path, "w") as fh:
+            fh.write(f'{{"step": {step}, "micro": {micro}}}\n')
+        time.sleep(float(seconds))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from training.fsutil import atomic_write_json, read_json
+from training.paths import RunPaths
 
 PHASES = ("init", "load", "train", "save", "eval", "done")
 #: Written into every beat: a pid only means something on the machine that wrote it.
@@ -27,7 +28,7 @@ def beat_is_local(beat: dict[str, Any]) -> bool:
 
 
 def heartbeat_path(run_dir: str | Path, rank: int) -> Path:
-    return Path(run_dir) / "heartbeat" / f"rank-{rank}.json"
+    return RunPaths(run_dir).heartbeat(rank)
 
 
 def read_heartbeat(run_dir: str | Path, rank: int) -> dict[str, Any] | None:

@@ -16,19 +16,50 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from training.events import append_event
+from training.events import Event, append_event
+from training.paths import RunPaths
 
 #: Metrics that are a pure function of the state, so a replay must reproduce them bit for bit.
-DETERMINISTIC_KEYS = ("loss", "lr", "grad_norm")
+DETERMINISTIC_KEYS = ("loss", "lr", "grad_norm", "val_loss")
 
 
 def same_value(a: float, b: float) -> bool:
     """Equal, NaN included: an AMP float16 step the GradScaler skips logs a NaN or inf grad norm,
     and its bitwise-equal replay must not be called non-deterministic."""
     return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def read_metric_lines(path: str | Path) -> Iterator[tuple[int, dict[str, float]]]:
+    """Every ``(step, metrics)`` row of a ``metrics.jsonl`` in file order (a replayed step may
+    appear more than once; callers keep the first).  The one rule for a torn line: only the last
+    line may be cut short (a kill during the append) and it is skipped; a bad line anywhere else
+    means the file was damaged and is an error naming the line."""
+    path = Path(path)
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            yield int(rec["step"]), {k: float(v) for k, v in rec.get("metrics", {}).items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if number == len(lines):
+                return  # torn by a kill mid-append; JsonlBackend cuts it off when it next opens
+            raise ValueError(f"{path}:{number}: not a metrics row ({exc}); the file was edited or damaged") from None
+
+
+def metric_rows(run_dir: str | Path) -> list[tuple[int, dict[str, float]]]:
+    """``metrics.jsonl`` as (step, metrics) sorted by step; the first value of a step wins."""
+    by_step: dict[int, dict[str, float]] = {}
+    for step, metrics in read_metric_lines(RunPaths(run_dir).metrics):
+        by_step.setdefault(step, metrics)
+    return sorted(by_step.items())
 
 
 class MetricBackend(Protocol):
@@ -56,13 +87,10 @@ class JsonlBackend:
 
     def history(self, keys: tuple[str, ...]) -> dict[str, dict[int, float]]:
         out: dict[str, dict[int, float]] = {k: {} for k in keys}
-        if not self.path.exists():
-            return out
-        for line in self.path.read_text().splitlines():
-            rec = json.loads(line)
+        for step, metrics in read_metric_lines(self.path):
             for k in keys:
-                if k in rec["metrics"]:
-                    out[k][int(rec["step"])] = float(rec["metrics"][k])
+                if k in metrics:
+                    out[k][step] = metrics[k]
         return out
 
     def write(self, rows: list[tuple[int, dict[str, float]]]) -> None:
@@ -150,7 +178,7 @@ class StepMetricLogger:
                     rec = {"step": step, "metric": key, "logged": before, "replayed": metrics[key]}
                     self.mismatches.append(rec)
                     if len(self.mismatches) == 1:
-                        append_event(self.run_dir, "nondeterministic_resume", **rec)
+                        append_event(self.run_dir, Event.NONDETERMINISTIC_RESUME, **rec)
                         for backend in self.backends:
                             tag = getattr(backend, "tag_nondeterminism", None)
                             if tag is not None:
@@ -176,10 +204,10 @@ class StepMetricLogger:
             return
         self._verdict_sent = True
         if not self.exact:
-            append_event(self.run_dir, "replay_after_resize", values_compared=self.replayed,
+            append_event(self.run_dir, Event.REPLAY_AFTER_RESIZE, values_compared=self.replayed,
                          max_abs_diff=self.max_abs_diff)
         else:
-            append_event(self.run_dir, "replay_verified" if not self.mismatches else "replay_mismatch",
+            append_event(self.run_dir, Event.REPLAY_VERIFIED if not self.mismatches else "replay_mismatch",
                          values_compared=self.replayed, mismatches=len(self.mismatches))
 
     def close(self) -> None:

@@ -35,6 +35,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from training.config import RunConfig
+from training.metrics import read_metric_lines
+from training.paths import RunPaths
 from training.rundir import run_info, update_run_info
 
 #: MLflow's per-request limit on metric values in one ``log_batch``.
@@ -141,7 +143,7 @@ def run_id_from_checkpoints(run_dir: str | Path) -> str | None:
 
     On another machine the checkpoints arrive (``convoy pull``) without ``run.json``; the id in the
     manifest keeps every resume logging into the same MLflow run."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunPaths(run_dir).checkpoints
     if not root.is_dir():
         return None
     for path in sorted(root.glob("step-*/manifest.json"), reverse=True):
@@ -152,6 +154,16 @@ def run_id_from_checkpoints(run_dir: str | Path) -> str | None:
         if run_id:
             return str(run_id)
     return None
+
+
+def lineage_tags(parent: dict[str, Any] | None) -> dict[str, str]:
+    """``convoy.parent_*`` tags of a run forked from another (``--from``): the parent's run,
+    step, digest, MLflow run id (the link to it) and DVC hash."""
+    if not parent:
+        return {}
+    keys = {"run_name": "parent_run", "step": "parent_step", "digest": "parent_digest",
+            "mlflow_run_id": "parent_mlflow_run_id", "dvc_md5": "parent_dvc_md5"}
+    return {f"{TAG_PREFIX}{tag}": str(parent[key]) for key, tag in keys.items() if parent.get(key) is not None}
 
 
 def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> str:
@@ -184,6 +196,7 @@ def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> s
         f"{TAG_PREFIX}resumes": "0",
         f"{TAG_PREFIX}failures": "0",
         f"{TAG_PREFIX}steps_lost": "0",
+        **lineage_tags(info.get("parent")),
     }
     run = client.create_run(exp_id, run_name=config.run_name, tags=tags)
     run_id = run.info.run_id
@@ -269,18 +282,10 @@ class MlflowBackend:
         values are the ones logged before the failure, i.e. what MLflow would have received."""
         if self.run_dir is None:
             return 0
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return 0
         rows: dict[int, dict[str, float]] = {}
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a torn last line
-            step = int(rec["step"])
-            for key, value in rec.get("metrics", {}).items():
-                rows.setdefault(step, {}).setdefault(key, float(value))
+        for step, metrics in read_metric_lines(RunPaths(self.run_dir).metrics):
+            for key, value in metrics.items():
+                rows.setdefault(step, {}).setdefault(key, value)
         if not rows:
             return 0
         have = self._history(sorted({k for m in rows.values() for k in m}))

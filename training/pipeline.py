@@ -18,18 +18,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from training.fsutil import atomic_write_json, read_json
-
-ACK_FILE = "chunk-ack.json"
+from training.paths import ACK_FILE, RunPaths  # noqa: F401 - ACK_FILE re-exported
 
 
 def acknowledge_chunk(run_dir: str | Path, step: int) -> None:
     """The flow verified the boundary checkpoint at ``step``."""
-    atomic_write_json(Path(run_dir) / ACK_FILE, {"step": step, "time": time.time()}, durable=False)
+    atomic_write_json(RunPaths(run_dir).ack, {"step": step, "time": time.time()}, durable=False)
 
 
 def acknowledged_step(run_dir: str | Path) -> int:
     try:
-        return int(read_json(Path(run_dir) / ACK_FILE)["step"])
+        return int(read_json(RunPaths(run_dir).ack)["step"])
     except (FileNotFoundError, ValueError, KeyError):
         return -1
 

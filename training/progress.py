@@ -31,13 +31,14 @@ import psutil
 from training.audit import analyse_events
 from training.checkpoint import CheckpointStore
 from training.config import RunConfig
-from training.events import read_events
+from training.events import Event, read_events
 from training.heartbeat import HOST, read_heartbeat
+from training.paths import RunPaths
 
 #: Step times averaged for the ETA: long enough to smooth noise, short enough to follow a change.
 ETA_WINDOW = 50
 _GAVE_UP = ("chunk_failed", "flow_failed", "flow_crashed")
-_STARTS = ("flow_started", "started", "resumed")
+_STARTS = (Event.FLOW_STARTED, Event.STARTED, Event.RESUMED)
 
 
 def pid_alive(pid: int) -> bool:
@@ -70,7 +71,7 @@ def beat_alive(beat: dict[str, Any] | None, timeout_s: float, now: float) -> boo
 
 def metrics_tail(run_dir: Path, rows: int = ETA_WINDOW, max_bytes: int = 256 * 1024) -> list[dict[str, Any]]:
     """The last ``rows`` rows of ``metrics.jsonl``, read from its end (it grows every step)."""
-    path = run_dir / "metrics.jsonl"
+    path = RunPaths(run_dir).metrics
     try:
         with open(path, "rb") as f:
             start = max(0, f.seek(0, os.SEEK_END) - max_bytes)
@@ -79,12 +80,21 @@ def metrics_tail(run_dir: Path, rows: int = ETA_WINDOW, max_bytes: int = 256 * 1
     except OSError:
         return []
     out = []
-    for line in lines[-rows:]:
+    for line in lines[-rows:] if rows else lines:
         try:
             out.append(json.loads(line))
         except ValueError:
             continue  # torn last line or a partial first one
     return out
+
+
+def last_logged(run_dir: Path, key: str) -> tuple[int, float] | None:
+    """The newest (step, value) of a metric logged only now and then (``val_loss``), searched in
+    the file's last 256 KiB (some thousands of steps)."""
+    for row in reversed(metrics_tail(run_dir, rows=0)):
+        if key in row.get("metrics", {}):
+            return int(row["step"]), float(row["metrics"][key])
+    return None
 
 
 #: (checkpoint path, manifest mtime) → digest of a checkpoint already verified by this process, so
@@ -152,10 +162,11 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
     # The worker's step: its beat while it runs; otherwise the furthest any source got.
     known = [s for s in (beat.get("step") if beat else None, metric_step, ck_step) if s is not None]
     step = int(beat["step"]) if worker_alive and beat else (max(known) if known else 0)
-    started = bool(known) or any(e["kind"] in ("started", "resumed") for e in events)
+    started = bool(known) or any(e["kind"] in (Event.STARTED, Event.RESUMED) for e in events)
     audit = analyse_events(events)
     rate, eta = _eta(rows, step, total)
     last = rows[-1]["metrics"] if rows else {}
+    val = last_logged(run_dir, "val_loss")
     return {
         "run_name": config.run_name,
         "run_dir": str(run_dir),
@@ -171,6 +182,8 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
         "flow_pid": flow_pid,
         "loss": last.get("loss"),
         "loss_step": metric_step,
+        "val_loss": val[1] if val else None,
+        "val_loss_step": val[0] if val else None,
         "tokens_per_s": last.get("tokens_per_s"),
         "steps_per_s": round(rate, 3) if rate else None,
         "eta_s": round(eta, 1) if eta is not None and not finished else None,
@@ -183,5 +196,5 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
         "resumes": audit["resumes"],
         "steps_lost": audit["steps_lost"],
         "failure_kinds": [r["kind"] for r in audit["rows"]],
-        "failure_chunks": [e.get("chunk") for e in events if e["kind"] == "failure"],  # attempt numbers
+        "failure_chunks": [e.get("chunk") for e in events if e["kind"] == Event.FAILURE],  # attempt numbers
     }

@@ -7,14 +7,15 @@ changes the trajectory can never silently resume an old run (docs/architecture.m
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
 
-from training.config import ConfigError, RunConfig, config_from_dict
-from training.events import append_event
+from training.config import ConfigError, InitFrom, RunConfig, config_from_dict, trajectory_changes
+from training.events import Event, append_event
 from training.fsutil import atomic_write_bytes, atomic_write_json, read_json
 
 RUN_FILE = "run.json"
@@ -59,6 +60,174 @@ def update_run_info(run_dir: str | Path, **fields: Any) -> dict[str, Any]:
     return info
 
 
+def keyed_config(config: RunConfig) -> RunConfig:
+    """The config whose ``run_dir`` is the directory that trains ``config``.
+
+    Under ``on_config_change: new_run`` a run's identity is its name *and* its trajectory:
+    ``runs/<name>@<fingerprint[:8]>``, so a param change under ``dvc repro`` trains a new run
+    instead of being refused, the old run stays untouched, and changing back finds the old run.
+    A run created before this (a real ``runs/<name>`` directory) is kept while its fingerprint
+    matches.  Idempotent: a name that already carries a fingerprint is returned as is."""
+    if config.on_config_change != "new_run" or "@" in config.run_name:
+        return config
+    fp = config.fingerprint()
+    legacy = config.run_dir
+    if legacy.is_dir() and not legacy.is_symlink() and (run_info(legacy) or {}).get("fingerprint") == fp:
+        return config
+    return config.model_copy(update={"run_name": f"{config.run_name}@{fp[:8]}"})
+
+
+def link_current(config: RunConfig) -> Path | None:
+    """Point ``runs/<name>`` at the keyed run directory of ``config`` (a relative symbolic link,
+    replaced atomically), so ``convoy status runs/<name>`` shows the run trained last.  Returns
+    the link, or None when there is none to make: not keyed, or ``runs/<name>`` is a real
+    directory (a run created before keyed directories; it is left alone)."""
+    base, sep, _ = config.run_name.partition("@")
+    if not sep:
+        return None
+    link = Path(config.runs_dir) / base
+    if link.exists() and not link.is_symlink():
+        return None
+    tmp = link.with_name(f".{base}.link-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(config.run_name)
+    os.replace(tmp, link)
+    return link
+
+
+def _split_from(spec: str) -> tuple[Path, int | None]:
+    """``runs/demo`` or ``runs/demo@600`` (also ``runs/demo@1a2b3c4d@600``: a keyed directory's
+    name holds an ``@`` too, so ``@step`` is split off only when the whole path is no directory)."""
+    path = Path(spec)
+    head, sep, tail = spec.rpartition("@")
+    if path.is_dir() or not sep or not tail.isdigit():
+        return path, None
+    return Path(head), int(tail)
+
+
+def resolve_parent(spec: str) -> InitFrom:
+    """``--from runs/<parent>[@step]`` → the exact parent checkpoint: its run directory (links
+    resolved: the child must name the run, not whatever ``runs/<name>`` points at later), the
+    step (default: the newest verified one) and its digest.  A ConfigError says what is wrong."""
+    from training.checkpoint import CheckpointStore, checkpoint_name
+
+    path, step = _split_from(spec)
+    if not (path / "checkpoints").is_dir():
+        raise ConfigError(f"--from {spec}: {path} is not a convoy run directory (no checkpoints/)")
+    store = CheckpointStore(path.resolve())
+    try:
+        ck = store.latest_valid(record=False) if step is None else store.verify(path / "checkpoints" /
+                                                                                checkpoint_name(step))
+    except (ValueError, OSError) as exc:
+        steps = ", ".join(str(s) for s, _ in store.step_dirs()) or "none"
+        raise ConfigError(f"--from {spec}: checkpoint of step {step} not usable ({exc}); "
+                          f"steps there: {steps}") from None
+    if ck is None:
+        raise ConfigError(f"--from {spec}: {path} has no verified checkpoint")
+    return InitFrom(run=os.path.relpath(path.resolve()), step=ck.step, digest=ck.digest)
+
+
+def _parent_dvc_md5(ckpt: Path) -> str | None:
+    """The DVC hash of the parent checkpoint (its ``step-N.dvc``), when it was versioned."""
+    dvcfile = ckpt.with_name(ckpt.name + ".dvc")
+    if not dvcfile.exists():
+        return None
+    import yaml
+
+    outs = (yaml.safe_load(dvcfile.read_text()) or {}).get("outs") or [{}]
+    return outs[0].get("md5")
+
+
+def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """Make the parent checkpoint the child's first one and return the lineage for ``run.json``.
+
+    The files are hard-linked (a committed checkpoint is immutable: no bytes copied); the
+    manifest is a new file naming the child's fingerprint and ``forked_from``, without the
+    parent's MLflow run id (the child logs to its own run).  Built in a temporary sibling and
+    renamed, then ``LATEST`` (invariant 1).  The worker restores it like any checkpoint and then
+    takes the optimisation settings of the child's config (:mod:`training.worker`)."""
+    from training.checkpoint import LATEST, MANIFEST, CheckpointStore, checkpoint_name
+
+    src = config.init_from
+    assert src is not None
+    parent = Path(src.run)
+    ckpt = parent / "checkpoints" / checkpoint_name(src.step)
+    ck = CheckpointStore(parent).verify(ckpt)
+    if ck.digest != src.digest:
+        raise ConfigError(f"--from {src.run}@{src.step}: that checkpoint's digest is {ck.digest}, not {src.digest}")
+    final = run_dir / "checkpoints" / ckpt.name
+    lineage = {"run": str(parent), "run_name": parent.name, "step": ck.step, "digest": ck.digest,
+               "fingerprint": ck.manifest.get("fingerprint"),
+               "mlflow_run_id": (run_info(parent) or {}).get("mlflow_run_id"), "dvc_md5": _parent_dvc_md5(ckpt)}
+    if final.is_dir():  # forked before, killed before run.json was written
+        return lineage
+    tmp = run_dir / "checkpoints" / f".tmp-fork-{ckpt.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(ckpt, tmp, copy_function=_link_or_copy)
+    manifest = {**ck.manifest, "fingerprint": config.fingerprint(), "forked_from": lineage}
+    manifest.pop("mlflow_run_id", None)
+    (tmp / MANIFEST).unlink()  # a hard link to the parent's: never written through
+    atomic_write_json(tmp / MANIFEST, manifest)
+    os.rename(tmp, final)
+    atomic_write_bytes(run_dir / "checkpoints" / LATEST, (final.name + "\n").encode())
+    append_event(run_dir, Event.FORKED, **lineage)
+    return lineage
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # no hard links here (another filesystem): copy
+        shutil.copy2(src, dst)
+
+
+def recorded_trajectories(run_dir: Path, info: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{fingerprint: trajectory settings}`` of every config this run was opened with.
+
+    Runs created before ``run.json`` kept them: the trajectory is re-derived from ``config.json``,
+    which still holds the config the run was last opened with."""
+    known = dict(info.get("trajectories") or {})
+    if not known and (run_dir / CONFIG_FILE).exists():
+        try:
+            previous = load_run_config(run_dir)
+        except ConfigError:
+            return known
+        known[previous.fingerprint()] = previous.trajectory()
+    return known
+
+
+def describe_change(old: dict[str, Any] | None, config: RunConfig) -> str:
+    """``train.lr 0.003 → 0.002, train.seed 1 → 2``, or why the keys are unknown."""
+    if old is None:
+        return "changed keys unknown (the run never recorded that config)"
+    return ", ".join(trajectory_changes(old, config.trajectory())) or "no key differs (another code version?)"
+
+
+def mismatch_message(config: RunConfig, info: dict[str, Any], old: dict[str, Any] | None) -> str:
+    """One line: which run, which keys changed (old → new), and the commands that do what the
+    user may have meant (docs/architecture.md, invariant 7)."""
+    return (
+        f"run {config.run_name!r} was trained with other trajectory settings: {describe_change(old, config)}; "
+        f"to train these settings as a new run: `convoy train -S run_name=<new name>` (or set "
+        f"on_config_change: new_run); "
+        f"to go on training this run under them: `--allow-config-change`"
+    )
+
+
+def _refuse_finished(config: RunConfig, run_dir: Path, changes: str) -> None:
+    """``--allow-config-change`` on a run whose newest checkpoint is already at the new
+    ``total_steps`` would train nothing and exit 0 as if the new settings had been applied."""
+    from training.checkpoint import CheckpointStore  # imports torch: only on this path
+
+    newest = CheckpointStore(run_dir).latest_valid(record=False)
+    if newest is not None and newest.step >= config.train.total_steps:
+        raise ConfigError(
+            f"--allow-config-change: run {config.run_name!r} is already at step {newest.step} >= "
+            f"train.total_steps = {config.train.total_steps}, so nothing would be trained with the new "
+            f"settings ({changes}); train them as a new run: `convoy train -S run_name=<new name>`"
+        )
+
+
 def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
     """Create the run directory, or reopen it after checking the fingerprint.
 
@@ -71,22 +240,27 @@ def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
         from training.task import check_task  # imports torch: only when a run is created
 
         check_task(config)  # bad task_args fail here, before the run is pinned to their fingerprint
+    known = recorded_trajectories(run_dir, info) if info is not None else {}
     if info is not None and info.get("fingerprint") != fp:
+        old = known.get(info.get("fingerprint", ""))
         if not allow_config_change:
-            raise ConfigError(
-                f"run {config.run_name!r} was created with config fingerprint {info.get('fingerprint')}, "
-                f"this config has {fp}: it would change the training trajectory; use another "
-                f"run_name, or pass --allow-config-change to resume anyway"
-            )
-        append_event(run_dir, "config_changed", old=info.get("fingerprint"), new=fp)
+            raise ConfigError(mismatch_message(config, info, old))
+        _refuse_finished(config, run_dir, describe_change(old, config))
+        append_event(run_dir, Event.CONFIG_CHANGED, old=info.get("fingerprint"), new=fp,
+                     changes=trajectory_changes(old, config.trajectory()) if old else None)
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     (run_dir / "heartbeat").mkdir(exist_ok=True)
+    known[fp] = config.trajectory()
     if info is None:
-        update_run_info(run_dir, name=config.run_name, fingerprint=fp, created=time.time(), mlflow_run_id=None)
+        parent = fork_checkpoint(config, run_dir) if config.init_from is not None else None
+        update_run_info(run_dir, name=config.run_name, fingerprint=fp, created=time.time(), mlflow_run_id=None,
+                        trajectories=known, **({"parent": parent} if parent else {}))
     elif info.get("fingerprint") != fp:
         # The user explicitly accepted the change: checkpoints of the old config may be resumed.
         accepted = sorted({*info.get("accepted_fingerprints", []), info.get("fingerprint")} - {None})
-        update_run_info(run_dir, fingerprint=fp, accepted_fingerprints=accepted)
+        update_run_info(run_dir, fingerprint=fp, accepted_fingerprints=accepted, trajectories=known)
+    elif info.get("trajectories") != known:
+        update_run_info(run_dir, trajectories=known)
     atomic_write_json(run_dir / CONFIG_FILE, config.model_dump(mode="json"))
     return run_dir
 

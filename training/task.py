@@ -25,11 +25,25 @@ class TaskParts:
     #: Stepped once per optimizer step; its position is the global step.
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     train_data: Dataset
-    #: ``loss_fn(model, batch) -> scalar loss`` (batch as the DataLoader yields it, on device).
+    #: ``loss_fn(model, batch) -> scalar loss``: ``batch`` is what the DataLoader yields (after
+    #: ``collate_fn``) with every tensor moved to the device, whatever its structure: a tensor, a
+    #: tuple/list, a dict such as ``{"input_ids", "attention_mask", "labels"}``, or a nesting of
+    #: those (:mod:`training.batch`).  With gradient accumulation it is called once per
+    #: micro-batch and must return the micro-batch's mean loss; convoy scales it.
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
     val_data: Dataset | None = None
     #: Tokens per sample, for the tokens-seen counter and tokens/s.
     tokens_per_sample: int = 1
+    #: Builds a batch from a list of samples (DataLoader's ``collate_fn``); None = PyTorch's
+    #: default, which stacks tensors inside tuples, lists and dicts alike.  Used for the
+    #: validation batches too.  Must be deterministic and must not draw from the global RNG.
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    #: Escape hatch for updates the default step does not cover (two optimizers, custom
+    #: clipping): ``train_step(model, batch, optimizer, scaler) -> metrics`` does the whole
+    #: update (zero_grad, backward, optimizer step) for one batch on the device and returns at
+    #: least ``{"loss": float}``.  convoy still owns the state, cursor, LR scheduler (stepped
+    #: after it), checkpoints and metrics.  Not combinable with ``train.grad_accum_steps`` > 1.
+    train_step: Callable[[torch.nn.Module, Any, torch.optim.Optimizer, Any], dict[str, float]] | None = None
 
 
 def build_task(config: RunConfig, device: torch.device) -> TaskParts:
@@ -41,6 +55,9 @@ def build_task(config: RunConfig, device: torch.device) -> TaskParts:
     parts = factory(config, device)
     if not isinstance(parts, TaskParts):
         raise ConfigError(f"task = {config.task!r}: factory returned {type(parts).__name__}, not TaskParts")
+    if parts.train_step is not None and config.train.grad_accum_steps > 1:
+        raise ConfigError(f"task = {config.task!r} brings its own train_step, which does the whole update: "
+                          f"train.grad_accum_steps = {config.train.grad_accum_steps} needs the default step (use 1)")
     return parts
 
 
@@ -62,6 +79,6 @@ def check_task(config: RunConfig) -> TaskParts | None:
             return None
         except ConfigError:
             raise
-        except Exception as exc:  # not every factory can build on meta; on the CPU it is the factory's
+        except Exception as exc:  # noqa: BLE001 - not every factory can build on meta; on the CPU it is the factory's
             failure = exc
     raise ConfigError(f"task = {config.task!r}: the factory failed: {type(failure).__name__}: {failure}") from None

@@ -15,6 +15,7 @@ supervisor released it, or died) ends the standby quietly.  See :mod:`tasks.stan
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -26,18 +27,36 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
 from training import distributed, faults, sharded
 from training.adaptive import AdaptiveInterval, estimate_mtbf_s
+from training.batch import to_device
 from training.checkpoint import CheckpointStore
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
 from training.data import make_loader, mix_seed
-from training.events import append_event
+from training.events import Event, append_event
 from training.heartbeat import Heartbeat, read_heartbeat
 from training.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, StepMetricLogger
+from training.paths import RunPaths
 from training.pipeline import wait_for_ack
-from training.rundir import RunBusy, load_run_config, run_info, take_worker_lease
-from training.state import ExpectedState, TrainState, checkpoint_validator, configure_determinism, seed_everything
+from training.rundir import (
+    RunBusy,
+    describe_change,
+    load_run_config,
+    recorded_trajectories,
+    run_info,
+    take_worker_lease,
+)
+from training.state import (
+    ExpectedState,
+    TrainState,
+    capture_rng,
+    checkpoint_validator,
+    configure_determinism,
+    restore_rng,
+    seed_everything,
+)
 from training.task import build_task
 
 
@@ -111,7 +130,7 @@ class TrackingWarmup:
         try:
             built = backends()
             self._result = built, [b.history(DETERMINISTIC_KEYS) for b in built]
-        except BaseException as exc:  # re-raised in the training thread by result()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread by result()
             self._error = exc
 
     def done(self) -> bool:
@@ -169,7 +188,7 @@ class Worker:
         self.pipelined = bool(go.get("pipelined", False))
         self.claim()
         self.log(f"standby taking over: training to step {self.until}")
-        append_event(self.run_dir, "standby_took_over", rank=self.rank, pid=os.getpid(), until_step=self.until,
+        append_event(self.run_dir, Event.STANDBY_TOOK_OVER, rank=self.rank, pid=os.getpid(), until_step=self.until,
                      ordered_at=round(t0, 4))
         return True
 
@@ -198,12 +217,14 @@ class Worker:
         """Prepare (unless a standby did), start tracking off the critical path, clean up."""
         self.prepare()
         cfg = self.config
+        self.tracking: TrackingWarmup | None = None
+        self.tracking_factory: Callable[[], list[MetricBackend]] | None = None
         if self.rank == 0:
             prebuilt = self.standby_backends
-            self.tracking: TrackingWarmup | None = TrackingWarmup(
-                (lambda: prebuilt) if prebuilt is not None else (lambda: tracking_backends(cfg, self.run_dir)))
-        else:
-            self.tracking = None
+            if prebuilt is not None:  # a standby built them while waiting: ready at once
+                self.tracking = TrackingWarmup(lambda: prebuilt)
+            else:  # built after the first step (start_tracking): its imports would slow that step
+                self.tracking_factory = lambda: tracking_backends(cfg, self.run_dir)
         if self.rank == 0:
             self.store.cleanup_stale_temp()
         self.mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")  # recorded in each manifest
@@ -221,6 +242,10 @@ class Worker:
         cfg = self.config
         seed_everything(cfg.train.seed)  # identical model init on every rank
         self.parts = build_task(cfg, self.device)
+        # The settings this config asks for, before a restore overwrites them (a forked child, see
+        # adopt_child_settings).
+        self.fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.parts.optimizer.param_groups]
+        self.fresh_base_lrs = list(getattr(self.parts.scheduler, "base_lrs", []))
         if self.rank > 0:  # rank 0 keeps the single-process stream; others get their own (dropout)
             seed_everything(mix_seed(cfg.train.seed, self.rank))
         self.model = self.parts.model
@@ -257,22 +282,55 @@ class Worker:
                 self.log(f"skipping checkpoint {ck.path.name}: restore failed: {exc}")
                 self.build()
                 continue
+            if ck.manifest.get("forked_from"):
+                self.adopt_child_settings(ck.manifest["forked_from"])
             dt = time.perf_counter() - t0
             self.log(f"resumed from step {ck.step} (checkpoint {ck.path.name}, verified in {dt:.2f} s)")
-            append_event(self.run_dir, "resumed", rank=self.rank, step=ck.step, checkpoint=ck.path.name,
+            append_event(self.run_dir, Event.RESUMED, rank=self.rank, step=ck.step, checkpoint=ck.path.name,
                          digest=ck.digest, load_s=round(dt, 4), until_step=self.until,
                          previous_beat_step=self.previous_beat_step)
             return
+        parent = (run_info(self.run_dir) or {}).get("parent")
+        if parent:  # a child trained from scratch would be another run under the child's name
+            raise ConfigError(f"run {self.config.run_name} starts from {parent['run']} step {parent['step']}, but no "
+                              "checkpoint here restores (see the skipped checkpoints above); fork it again")
         self.log("no valid checkpoint: starting from step 0")
-        append_event(self.run_dir, "started", rank=self.rank, until_step=self.until,
+        append_event(self.run_dir, Event.STARTED, rank=self.rank, until_step=self.until,
                      previous_beat_step=self.previous_beat_step)
 
+    def adopt_child_settings(self, parent: dict[str, Any]) -> None:
+        """Restoring the parent checkpoint a child run was forked from (``--from``) brought the
+        parent's optimisation settings with its state: take the child's instead (optimizer
+        hyper-parameters, and for a LambdaLR the base LR, then the LR at the restored step from
+        the child's schedule).  Model, optimizer moments, RNG, data cursor and step stay the
+        parent's.  Deterministic, so a resumed child (restoring its own checkpoints, which
+        already hold these settings) stays bitwise equal to an uninterrupted one."""
+        opt, sched = self.parts.optimizer, self.parts.scheduler
+        for group, fresh in zip(opt.param_groups, self.fresh_groups, strict=True):
+            group.update(fresh)
+        if isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+            sched.base_lrs = list(self.fresh_base_lrs)
+            lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+            for group, lr in zip(opt.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            sched._last_lr = lrs  # what get_last_lr() reports
+        elif sched is not None:
+            self.log(f"scheduler {type(sched).__name__}: the parent's schedule state continues unchanged")
+        self.log(f"forked from {parent.get('run')} step {parent.get('step')}: this run's optimizer settings apply")
+
     def check_fingerprint(self, ck: Any) -> None:
-        accepted = (run_info(self.run_dir) or {}).get("accepted_fingerprints", [])
-        if ck.manifest.get("fingerprint") not in (self.config.fingerprint(), *accepted):
-            raise ConfigError(
-                f"checkpoint {ck.path.name} has config fingerprint {ck.manifest.get('fingerprint')}, this run "
-                f"has {self.config.fingerprint()}; refusing to resume a different configuration")
+        """Refuse a checkpoint of another trajectory, naming the keys that differ (old → new)
+        from what ``run.json`` recorded for the checkpoint's fingerprint."""
+        info = run_info(self.run_dir) or {}
+        saved = ck.manifest.get("fingerprint")
+        if saved in (self.config.fingerprint(), *info.get("accepted_fingerprints", [])):
+            return
+        old = recorded_trajectories(self.run_dir, info).get(saved)
+        raise ConfigError(
+            f"checkpoint {ck.path.name} was saved with other trajectory settings: "
+            f"{describe_change(old, self.config)}; refusing to resume it under this config; resume with the "
+            f"config that saved it, train a new run (`convoy train -S run_name=<new name>`), or accept the "
+            f"change (`convoy train --allow-config-change`)")
 
     def apply(self, ck: Any, parts: dict[str, Any]) -> None:
         """Restore the train state from a loaded checkpoint (every rank, same step)."""
@@ -287,27 +345,101 @@ class Worker:
         self.world_changed = saved_world != self.world
         if self.world_changed and self.rank == 0:
             self.log(f"world size changed {saved_world} -> {self.world}: same global batch and sample position")
-            append_event(self.run_dir, "world_size_changed", step=ck.step, old=saved_world, new=self.world)
+            append_event(self.run_dir, Event.WORLD_SIZE_CHANGED, step=ck.step, old=saved_world, new=self.world)
 
-    def train_step(self, batch: Any) -> dict[str, float]:
+    def train_step(self, micro_batches: list[Any]) -> dict[str, float]:
+        """One optimizer step over ``grad_accum_steps`` micro-batches (invariant 4: a kill anywhere
+        inside it leaves the last checkpoint, at an optimizer-step boundary, as the resume point).
+
+        Each micro-batch's loss is scaled by 1/accum so the gradient is the mean over the whole
+        optimizer batch; DDP skips its all-reduce (``no_sync``) on all but the last micro-batch;
+        the AMP scaler unscales, steps and updates once per optimizer step."""
         p, cfg = self.parts, self.config.train
         self.model.train()
-        batch = tuple(b.to(self.device, non_blocking=True) for b in batch) if isinstance(batch, list | tuple) \
-            else batch.to(self.device)
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
-            loss = p.loss_fn(self.model, batch)
         p.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
+        if p.train_step is not None:  # the task's own update: convoy keeps state, LR and metrics
+            out = self.custom_step(micro_batches[0])
+        else:
+            out = self.accumulate(micro_batches, cfg.grad_clip)
+        out.update(self.learning_rates())
+        if p.scheduler is not None:
+            p.scheduler.step()
+        return out
+
+    def accumulate(self, micro_batches: list[Any], grad_clip: float) -> dict[str, float]:
+        p, n = self.parts, len(micro_batches)
+        total: torch.Tensor | None = None
+        for i, batch in enumerate(micro_batches):
+            faults.micro_stall(self.state.step + 1, i + 1)
+            batch = to_device(batch, self.device)
+            last = i == n - 1
+            sync = self.model.no_sync() if self.world > 1 and not last else contextlib.nullcontext()
+            with sync:
+                with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
+                    loss = p.loss_fn(self.model, batch)
+                # n == 1 keeps the unscaled loss: bit for bit the update of runs without accumulation
+                self.scaler.scale(loss if n == 1 else loss / n).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
         self.scaler.unscale_(p.optimizer)
         params = [q for q in p.model.parameters() if q.grad is not None]
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        max_norm = grad_clip if grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         self.scaler.step(p.optimizer)
         self.scaler.update()
-        lr = p.optimizer.param_groups[0]["lr"]
-        if p.scheduler is not None:
-            p.scheduler.step()
-        return {"loss": distributed.mean(float(loss.detach())), "grad_norm": float(grad_norm), "lr": float(lr)}
+        mean_loss = float(total) if n == 1 else float(total / n)
+        return {"loss": distributed.mean(mean_loss), "grad_norm": float(grad_norm)}
+
+    def custom_step(self, batch: Any) -> dict[str, float]:
+        """``TaskParts.train_step``: the task's update for one batch (accumulation is refused)."""
+        p = self.parts
+        batch = to_device(batch, self.device)
+        out = {k: float(v) for k, v in p.train_step(self.model, batch, p.optimizer, self.scaler).items()}
+        if "loss" not in out:
+            raise ConfigError(f"task = {self.config.task!r}: train_step must return a dict with 'loss'")
+        out["loss"] = distributed.mean(out["loss"])
+        return out
+
+    def learning_rates(self) -> dict[str, float]:
+        """``lr`` (group 0, as always) and, with several parameter groups, ``lr/group-k`` each."""
+        groups = self.parts.optimizer.param_groups
+        out = {"lr": float(groups[0]["lr"])}
+        if len(groups) > 1:
+            out.update({f"lr/group-{k}": float(g["lr"]) for k, g in enumerate(groups)})
+        return out
+
+    def evaluate(self) -> float:
+        """Mean validation loss over the first ``train.eval_samples`` samples, in order.
+
+        Why it leaves the trajectory alone: model.eval() + no_grad (no dropout, no gradients, no
+        running-stat updates), its own index order (no sampler, no DataLoader, whose start-up
+        draws from the global RNG), every RNG stream saved before and restored after (a loss_fn
+        may draw), the training cursor untouched.  Each rank takes every world-th sample of each
+        batch; the sums are all-reduced."""
+        p, cfg = self.parts, self.config.train
+        self.hb.set(phase="eval")
+        rng = capture_rng(self.device)
+        was_training = p.model.training
+        p.model.eval()
+        collate = p.collate_fn or default_collate
+        total = torch.zeros(2, dtype=torch.float64)
+        n = min(cfg.eval_samples, len(p.val_data))  # type: ignore[arg-type]
+        try:
+            with torch.no_grad():
+                for lo in range(0, n, cfg.batch_size):
+                    idx = list(range(lo, min(lo + cfg.batch_size, n)))[self.rank::self.world]
+                    if not idx:
+                        continue
+                    batch = to_device(collate([p.val_data[i] for i in idx]), self.device)
+                    with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
+                        loss = p.loss_fn(p.model, batch)
+                    total += torch.tensor([float(loss) * len(idx), len(idx)], dtype=torch.float64)
+        finally:
+            p.model.train(was_training)
+            restore_rng(rng, self.device)
+            self.hb.set(phase="train")
+        total = distributed.sum_tensor(total)
+        return float(total[0] / total[1])
 
     def save_due(self, step: int, last_save_step: int, last_save_time: float) -> bool:
         ck = self.config.checkpoint
@@ -331,7 +463,7 @@ class Worker:
                                 collective_write=writer)
         self.hb.set(phase="train")
         if self.rank == 0:
-            append_event(self.run_dir, "checkpoint_saved", step=self.state.step, stall_s=round(stall, 5),
+            append_event(self.run_dir, Event.CHECKPOINT_SAVED, step=self.state.step, stall_s=round(stall, 5),
                          blocking=blocking, persist_s=round(self.store.last_persist_s, 5))
         return stall
 
@@ -343,7 +475,7 @@ class Worker:
         self.adaptive.observe_save(stall)
         new = self.adaptive.interval_steps()
         if new != old:
-            append_event(self.run_dir, "interval_chosen", step=self.state.step, interval_steps=new,
+            append_event(self.run_dir, Event.INTERVAL_CHOSEN, step=self.state.step, interval_steps=new,
                          interval_s=self.adaptive.interval_seconds(), cost_s=self.adaptive.cost_s,
                          step_s=self.adaptive.step_s, mtbf_s=self.adaptive.mtbf_s)
             metrics.log_extra(self.state.step, {"ckpt_interval_steps": float(new)})
@@ -358,13 +490,17 @@ class Worker:
             return self.finish(loss=None)
         # flush_every=1: every step reaches metrics.jsonl (~70 us) so a replay after a kill has
         # the pre-failure values to compare with; MLflow batches on its own background thread.
-        local: list[MetricBackend] = [JsonlBackend(self.run_dir / "metrics.jsonl")] if self.rank == 0 else []
+        local: list[MetricBackend] = [JsonlBackend(RunPaths(self.run_dir).metrics)] if self.rank == 0 else []
         metrics = StepMetricLogger(local, self.run_dir, flush_every=1, exact=not self.world_changed,
-                                   deferred=self.tracking is not None)
+                                   deferred=self.tracking is not None or self.tracking_factory is not None)
+        accum = cfg.train.grad_accum_steps
         loader = make_loader(self.parts.train_data, cfg.train.batch_size, cfg.train.seed, st.cursor,
-                             self.rank, self.world, cfg.data.num_workers)
+                             self.rank, self.world, cfg.data.num_workers, accum, self.parts.collate_fn)
         batches = iter(loader)
         n_samples = len(self.parts.train_data)  # type: ignore[arg-type]
+        step_samples = cfg.train.batch_size * accum  # one optimizer step, all ranks
+        evaluating = cfg.train.eval_every > 0 and self.parts.val_data is not None \
+            and len(self.parts.val_data) > 0  # type: ignore[arg-type]
         self.hb.set(phase="train", step=st.step)
         last_save, last_save_step = time.time(), st.step
         loss = None
@@ -375,18 +511,22 @@ class Worker:
             self.store.check()
             t0 = time.perf_counter()
             faults.slow_step(st.step + 1)
-            out = self.train_step(next(batches))
+            out = self.train_step([next(batches) for _ in range(accum)])
             st.step += 1
-            st.cursor = st.cursor.advance(cfg.train.batch_size, n_samples)
-            st.tokens_seen += cfg.train.batch_size * self.parts.tokens_per_sample
+            st.cursor = st.cursor.advance(step_samples, n_samples)
+            st.tokens_seen += step_samples * self.parts.tokens_per_sample
             dt = time.perf_counter() - t0
-            out.update(step_time_s=dt, tokens_per_s=cfg.train.batch_size * self.parts.tokens_per_sample / dt)
+            out.update(step_time_s=dt, tokens_per_s=step_samples * self.parts.tokens_per_sample / dt)
+            if evaluating and st.step % cfg.train.eval_every == 0:
+                t1 = time.perf_counter()
+                out.update(val_loss=self.evaluate(), eval_time_s=time.perf_counter() - t1)
             loss = out["loss"]
             metrics.log(st.step, out)
             self.attach_tracking(metrics, wait=False)
             self.hb.set(step=st.step)
             if st.step == self.resumed_step + 1 and self.rank == 0:  # recovery ends here (MTTR)
-                append_event(self.run_dir, "first_step", step=st.step, step_s=round(dt, 4))
+                append_event(self.run_dir, Event.FIRST_STEP, step=st.step, step_s=round(dt, 4))
+                self.start_tracking()
             if self.adaptive is not None:
                 self.adaptive.observe_step(dt, self.store.in_flight)
             (due,) = distributed.agree_any(st.step < self.until and self.save_due(st.step, last_save_step, last_save))
@@ -403,8 +543,17 @@ class Worker:
         metrics.close()
         return self.finish(loss=loss)
 
+    def start_tracking(self) -> None:
+        """Build the tracking backends on their thread (once).  Called after the first step: the
+        MLflow import holds the GIL for ~1.5 s and, started earlier, doubled the restart's first step."""
+        if self.tracking_factory is not None:
+            self.tracking = TrackingWarmup(self.tracking_factory)
+            self.tracking_factory = None
+
     def attach_tracking(self, metrics: StepMetricLogger, wait: bool) -> None:
         """Hand the tracking backends to the logger once they are ready (``wait``: block for it)."""
+        if wait:
+            self.start_tracking()  # a run that ends before its first step still logs
         if self.tracking is not None and (wait or self.tracking.done()):
             metrics.attach(*self.tracking.result())
             self.tracking = None
@@ -425,7 +574,7 @@ class Worker:
         self.save(blocking=True)
         self.attach_tracking(metrics, wait=True)
         metrics.close()
-        append_event(self.run_dir, "preempted", rank=self.rank, step=self.state.step)
+        append_event(self.run_dir, Event.PREEMPTED, rank=self.rank, step=self.state.step)
         self.hb.stop("done")
         distributed.shutdown()
         return EXIT_PREEMPTED
@@ -434,7 +583,7 @@ class Worker:
         self.store.wait()
         ck = (self.store.last_committed or self.store.latest_valid(record=False)) if self.rank == 0 else None
         digest = ck.digest if ck else None
-        append_event(self.run_dir, "worker_done", rank=self.rank, step=self.state.step, digest=digest, loss=loss)
+        append_event(self.run_dir, Event.WORKER_DONE, rank=self.rank, step=self.state.step, digest=digest, loss=loss)
         self.log(f"done at step {self.state.step} (digest {digest})")
         self.hb.stop("done")
         distributed.shutdown()
@@ -466,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
-        append_event(args.run_dir, "config_error", rank=rank, message=str(exc))
+        append_event(args.run_dir, Event.CONFIG_ERROR, rank=rank, message=str(exc))
         return EXIT_CONFIG
 
 

@@ -1,0 +1,255 @@
+"""Real models plug in: batches of any structure, gradient accumulation, in-loop validation,
+per-group learning rates, still bitwise under SIGKILL.
+
+The dict-batch task below is what a user would write (the HF convention: a dict with
+``input_ids`` and ``labels``, plus a nested entry, a custom ``collate_fn`` and two parameter
+groups); the end-to-end tests run it in real ``python -m training.worker`` processes and kill
+them with SIGKILL, like tests/test_resume.py.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from tests.engine_util import (
+    final_digest,
+    kill_at_random_steps,
+    kill_group,
+    make_run,
+    reference_digest,
+    run_worker,
+    start_worker,
+    wait_for_step,
+)
+from training.batch import batch_len, to_device, tree_map
+from training.checkpoint import CheckpointStore
+from training.config import RunConfig
+from training.data import Cursor, ResumableBatchSampler
+from training.events import read_events
+from training.examples import char_gpt
+from training.metrics import metric_rows
+from training.task import TaskParts
+
+TOTAL = 40
+#: A short run: one chunk, a checkpoint every 5 steps, a small model; a 30 ms pause per step
+#: (``step_delay``) so the heartbeat-driven kills land inside the run, not after it.
+SHORT = [f"train.total_steps={TOTAL}", f"train.chunk_steps={TOTAL}", "checkpoint.every_steps=5",
+         "checkpoint.keep_last=2", "train.batch_size=4", "data.seq_len=16"]
+SLOW = {"CONVOY_FAULTS": "step_delay=0.03"}
+
+
+# ---------------------------------------------------------------- the user's dict-batch task
+class DictWindows(Dataset):
+    """Samples as dicts, HF style, with a nested entry the loss reads too."""
+
+    def __init__(self, windows: Dataset) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        x, y = self.windows[i]
+        return {"input_ids": x, "labels": y, "extra": {"weight": torch.tensor(1.0), "source": "corpus"}}
+
+
+def collate_dicts(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """A custom collate: stacks the tensors, keeps the strings as a list."""
+    return {"input_ids": torch.stack([s["input_ids"] for s in samples]),
+            "labels": torch.stack([s["labels"] for s in samples]),
+            "extra": {"weight": torch.stack([s["extra"]["weight"] for s in samples]),
+                      "source": [s["extra"]["source"] for s in samples]}}
+
+
+def build_dict_task(config: RunConfig, device: torch.device) -> TaskParts:
+    """The char GPT with dict batches, a custom collate and two parameter groups (decay / none)."""
+    parts = char_gpt.build(config, device)
+    model, tc = parts.model, config.train
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0, "lr": tc.lr * 0.5}], lr=tc.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, char_gpt.warmup_cosine(tc.warmup_steps, tc.total_steps))
+
+    def loss_fn(m: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        assert batch["input_ids"].device.type == device.type and batch["extra"]["source"][0] == "corpus"
+        logits = m(batch["input_ids"])
+        per_sample = F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none").mean(1)
+        return (per_sample * batch["extra"]["weight"]).mean()
+
+    return TaskParts(model=model, optimizer=optimizer, scheduler=scheduler,
+                     train_data=DictWindows(parts.train_data), val_data=DictWindows(parts.val_data),
+                     loss_fn=loss_fn, tokens_per_sample=parts.tokens_per_sample, collate_fn=collate_dicts)
+
+
+DICT_TASK = ["task=tests.test_real_models:build_dict_task"]
+
+
+# ---------------------------------------------------------------- unit tests (fast)
+def test_tree_map_moves_every_tensor_and_keeps_structure() -> None:
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+    batch = {"x": torch.ones(3, 2), "nested": [(torch.zeros(3), "s"), {"y": torch.arange(3)}],
+             "pair": Pair(torch.ones(3), 7), "none": None}
+    moved = to_device(batch, torch.device("meta"))
+    assert moved["x"].device.type == "meta" and moved["nested"][0][0].device.type == "meta"
+    assert moved["nested"][0][1] == "s" and moved["none"] is None and isinstance(moved["nested"][0], tuple)
+    assert isinstance(moved["pair"], Pair) and moved["pair"].b == 7 and moved["pair"].a.device.type == "meta"
+    assert moved["nested"][1]["y"].device.type == "meta"
+    assert batch_len(batch) == 3
+    assert tree_map(lambda t: t * 2, (torch.ones(1),))[0].item() == 2.0
+
+
+@pytest.mark.parametrize("n", [40, 37])
+def test_accumulation_reads_the_samples_of_one_big_batch(n: int) -> None:
+    """accum 4 x b yields, per optimizer step, exactly the 4b samples of accum 1 x 4b (epoch tails
+    included), and resuming from the cursor after k optimizer steps continues the same stream."""
+    def take(sampler: ResumableBatchSampler, k: int) -> list[list[int]]:
+        it = iter(sampler)
+        return [next(it) for _ in range(k)]
+
+    big = take(ResumableBatchSampler(n, 8, 3, Cursor()), 12)
+    micro = take(ResumableBatchSampler(n, 2, 3, Cursor(), accum=4), 48)
+    assert [sum(micro[4 * i : 4 * i + 4], []) for i in range(12)] == big
+    cursor = Cursor()
+    for _ in range(7):
+        cursor = cursor.advance(8, n)
+    assert take(ResumableBatchSampler(n, 2, 3, cursor, accum=4), 20) == micro[28:48]
+    # Two ranks: each takes its half of every global micro-batch.
+    halves = [take(ResumableBatchSampler(n, 2, 3, Cursor(), rank=r, world_size=2, accum=4), 8) for r in (0, 1)]
+    assert [a + b for a, b in zip(*halves, strict=True)] == micro[:8]
+
+
+# ---------------------------------------------------------------- end to end (real kills)
+@pytest.mark.slow
+def test_dict_batches_sigkill_at_random_steps_bitwise(tmp_path: Path) -> None:
+    extra = SHORT + DICT_TASK
+    ref = reference_digest(tmp_path, extra, until=TOTAL)
+    run_dir = make_run(tmp_path, "killed", extra)
+    rng = random.Random(13)
+    kills = kill_at_random_steps(run_dir, TOTAL, sorted(rng.sample(range(6, TOTAL - 4), 2)), rng, SLOW)
+    code, out = run_worker(run_dir, TOTAL)
+    assert code == 0, out
+    assert len(kills) == 3, kills
+    assert final_digest(run_dir) == ref
+    rows = metric_rows(run_dir)
+    assert [s for s, _ in rows] == list(range(1, TOTAL + 1))
+    # Two parameter groups: each group's LR is logged, group 1 at half of group 0.
+    for _, m in rows:
+        assert m["lr"] == m["lr/group-0"] and math.isclose(m["lr/group-1"], 0.5 * m["lr/group-0"])
+
+
+def deterministic(run_dir: Path) -> list[tuple[int, dict[str, float]]]:
+    """The logged values a replay must reproduce exactly (not the timings)."""
+    return [(s, {k: v for k, v in m.items() if k in ("loss", "lr", "grad_norm", "val_loss")})
+            for s, m in metric_rows(run_dir)]
+
+
+ACCUM = ["task_args.dropout=0.0"]  # dropout masks are drawn per micro-batch: off for the tolerance check
+
+
+@pytest.mark.slow
+def test_grad_accum_kill_inside_window_bitwise_and_close_to_big_batch(tmp_path: Path) -> None:
+    micro = SHORT + ACCUM + ["train.grad_accum_steps=4", "train.batch_size=2"]
+    ref_dir = make_run(tmp_path, "accum4", micro)
+    code, out = run_worker(ref_dir, TOTAL)
+    assert code == 0, out
+    big_dir = make_run(tmp_path, "big", SHORT + ACCUM + ["train.batch_size=8"])
+    code, out = run_worker(big_dir, TOTAL)
+    assert code == 0, out
+
+    run_dir = make_run(tmp_path, "killed", micro)
+    flag = tmp_path / "in-window"
+    # Kill 1: provably inside an accumulation window: micro-batches 1-2 of step 13 are done
+    # (their gradients accumulated), 3-4 and the optimizer step are not.
+    p = start_worker(run_dir, TOTAL, {"CONVOY_FAULTS": f"micro_stall=13:3:60:{flag}"})
+    deadline = time.time() + 120
+    while not flag.exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert flag.exists(), p.communicate()[0]
+    kill_group(p)
+    p.wait()
+    # Kill 2: at a random moment after step 27 (30 ms pauses before every micro-batch's step).
+    p = start_worker(run_dir, TOTAL, SLOW)
+    assert wait_for_step(run_dir, p, 27) is not None
+    time.sleep(random.Random(4).random() * 0.1)
+    kill_group(p)
+    p.wait()
+    code, out = run_worker(run_dir, TOTAL)
+    assert code == 0, out
+    assert [e["step"] for e in read_events(run_dir, "resumed")][0] == 10  # step 13's window was redone
+    assert final_digest(run_dir) == final_digest(ref_dir)
+    assert deterministic(run_dir) == deterministic(ref_dir)
+
+    # accum 4 x 2 vs accum 1 x 8: the same samples per step, summed in another order.
+    a, b = dict(metric_rows(ref_dir)), dict(metric_rows(big_dir))
+    worst_loss = max(abs(a[s]["loss"] - b[s]["loss"]) / abs(b[s]["loss"]) for s in a)
+    ma = CheckpointStore(ref_dir).load_latest()[1]["state"]["model"]
+    mb = CheckpointStore(big_dir).load_latest()[1]["state"]["model"]
+    worst_param = max(float((ma[k] - mb[k]).abs().max()) for k in ma)
+    rel_norm = math.sqrt(sum(float(((ma[k] - mb[k]) ** 2).sum()) for k in ma)
+                         / sum(float((mb[k] ** 2).sum()) for k in mb))
+    print(f"accum 4x2 vs 1x8 over {TOTAL} steps: loss rel diff {worst_loss:.2e}, "
+          f"param rel norm diff {rel_norm:.2e}, param max abs diff {worst_param:.2e}")
+    # The tolerance README documents: losses within 1e-5 (relative), weights within 1e-3 of their
+    # norm and no element further apart than one LR-sized AdamW update (lr 3e-3).
+    assert worst_loss < 1e-5 and rel_norm < 1e-3 and worst_param < 3e-3
+
+
+@pytest.mark.slow
+def test_eval_leaves_the_trajectory_alone_and_logs_val_loss_once(tmp_path: Path) -> None:
+    from training.mlflow_backend import client_for, ensure_mlflow_run
+    from training.rundir import load_run_config
+
+    off = reference_digest(tmp_path, SHORT, until=TOTAL, name="eval-off")
+    db = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    run_dir = make_run(tmp_path, "eval-on", SHORT + ["train.eval_every=4", "train.eval_samples=24",
+                                                     "tracking.mlflow=true", f"tracking.mlflow_uri={uri}",
+                                                     "checkpoint.every_steps=10"])
+    run_id = ensure_mlflow_run(load_run_config(run_dir), run_dir)
+    # Two kills past an eval step and before the next checkpoint: steps 12 and 24 (evaluated,
+    # logged) are replayed after resuming from 10 and 20.
+    for target in (13, 25):
+        p = start_worker(run_dir, TOTAL, {"CONVOY_FAULTS": f"slow_step={target + 1}:60"})
+        assert wait_for_step(run_dir, p, target, timeout=180) == target, p.communicate()[0]
+        time.sleep(1.5)  # the MLflow thread sends what was flushed
+        kill_group(p)
+        p.wait()
+    code, out = run_worker(run_dir, TOTAL)
+    assert code == 0, out
+    assert final_digest(run_dir) == off  # eval on, killed twice == eval off, uninterrupted
+    assert [e["step"] for e in read_events(run_dir, "resumed")] == [10, 20]
+    points = sorted((m.step, m.value) for m in client_for(uri).get_metric_history(run_id, "val_loss"))
+    assert [s for s, _ in points] == list(range(4, TOTAL + 1, 4))  # exactly once per eval step
+    assert points == [(s, m["val_loss"]) for s, m in metric_rows(run_dir) if "val_loss" in m]
+    verified = read_events(run_dir, "replay_verified")
+    assert len(verified) == 2 and not read_events(run_dir, "replay_mismatch")
+
+
+def test_eval_phase_has_its_own_limit() -> None:
+    """A validation longer than stall_s (and save_timeout_s) is not a hang; past eval_timeout_s it is."""
+    import os
+
+    from tasks.supervisor import Limits, _check, _Watch
+
+    lim = Limits(stall_s=2.0, timeout_s=4.0, save_timeout_s=3.0, eval_timeout_s=10.0, poll_s=0.2)
+    t = time.time()
+    w = _Watch(started=t - 1, phase="eval", phase_since=t - 1, progress=t - 1)
+    for after in (3.0, 8.0):  # past stall_s and save_timeout_s, beats still coming
+        beat = {"rank": 0, "pid": os.getpid(), "phase": "eval", "step": 12, "time": t + after,
+                "progress_time": t - 1}
+        assert _check(w, [beat], 1, lim, t + after) is None
+    beat = {"rank": 0, "pid": os.getpid(), "phase": "eval", "step": 12, "time": t + 9.5, "progress_time": t - 1}
+    kind, reason, _ = _check(w, [beat], 1, lim, t + 9.6)
+    assert kind == "hang" and "phase eval" in reason and "limit 10" in reason

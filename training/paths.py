@@ -1,0 +1,94 @@
+"""Every path inside a run directory, named once.
+
+Why: the run-directory layout (docs/architecture.md, "Run directory") is a contract between the
+worker, the supervisor, the flow, versioning and the CLI, which run in different processes and
+sometimes on different machines.  Spelled as string literals at each call site, a rename in one
+place silently splits the run in two; here each path has one name and one definition, and the
+modules that own an artifact (checkpoint store, heartbeat, events, metrics) build theirs from it.
+
+This module imports nothing from convoy so that every other module may import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_FILE = "run.json"
+CONFIG_FILE = "config.json"
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "LATEST"
+HEARTBEAT_DIR = "heartbeat"
+EVENTS_FILE = "events.jsonl"
+METRICS_FILE = "metrics.jsonl"
+LOGS_DIR = "logs"
+ACK_FILE = "chunk-ack.json"
+#: Held by the training process of a run (rank 0) for its whole life (invariant 8).
+WORKER_LEASE = ".worker.lock"
+
+
+def checkpoint_name(step: int) -> str:
+    """``step-000001200``: zero-padded so that names sort in step order."""
+    return f"step-{step:09d}"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """The paths of one run directory (``RunPaths(run_dir).metrics`` and so on)."""
+
+    root: Path
+
+    def __init__(self, root: str | Path) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+    @property
+    def run_file(self) -> Path:
+        return self.root / RUN_FILE
+
+    @property
+    def config_file(self) -> Path:
+        return self.root / CONFIG_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS_DIR
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / checkpoint_name(step)
+
+    @property
+    def latest(self) -> Path:
+        return self.checkpoints / LATEST_FILE
+
+    @property
+    def heartbeats(self) -> Path:
+        return self.root / HEARTBEAT_DIR
+
+    def heartbeat(self, rank: int) -> Path:
+        return self.heartbeats / f"rank-{rank}.json"
+
+    @property
+    def events(self) -> Path:
+        return self.root / EVENTS_FILE
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS_FILE
+
+    @property
+    def logs(self) -> Path:
+        return self.root / LOGS_DIR
+
+    def chunk_log(self, chunk: int, attempt: int | str) -> Path:
+        return self.logs / f"chunk-{chunk}-attempt-{attempt}.log"
+
+    def standby_log(self, n: int) -> Path:
+        return self.logs / f"standby-{n}.log"
+
+    @property
+    def ack(self) -> Path:
+        return self.root / ACK_FILE
+
+    @property
+    def worker_lease(self) -> Path:
+        return self.root / WORKER_LEASE
