@@ -1,6 +1,6 @@
 """Step time of convoy's training loop vs a bare PyTorch loop of the same model, same process.
 
-    python bench/loop_overhead.py [--steps 200] [--block 50] [--eval-every 10] [-S k=v ...]
+    python bench/loop_overhead.py [--steps 200] [--block 25] [--eval-every 10] [--threads 1] [-S k=v ...]
 
 Two pairs, in interleaved blocks (machine-load drifts hit both sides alike):
 
@@ -16,7 +16,11 @@ Two pairs, in interleaved blocks (machine-load drifts hit both sides alike):
 Each convoy block is one ``Worker.run`` resuming the previous block's checkpoint; its step times
 are the gaps between successive steps as the loop reports them to the heartbeat (everything the
 loop does per step), the first two after the restore left out.  Printed: mean and median step
-time per side and the ratio convoy / bare (goal <= 1.03 without saves).  A figure, not an assertion.
+time per side and the ratio convoy / bare (goal <= 1.03 without saves), then ``step only``:
+``Worker.train_step`` against the bare step alternated one by one (the sharpest of the three
+when the machine is loaded).  A figure, not an assertion.
+Both sides run with the same torch thread count (``--threads``, 1 by default: on a shared 2-core
+machine two threads per process oversubscribe the cores and step times swing by tens of %).
 """
 
 from __future__ import annotations
@@ -102,6 +106,36 @@ def convoy_steps(run_dir: Path, until: int) -> list[float]:
     return gaps[1:]  # the first gap still carries the restore's warm-up
 
 
+def alternating_steps(cfg: Any, run_dir: Path, n: int) -> tuple[list[float], list[float]]:
+    """Single steps of ``Worker.train_step`` and of the bare step on identical models, alternated
+    one by one (who goes first flips each round), so load drifts cancel: the per-step work
+    convoy adds to the update itself (tree map, autocast/scaler no-ops, accumulation loop, LRs)."""
+    from training.data import make_loader
+    from training.worker import Worker
+
+    worker = Worker(run_dir, cfg.train.total_steps)
+    worker.setup()
+    worker.restore()
+    convoy_batches = iter(make_loader(worker.parts.train_data, cfg.train.batch_size, cfg.train.seed,
+                                      worker.state.cursor))
+    parts, batches, _ = bare_setup(cfg)
+    sides = {"bare": lambda: bare_steps(cfg, parts, batches, 1, 0, 0),
+             "convoy": lambda: worker.train_step([next(convoy_batches)])}
+    times: dict[str, list[float]] = {"bare": [], "convoy": []}
+    for _ in range(5):
+        for run in sides.values():
+            run()
+    for i in range(n):
+        for name in (("bare", "convoy") if i % 2 else ("convoy", "bare")):
+            t0 = time.perf_counter()
+            sides[name]()
+            times[name].append(time.perf_counter() - t0)
+    worker.hb.stop()
+    if worker.lease is not None:
+        worker.lease.release()
+    return times["bare"], times["convoy"]
+
+
 def summary(times: list[float]) -> tuple[float, float]:
     return statistics.fmean(times), statistics.median(times)
 
@@ -109,8 +143,11 @@ def summary(times: list[float]) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200, help="timed steps per side and variant")
-    ap.add_argument("--block", type=int, default=50, help="steps per interleaved block")
+    ap.add_argument("--block", type=int, default=25, help="steps per interleaved block")
     ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads for both sides (0 = torch's default); on a small shared "
+                         "machine more than one thread per process makes step times swing by tens of %%")
     ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
     args = ap.parse_args()
 
@@ -120,6 +157,8 @@ def main() -> int:
     from training.corpus import prepare
     from training.rundir import open_run
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="convoy-bench-loop-"))
     blocks = -(-args.steps // args.block)
     total = blocks * args.block
@@ -152,6 +191,11 @@ def main() -> int:
         (bm, bmed), (cm, cmed) = summary(r["bare"]), summary(r["convoy"])
         print(f"{name:8} {bm * 1e3:13.2f} {cm * 1e3:15.2f} {cm / bm:13.3f} {bmed * 1e3:15.2f} {cmed * 1e3:17.2f} "
               f"{cmed / bmed:15.3f}")
+    cfg = load_config(None, [*base, "run_name=alternating"])
+    bare, convoy = alternating_steps(cfg, open_run(cfg), args.steps)
+    (bm, bmed), (cm, cmed) = summary(bare), summary(convoy)
+    print(f"{'step only':8} {bm * 1e3:13.2f} {cm * 1e3:15.2f} {cm / bm:13.3f} {bmed * 1e3:15.2f} {cmed * 1e3:17.2f} "
+          f"{cmed / bmed:15.3f}   (train_step vs bare step, alternated one by one)")
     ratio = statistics.fmean(results["no eval"]["convoy"]) / statistics.fmean(results["no eval"]["bare"])
     print(f"VERDICT loop overhead without saves: {100 * (ratio - 1):+.1f} % (goal <= 3 %): "
           f"{'ok' if ratio <= 1.03 else 'over'}")

@@ -42,6 +42,7 @@ from training.events import Event, read_events
 from training.heartbeat import read_heartbeat
 from training.metrics import read_metric_lines
 from training.paths import RunPaths
+from training.rundir import keyed_config
 
 FAULT_KINDS = ("kill", "term", "hang", "slow", "corrupt", "delete", "diskfull", "flowkill")
 
@@ -122,8 +123,10 @@ class ChaosRunner:
     ) -> None:
         self.params, self.overrides, self.seed, self.log, self.timeout_s = params, overrides, seed, log, timeout_s
         base = load_config(params, overrides)
-        self.ref_cfg = load_config(params, [*overrides, f"run_name={base.run_name}-reference"])
-        self.cfg = load_config(params, [*overrides, f"run_name={base.run_name}-chaos"])
+        # The directories the runs really train in (runs/<name>@<fp8> under on_config_change:
+        # new_run): the fault flags must be in the run directory the worker watches.
+        self.ref_cfg = keyed_config(load_config(params, [*overrides, f"run_name={base.run_name}-reference"]))
+        self.cfg = keyed_config(load_config(params, [*overrides, f"run_name={base.run_name}-chaos"]))
         self.faults = plan_faults(kinds, self.cfg.train.total_steps, seed)
         self.run_dir = self.cfg.run_dir
         self.flag = (self.run_dir / ".fault-diskfull").resolve()
@@ -303,7 +306,9 @@ class ChaosRunner:
     def run(self) -> ChaosReport:
         report = ChaosReport(faults=self.faults)
         report.reference_digest = self.reference()
-        if self.run_dir.exists():
+        if self.run_dir.is_symlink():  # runs/<name> linking to a fingerprint-named run: only the link goes
+            self.run_dir.unlink()
+        elif self.run_dir.exists():
             shutil.rmtree(self.run_dir)
         self.log(f"chaos run {self.cfg.run_name}: faults " + ", ".join(f"{f.kind}@{f.at_step}" for f in self.faults))
         t0 = time.time()

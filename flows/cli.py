@@ -93,7 +93,8 @@ def train(
     as_json: bool = typer.Option(False, "--json", metavar="",
                                  help="print the flow's machine summary (JSON) instead of the table"),
     from_: Annotated[str | None, typer.Option(
-        "--from", help="start a new run from runs/<parent>[@step] (default: its newest verified checkpoint)")] = None,
+        "--from", help="start a new run from runs/<parent> (its newest verified checkpoint) or "
+                       "runs/<parent>@<step>")] = None,
 ) -> None:
     """Run (or continue) a training run as a Prefect flow of chunk tasks.
 
@@ -101,7 +102,7 @@ def train(
     failures, resumes, steps lost, final loss, digest) with the MLflow run URL and, with a Prefect
     server, the flow-run URL.  Exit 1 if a chunk failed for good (its log's last lines are shown).
 
-    ``--from runs/<parent>[@step]`` trains these params as a new run that starts from that
+    With --from runs/<parent>[@step], these params train as a new run that starts from that
     checkpoint of the parent (model, optimizer state, RNG, data cursor, step).
 
     Examples: convoy train params.yaml -S train.lr=3e-4
@@ -135,19 +136,13 @@ def train(
 
 
 def _child_config(cfg: RunConfig, spec: str) -> RunConfig:
-    """``cfg`` as a child of ``spec``'s checkpoint: its own run directory (the name keyed by a
-    fingerprint that covers the parent checkpoint), never the parent's."""
-    from training.rundir import resolve_parent
+    """``cfg`` as a child of ``spec``'s checkpoint (or the child it already is), one line if not."""
+    from training.rundir import child_config
 
     try:
-        parent = resolve_parent(spec)
+        return child_config(cfg, spec)
     except ConfigError as exc:
         raise fail(str(exc)) from None
-    if parent.step >= cfg.train.total_steps:  # the child would train nothing and exit 0
-        raise fail(f"--from {spec}: that checkpoint ({parent.run} step {parent.step}) is already at "
-                   f"train.total_steps = {cfg.train.total_steps}; set a larger -S train.total_steps, or name "
-                   f"an earlier checkpoint (`{parent.run}@<step>`)")
-    return cfg.model_copy(update={"init_from": parent, "on_config_change": "new_run"})
 
 
 @app.command()

@@ -280,6 +280,11 @@ def run_training(config: RunConfig, allow_config_change: bool = False,
             f"own run, {keyed_config(config).run_dir}); to change the settings of an existing run set "
             "-S on_config_change=refuse as well"
         )
+    if allow_config_change and ("@" in config.run_name or config.run_dir.is_symlink()):
+        raise ConfigError(
+            f"--allow-config-change: {config.run_dir} is a run directory named by its config fingerprint; "
+            "changing its settings would break that name; train the new settings as their own run instead"
+        )
     config = keyed_config(config)
     with run_lock(config.run_dir, config.run_name):
         open_run(config, allow_config_change=allow_config_change)

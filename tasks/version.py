@@ -13,7 +13,11 @@ Remote selection: ``tracking.dvc_remote`` may be the *name* of a configured DVC 
 / directory path (``/mnt/shared/dvc``, ``s3://bucket/prefix``, ...) which is configured as the remote
 ``convoy`` in the repository's local config.  Empty: the repository's default remote
 (``dvc remote add -d``), or if there is none a local directory remote (``$CONVOY_DVC_REMOTE``,
-default ``~/.cache/convoy/dvc-remote``).  Git must not ignore ``checkpoints/step-N.dvc`` files
+default ``~/.cache/convoy/dvc-remote``).  A URL remote lives in ``.dvc/config.local`` (not in
+git): a fresh clone re-derives it from ``params.yaml`` on ``convoy pull``, whose precedence is
+``--remote``, the params' ``tracking.dvc_remote``, the run's ``config.json``, the repository's
+committed default remote, then the fallback above (``flows/cli.py``); its errors name the remote.
+Git must not ignore ``checkpoints/step-N.dvc`` files
 (DVC refuses to create them); ignore ``runs/**`` but re-include ``runs/**/`` and the ``.dvc`` files.
 The run directory must not be a declared output of a running
 ``dvc repro`` stage (DVC refuses to ``add`` a path inside a stage's outs).

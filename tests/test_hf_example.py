@@ -32,23 +32,48 @@ HF = ["task=training.examples.hf_causal_lm:build", "task_args={}", f"train.total
 @pytest.mark.slow
 def test_hf_causal_lm_killed_resumes_bitwise(tmp_path: Path) -> None:
     ref_dir = make_run(tmp_path, "reference", HF)
-    code, out = run_worker(ref_dir, TOTAL, {"HF_HUB_OFFLINE": "1"})
-    assert code == 0, out
-    rows = metric_rows(ref_dir)
-    assert abs(rows[0][1]["loss"] - math.log(256)) < 0.1  # random init, byte vocabulary
-    assert [s for s, m in rows if "val_loss" in m] == [4, 8, 12]
-    assert "lr/group-1" in rows[0][1]  # weight-decay groups
-
     run_dir = make_run(tmp_path, "killed", HF)
+    offline = {"HF_HUB_OFFLINE": "1"}
+    ref = start_worker(ref_dir, TOTAL, offline)  # uninterrupted, alongside the one to kill
     flag = tmp_path / "in-window"
-    p = start_worker(run_dir, TOTAL, {"HF_HUB_OFFLINE": "1", "CONVOY_FAULTS": f"micro_stall=5:2:60:{flag}"})
+    p = start_worker(run_dir, TOTAL, {**offline, "CONVOY_FAULTS": f"micro_stall=5:2:60:{flag}"})
     deadline = time.time() + 180
     while not flag.exists() and p.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     assert flag.exists(), p.communicate()[0]  # micro-batch 1 of step 5 done, 2 and the update not
     kill_group(p)
     p.wait()
-    code, out = run_worker(run_dir, TOTAL, {"HF_HUB_OFFLINE": "1"})
+    code, out = run_worker(run_dir, TOTAL, offline)
     assert code == 0, out
+    out, _ = ref.communicate(timeout=300)
+    assert ref.returncode == 0, out
     assert read_events(run_dir, "resumed")[0]["step"] == 3
     assert final_digest(run_dir) == final_digest(ref_dir)
+
+    rows = metric_rows(ref_dir)
+    assert abs(rows[0][1]["loss"] - math.log(256)) < 0.1  # random init, byte vocabulary
+    assert [s for s, m in rows if "val_loss" in m] == [4, 8, 12]
+    assert "lr/group-1" in rows[0][1]  # weight-decay groups
+
+
+def test_llama_family_builds_offline_with_ln_vocab_loss(tmp_path: Path) -> None:
+    """``task_args.family: llama`` builds from its config in this process (no download) and its
+    first loss on a dict batch is about ln(256)."""
+    import torch
+
+    from training.config import load_config
+    from training.corpus import prepare
+    from training.state import seed_everything
+    from training.task import build_task
+
+    cfg = load_config(None, [*HF, "task_args.family=llama", f"data.prepared_dir={tmp_path / 'data'}",
+                             "data.synthetic_chars=20000"])
+    prepare(cfg.data, cfg.train.seed)
+    seed_everything(cfg.train.seed)
+    parts = build_task(cfg, torch.device("cpu"))
+    assert type(parts.model).__name__ == "LlamaForCausalLM"
+    assert len(parts.optimizer.param_groups) == 2 and parts.optimizer.param_groups[1]["weight_decay"] == 0.0
+    batch = torch.utils.data.default_collate([parts.train_data[i] for i in range(4)])
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    with torch.no_grad():
+        assert abs(float(parts.loss_fn(parts.model, batch)) - math.log(256)) < 0.1

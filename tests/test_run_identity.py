@@ -24,6 +24,7 @@ from training.checkpoint import CheckpointStore
 from training.config import load_config
 from training.evaluate import load_model_file
 from training.events import read_events
+from training.metrics import metric_rows
 from training.rundir import keyed_config, link_current
 
 TINY = {
@@ -131,6 +132,17 @@ def test_param_change_under_dvc_repro_trains_a_new_run(tmp_path: Path, prefect_a
     assert len(read_events(old_dir, "started")) == 1 and not read_events(old_dir, "resumed")
     assert checkpoint_digests(old_dir) == old
 
+    # A refused stage (on_config_change: refuse, another lr) fails, names the key, and leaves the
+    # model in the workspace (persist: DVC does not delete it before the stage runs).
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params.update(on_config_change="refuse")
+    params["train"]["lr"] = 0.005
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=clone, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode != 0 and "train.lr 0.003 → 0.005" in proc.stderr, proc.stderr[-3000:]
+    assert (clone / "models" / "model.safetensors").read_bytes() == model_a
+
 
 def summary_json(out: str) -> dict[str, Any]:
     """The JSON document a convoy command prints last (DVC prints hints to stdout before it)."""
@@ -155,7 +167,7 @@ def test_pull_in_a_fresh_clone_resumes_to_the_same_digest(tmp_path: Path, prefec
     params["train"].update(total_steps=30)
     (origin / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     run(origin, env, "convoy", "prepare")
-    summary = summary_json(run(origin, env, "convoy", "train"))
+    summary = summary_json(run(origin, env, "convoy", "train", "--json"))
     digest = summary["digest"]
     run_dir = Path(summary["run_dir"])
     assert [p.name for p in sorted((run_dir / "checkpoints").glob("step-*.dvc"))][-1] == "step-000000030.dvc"
@@ -172,9 +184,9 @@ def test_pull_in_a_fresh_clone_resumes_to_the_same_digest(tmp_path: Path, prefec
     def pull_and_train(clone: Path) -> None:
         pulled = summary_json(run(clone, env, "convoy", "pull", "runs/demo"))
         assert [c["checkpoint"] for c in pulled["checkpoints"]] == ["step-000000010", "step-000000020"]
-        out = summary_json(run(clone, env, "convoy", "train"))
+        out = summary_json(run(clone, env, "convoy", "train", "--json"))
         assert out["digest"] == digest and out["trained_chunks"] == 1
-        assert "30/30 steps" in run(clone, env, "convoy", "status", "runs/demo")
+        assert json.loads(run(clone, env, "convoy", "status", "runs/demo", "--json"))["checkpoint_step"] == 30
 
     a = fresh_clone("machine-a")
     pull_and_train(a)
@@ -209,7 +221,8 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
 
     def child(name: str) -> tuple[Any, Path]:
         cfg = load_config(None, SMALL + [f"runs_dir={tmp_path / 'runs'}", f"data.prepared_dir={tmp_path / 'data'}",
-                                         f"run_name={name}", "train.total_steps=40", "train.chunk_steps=20"])
+                                         f"run_name={name}", "train.total_steps=40", "train.chunk_steps=20",
+                                         "train.lr=0.001"])
         cfg = cfg.model_copy(update={"init_from": resolve_parent(str(parent))})
         return cfg, open_run(cfg)
 
@@ -222,7 +235,7 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     assert [r["step"] for r in rows][0] == 21 and rows[-1]["step"] == 40
     from training.examples.char_gpt import warmup_cosine
 
-    assert rows[0]["metrics"]["lr"] == cfg.train.lr * warmup_cosine(5, 40)(20)  # the child's schedule at step 20
+    assert rows[0]["metrics"]["lr"] == 0.001 * warmup_cosine(5, 40)(20)  # the child's lr and schedule at step 20
 
     _, b = child("child-b")
     p = start_worker(b, 40)
@@ -233,6 +246,19 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     assert code == 0 and "resumed from step" in out, out
     assert final_digest(b) == final_digest(a) != final_digest(parent)
     assert checkpoint_digests(parent) == parent_files, "the parent's checkpoints changed"
+
+    # `--from` the child itself (runs/<name> links to it once it trained) with the same params
+    # resumes that child instead of forking a grandchild.
+    from training.rundir import child_config
+
+    assert child_config(cfg.model_copy(update={"init_from": None}), str(a)).init_from == cfg.init_from
+
+    # The CLI refuses a parent checkpoint already at total_steps (the child would train nothing).
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(json.loads((parent / "config.json").read_text())))
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", str(params), "--from", str(parent)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "already at train.total_steps = 20" in proc.stderr, proc.stderr
 
     tracked = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(
         update={"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})})
@@ -248,14 +274,15 @@ def test_dvc_exp_run_twice_gives_two_experiments_with_their_own_runs(tmp_path: P
         run(clone, env, sys.executable, "-m", "dvc", "exp", "run", "-S", f"train.lr={lr}")
     shown = json.loads(run(clone, env, sys.executable, "-m", "dvc", "exp", "show", "--json"))
     exps = [e for rev in shown for e in (rev.get("experiments") or [])]
-    digests = {}
+    losses = {}  # the digest is identity, not a metric: it is in reports/train-info.json
     for exp in exps:
         data = exp["revs"][0]["data"]
         lr = data["params"]["params.yaml"]["data"]["train"]["lr"]
-        digests[lr] = data["metrics"]["metrics/train.json"]["data"]["digest"]
-    assert set(digests) == {0.002, 0.001} and len(set(digests.values())) == 2
-    for lr, digest in digests.items():
+        losses[lr] = data["metrics"]["metrics/train.json"]["data"]["final_loss"]
+    assert set(losses) == {0.002, 0.001} and len(set(losses.values())) == 2
+    for lr, loss in losses.items():
         cfg = load_config(clone / "params.yaml", [f"train.lr={lr}"])
         run_dir = clone / "runs" / keyed_config(cfg).run_name
-        assert CheckpointStore(run_dir).latest_valid(record=False).digest == digest
+        assert CheckpointStore(run_dir).latest_valid(record=False).step == cfg.train.total_steps
+        assert metric_rows(run_dir)[-1][1]["loss"] == loss  # each experiment's metrics from its own run
         assert json.loads((run_dir / "config.json").read_text())["train"]["lr"] == lr

@@ -127,6 +127,28 @@ def resolve_parent(spec: str) -> InitFrom:
     return InitFrom(run=os.path.relpath(path.resolve()), step=ck.step, digest=ck.digest)
 
 
+def child_config(config: RunConfig, spec: str) -> RunConfig:
+    """``config`` as a run that starts from ``--from spec``, in its own fingerprint-named
+    directory (the fingerprint covers the parent checkpoint).
+
+    The same command again must resume the child it made, although ``runs/<name>`` then links
+    to that child: when ``spec`` (without ``@step``) is a child whose recorded parent gives these
+    params its very fingerprint, that child is resumed instead of being forked again.  A parent
+    already at ``train.total_steps`` is refused: the child would train nothing."""
+    path, step = _split_from(spec)
+    info = run_info(path) if step is None and (path / RUN_FILE).exists() else None
+    if info and info.get("parent") and (path / CONFIG_FILE).exists():
+        same = config.model_copy(update={"init_from": load_run_config(path).init_from, "on_config_change": "new_run"})
+        if same.init_from is not None and same.fingerprint() == info.get("fingerprint"):
+            return same
+    parent = resolve_parent(spec)
+    if parent.step >= config.train.total_steps:
+        raise ConfigError(f"--from {spec}: that checkpoint ({parent.run} step {parent.step}) is already at "
+                          f"train.total_steps = {config.train.total_steps}; set a larger -S train.total_steps, or "
+                          f"name an earlier checkpoint (`{parent.run}@<step>`)")
+    return config.model_copy(update={"init_from": parent, "on_config_change": "new_run"})
+
+
 def _parent_dvc_md5(ckpt: Path) -> str | None:
     """The DVC hash of the parent checkpoint (its ``step-N.dvc``), when it was versioned."""
     dvcfile = ckpt.with_name(ckpt.name + ".dvc")
@@ -152,7 +174,10 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     assert src is not None
     parent = Path(src.run)
     ckpt = parent / "checkpoints" / checkpoint_name(src.step)
-    ck = CheckpointStore(parent).verify(ckpt)
+    try:
+        ck = CheckpointStore(parent).verify(ckpt)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"--from {src.run}@{src.step}: the parent checkpoint does not verify ({exc})") from None
     if ck.digest != src.digest:
         raise ConfigError(f"--from {src.run}@{src.step}: that checkpoint's digest is {ck.digest}, not {src.digest}")
     final = run_dir / "checkpoints" / ckpt.name

@@ -501,6 +501,9 @@ class Worker:
         step_samples = cfg.train.batch_size * accum  # one optimizer step, all ranks
         evaluating = cfg.train.eval_every > 0 and self.parts.val_data is not None \
             and len(self.parts.val_data) > 0  # type: ignore[arg-type]
+        if cfg.train.eval_every > 0 and not evaluating:
+            self.log(f"train.eval_every = {cfg.train.eval_every} but task {cfg.task!r} has no validation data: "
+                     "no in-loop validation")
         self.hb.set(phase="train", step=st.step)
         last_save, last_save_step = time.time(), st.step
         loss = None
