@@ -25,7 +25,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.deployments import run_deployment
 
-from tasks.chunk import run_chunk, should_retry
+from tasks.chunk import chunk_record, run_chunk, should_retry
 from tasks.supervisor import NOT_RETRYABLE, ChunkFailed
 from training.config import RunConfig
 from training.events import append_event, read_events
@@ -48,7 +48,7 @@ def train_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dic
         retry_condition_fn=should_retry,
         tags=["convoy", f"run:{cfg.run_name}", cfg.orchestration.concurrency_tag],
     )
-    return task(run_dir, chunk, start_step, end_step)
+    return chunk_record(task(run_dir, chunk, start_step, end_step))
 
 
 def _since(run_dir: Path, kind: str, chunk: int, t0: float) -> list[dict[str, Any]]:

@@ -179,9 +179,6 @@ class LiveProgress:
             st = run_status(self.config, run_dir, verify=False)  # the worker verifies what it restores
         except Exception:  # noqa: BLE001 - a progress line must never break training
             return None
-        from training.events import Event, read_events
-
-        st["failure_chunks"] = [e.get("chunk") for e in read_events(run_dir, Event.FAILURE)]
         return progress_line(st, self.config.train.chunk_steps), st["step"]
 
     def _run(self) -> None:

@@ -15,6 +15,7 @@ Entry points: :func:`run_training` (what ``convoy train`` calls) and ``python -m
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -25,11 +26,12 @@ from filelock import FileLock, Timeout
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
+from flows.report import mlflow_link
 from tasks import handoff, standby, tracking
 from tasks.artifacts import publish_chunk_table
-from tasks.chunk import configured
+from tasks.chunk import chunk_record, configured
 from tasks.hooks import flow_crashed, flow_failed, remember
-from tasks.supervisor import last_committed_step, reap_stale_worker
+from tasks.supervisor import ChunkFailed, last_committed_step, reap_stale_worker
 from training.config import ConfigError, RunConfig, load_config
 from training.events import Event, append_event, read_events
 from training.pipeline import acknowledge_chunk
@@ -44,6 +46,27 @@ class RunLocked(ConfigError):
     A :class:`ConfigError` subclass so every entry point already prints it as one line and exits
     non-zero; it is never retried.
     """
+
+
+class _NoTracebackWhenClassified(logging.Filter):
+    """Drops the traceback Prefect attaches to "Task run failed …" / "Encountered exception …"
+    when convoy already classified the failure (:class:`ChunkFailed`, :class:`ConfigError`):
+    its message says what happened in words and the worker's full output is in the attempt's log
+    file; the traceback only shows where the supervisor raised (the issue's "traceback wall")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, ChunkFailed | ConfigError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_classified_tracebacks() -> None:
+    """Install :class:`_NoTracebackWhenClassified` on Prefect's run loggers (once)."""
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTracebackWhenClassified) for f in logger.filters):
+            logger.addFilter(_NoTracebackWhenClassified())
 
 
 def plan_chunks(total_steps: int, chunk_steps: int) -> list[tuple[int, int, int]]:
@@ -108,6 +131,7 @@ def train(
     allow_config_change: bool = False,
 ) -> dict[str, Any]:
     """Train (or continue) the run described by ``config``, or by ``params`` + ``overrides``."""
+    quiet_classified_tracebacks()
     logger = get_run_logger()
     cfg = keyed_config(config if config is not None else load_config(params, overrides or []))
     t0 = time.time()
@@ -165,7 +189,7 @@ def train(
 
                         rec = dispatch_chunk(cfg, run_dir, chunk, start, end)
                     else:
-                        rec = task(str(run_dir), chunk, start, end)
+                        rec = chunk_record(task(str(run_dir), chunk, start, end))
                 except BaseException:
                     row.update(
                         status="failed", seconds=time.time() - c0, failure_kinds=_failure_kinds(run_dir, chunk, c0)
@@ -197,7 +221,7 @@ def train(
                 logger.info("stopped the pipelined worker of run %s", cfg.run_name)
             standby.release(run_dir)
             versioned.extend(tracking.collect_versions(version_futures))
-            publish_chunk_table(cfg.run_name, rows)
+            publish_chunk_table(cfg.run_name, rows, mlflow_link(run_dir)[0])
             audit = tracking.finish_run(cfg, run_dir, ok)
         final_step = last_committed_step(run_dir) or 0
         from training.checkpoint import CheckpointStore

@@ -20,7 +20,7 @@ def artifact_key(run_name: str, what: str) -> str:
     return f"convoy-{slug}-{what}"
 
 
-def publish_chunk_table(run_name: str, rows: list[dict[str, Any]]) -> str | None:
+def publish_chunk_table(run_name: str, rows: list[dict[str, Any]], mlflow_url: str | None = None) -> str | None:
     """Table: chunk, step range, attempts, failure kinds, loss at the boundary, seconds, digest.
 
     Empty cells say "none" / "not committed": a lone "-" renders as a bullet in the UI."""
@@ -44,7 +44,8 @@ def publish_chunk_table(run_name: str, rows: list[dict[str, Any]]) -> str | None
             create_table_artifact(
                 table=table,
                 key=artifact_key(run_name, "chunks"),
-                description=f"convoy run {run_name}: chunks of this flow run",
+                description=f"convoy run {run_name}: chunks of this flow run"
+                + (f"; metrics and resume audit: [MLflow run]({mlflow_url})" if mlflow_url else ""),
             )
         )
     except Exception as exc:  # noqa: BLE001 - audit must not break training

@@ -25,6 +25,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
+from prefect.states import Completed, State
 
 from tasks import handoff, tracking
 from tasks.artifacts import publish_failure_note
@@ -94,8 +95,10 @@ def _committed_digest(run_dir: Path, step: int) -> str | None:
 
 
 @task(name="run_chunk", task_run_name="chunk-{chunk}", on_failure=[chunk_failed])
-def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[str, Any]:
-    """Train steps ``[start_step, end_step)`` of the run in ``run_dir``; return the chunk's record.
+def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> State:
+    """Train steps ``[start_step, end_step)`` of the run in ``run_dir``; return a Completed state
+    holding the chunk's record (:func:`chunk_record` unwraps it) and saying which attempt
+    committed it.
 
     The worker resumes from the newest valid checkpoint, which after a failure may lie inside this
     chunk (or, if a checkpoint turned out corrupt, before it): only the lost steps are redone.
@@ -181,7 +184,23 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[
     }
     append_event(rd, Event.CHUNK_DONE, **record)
     logger.info("chunk %d done: steps [%d, %d) digest %s (attempt %d)", chunk, start_step, end_step, digest, attempt)
-    return record
+    return Completed(message=_done_message(rd, chunk, start_step, end_step, attempt), data=record)
+
+
+def _done_message(run_dir: Path, chunk: int, start: int, end: int, attempt: int) -> str:
+    """The task run's state message: a retried chunk says so in Prefect's task list, which
+    otherwise shows only "Completed"."""
+    events = read_events(run_dir)
+    since = max((i for i, e in enumerate(events) if e["kind"] == Event.FLOW_STARTED), default=-1)
+    kinds = [e["failure"] for e in events[since + 1:] if e["kind"] == Event.FAILURE and e.get("chunk") == chunk]
+    after = f" after {', '.join(kinds)}" if kinds else ""
+    return f"steps [{start}, {end}) committed on attempt {attempt}{after}"
+
+
+def chunk_record(result: Any) -> dict[str, Any]:
+    """``run_chunk``'s record: the task returns a Completed state (for its message), which a
+    caller receives as such."""
+    return result.result() if isinstance(result, State) else result
 
 
 def _report(logger: Any, cfg: RunConfig, exc: ChunkFailed, chunk: int, attempt: int, resume_at: int) -> None:

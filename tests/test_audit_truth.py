@@ -85,6 +85,13 @@ def test_steps_lost_agree_everywhere_and_failed_attempts_explain_themselves(
     assert summary["audit"]["steps_lost"] == total  # the end-of-train summary
     dvc = train_metrics(cfg, run_dir, {"step": TOTAL, "digest": summary["digest"]})
     assert dvc["steps_lost"] == total
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:  # the retried chunk says so in the task list
+        (chunk_run,) = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[summary["flow_run_id"]])))
+    assert chunk_run.state.message == f"steps [0, {TOTAL}) committed on attempt 3 after killed, killed"
     notes = prefect_notes("convoy-truth-failures")
     for lost in per_failure:
         assert any(f"steps lost: {lost})" in n for n in notes), notes

@@ -27,6 +27,23 @@ def test_progress_line_and_plain_cadence() -> None:
     assert plain_due(PLAIN_EVERY_S, 0.0, 20, 0, 400) and plain_due(1.0, 0.0, 40, 0, 400)
 
 
+def test_classified_failures_log_no_traceback() -> None:
+    """Prefect logs a classified failure as its message, without the supervisor's traceback."""
+    import logging
+
+    from flows.train import _NoTracebackWhenClassified
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        try:
+            raise exc
+        except (ChunkFailed, RuntimeError):
+            return logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+
+    quiet, loud = record(ChunkFailed("diskfull", "chunk 1 diskfull: disk full")), record(RuntimeError("bug"))
+    assert _NoTracebackWhenClassified().filter(quiet) and quiet.exc_info is None
+    assert _NoTracebackWhenClassified().filter(loud) and loud.exc_info is not None  # a bug keeps its traceback
+
+
 def test_failure_lines_name_the_log_and_its_last_lines(tmp_path: Path) -> None:
     log = tmp_path / "chunk-1-attempt-1.log"
     log.write_text("".join(f"line {i}\n" for i in range(30)))
@@ -72,3 +89,9 @@ def test_train_prints_a_summary_with_the_mlflow_url_and_json_parses(
         flow_run = client.read_flow_run(summary["flow_run_id"])
     assert flow_run.name.startswith("summary-") and "run:summary" in flow_run.tags, (flow_run.name, flow_run.tags)
     assert flow_run.parameters["overrides"] == ["train.warmup_steps=5"]  # what -S said, visible in the UI
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        key = ArtifactFilterKey(any_=["convoy-summary-chunks"])
+        tables = client.read_artifacts(artifact_filter=ArtifactFilter(key=key))
+    assert tables and all("?workflowType=machine_learning" in (t.description or "") for t in tables)

@@ -31,14 +31,14 @@ import psutil
 from training.audit import analyse_events
 from training.checkpoint import CheckpointStore
 from training.config import RunConfig
-from training.events import read_events
+from training.events import Event, read_events
 from training.heartbeat import HOST, read_heartbeat
 from training.paths import RunPaths
 
 #: Step times averaged for the ETA: long enough to smooth noise, short enough to follow a change.
 ETA_WINDOW = 50
 _GAVE_UP = ("chunk_failed", "flow_failed", "flow_crashed")
-_STARTS = ("flow_started", "started", "resumed")
+_STARTS = (Event.FLOW_STARTED, Event.STARTED, Event.RESUMED)
 
 
 def pid_alive(pid: int) -> bool:
@@ -162,7 +162,7 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
     # The worker's step: its beat while it runs; otherwise the furthest any source got.
     known = [s for s in (beat.get("step") if beat else None, metric_step, ck_step) if s is not None]
     step = int(beat["step"]) if worker_alive and beat else (max(known) if known else 0)
-    started = bool(known) or any(e["kind"] in ("started", "resumed") for e in events)
+    started = bool(known) or any(e["kind"] in (Event.STARTED, Event.RESUMED) for e in events)
     audit = analyse_events(events)
     rate, eta = _eta(rows, step, total)
     last = rows[-1]["metrics"] if rows else {}
@@ -196,4 +196,5 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
         "resumes": audit["resumes"],
         "steps_lost": audit["steps_lost"],
         "failure_kinds": [r["kind"] for r in audit["rows"]],
+        "failure_chunks": [e.get("chunk") for e in events if e["kind"] == Event.FAILURE],  # attempt numbers
     }

@@ -17,11 +17,7 @@ from filelock import FileLock, Timeout
 from training.config import ConfigError, InitFrom, RunConfig, config_from_dict, trajectory_changes
 from training.events import Event, append_event
 from training.fsutil import atomic_write_bytes, atomic_write_json, read_json
-
-RUN_FILE = "run.json"
-CONFIG_FILE = "config.json"
-#: Held by the training process of a run (rank 0) for its whole life; see :func:`take_worker_lease`.
-WORKER_LEASE = ".worker.lock"
+from training.paths import CONFIG_FILE, RUN_FILE, WORKER_LEASE, RunPaths
 
 
 class RunBusy(ConfigError):
@@ -109,15 +105,14 @@ def resolve_parent(spec: str) -> InitFrom:
     """``--from runs/<parent>[@step]`` → the exact parent checkpoint: its run directory (links
     resolved: the child must name the run, not whatever ``runs/<name>`` points at later), the
     step (default: the newest verified one) and its digest.  A ConfigError says what is wrong."""
-    from training.checkpoint import CheckpointStore, checkpoint_name
+    from training.checkpoint import CheckpointStore
 
     path, step = _split_from(spec)
-    if not (path / "checkpoints").is_dir():
+    if not RunPaths(path).checkpoints.is_dir():
         raise ConfigError(f"--from {spec}: {path} is not a convoy run directory (no checkpoints/)")
     store = CheckpointStore(path.resolve())
     try:
-        ck = store.latest_valid(record=False) if step is None else store.verify(path / "checkpoints" /
-                                                                                checkpoint_name(step))
+        ck = store.latest_valid(record=False) if step is None else store.verify(RunPaths(path).checkpoint(step))
     except (ValueError, OSError) as exc:
         steps = ", ".join(str(s) for s, _ in store.step_dirs()) or "none"
         raise ConfigError(f"--from {spec}: checkpoint of step {step} not usable ({exc}); "
@@ -168,25 +163,25 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     parent's MLflow run id (the child logs to its own run).  Built in a temporary sibling and
     renamed, then ``LATEST`` (invariant 1).  The worker restores it like any checkpoint and then
     takes the optimisation settings of the child's config (:mod:`training.worker`)."""
-    from training.checkpoint import LATEST, MANIFEST, CheckpointStore, checkpoint_name
+    from training.checkpoint import MANIFEST, CheckpointStore
 
     src = config.init_from
     assert src is not None
     parent = Path(src.run)
-    ckpt = parent / "checkpoints" / checkpoint_name(src.step)
+    ckpt = RunPaths(parent).checkpoint(src.step)
     try:
         ck = CheckpointStore(parent).verify(ckpt)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"--from {src.run}@{src.step}: the parent checkpoint does not verify ({exc})") from None
     if ck.digest != src.digest:
         raise ConfigError(f"--from {src.run}@{src.step}: that checkpoint's digest is {ck.digest}, not {src.digest}")
-    final = run_dir / "checkpoints" / ckpt.name
+    final = RunPaths(run_dir).checkpoints / ckpt.name
     lineage = {"run": str(parent), "run_name": parent.name, "step": ck.step, "digest": ck.digest,
                "fingerprint": ck.manifest.get("fingerprint"),
                "mlflow_run_id": (run_info(parent) or {}).get("mlflow_run_id"), "dvc_md5": _parent_dvc_md5(ckpt)}
     if final.is_dir():  # forked before, killed before run.json was written
         return lineage
-    tmp = run_dir / "checkpoints" / f".tmp-fork-{ckpt.name}-{os.getpid()}"
+    tmp = RunPaths(run_dir).checkpoints / f".tmp-fork-{ckpt.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(ckpt, tmp, copy_function=_link_or_copy)
     manifest = {**ck.manifest, "fingerprint": config.fingerprint(), "forked_from": lineage}
@@ -194,7 +189,7 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     (tmp / MANIFEST).unlink()  # a hard link to the parent's: never written through
     atomic_write_json(tmp / MANIFEST, manifest)
     os.rename(tmp, final)
-    atomic_write_bytes(run_dir / "checkpoints" / LATEST, (final.name + "\n").encode())
+    atomic_write_bytes(RunPaths(run_dir).latest, (final.name + "\n").encode())
     append_event(run_dir, Event.FORKED, **lineage)
     return lineage
 
@@ -273,8 +268,8 @@ def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
         _refuse_finished(config, run_dir, describe_change(old, config))
         append_event(run_dir, Event.CONFIG_CHANGED, old=info.get("fingerprint"), new=fp,
                      changes=trajectory_changes(old, config.trajectory()) if old else None)
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    (run_dir / "heartbeat").mkdir(exist_ok=True)
+    RunPaths(run_dir).checkpoints.mkdir(parents=True, exist_ok=True)
+    RunPaths(run_dir).heartbeats.mkdir(exist_ok=True)
     known[fp] = config.trajectory()
     if info is None:
         parent = fork_checkpoint(config, run_dir) if config.init_from is not None else None
