@@ -24,7 +24,7 @@ check: install
 	$(BIN)/ruff format --check .
 
 ## The whole test suite (what CI runs): the checks, then every test.
-test: install
+test: check
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 ## The quick tests only (no end-to-end runs marked slow): a few minutes.

@@ -140,8 +140,12 @@ def make_parts(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) ->
     return {
         "rank-0": {"rng": capture_rng(), "step": step},
         "state": {
-            "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": None,
-            "scaler": {"scale": 1.0, "growth_tracker": 0}, "step": step, "tokens_seen": 0,
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": None,
+            "scaler": {"scale": 1.0, "growth_tracker": 0},
+            "step": step,
+            "tokens_seen": 0,
             "cursor": {"epoch": 0, "position": 0},
         },
     }
@@ -173,10 +177,10 @@ def proto_read_verified_empty(path: Path, expected_size: int, expected_hash: str
     with open(path, "rb", buffering=0) as f:
         got = 0
         while got < expected_size:
-            n = f.readinto(view[got:got + chunk])
+            n = f.readinto(view[got : got + chunk])
             if not n:
                 raise ValueError(f"{path.name}: file shrank while reading")
-            hasher.update(view[got:got + n])
+            hasher.update(view[got : got + n])
             got += n
     if hasher.hexdigest() != expected_hash:
         raise ValueError(f"{path.name}: content hash mismatch (corrupt)")
@@ -265,10 +269,10 @@ def proto_load_into(store: CheckpointStore, path: Path, live: dict[str, dict[str
                 view = memoryview(dst.reshape(-1).view(torch.uint8).numpy()).cast("B") if end > start else None
                 got = 0
                 while got < end - start:
-                    n = f.readinto(view[got:got + chunk])
+                    n = f.readinto(view[got : got + chunk])
                     if not n:
                         raise ValueError(f"{name}: file shrank while reading")
-                    hasher.update(view[got:got + n])
+                    hasher.update(view[got : got + n])
                     got += n
                 pos = end
         if hasher.hexdigest() != info["xxh3_128"]:
@@ -306,8 +310,9 @@ def resume_child(ckpt: str, variant: str, params: float) -> None:
     width = 2048
     while width > 64 and params / (width * width + width) < 4:
         width //= 2
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(max(1, round(
-        params / (width * width + width))))])
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(width, width) for _ in range(max(1, round(params / (width * width + width))))]
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     warm = torch.nn.Linear(2, 2)  # pay the one-off optimizer import cost (torch._dynamo) outside the timing
     w_opt = torch.optim.AdamW(warm.parameters())
@@ -318,8 +323,12 @@ def resume_child(ckpt: str, variant: str, params: float) -> None:
     store = CheckpointStore(Path(ckpt).parent.parent)
     live = {"state": {f"model.{k}": v for k, v in model.state_dict().items()}}
     out: dict[str, float] = {}
-    fn = {"load": None, "load_empty": proto_read_verified_empty, "load_mmap": proto_read_verified_mmap,
-          "load_old": proto_read_verified_bytearray}.get(variant)
+    fn = {
+        "load": None,
+        "load_empty": proto_read_verified_empty,
+        "load_mmap": proto_read_verified_mmap,
+        "load_old": proto_read_verified_bytearray,
+    }.get(variant)
     if variant == "load_into":
         out["load"], loaded = timed(proto_load_into, store, Path(ckpt), live)
         out["load_cpu"] = LAST_CPU[0]
@@ -331,11 +340,13 @@ def resume_child(ckpt: str, variant: str, params: float) -> None:
     out["lsd_model"] = 0.0 if variant == "load_into" else timed(model.load_state_dict, s["model"])[0]
     out["lsd_opt"] = timed(opt.load_state_dict, s["optimizer"])[0]
     if variant == "load_clone":  # proposal 2a: own memory for the optimizer state, mapping released
+
         def own() -> None:
             for per_param in opt.state.values():
                 for k, v in per_param.items():
                     if isinstance(v, torch.Tensor):
                         per_param[k] = v.clone()
+
         out["lsd_opt"] += timed(own)[0]
     del loaded, s
     out["first_step"] = timed(opt.step)[0]
@@ -348,7 +359,7 @@ def resume_child(ckpt: str, variant: str, params: float) -> None:
 
 def fresh_process_resumes(T: Timings, args: argparse.Namespace, ckpt: Path, cold_ok: bool) -> None:
     variants = ["load"] + (["load_clone", "load_old", "load_empty", "load_into"] if args.prototypes else [])
-    for mode in (["warm", "cold"] if cold_ok else ["warm"]):
+    for mode in ["warm", "cold"] if cold_ok else ["warm"]:
         for i in range(args.fresh_process):
             for variant in interleave(i, variants):
                 if mode == "cold":
@@ -356,8 +367,15 @@ def fresh_process_resumes(T: Timings, args: argparse.Namespace, ckpt: Path, cold
                 else:
                     for f in ckpt.iterdir():  # make sure it is cached
                         raw_readinto(f, memoryview(bytearray(f.stat().st_size)))
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(ckpt), variant,
-                       "--params", str(args.params)]
+                cmd = [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--child",
+                    str(ckpt),
+                    variant,
+                    "--params",
+                    str(args.params),
+                ]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 for k, v in r.items():
@@ -376,8 +394,11 @@ def check_restore_hazards(tmp: Path) -> dict[str, Any]:
     del loaded, _ck
     gc.collect()
     store.save(2, make_parts(model, opt, 2), blocking=True)  # keep_last=1: retention deletes step 1
-    pinned = [ln.split()[-2] for ln in Path("/proc/self/maps").read_text().splitlines()
-              if ln.endswith("(deleted)") and str(tmp / "hazards") in ln]
+    pinned = [
+        ln.split()[-2]
+        for ln in Path("/proc/self/maps").read_text().splitlines()
+        if ln.endswith("(deleted)") and str(tmp / "hazards") in ln
+    ]
     _ck, loaded = store.load(store.last_committed.path)
     t = loaded["state"]["optimizer"]["state"][0]["exp_avg"]
     before = t.reshape(-1)[0].item()
@@ -388,8 +409,12 @@ def check_restore_hazards(tmp: Path) -> dict[str, Any]:
     opt.state.clear()
     del loaded, _ck, t
     gc.collect()
-    return {"deleted_files_still_mapped": pinned, "inplace_write_visible": before != after,
-            "exp_avg0_before": before, "exp_avg0_after": after}
+    return {
+        "deleted_files_still_mapped": pinned,
+        "inplace_write_visible": before != after,
+        "exp_avg0_before": before,
+        "exp_avg0_after": after,
+    }
 
 
 # ---------------------------------------------------------------------------- benchmark
@@ -436,11 +461,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parts = make_parts(model, opt, 0)
     tensors = flat_tensors(parts)
     nb = sum(t.numel() * t.element_size() for t in tensors)
-    res.update(params=n_params, width=width, layers=len(model), tensor_count=len(tensors), tensor_bytes=nb,
-               build_s=t_build, repeats=R, torch_threads=torch.get_num_threads())
-    print(f"model: {len(model)} x Linear({width},{width}) = {n_params / 1e6:.1f}M params; "
-          f"state {len(tensors)} tensors, {nb / GB:.3f} GB; built in {t_build:.1f}s; "
-          f"torch threads {torch.get_num_threads()}", flush=True)
+    res.update(
+        params=n_params,
+        width=width,
+        layers=len(model),
+        tensor_count=len(tensors),
+        tensor_bytes=nb,
+        build_s=t_build,
+        repeats=R,
+        torch_threads=torch.get_num_threads(),
+    )
+    print(
+        f"model: {len(model)} x Linear({width},{width}) = {n_params / 1e6:.1f}M params; "
+        f"state {len(tensors)} tensors, {nb / GB:.3f} GB; built in {t_build:.1f}s; "
+        f"torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
 
     store = CheckpointStore(tmp / "run", CheckpointConfig(keep_last=10**6))
     old = SnapshotAlwaysStore(tmp / "run", CheckpointConfig(keep_last=10**6))
@@ -517,18 +553,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return sum(raw_readinto(f, pre_view[: sizes[f]]) for f in data_files)
 
     def raw_read_fresh() -> int:  # uninitialised memory: the allocation floor any fresh restore pays
-        return sum(raw_readinto(f, memoryview(torch.empty(sizes[f], dtype=torch.uint8).numpy()).cast("B"))
-                   for f in data_files)
+        return sum(
+            raw_readinto(f, memoryview(torch.empty(sizes[f], dtype=torch.uint8).numpy()).cast("B")) for f in data_files
+        )
 
     variants = {"load": None}
     if args.prototypes:
-        variants.update(load_old=proto_read_verified_bytearray, load_empty=proto_read_verified_empty,
-                        load_into=None)
+        variants.update(load_old=proto_read_verified_bytearray, load_empty=proto_read_verified_empty, load_into=None)
     live = {"state": {f"model.{k}": v for k, v in model.state_dict().items()}}
     cold_ok = not args.no_cold and drop_caches()
     res["cold_available"] = cold_ok
     res["cold_skipped"] = args.no_cold
-    for mode in (["warm", "cold"] if cold_ok else ["warm"]):
+    for mode in ["warm", "cold"] if cold_ok else ["warm"]:
         T.load[mode] = os.getloadavg()[0]
         raw_read_pre()  # warm: everything cached; cold: dropped again before each measurement
         for i in range(R):
@@ -591,8 +627,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.prototypes:
         res["hazards"] = check_restore_hazards(tmp)
     res["t"], res["nbytes"], res["loadavg"], res["cpu"] = T.t, T.nbytes, T.load, T.cpu
-    res["machine"] = dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
-                          torch=torch.__version__, xxhash=xxhash.VERSION)
+    res["machine"] = dict(
+        cpus=os.cpu_count(),
+        platform=platform.platform(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        xxhash=xxhash.VERSION,
+    )
     if not args.keep:
         shutil.rmtree(tmp, ignore_errors=True)
     return res
@@ -603,15 +644,21 @@ def report(res: dict[str, Any]) -> str:
     T.t, T.nbytes = res["t"], res["nbytes"]
     lines: list[str] = []
     add = lines.append
-    add(f"{res['date_utc']}; {res['machine']['cpus']} CPUs, {res['machine']['platform']}, torch "
-        f"{res['machine']['torch']} ({res['torch_threads']} intra-op threads), xxhash {res['machine']['xxhash']}")
-    add(f"{res['params'] / 1e6:.1f}M params ({res['layers']} x Linear {res['width']}) + AdamW state = "
+    add(
+        f"{res['date_utc']}; {res['machine']['cpus']} CPUs, {res['machine']['platform']}, torch "
+        f"{res['machine']['torch']} ({res['torch_threads']} intra-op threads), xxhash {res['machine']['xxhash']}"
+    )
+    add(
+        f"{res['params'] / 1e6:.1f}M params ({res['layers']} x Linear {res['width']}) + AdamW state = "
         f"{res['tensor_bytes'] / GB:.3f} GB in {res['tensor_count']} tensors; checkpoint "
         f"{res['checkpoint_bytes'] / GB:.3f} GB; {res['repeats']} interleaved repeats; "
-        f"1-min load average at each section: " + ", ".join(f"{k} {v:.1f}" for k, v in res["loadavg"].items()))
+        f"1-min load average at each section: " + ", ".join(f"{k} {v:.1f}" for k, v in res["loadavg"].items())
+    )
     add("")
-    add("| measurement | convoy store (median / best) | same-run baseline (median / best) | ratio median (best) "
-        "| goal |")
+    add(
+        "| measurement | convoy store (median / best) | same-run baseline (median / best) | ratio median (best) "
+        "| goal |"
+    )
     add("|---|---|---|---|---|")
 
     def ms(name: str) -> str:
@@ -625,40 +672,92 @@ def report(res: dict[str, Any]) -> str:
         add(f"| {name} | {subj} | {base} | {r_med:.2f}x ({r_best:.2f}x) | {goal}{mark} |")
 
     r = T.med("stall") / T.med("copy")
-    row("async save stall, steady state", ms("stall"), f"copy_ into preallocated: {ms('copy')}", r,
-        T.best("stall") / T.best("copy"), "<= 1.2x", r <= 1.2)
+    row(
+        "async save stall, steady state",
+        ms("stall"),
+        f"copy_ into preallocated: {ms('copy')}",
+        r,
+        T.best("stall") / T.best("copy"),
+        "<= 1.2x",
+        r <= 1.2,
+    )
     r = T.gbps("sync_save") / T.gbps("raw_write")
-    row("sync save (snapshot+write+hash+fsync+manifest+rename)", bw("sync_save"), f"raw write+fsync: {bw('raw_write')}",
-        r, T.gbps("sync_save", True) / T.gbps("raw_write", True), ">= 0.8x", r >= 0.8)
+    row(
+        "sync save (snapshot+write+hash+fsync+manifest+rename)",
+        bw("sync_save"),
+        f"raw write+fsync: {bw('raw_write')}",
+        r,
+        T.gbps("sync_save", True) / T.gbps("raw_write", True),
+        ">= 0.8x",
+        r >= 0.8,
+    )
     for name, label in (("sync_old", "  before 94a3a35: snapshot copy also on blocking saves"),):
         if name in T.t:
             r = T.gbps(name) / T.gbps("raw_write")
-            row(label, bw(name), f"raw write+fsync: {bw('raw_write')}", r,
-                T.gbps(name, True) / T.gbps("raw_write", True), ">= 0.8x", r >= 0.8)
+            row(
+                label,
+                bw(name),
+                f"raw write+fsync: {bw('raw_write')}",
+                r,
+                T.gbps(name, True) / T.gbps("raw_write", True),
+                ">= 0.8x",
+                r >= 0.8,
+            )
     for mode in ("warm", "cold"):
         if f"{mode}_load" not in T.t:
             continue
         base = f"{mode}_raw_pre"
-        for kind, label in (("load", "restore `load()`"), ("load_empty", "  prototype: torch.empty + chunked hash"),
-                            ("load_old", "  before 94a3a35: bytearray + readinto + hash"),
-                            ("load_into", "  prototype: read into model params + torch.empty")):
+        for kind, label in (
+            ("load", "restore `load()`"),
+            ("load_empty", "  prototype: torch.empty + chunked hash"),
+            ("load_old", "  before 94a3a35: bytearray + readinto + hash"),
+            ("load_into", "  prototype: read into model params + torch.empty"),
+        ):
             name = f"{mode}_{kind}"
             if name not in T.t:
                 continue
             r = T.gbps(name) / T.gbps(base)
-            row(f"{label} ({mode} cache)", bw(name), f"raw readinto preallocated: {bw(base)}", r,
-                T.gbps(name, True) / T.gbps(base, True), ">= 0.8x", r >= 0.8)
+            row(
+                f"{label} ({mode} cache)",
+                bw(name),
+                f"raw readinto preallocated: {bw(base)}",
+                r,
+                T.gbps(name, True) / T.gbps(base, True),
+                ">= 0.8x",
+                r >= 0.8,
+            )
         fresh = f"{mode}_raw_fresh"
         r = T.gbps(f"{mode}_load") / T.gbps(fresh)
-        row(f"restore `load()` ({mode}) vs fresh buffer", bw(f"{mode}_load"), f"raw read into new torch.empty: "
-            f"{bw(fresh)}", r, T.gbps(f"{mode}_load", True) / T.gbps(fresh, True), "(info)", None)
+        row(
+            f"restore `load()` ({mode}) vs fresh buffer",
+            bw(f"{mode}_load"),
+            f"raw read into new torch.empty: {bw(fresh)}",
+            r,
+            T.gbps(f"{mode}_load", True) / T.gbps(fresh, True),
+            "(info)",
+            None,
+        )
     r = T.gbps("verify") / T.gbps("xxh3")
-    row("`verify()` (warm cache)", bw("verify"), f"xxh3_128 in memory: {bw('xxh3')}", r,
-        T.gbps("verify", True) / T.gbps("xxh3", True), "(info)", None)
+    row(
+        "`verify()` (warm cache)",
+        bw("verify"),
+        f"xxh3_128 in memory: {bw('xxh3')}",
+        r,
+        T.gbps("verify", True) / T.gbps("xxh3", True),
+        "(info)",
+        None,
+    )
     if "verify_mmap" in T.t:
         r = T.gbps("verify_mmap") / T.gbps("xxh3")
-        row("  prototype: verify hashing an mmap", bw("verify_mmap"), f"xxh3_128 in memory: {bw('xxh3')}", r,
-            T.gbps("verify_mmap", True) / T.gbps("xxh3", True), "(info)", None)
+        row(
+            "  prototype: verify hashing an mmap",
+            bw("verify_mmap"),
+            f"xxh3_128 in memory: {bw('xxh3')}",
+            r,
+            T.gbps("verify_mmap", True) / T.gbps("xxh3", True),
+            "(info)",
+            None,
+        )
     add("")
     cpu = res.get("cpu", {})
     if cpu:
@@ -670,43 +769,58 @@ def report(res: dict[str, Any]) -> str:
             add(f"| {name} | {med(cpu[name]):.2f} | {T.med(name):.2f} |")
         add("")
     fa = res["first_async"]
-    add(f"- first async save (allocates the snapshot buffers): stall {fa['stall_s']:.2f} s, persist "
-        f"{fa['persist_s']:.2f} s")
-    add(f"- steady async: background persist {ms('persist')} ({bw('persist')}); caller-side parts build "
-        f"(state_dict + RNG capture) {T.med('parts_build') * 1e3:.1f} ms")
+    add(
+        f"- first async save (allocates the snapshot buffers): stall {fa['stall_s']:.2f} s, persist "
+        f"{fa['persist_s']:.2f} s"
+    )
+    add(
+        f"- steady async: background persist {ms('persist')} ({bw('persist')}); caller-side parts build "
+        f"(state_dict + RNG capture) {T.med('parts_build') * 1e3:.1f} ms"
+    )
     if "retention_rmtree" in T.t:
         add(f"- retention delete (rmtree) of one checkpoint: {ms('retention_rmtree')} (outside the save timings)")
     for mode in ("warm", "cold"):
         for kind in ("load", "load_old", "load_empty", "load_into"):
             n = f"{mode}_{kind}"
             if n in T.t:
-                add(f"- resume ({mode}, {kind}): load {ms(n)}, model.load_state_dict {ms(n + '_lsd_model')}, "
+                add(
+                    f"- resume ({mode}, {kind}): load {ms(n)}, model.load_state_dict {ms(n + '_lsd_model')}, "
                     f"optimizer.load_state_dict {ms(n + '_lsd_opt')}, first optimizer.step {ms(n + '_first_step')}; "
-                    f"total {ms(n + '_resume')}")
+                    f"total {ms(n + '_resume')}"
+                )
     fp = [n for n in T.t if n.startswith("fp_") and n.endswith("_total")]
     if fp:
         add("")
         add("Resume in a fresh process (model built, optimizer without state; median / best):")
         add("")
-        add("| cache, variant | load() | load CPU s | model.load_state_dict | first optimizer.step | total "
-            "| RSS after | files still mapped |")
+        add(
+            "| cache, variant | load() | load CPU s | model.load_state_dict | first optimizer.step | total "
+            "| RSS after | files still mapped |"
+        )
         add("|---|---|---|---|---|---|---|---|")
         for n in fp:
             b = n.removesuffix("_total")
-            add(f"| {b.removeprefix('fp_').replace('_', ' ', 1)} | {ms(b + '_load')} | "
+            add(
+                f"| {b.removeprefix('fp_').replace('_', ' ', 1)} | {ms(b + '_load')} | "
                 f"{T.med(b + '_load_cpu'):.2f} | {ms(b + '_lsd_model')} | {ms(b + '_first_step')} | {ms(n)} | "
-                f"{T.med(b + '_rss_gb'):.2f} GB | {T.med(b + '_files_still_mapped'):.0f} |")
+                f"{T.med(b + '_rss_gb'):.2f} GB | {T.med(b + '_files_still_mapped'):.0f} |"
+            )
     hz = res.get("hazards")
     if hz:
         add("")
-        add(f"- restore hazards (2M-param check): files deleted by retention but still mapped by the restored "
+        add(
+            f"- restore hazards (2M-param check): files deleted by retention but still mapped by the restored "
             f"state: {len(hz['deleted_files_still_mapped'])} {hz['deleted_files_still_mapped']}; in-place "
             f"overwrite of the file after load() visible in the restored optimizer state: "
-            f"{hz['inplace_write_visible']} (exp_avg[0] {hz['exp_avg0_before']:.3g} -> {hz['exp_avg0_after']:.3g})")
+            f"{hz['inplace_write_visible']} (exp_avg[0] {hz['exp_avg0_before']:.3g} -> {hz['exp_avg0_after']:.3g})"
+        )
     if not res["cold_available"]:
-        add("- cold-cache restore not measured: " + ("--no-cold" if res.get("cold_skipped") else
-                                                     "/proc/sys/vm/drop_caches is not writable"))
+        add(
+            "- cold-cache restore not measured: "
+            + ("--no-cold" if res.get("cold_skipped") else "/proc/sys/vm/drop_caches is not writable")
+        )
     return "\n".join(lines)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -715,10 +829,18 @@ def main() -> None:
     ap.add_argument("--tmp", default=str(ROOT / ".bench-tmp"), help="scratch dir on the same disk as the repo")
     ap.add_argument("--keep", action="store_true", help="keep the scratch dir")
     ap.add_argument("--prototypes", action="store_true", help="also time candidate fixes")
-    ap.add_argument("--no-cold", action="store_true",
-                    help="skip cold-cache restore (it drops the whole machine's page cache, needs root)")
-    ap.add_argument("--fresh-process", type=int, default=0, metavar="N",
-                    help="also time N resumes per variant in a fresh process (the restarted-worker case)")
+    ap.add_argument(
+        "--no-cold",
+        action="store_true",
+        help="skip cold-cache restore (it drops the whole machine's page cache, needs root)",
+    )
+    ap.add_argument(
+        "--fresh-process",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time N resumes per variant in a fresh process (the restarted-worker case)",
+    )
     ap.add_argument("--json", help="write all raw timings here")
     ap.add_argument("--child", nargs=2, metavar=("CKPT", "VARIANT"), help=argparse.SUPPRESS)
     args = ap.parse_args()

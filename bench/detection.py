@@ -36,9 +36,18 @@ from training.events import read_events
 from training.heartbeat import read_heartbeat
 from training.rundir import open_run
 
-SMALL = ["train.total_steps=400", "train.chunk_steps=400", "train.batch_size=8", "data.synthetic_chars=60000",
-         "data.seq_len=32", "task_args.d_model=32", "task_args.n_head=2", "checkpoint.every_steps=10",
-         "tracking.mlflow=false", "heartbeat.interval_s=0.2"]
+SMALL = [
+    "train.total_steps=400",
+    "train.chunk_steps=400",
+    "train.batch_size=8",
+    "data.synthetic_chars=60000",
+    "data.seq_len=32",
+    "task_args.d_model=32",
+    "task_args.n_head=2",
+    "checkpoint.every_steps=10",
+    "tracking.mlflow=false",
+    "heartbeat.interval_s=0.2",
+]
 SCENARIOS = {  # kind: (signal, stall_s, timeout_s)
     "crash": (signal.SIGKILL, 3.0, 3.0),
     "hang": (signal.SIGSTOP, 2.0, 6.0),
@@ -59,11 +68,21 @@ def inject_when_training(run_dir: Path, sig: int, at_step: int, rank: int, out: 
 def one(root: Path, kind: str, i: int, ranks: int, nnodes: int = 1) -> dict:
     sig, stall, timeout = SCENARIOS[kind]
     hosts = ["127.0.0.1", *["localhost"] * (nnodes - 1)] if nnodes > 1 else []
-    cfg = load_config(None, SMALL + [f"runs_dir={root / 'runs'}", f"data.prepared_dir={root / 'data'}",
-                                     f"run_name={kind}-{ranks}x{nnodes}-{i}", f"train.ranks={ranks}",
-                                     f"train.nnodes={nnodes}", f"train.hosts={hosts}",
-                                     f"heartbeat.stall_s={stall}", f"heartbeat.timeout_s={timeout}",
-                                     "heartbeat.grace_s=2"])
+    cfg = load_config(
+        None,
+        SMALL
+        + [
+            f"runs_dir={root / 'runs'}",
+            f"data.prepared_dir={root / 'data'}",
+            f"run_name={kind}-{ranks}x{nnodes}-{i}",
+            f"train.ranks={ranks}",
+            f"train.nnodes={nnodes}",
+            f"train.hosts={hosts}",
+            f"heartbeat.stall_s={stall}",
+            f"heartbeat.timeout_s={timeout}",
+            "heartbeat.grace_s=2",
+        ],
+    )
     world = cfg.train.world_size
     prepare(cfg.data, cfg.train.seed)
     run_dir = open_run(cfg).resolve()
@@ -71,12 +90,14 @@ def one(root: Path, kind: str, i: int, ranks: int, nnodes: int = 1) -> dict:
     shot: dict = {}
     t = threading.Thread(target=inject_when_training, args=(run_dir, sig, 25, world - 1, shot), daemon=True)
     t.start()
+
     def command(until: int) -> list[str]:
         return worker_command(run_dir, until, ranks, hosts=hosts, node_launch=cfg.orchestration.node_launch)
 
     try:
-        supervise(AttemptSpec(command(400), run_dir, limits, run_dir / "logs" / "bench.log", ranks=world, chunk=1,
-                              attempt=1))
+        supervise(
+            AttemptSpec(command(400), run_dir, limits, run_dir / "logs" / "bench.log", ranks=world, chunk=1, attempt=1)
+        )
         raise RuntimeError("worker finished without the injected failure")
     except ChunkFailed as exc:
         detected_as = exc.kind
@@ -94,8 +115,15 @@ def one(root: Path, kind: str, i: int, ranks: int, nnodes: int = 1) -> dict:
     CheckpointStore(run_dir).verify(ck.path)
     t_verify = time.perf_counter() - v0
     limit = {"crash": limits.poll_s, "hang": stall, "dead": timeout}[kind]
-    return {"kind": kind, "detected_as": detected_as, "latency_s": latency, "limit_s": limit,
-            "t_rebuild_s": t_rebuild, "t_load_s": t_load, "t_verify_s": t_verify}
+    return {
+        "kind": kind,
+        "detected_as": detected_as,
+        "latency_s": latency,
+        "limit_s": limit,
+        "t_rebuild_s": t_rebuild,
+        "t_load_s": t_load,
+        "t_verify_s": t_verify,
+    }
 
 
 def main() -> None:
@@ -112,15 +140,19 @@ def main() -> None:
             rows.append(r)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
     print(f"\nranks={args.ranks} x nnodes={args.nnodes}, median of {args.repeats} (seconds)")
-    print(f"{'kind':>6} {'detected as':>12} {'T_detect':>9} {'limit':>6} {'over limit':>10} "
-          f"{'T_rebuild':>9} {'T_load':>7} {'T_verify':>8} {'MTTR':>6}")
+    print(
+        f"{'kind':>6} {'detected as':>12} {'T_detect':>9} {'limit':>6} {'over limit':>10} "
+        f"{'T_rebuild':>9} {'T_load':>7} {'T_verify':>8} {'MTTR':>6}"
+    )
     for kind in SCENARIOS:
         rs = [r for r in rows if r["kind"] == kind]
         med = {k: statistics.median(r[k] for r in rs) for k in ("latency_s", "t_rebuild_s", "t_load_s", "t_verify_s")}
         mttr = med["latency_s"] + med["t_rebuild_s"] + med["t_load_s"]
-        print(f"{kind:>6} {rs[0]['detected_as']:>12} {med['latency_s']:>9.2f} {rs[0]['limit_s']:>6.1f} "
-              f"{med['latency_s'] - rs[0]['limit_s']:>10.2f} {med['t_rebuild_s']:>9.2f} {med['t_load_s']:>7.3f} "
-              f"{med['t_verify_s']:>8.4f} {mttr:>6.2f}")
+        print(
+            f"{kind:>6} {rs[0]['detected_as']:>12} {med['latency_s']:>9.2f} {rs[0]['limit_s']:>6.1f} "
+            f"{med['latency_s'] - rs[0]['limit_s']:>10.2f} {med['t_rebuild_s']:>9.2f} {med['t_load_s']:>7.3f} "
+            f"{med['t_verify_s']:>8.4f} {mttr:>6.2f}"
+        )
     print(f"(workspace {root}; {sys.executable})")
 
 

@@ -30,15 +30,32 @@ from training.corpus import prepare
 from training.events import append_event, read_events
 from training.rundir import open_run
 
-MODEL = ["task_args.d_model=128", "task_args.n_layer=2", "task_args.n_head=4", "data.seq_len=64",
-         "train.batch_size=16", "data.synthetic_chars=400000", "tracking.mlflow=false", "checkpoint.keep_last=2",
-         "train.total_steps=1000000", "train.chunk_steps=1000000"]
+MODEL = [
+    "task_args.d_model=128",
+    "task_args.n_layer=2",
+    "task_args.n_head=4",
+    "data.seq_len=64",
+    "train.batch_size=16",
+    "data.synthetic_chars=400000",
+    "tracking.mlflow=false",
+    "checkpoint.keep_last=2",
+    "train.total_steps=1000000",
+    "train.chunk_steps=1000000",
+]
 
 
 def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: float) -> dict:
-    cfg = load_config(None, MODEL + [f"runs_dir={root / 'runs'}", f"data.prepared_dir={root / 'data'}",
-                                     f"run_name={name}", f"checkpoint.every_steps={every}",
-                                     f"checkpoint.mtbf_hours={kill_every / 3600}"])
+    cfg = load_config(
+        None,
+        MODEL
+        + [
+            f"runs_dir={root / 'runs'}",
+            f"data.prepared_dir={root / 'data'}",
+            f"run_name={name}",
+            f"checkpoint.every_steps={every}",
+            f"checkpoint.mtbf_hours={kill_every / 3600}",
+        ],
+    )
     prepare(cfg.data, cfg.train.seed)
     run_dir = open_run(cfg)
     t0 = time.time()
@@ -60,8 +77,15 @@ def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: fl
     step_s = statistics.median(r["metrics"]["step_time_s"] for r in rows) if rows else float("nan")
     picks = read_events(run_dir, "interval_chosen")
     interval = picks[-1]["interval_steps"] if picks else every
-    return {"policy": name, "every": every, "interval_steps": interval, "committed_steps": committed,
-            "wall_s": round(wall, 1), "median_step_s": step_s, "goodput": committed * step_s / wall}
+    return {
+        "policy": name,
+        "every": every,
+        "interval_steps": interval,
+        "committed_steps": committed,
+        "wall_s": round(wall, 1),
+        "median_step_s": step_s,
+        "goodput": committed * step_s / wall,
+    }
 
 
 def main() -> None:
@@ -84,8 +108,10 @@ def main() -> None:
     best = max((r for r in results if r["policy"] != "auto"), key=lambda r: r["goodput"])
     print(f"\n{'policy':>12} {'interval':>9} {'committed':>10} {'goodput':>8} {'vs best fixed':>14}")
     for r in results:
-        print(f"{r['policy']:>12} {r['interval_steps']!s:>9} {r['committed_steps']:>10} {r['goodput']:>8.3f} "
-              f"{r['goodput'] / best['goodput']:>13.3f}x")
+        print(
+            f"{r['policy']:>12} {r['interval_steps']!s:>9} {r['committed_steps']:>10} {r['goodput']:>8.3f} "
+            f"{r['goodput'] / best['goodput']:>13.3f}x"
+        )
     print(f"\nauto / best fixed ({best['policy']}) = {results[0]['goodput'] / best['goodput']:.3f} (goal >= 0.98)")
 
 

@@ -115,14 +115,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "gpu": torch.cuda.get_device_name(dev) if gpu else "CPU smoke run",
-        "torch": torch.__version__, "cuda": torch.version.cuda if gpu else None, "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if gpu else None,
+        "cpus": os.cpu_count(),
         "python": platform.python_version(),
-        "params": n_params, "layers": len(model), "tensor_bytes": nb, "tensor_count": len(tensors), "repeats": R,
+        "params": n_params,
+        "layers": len(model),
+        "tensor_bytes": nb,
+        "tensor_count": len(tensors),
+        "repeats": R,
         "device_bytes": sum(x.numel() * x.element_size() for x in tensors if x.is_cuda),
     }
-    print(f"{res['gpu']}, torch {res['torch']} (CUDA {res['cuda']}): {len(model)} x Linear = {n_params / 1e6:.1f}M "
-          f"params; state {nb / GB:.3f} GB in {len(tensors)} tensors ({res['device_bytes'] / GB:.3f} GB on the "
-          "device)", flush=True)
+    print(
+        f"{res['gpu']}, torch {res['torch']} (CUDA {res['cuda']}): {len(model)} x Linear = {n_params / 1e6:.1f}M "
+        f"params; state {nb / GB:.3f} GB in {len(tensors)} tensors ({res['device_bytes'] / GB:.3f} GB on the "
+        "device)",
+        flush=True,
+    )
     store = CheckpointStore(tmp / "run", CheckpointConfig(keep_last=1))
 
     # ---- 1. async save stall vs raw copy_ into pinned buffers --------------------------------
@@ -180,7 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         off = 0
         for f in files:
             n = f.stat().st_size
-            raw_readinto(f, view[off:off + n])
+            raw_readinto(f, view[off : off + n])
             off += n
         device_buf.copy_(host, non_blocking=True)
 
@@ -231,33 +240,49 @@ def report(res: dict[str, Any]) -> tuple[str, list[str]]:
         return statistics.median(t[name])
 
     ck = res["checkpoint_bytes"]
-    lines = [f"{res['date_utc']}; {res['gpu']}; torch {res['torch']} CUDA {res['cuda']}; {res['cpus']} CPUs; "
-             f"{res['params'] / 1e6:.1f}M params + AdamW = {res['tensor_bytes'] / GB:.3f} GB state "
-             f"({res['device_bytes'] / GB:.3f} GB on the device), checkpoint {ck / GB:.3f} GB; "
-             f"{res['repeats']} interleaved repeats, medians", "",
-             "| measurement | convoy | same-run baseline | convoy vs baseline | goal |", "|---|---|---|---|---|"]
+    lines = [
+        f"{res['date_utc']}; {res['gpu']}; torch {res['torch']} CUDA {res['cuda']}; {res['cpus']} CPUs; "
+        f"{res['params'] / 1e6:.1f}M params + AdamW = {res['tensor_bytes'] / GB:.3f} GB state "
+        f"({res['device_bytes'] / GB:.3f} GB on the device), checkpoint {ck / GB:.3f} GB; "
+        f"{res['repeats']} interleaved repeats, medians",
+        "",
+        "| measurement | convoy | same-run baseline | convoy vs baseline | goal |",
+        "|---|---|---|---|---|",
+    ]
     verdicts = []
     stall = med("stall") / med("copy")
-    lines.append(f"| async save stall until the device is free (call returns in {med('save_call') * 1e3:.1f} ms) | "
-                 f"{med('stall') * 1e3:.1f} ms | raw copy_ into pinned: {med('copy') * 1e3:.1f} ms "
-                 f"({res['tensor_bytes'] / med('copy') / GB:.1f} GB/s) | {stall:.2f}x the time | <= {STALL_GOAL}x |")
-    verdicts.append(f"GOAL async save stall <= {STALL_GOAL}x raw D2H copy: {stall:.2f}x -> "
-                    + ("MET" if stall <= STALL_GOAL else "MISSED"))
+    lines.append(
+        f"| async save stall until the device is free (call returns in {med('save_call') * 1e3:.1f} ms) | "
+        f"{med('stall') * 1e3:.1f} ms | raw copy_ into pinned: {med('copy') * 1e3:.1f} ms "
+        f"({res['tensor_bytes'] / med('copy') / GB:.1f} GB/s) | {stall:.2f}x the time | <= {STALL_GOAL}x |"
+    )
+    verdicts.append(
+        f"GOAL async save stall <= {STALL_GOAL}x raw D2H copy: {stall:.2f}x -> "
+        + ("MET" if stall <= STALL_GOAL else "MISSED")
+    )
     persist_gbps, raw_gbps = ck / med("persist"), res["tensor_bytes"] / med("raw_write")
-    lines.append(f"| background persist | {persist_gbps / GB:.2f} GB/s | raw write+fsync: {raw_gbps / GB:.2f} GB/s | "
-                 f"{persist_gbps / raw_gbps:.2f}x the GB/s | - |")
+    lines.append(
+        f"| background persist | {persist_gbps / GB:.2f} GB/s | raw write+fsync: {raw_gbps / GB:.2f} GB/s | "
+        f"{persist_gbps / raw_gbps:.2f}x the GB/s | - |"
+    )
     for mode in ("warm", "cold"):
         if f"{mode}_raw_restore" in t:
             c, r = med(f"{mode}_convoy_restore"), med(f"{mode}_raw_restore")
-            lines.append(f"| restore onto the device, {mode} cache (load + verify + load_state_dict) | "
-                         f"{c * 1e3:.0f} ms ({ck / c / GB:.2f} GB/s) | raw read + H2D: {r * 1e3:.0f} ms "
-                         f"({ck / r / GB:.2f} GB/s) | {r / c:.2f}x the GB/s | - |")
+            lines.append(
+                f"| restore onto the device, {mode} cache (load + verify + load_state_dict) | "
+                f"{c * 1e3:.0f} ms ({ck / c / GB:.2f} GB/s) | raw read + H2D: {r * 1e3:.0f} ms "
+                f"({ck / r / GB:.2f} GB/s) | {r / c:.2f}x the GB/s | - |"
+            )
     slow = med("step_persist") / med("step_idle") - 1
-    lines.append(f"| training step during a persist ({statistics.median(t['steps_per_persist']):.0f} steps per "
-                 f"persist) | {med('step_persist') * 1e3:.2f} ms | no persist: {med('step_idle') * 1e3:.2f} ms | "
-                 f"{slow * 100:+.1f} % step time | <= +{SLOWDOWN_GOAL * 100:.0f} % |")
-    verdicts.append(f"GOAL step slowdown during a background persist <= {SLOWDOWN_GOAL * 100:.0f} %: "
-                    f"{slow * 100:+.1f} % -> " + ("MET" if slow <= SLOWDOWN_GOAL else "MISSED"))
+    lines.append(
+        f"| training step during a persist ({statistics.median(t['steps_per_persist']):.0f} steps per "
+        f"persist) | {med('step_persist') * 1e3:.2f} ms | no persist: {med('step_idle') * 1e3:.2f} ms | "
+        f"{slow * 100:+.1f} % step time | <= +{SLOWDOWN_GOAL * 100:.0f} % |"
+    )
+    verdicts.append(
+        f"GOAL step slowdown during a background persist <= {SLOWDOWN_GOAL * 100:.0f} %: "
+        f"{slow * 100:+.1f} % -> " + ("MET" if slow <= SLOWDOWN_GOAL else "MISSED")
+    )
     if not res["cold_measured"]:
         lines.append("- cold-cache restore not measured (--no-cold, or /proc/sys/vm/drop_caches not writable)")
     return "\n".join(lines), verdicts
@@ -272,8 +297,11 @@ def main() -> int:
     ap.add_argument("--tmp", default=str(ROOT / ".bench-tmp-gpu"), help="scratch dir on the disk checkpoints use")
     ap.add_argument("--no-cold", dest="cold", action="store_false", help="skip the cold-cache restore")
     ap.add_argument("--json", help="write the raw timings here")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="without CUDA: run every section on the CPU (checks the script, measures nothing useful)")
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="without CUDA: run every section on the CPU (checks the script, measures nothing useful)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.cpu_smoke:
         print("bench/gpu.py: no CUDA device visible; this benchmark needs CUDA (nothing measured)")

@@ -53,9 +53,19 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="convoy-bench-log-"))
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     total = args.steps * 3 + 10
-    cfg = load_config(None, [f"runs_dir={tmp / 'runs'}", f"data.prepared_dir={tmp / 'data'}",
-                             f"train.total_steps={total}", f"train.chunk_steps={total}", "tracking.mlflow=true",
-                             f"tracking.mlflow_uri={uri}", "tracking.experiment=bench", *args.overrides])
+    cfg = load_config(
+        None,
+        [
+            f"runs_dir={tmp / 'runs'}",
+            f"data.prepared_dir={tmp / 'data'}",
+            f"train.total_steps={total}",
+            f"train.chunk_steps={total}",
+            "tracking.mlflow=true",
+            f"tracking.mlflow_uri={uri}",
+            "tracking.experiment=bench",
+            *args.overrides,
+        ],
+    )
     prepare(cfg.data, cfg.train.seed)
     client_for(uri).search_experiments()  # schema creation is not part of the figure
 
@@ -83,8 +93,9 @@ def main() -> int:
         run_dir = open_run(vcfg)
         run_id = ensure_mlflow_run(vcfg, run_dir)
         backends[variant] = MlflowBackend(cfg, run_id, tracking_uri=uri, asynchronous=asynchronous)
-        loggers[variant] = StepMetricLogger([JsonlBackend(run_dir / "metrics.jsonl"), backends[variant]], run_dir,
-                                            flush_every=flush_every)
+        loggers[variant] = StepMetricLogger(
+            [JsonlBackend(run_dir / "metrics.jsonl"), backends[variant]], run_dir, flush_every=flush_every
+        )
 
     for _ in range(10):  # warm-up (first Adam step imports dynamo, allocations)
         step()
@@ -115,21 +126,31 @@ def main() -> int:
 
     base = statistics.median(times["none"])
     mean_base = statistics.fmean(times["none"])
-    print(f"convoy logging overhead — {args.steps} steps per variant, blocks of {args.block}, "
-          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
-    print(f"model: {sum(p.numel() for p in parts.model.parameters()):,} parameters, batch {cfg.train.batch_size}; "
-          f"5 metrics per step; MLflow {uri}")
+    print(
+        f"convoy logging overhead — {args.steps} steps per variant, blocks of {args.block}, "
+        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"model: {sum(p.numel() for p in parts.model.parameters()):,} parameters, batch {cfg.train.batch_size}; "
+        f"5 metrics per step; MLflow {uri}"
+    )
     print(f"baseline step: median {base * 1e3:.1f} ms, mean {mean_base * 1e3:.1f} ms")
-    print(f"{'variant':8} {'in-loop ms/step':>16} {'% of step':>10} {'log_batch ms/step':>18} {'% of step':>10} "
-          f"{'calls':>6} {'wall Δ ms/step':>15}")
+    print(
+        f"{'variant':8} {'in-loop ms/step':>16} {'% of step':>10} {'log_batch ms/step':>18} {'% of step':>10} "
+        f"{'calls':>6} {'wall Δ ms/step':>15}"
+    )
     for variant in variants:
         per = in_log[variant] / args.steps
         bg = backends[variant].write_s / args.steps
         wall = statistics.fmean(times[variant]) - mean_base
-        print(f"{variant:8} {per * 1e3:16.3f} {100 * per / base:9.2f}% {bg * 1e3:18.3f} {100 * bg / base:9.2f}% "
-              f"{backends[variant].calls:6d} {wall * 1e3:15.2f}")
-    print("in-loop = time the training loop spends in StepMetricLogger.log/close (the overhead the goal "
-          "< 1% refers to); log_batch = MLflow write time (background thread for async).")
+        print(
+            f"{variant:8} {per * 1e3:16.3f} {100 * per / base:9.2f}% {bg * 1e3:18.3f} {100 * bg / base:9.2f}% "
+            f"{backends[variant].calls:6d} {wall * 1e3:15.2f}"
+        )
+    print(
+        "in-loop = time the training loop spends in StepMetricLogger.log/close (the overhead the goal "
+        "< 1% refers to); log_batch = MLflow write time (background thread for async)."
+    )
     return 0
 
 

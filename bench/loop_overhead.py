@@ -116,17 +116,20 @@ def alternating_steps(cfg: Any, run_dir: Path, n: int) -> tuple[list[float], lis
     worker = Worker(run_dir, cfg.train.total_steps)
     worker.setup()
     worker.restore()
-    convoy_batches = iter(make_loader(worker.parts.train_data, cfg.train.batch_size, cfg.train.seed,
-                                      worker.state.cursor))
+    convoy_batches = iter(
+        make_loader(worker.parts.train_data, cfg.train.batch_size, cfg.train.seed, worker.state.cursor)
+    )
     parts, batches, _ = bare_setup(cfg)
-    sides = {"bare": lambda: bare_steps(cfg, parts, batches, 1, 0, 0),
-             "convoy": lambda: worker.train_step([next(convoy_batches)])}
+    sides = {
+        "bare": lambda: bare_steps(cfg, parts, batches, 1, 0, 0),
+        "convoy": lambda: worker.train_step([next(convoy_batches)]),
+    }
     times: dict[str, list[float]] = {"bare": [], "convoy": []}
     for _ in range(5):
         for run in sides.values():
             run()
     for i in range(n):
-        for name in (("bare", "convoy") if i % 2 else ("convoy", "bare")):
+        for name in ("bare", "convoy") if i % 2 else ("convoy", "bare"):
             t0 = time.perf_counter()
             sides[name]()
             times[name].append(time.perf_counter() - t0)
@@ -145,9 +148,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200, help="timed steps per side and variant")
     ap.add_argument("--block", type=int, default=25, help="steps per interleaved block")
     ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads for both sides (0 = torch's default); on a small shared "
-                         "machine more than one thread per process makes step times swing by tens of %%")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for both sides (0 = torch's default); on a small shared "
+        "machine more than one thread per process makes step times swing by tens of %%",
+    )
     ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
     args = ap.parse_args()
 
@@ -162,9 +169,16 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="convoy-bench-loop-"))
     blocks = -(-args.steps // args.block)
     total = blocks * args.block
-    base = [f"runs_dir={tmp / 'runs'}", f"data.prepared_dir={tmp / 'data'}", f"train.total_steps={total}",
-            f"train.chunk_steps={total}", "checkpoint.every_steps=null", "tracking.mlflow=false",
-            "checkpoint.async_save=false", *args.overrides]
+    base = [
+        f"runs_dir={tmp / 'runs'}",
+        f"data.prepared_dir={tmp / 'data'}",
+        f"train.total_steps={total}",
+        f"train.chunk_steps={total}",
+        "checkpoint.every_steps=null",
+        "tracking.mlflow=false",
+        "checkpoint.async_save=false",
+        *args.overrides,
+    ]
     variants = {"no eval": 0, "eval": args.eval_every}
     results: dict[str, dict[str, list[float]]] = {}
     for name, every in variants.items():
@@ -181,24 +195,34 @@ def main() -> int:
         results[name] = {"bare": bare, "convoy": convoy}
 
     cfg = load_config(None, base)
-    print(f"convoy loop overhead — {args.steps} steps per side, blocks of {args.block}, {os.cpu_count()} CPUs, "
-          f"torch threads {torch.get_num_threads()}; example task d_model {cfg.task_args.get('d_model', 64)}, "
-          f"batch {cfg.train.batch_size}, seq {cfg.data.seq_len}; eval every {args.eval_every} steps over "
-          f"{cfg.train.eval_samples} samples")
-    print(f"{'variant':8} {'bare mean ms':>13} {'convoy mean ms':>15} {'ratio (mean)':>13} "
-          f"{'bare median ms':>15} {'convoy median ms':>17} {'ratio (median)':>15}")
+    print(
+        f"convoy loop overhead — {args.steps} steps per side, blocks of {args.block}, {os.cpu_count()} CPUs, "
+        f"torch threads {torch.get_num_threads()}; example task d_model {cfg.task_args.get('d_model', 64)}, "
+        f"batch {cfg.train.batch_size}, seq {cfg.data.seq_len}; eval every {args.eval_every} steps over "
+        f"{cfg.train.eval_samples} samples"
+    )
+    print(
+        f"{'variant':8} {'bare mean ms':>13} {'convoy mean ms':>15} {'ratio (mean)':>13} "
+        f"{'bare median ms':>15} {'convoy median ms':>17} {'ratio (median)':>15}"
+    )
     for name, r in results.items():
         (bm, bmed), (cm, cmed) = summary(r["bare"]), summary(r["convoy"])
-        print(f"{name:8} {bm * 1e3:13.2f} {cm * 1e3:15.2f} {cm / bm:13.3f} {bmed * 1e3:15.2f} {cmed * 1e3:17.2f} "
-              f"{cmed / bmed:15.3f}")
+        print(
+            f"{name:8} {bm * 1e3:13.2f} {cm * 1e3:15.2f} {cm / bm:13.3f} {bmed * 1e3:15.2f} {cmed * 1e3:17.2f} "
+            f"{cmed / bmed:15.3f}"
+        )
     cfg = load_config(None, [*base, "run_name=alternating"])
     bare, convoy = alternating_steps(cfg, open_run(cfg), args.steps)
     (bm, bmed), (cm, cmed) = summary(bare), summary(convoy)
-    print(f"{'step only':8} {bm * 1e3:13.2f} {cm * 1e3:15.2f} {cm / bm:13.3f} {bmed * 1e3:15.2f} {cmed * 1e3:17.2f} "
-          f"{cmed / bmed:15.3f}   (train_step vs bare step, alternated one by one)")
+    print(
+        f"{'step only':8} {bm * 1e3:13.2f} {cm * 1e3:15.2f} {cm / bm:13.3f} {bmed * 1e3:15.2f} {cmed * 1e3:17.2f} "
+        f"{cmed / bmed:15.3f}   (train_step vs bare step, alternated one by one)"
+    )
     ratio = statistics.fmean(results["no eval"]["convoy"]) / statistics.fmean(results["no eval"]["bare"])
-    print(f"VERDICT loop overhead without saves: {100 * (ratio - 1):+.1f} % (goal <= 3 %): "
-          f"{'ok' if ratio <= 1.03 else 'over'}")
+    print(
+        f"VERDICT loop overhead without saves: {100 * (ratio - 1):+.1f} % (goal <= 3 %): "
+        f"{'ok' if ratio <= 1.03 else 'over'}"
+    )
     return 0
 
 

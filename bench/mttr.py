@@ -44,8 +44,14 @@ from training.corpus import prepare  # noqa: E402
 from training.events import read_events  # noqa: E402
 from training.heartbeat import read_heartbeat  # noqa: E402
 
-SETTINGS = ["train.total_steps=120", "train.chunk_steps=60", "checkpoint.every_steps=10",
-            "heartbeat.interval_s=0.2", "heartbeat.stall_s=30", "orchestration.retries=2"]
+SETTINGS = [
+    "train.total_steps=120",
+    "train.chunk_steps=60",
+    "checkpoint.every_steps=10",
+    "heartbeat.interval_s=0.2",
+    "heartbeat.stall_s=30",
+    "orchestration.retries=2",
+]
 
 
 def kill_when(run_dir: Path, step: int, standby: bool, out: dict[str, Any]) -> None:
@@ -65,18 +71,31 @@ def kill_when(run_dir: Path, step: int, standby: bool, out: dict[str, Any]) -> N
 
 def memory_mb(worker_pid: int) -> dict[str, float]:
     """Resident memory of the training worker and of the waiting standby (its cost), in MB."""
-    spare = [p for p in psutil.Process().children(recursive=True)
-             if "--standby" in p.cmdline() and "training.worker" in " ".join(p.cmdline())]
-    return {"worker_rss_mb": psutil.Process(worker_pid).memory_info().rss / 2**20,
-            "standby_rss_mb": sum(p.memory_info().rss for p in spare) / 2**20}
+    spare = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "--standby" in p.cmdline() and "training.worker" in " ".join(p.cmdline())
+    ]
+    return {
+        "worker_rss_mb": psutil.Process(worker_pid).memory_info().rss / 2**20,
+        "standby_rss_mb": sum(p.memory_info().rss for p in spare) / 2**20,
+    }
 
 
 def one(root: Path, standby: bool, i: int, kill_step: int) -> dict[str, float]:
     from flows.train import run_training
 
     name = f"{'standby' if standby else 'restart'}-{i}"
-    cfg = load_config(None, [*SETTINGS, f"runs_dir={root / 'runs'}", f"data.prepared_dir={root / 'data'}",
-                             f"run_name={name}", f"orchestration.standby={str(standby).lower()}"])
+    cfg = load_config(
+        None,
+        [
+            *SETTINGS,
+            f"runs_dir={root / 'runs'}",
+            f"data.prepared_dir={root / 'data'}",
+            f"run_name={name}",
+            f"orchestration.standby={str(standby).lower()}",
+        ],
+    )
     prepare(cfg.data, cfg.train.seed)
     run_dir = cfg.run_dir.resolve()
     shot: dict[str, Any] = {}
@@ -123,15 +142,21 @@ def main() -> None:
         for standby in (False, True):
             r = one(root, standby, i, args.kill_step)
             rows[standby].append(r)
-            print(json.dumps({"standby": standby, **{k: round(v, 3) if isinstance(v, float) else v
-                                                    for k, v in r.items()}}), flush=True)
+            print(
+                json.dumps(
+                    {"standby": standby, **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}}
+                ),
+                flush=True,
+            )
     fl = [floor(Path(r["ckpt_path"])) for r in rows[False]]
     f_import = statistics.median(f["import_torch"] for f in fl)
     f_read = statistics.median(f["read_state"] for f in fl)
     floor_s = f_import + f_read
     keys = ("detect", "handover", "restore", "first_step", "mttr")
-    print(f"\nmedian of {args.repeats} kills each (seconds); floor = import torch {f_import:.3f} + "
-          f"read state {f_read:.4f} = {floor_s:.3f}")
+    print(
+        f"\nmedian of {args.repeats} kills each (seconds); floor = import torch {f_import:.3f} + "
+        f"read state {f_read:.4f} = {floor_s:.3f}"
+    )
     print(f"{'':>10} " + " ".join(f"{k:>10}" for k in keys) + f" {'x floor':>8} {'goal':>18}")
     for standby in (False, True):
         med = {k: statistics.median(r[k] for r in rows[standby]) for k in keys}
@@ -142,12 +167,17 @@ def main() -> None:
         else:
             verdict = f"<= 1.5x: {'met' if med['mttr'] <= 1.5 * floor_s else 'NOT met'}"
         label = "standby" if standby else "restart"
-        print(f"{label:>10} " + " ".join(f"{med[k]:>10.3f}" for k in keys)
-              + f" {med['mttr'] / floor_s:>8.2f} {verdict:>18}")
+        print(
+            f"{label:>10} "
+            + " ".join(f"{med[k]:>10.3f}" for k in keys)
+            + f" {med['mttr'] / floor_s:>8.2f} {verdict:>18}"
+        )
     worker = statistics.median(r["worker_rss_mb"] for r in rows[True])
     spare = statistics.median(r["standby_rss_mb"] for r in rows[True])
-    print(f"\nstandby memory: the waiting standby holds {spare:.0f} MB resident next to the worker's "
-          f"{worker:.0f} MB ({spare / worker:.2f}x)")
+    print(
+        f"\nstandby memory: the waiting standby holds {spare:.0f} MB resident next to the worker's "
+        f"{worker:.0f} MB ({spare / worker:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -59,8 +59,11 @@ def main() -> None:
         capture_output=True,
     )
     bare = breakdown(run_dir, t0, time.time())
-    print(f"bare worker: {total} steps in {bare['wall']:.1f} s (steps {bare['steps']:.1f} s, start-up "
-          f"{bare['one_off']:.1f} s)", flush=True)
+    print(
+        f"bare worker: {total} steps in {bare['wall']:.1f} s (steps {bare['steps']:.1f} s, start-up "
+        f"{bare['one_off']:.1f} s)",
+        flush=True,
+    )
     (root / "none.yaml").write_text("{}\n")
     chunk_s = bare["steps"] / args.chunks
     print(f"chunk length ≈ {chunk_s:.0f} s of training steps")
@@ -85,16 +88,24 @@ def main() -> None:
         one_off = flow["one_off"] - bare["one_off"]
         total_overhead = (flow["wall"] - flow["steps"]) - (bare["wall"] - bare["steps"])
         api = "PREFECT_API_URL" if os.environ.get("PREFECT_API_URL") else "ephemeral API (start-up included)"
-        print(f"\nflow, {label} ({args.chunks} chunks of {args.chunk_steps}, {api}): {flow['wall']:.1f} s, "
-              f"steps {flow['steps']:.1f} s (final step {summary['final_step']})")
-        print(f"  overhead vs bare worker, whole run: {total_overhead:+.1f} s = "
-              f"{total_overhead / bare['steps']:+.2%} of the training time")
-        print(f"  recurring, per chunk: {per_chunk:+.2f} s = {per_chunk / chunk_s:+.2%} of a {chunk_s:.0f} s chunk "
-              "(goal <= 3%)")
+        print(
+            f"\nflow, {label} ({args.chunks} chunks of {args.chunk_steps}, {api}): {flow['wall']:.1f} s, "
+            f"steps {flow['steps']:.1f} s (final step {summary['final_step']})"
+        )
+        print(
+            f"  overhead vs bare worker, whole run: {total_overhead:+.1f} s = "
+            f"{total_overhead / bare['steps']:+.2%} of the training time"
+        )
+        print(
+            f"  recurring, per chunk: {per_chunk:+.2f} s = {per_chunk / chunk_s:+.2%} of a {chunk_s:.0f} s chunk "
+            "(goal <= 3%)"
+        )
         print(f"  one-off per flow run (start-up + wrap-up beyond the bare worker's): {one_off:+.1f} s")
         print(f"  projected for a 24 h run of {chunk_s:.0f} s chunks: {per_chunk / chunk_s + one_off / 86400:+.2%}")
-        print(f"  step time vs bare worker: {flow['steps'] / bare['steps'] - 1:+.2%}; the flow process used "
-              f"{flow_cpu:.1f} CPU s ({flow_cpu / flow['wall']:.1%} of one core) beside the worker")
+        print(
+            f"  step time vs bare worker: {flow['steps'] / bare['steps'] - 1:+.2%}; the flow process used "
+            f"{flow_cpu:.1f} CPU s ({flow_cpu / flow['wall']:.1%} of one core) beside the worker"
+        )
 
 
 def run_sampled(cmd: list[str], env: dict[str, str]) -> tuple[int, str, str, float]:
@@ -106,8 +117,10 @@ def run_sampled(cmd: list[str], env: dict[str, str]) -> tuple[int, str, str, flo
 
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     box: dict[str, str] = {}
-    readers = [threading.Thread(target=lambda k=k, f=f: box.__setitem__(k, f.read()), daemon=True)
-               for k, f in (("out", p.stdout), ("err", p.stderr))]
+    readers = [
+        threading.Thread(target=lambda k=k, f=f: box.__setitem__(k, f.read()), daemon=True)
+        for k, f in (("out", p.stdout), ("err", p.stderr))
+    ]
     for t in readers:
         t.start()
     proc, cpu = psutil.Process(p.pid), 0.0
@@ -131,8 +144,12 @@ def breakdown(run_dir: Path, t_start: float, t_end: float) -> dict[str, float]:
     done = [e["time"] for e in events if e["kind"] == "worker_done"][-1]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = sum(r["metrics"]["step_time_s"] for r in rows)
-    return {"wall": t_end - t_start, "steps": steps, "inside": (done - first) - steps,
-            "one_off": (first - t_start) + (t_end - done)}
+    return {
+        "wall": t_end - t_start,
+        "steps": steps,
+        "inside": (done - first) - steps,
+        "one_off": (first - t_start) + (t_end - done),
+    }
 
 
 if __name__ == "__main__":

@@ -257,8 +257,11 @@ class ChaosRunner:
                 self._wait_for_step(int(stalled["step"]) + 1, flow, deadline)
             return
         while time.time() < deadline and flow.poll() is None:
-            resumed = [e for e in read_events(self.run_dir, Event.RESUMED)
-                       if e.get("rank", 0) == 0 and e["time"] >= (fault.injected_at or 0)]
+            resumed = [
+                e
+                for e in read_events(self.run_dir, Event.RESUMED)
+                if e.get("rank", 0) == 0 and e["time"] >= (fault.injected_at or 0)
+            ]
             if resumed:
                 return
             time.sleep(0.1)
@@ -344,8 +347,19 @@ class ChaosRunner:
             with open(log, "rb") as fh:
                 fh.seek(log_offset)
                 lines = [f"flow: {x}" for x in fh.read().decode(errors="replace").splitlines()[-40:]]
-        keep = ("failure", "resumed", "chunk_done", "flow_started", "flow_done", "config_error", "preempted",
-                "resubmitted", "checkpoint_skipped", "stale_worker_stopped", "reap_failed")
+        keep = (
+            "failure",
+            "resumed",
+            "chunk_done",
+            "flow_started",
+            "flow_done",
+            "config_error",
+            "preempted",
+            "resubmitted",
+            "checkpoint_skipped",
+            "stale_worker_stopped",
+            "reap_failed",
+        )
         events = [e for e in read_events(self.run_dir) if e["kind"] in keep][-15:]
         return lines + [
             "event: " + json.dumps({k: v for k, v in e.items() if k not in ("log", "tail")}, default=str)

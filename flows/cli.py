@@ -26,8 +26,10 @@ console = Console()
 err = Console(stderr=True)
 
 ParamsArg = Annotated[Path, typer.Argument(help="params.yaml (built-in defaults if the default file is absent)")]
-SetOpt = Annotated[list[str] | None, typer.Option("-S", "--set", metavar="KEY=VALUE",
-                                                  help="override (repeatable), e.g. -S train.lr=3e-4")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("-S", "--set", metavar="KEY=VALUE", help="override (repeatable), e.g. -S train.lr=3e-4"),
+]
 EXIT_USAGE = 2
 
 
@@ -68,8 +70,11 @@ def validate(
     if show:
         console.print_json(json.dumps(cfg.model_dump(mode="json")))
     task = "task built" if built is not None else "task_args checked; data not prepared yet (convoy prepare)"
-    console.print(f"ok: {params} is valid (run {cfg.run_name!r}, fingerprint {cfg.fingerprint()}; {task})",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"ok: {params} is valid (run {cfg.run_name!r}, fingerprint {cfg.fingerprint()}; {task})",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 @app.command()
@@ -90,11 +95,15 @@ def train(
     params: ParamsArg = Path("params.yaml"),
     set_: SetOpt = None,
     allow_config_change: bool = typer.Option(False, help="resume a run whose trajectory settings changed"),
-    as_json: bool = typer.Option(False, "--json", metavar="",
-                                 help="print the flow's machine summary (JSON) instead of the table"),
-    from_: Annotated[str | None, typer.Option(
-        "--from", help="start a new run from runs/<parent> (its newest verified checkpoint) or "
-                       "runs/<parent>@<step>")] = None,
+    as_json: bool = typer.Option(
+        False, "--json", metavar="", help="print the flow's machine summary (JSON) instead of the table"
+    ),
+    from_: Annotated[
+        str | None,
+        typer.Option(
+            "--from", help="start a new run from runs/<parent> (its newest verified checkpoint) or runs/<parent>@<step>"
+        ),
+    ] = None,
 ) -> None:
     """Run (or continue) a training run as a Prefect flow of chunk tasks.
 
@@ -308,11 +317,14 @@ def _status_table(st: dict) -> Table:
     table.add_column("", style="bold")
     table.add_column("")
     table.add_row("state", f"[{colour}]{st['state']}[/]")
-    table.add_row("step", f"{st['step']}/{total} ({100 * st['step'] / total:.0f}%)"
-                  + (f", phase {st['phase']}" if st["phase"] else ""))
+    table.add_row(
+        "step",
+        f"{st['step']}/{total} ({100 * st['step'] / total:.0f}%)" + (f", phase {st['phase']}" if st["phase"] else ""),
+    )
     who = f"pid {st['pid']} on {escape(str(st['host']))}" if st["pid"] else "-"
-    table.add_row("heartbeat", f"{_age(st['heartbeat_age_s'])} ago, {who}" if st["heartbeat_age_s"] is not None
-                  else "none")
+    table.add_row(
+        "heartbeat", f"{_age(st['heartbeat_age_s'])} ago, {who}" if st["heartbeat_age_s"] is not None else "none"
+    )
     loss = f"{st['loss']:.4f} at step {st['loss_step']}" if st["loss"] is not None else "-"
     table.add_row("loss", loss)
     if st.get("val_loss") is not None:
@@ -322,8 +334,14 @@ def _status_table(st: dict) -> Table:
         speed += f", {st['tokens_per_s']:,.0f} tokens/s"
     table.add_row("speed", speed)
     table.add_row("ETA", _age(st["eta_s"]) if st["eta_s"] is not None else "-")
-    ck = (f"step {st['checkpoint_step']} ({escape(st['checkpoint_digest'])}), "
-          f"{st['steps_since_checkpoint']} steps since") if st["checkpoint"] else "none yet"
+    ck = (
+        (
+            f"step {st['checkpoint_step']} ({escape(st['checkpoint_digest'])}), "
+            f"{st['steps_since_checkpoint']} steps since"
+        )
+        if st["checkpoint"]
+        else "none yet"
+    )
     table.add_row("newest verified checkpoint", ck)
     kinds = f" ({', '.join(st['failure_kinds'])})" if st["failure_kinds"] else ""
     table.add_row("failures / resumes", f"{st['failures']} / {st['resumes']}{kinds}")
@@ -334,11 +352,13 @@ def _status_table(st: dict) -> Table:
 @app.command()
 def status(
     run_dir: Annotated[Path, typer.Argument(help="run directory, e.g. runs/demo")],
-    follow: bool = typer.Option(False, "--follow", "-f", metavar="",
-                                help="refresh every --every seconds until it stops running"),
+    follow: bool = typer.Option(
+        False, "--follow", "-f", metavar="", help="refresh every --every seconds until it stops running"
+    ),
     every: float = typer.Option(2.0, help="refresh period of --follow, in seconds"),
-    as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable output (one JSON object; "
-                                                       "with --follow one per line)"),
+    as_json: bool = typer.Option(
+        False, "--json", metavar="", help="machine-readable output (one JSON object; with --follow one per line)"
+    ),
 ) -> None:
     """Where a run stands now: state (running / finished / failed / dead / stopped / never started), the
     worker's step from its heartbeat, heartbeat age, pid and host, loss, speed, ETA, the newest
@@ -383,14 +403,15 @@ def chaos(
     faults: str = typer.Option(
         "kill,term,hang,slow,corrupt,delete,diskfull,flowkill",
         help="comma-separated faults, or all: kill (SIGKILL the worker), term (SIGTERM: preemption), "
-             "hang (SIGSTOP), slow (one slow step, must not be called a hang), corrupt (flip a byte in "
-             "the newest checkpoint, then kill), delete (remove the newest checkpoint, then kill), "
-             "diskfull (the next save fails with ENOSPC), flowkill (SIGKILL the flow, then train again)",
+        "hang (SIGSTOP), slow (one slow step, must not be called a hang), corrupt (flip a byte in "
+        "the newest checkpoint, then kill), delete (remove the newest checkpoint, then kill), "
+        "diskfull (the next save fails with ENOSPC), flowkill (SIGKILL the flow, then train again)",
     ),
     seed: int = typer.Option(0, help="seed for the moments of injection"),
     timeout_s: float = typer.Option(1800, help="give up on the chaos run after this long"),
-    as_json: bool = typer.Option(False, "--json", metavar="",
-                                 help="print the report as JSON on stdout (progress stays on stderr)"),
+    as_json: bool = typer.Option(
+        False, "--json", metavar="", help="print the report as JSON on stdout (progress stays on stderr)"
+    ),
 ) -> None:
     """Train through the real flow while injecting real faults; compare with a fault-free run.
 
@@ -408,7 +429,11 @@ def chaos(
     except ValueError as exc:
         raise fail(str(exc)) from None
     runner = ChaosRunner(
-        params, set_ or [], kinds, seed, timeout_s=timeout_s,
+        params,
+        set_ or [],
+        kinds,
+        seed,
+        timeout_s=timeout_s,
         log=lambda m: err.print(f"[chaos] {m}", highlight=False, markup=False),
     )
     report = runner.run()
@@ -485,15 +510,18 @@ def _pull_remote(remote: str | None, cfg: RunConfig | None, run_dir: Path) -> tu
             recorded = ""
         if recorded:
             return recorded, f"{run_dir / CONFIG_FILE} tracking.dvc_remote"
-    return None, ("no remote in --remote, params or the run's config.json: the repository's default remote, "
-                  "else a remote configured before, else $CONVOY_DVC_REMOTE or ~/.cache/convoy/dvc-remote")
+    return None, (
+        "no remote in --remote, params or the run's config.json: the repository's default remote, "
+        "else a remote configured before, else $CONVOY_DVC_REMOTE or ~/.cache/convoy/dvc-remote"
+    )
 
 
 @app.command()
 def pull(
     run_dir: Path,
     params: Annotated[Path, typer.Option(help="params whose tracking.dvc_remote (and run) to use")] = Path(
-        "params.yaml"),
+        "params.yaml"
+    ),
     set_: SetOpt = None,
     remote: str | None = typer.Option(None, help="DVC remote name, URL or directory (overrides everything)"),
     latest_only: bool = typer.Option(False, help="pull only the newest versioned checkpoint"),

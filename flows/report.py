@@ -61,8 +61,10 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table.add_row("time", f"{summary['seconds']:.1f} s")
     table.add_row("chunks", f"{summary['trained_chunks']} trained, {summary['skipped_chunks']} already committed")
     table.add_row("attempts", f"{sum(attempts.values())} for {len(attempts)} chunk(s)")
-    table.add_row("failures / resumes", f"{audit.get('failures') or 0} / {audit.get('resumes') or 0}"
-                  + (f" ({', '.join(kinds)})" if kinds else ""))
+    table.add_row(
+        "failures / resumes",
+        f"{audit.get('failures') or 0} / {audit.get('resumes') or 0}" + (f" ({', '.join(kinds)})" if kinds else ""),
+    )
     table.add_row("steps lost", str(audit.get("steps_lost") or 0))
     loss = final_loss(summary)
     table.add_row("final loss", f"{loss:.4f}" if loss is not None else "-")
@@ -204,8 +206,10 @@ class LiveProgress:
 
         from prefect.logging.handlers import PrefectConsoleHandler
 
-        loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
-                                          if isinstance(lg, logging.Logger))]
+        loggers = [
+            logging.getLogger(),
+            *(lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)),
+        ]
         for lg in loggers:
             for h in lg.handlers:
                 if isinstance(h, PrefectConsoleHandler):

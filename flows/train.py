@@ -99,7 +99,8 @@ def run_lock(run_dir: Path, run_name: str) -> Iterator[None]:
 
 def _failure_kinds(run_dir: Path, chunk: int, since: float) -> list[str]:
     return [
-        e["failure"] for e in read_events(run_dir, Event.FAILURE)
+        e["failure"]
+        for e in read_events(run_dir, Event.FAILURE)
         if e.get("chunk") == chunk and e.get("time", 0) >= since
     ]
 
@@ -122,8 +123,7 @@ def flow_run_name() -> str:
     return f"{name or 'train'}-{stamp}"
 
 
-@flow(name="train", flow_run_name=flow_run_name, on_failure=[flow_failed], on_crashed=[flow_crashed],
-      log_prints=True)
+@flow(name="train", flow_run_name=flow_run_name, on_failure=[flow_failed], on_crashed=[flow_crashed], log_prints=True)
 def train(
     params: str | None = "params.yaml",
     overrides: list[str] | None = None,
@@ -254,8 +254,9 @@ def train(
         return summary
 
 
-def run_training(config: RunConfig, allow_config_change: bool = False,
-                 overrides: list[str] | None = None) -> dict[str, Any]:
+def run_training(
+    config: RunConfig, allow_config_change: bool = False, overrides: list[str] | None = None
+) -> dict[str, Any]:
     """Run flow ``train`` for ``config`` in this process and return its summary (``overrides``:
     the ``-S`` values ``config`` was made with, shown as the flow run's parameter).
 
@@ -294,4 +295,3 @@ def run_training(config: RunConfig, allow_config_change: bool = False,
         # ``overrides`` only for the record (the flow run's Parameters in the UI): ``config``
         # already holds them, and wins.
         return train(config=config, overrides=overrides or None, allow_config_change=allow_config_change)
-

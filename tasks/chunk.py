@@ -134,21 +134,28 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> State
         child = tracking.start_attempt(cfg, rd, chunk, attempt, start_step, end_step)
         t_attempt = time.time()
         try:
-            outcome = supervise(AttemptSpec(
-                worker_command(rd.resolve(), until, cfg.train.ranks,
-                               pipelined=pipeline, hosts=cfg.train.hosts if cfg.train.nnodes > 1 else (),
-                               node_launch=cfg.orchestration.node_launch),
-                rd,
-                limits,
-                log_path,
-                ranks=cfg.train.world_size,
-                chunk=chunk,
-                attempt=attempt,
-                on_line=echo,
-                done_at_step=end_step if pipeline and end_step < cfg.train.total_steps else None,
-                pipeline=pipeline,
-                standby_order={"until_step": until, "pipelined": pipeline} if use_standby else None,
-            ))
+            outcome = supervise(
+                AttemptSpec(
+                    worker_command(
+                        rd.resolve(),
+                        until,
+                        cfg.train.ranks,
+                        pipelined=pipeline,
+                        hosts=cfg.train.hosts if cfg.train.nnodes > 1 else (),
+                        node_launch=cfg.orchestration.node_launch,
+                    ),
+                    rd,
+                    limits,
+                    log_path,
+                    ranks=cfg.train.world_size,
+                    chunk=chunk,
+                    attempt=attempt,
+                    on_line=echo,
+                    done_at_step=end_step if pipeline and end_step < cfg.train.total_steps else None,
+                    pipeline=pipeline,
+                    standby_order={"until_step": until, "pipelined": pipeline} if use_standby else None,
+                )
+            )
         except ChunkFailed as exc:
             resume_at = exc.details.get("last_committed_step") or 0
             trained = max(0, resume_at - resume)
@@ -156,8 +163,9 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> State
             if exc.kind == "preempted" and preemptions < cfg.orchestration.retries:
                 preemptions += 1
                 logger.warning("chunk %d preempted; re-submitting at once, resuming from step %d", chunk, resume_at)
-                append_event(rd, Event.RESUBMITTED, chunk=chunk, attempt=attempt, reason="preempted",
-                             resume_step=resume_at)
+                append_event(
+                    rd, Event.RESUBMITTED, chunk=chunk, attempt=attempt, reason="preempted", resume_step=resume_at
+                )
                 continue
             _report(logger, cfg, exc, chunk, attempt, resume_at)
             raise
@@ -192,7 +200,7 @@ def _done_message(run_dir: Path, chunk: int, start: int, end: int, attempt: int)
     otherwise shows only "Completed"."""
     events = read_events(run_dir)
     since = max((i for i, e in enumerate(events) if e["kind"] == Event.FLOW_STARTED), default=-1)
-    kinds = [e["failure"] for e in events[since + 1:] if e["kind"] == Event.FAILURE and e.get("chunk") == chunk]
+    kinds = [e["failure"] for e in events[since + 1 :] if e["kind"] == Event.FAILURE and e.get("chunk") == chunk]
     after = f" after {', '.join(kinds)}" if kinds else ""
     return f"steps [{start}, {end}) committed on attempt {attempt}{after}"
 

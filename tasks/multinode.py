@@ -68,21 +68,47 @@ def failed_node(tail: Sequence[str]) -> str | None:
 
 def launcher_command(hosts: Sequence[str], ranks_per_node: int, node_launch: str, tail: Sequence[str]) -> list[str]:
     """The command the supervisor spawns for a multi-node attempt (``tail``: ``-m training.worker …``)."""
-    return [sys.executable, "-m", "tasks.multinode", "--hosts", ",".join(hosts), "--ranks", str(ranks_per_node),
-            "--node-launch", node_launch, "--", *tail]
+    return [
+        sys.executable,
+        "-m",
+        "tasks.multinode",
+        "--hosts",
+        ",".join(hosts),
+        "--ranks",
+        str(ranks_per_node),
+        "--node-launch",
+        node_launch,
+        "--",
+        *tail,
+    ]
 
 
 def node_commands(
-    hosts: Sequence[str], ranks_per_node: int, endpoint: str, rdzv_id: str, node_launch: str,
-    tail: Sequence[str], cwd: str,
+    hosts: Sequence[str],
+    ranks_per_node: int,
+    endpoint: str,
+    rdzv_id: str,
+    node_launch: str,
+    tail: Sequence[str],
+    cwd: str,
 ) -> list[list[str]]:
     """One torchrun command per node; remote ones wrapped in ``node_launch`` + ``cd cwd && exec …``."""
     cmds = []
     for i, host in enumerate(hosts):
-        agent = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}",
-                 f"--nproc-per-node={ranks_per_node}", f"--node-rank={i}", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", f"--rdzv-conf=is_host={int(i == 0)}",
-                 "--max-restarts=0", *tail]
+        agent = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={len(hosts)}",
+            f"--nproc-per-node={ranks_per_node}",
+            f"--node-rank={i}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={rdzv_id}",
+            f"--rdzv-conf=is_host={int(i == 0)}",
+            "--max-restarts=0",
+            *tail,
+        ]
         if is_local(host):
             cmds.append(agent)
         else:
@@ -96,8 +122,7 @@ class NodeGroup:
 
     def __init__(self, cmds: list[list[str]], hosts: Sequence[str]) -> None:
         self.hosts = list(hosts)
-        self.procs = [subprocess.Popen(c, stdin=subprocess.DEVNULL, preexec_fn=child_setup(os.getpid()))
-                      for c in cmds]
+        self.procs = [subprocess.Popen(c, stdin=subprocess.DEVNULL, preexec_fn=child_setup(os.getpid())) for c in cmds]
 
     def signal_all(self, sig: int) -> None:
         for p in self.procs:
@@ -121,8 +146,11 @@ class NodeGroup:
             if failed:
                 node, code = failed[0]
                 first_failure = code if code > 0 else 128 - code  # killed by signal n: 128+n, as a shell says
-                print(f"{PREFIX}node {node} ({self.hosts[node]}) exited {first_failure}; "
-                      "stopping the other nodes", file=sys.stderr, flush=True)
+                print(
+                    f"{PREFIX}node {node} ({self.hosts[node]}) exited {first_failure}; stopping the other nodes",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if not self.wait_all(PEER_EXIT_GRACE_S):
                     self.signal_all(signal.SIGTERM)
                     if not self.wait_all(STOP_GRACE_S):
@@ -144,16 +172,23 @@ def main(argv: list[str] | None = None) -> int:
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
     tail = args.tail[1:] if args.tail[:1] == ["--"] else args.tail
     if not is_local(hosts[0]):
-        print(f"config error: train.hosts[0] = {hosts[0]!r} is not this machine ({socket.gethostname()}); node 0 "
-              "must be the machine running the chunk task (it hosts the rendezvous)", file=sys.stderr, flush=True)
+        print(
+            f"config error: train.hosts[0] = {hosts[0]!r} is not this machine ({socket.gethostname()}); node 0 "
+            "must be the machine running the chunk task (it hosts the rendezvous)",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_CONFIG
     # Remote agents must reach the rendezvous: name node 0 as the others know it.
     host0 = "127.0.0.1" if all(is_local(h) for h in hosts) else socket.getfqdn()
     endpoint = f"{host0}:{free_port()}"
     rdzv_id = uuid.uuid4().hex[:12]
     cmds = node_commands(hosts, args.ranks, endpoint, rdzv_id, args.node_launch, tail, os.getcwd())
-    print(f"{PREFIX}{len(hosts)} nodes x {args.ranks} ranks, rendezvous {endpoint} id {rdzv_id}",
-          file=sys.stderr, flush=True)
+    print(
+        f"{PREFIX}{len(hosts)} nodes x {args.ranks} ranks, rendezvous {endpoint} id {rdzv_id}",
+        file=sys.stderr,
+        flush=True,
+    )
     group = NodeGroup(cmds, hosts)
     signal.signal(signal.SIGTERM, group.on_sigterm)
     return group.run()

@@ -86,11 +86,13 @@ class ChunkFailed(Exception):
     def __repr__(self) -> str:
         """What Prefect's log shows ("Task run failed with exception: …"): words, not a dict."""
         d = self.details
-        facts = [f"at step {d['trained_to']}" if d.get("trained_to") is not None else "",
-                 f"detected after {d['detected_after_s']} s" if d.get("detected_after_s") is not None else "",
-                 f"resumes from step {d.get('last_committed_step') or 0}" if "last_committed_step" in d else "",
-                 f"{d['steps_lost']} step(s) lost" if d.get("steps_lost") is not None else "",
-                 f"log {d['log']}" if d.get("log") else ""]
+        facts = [
+            f"at step {d['trained_to']}" if d.get("trained_to") is not None else "",
+            f"detected after {d['detected_after_s']} s" if d.get("detected_after_s") is not None else "",
+            f"resumes from step {d.get('last_committed_step') or 0}" if "last_committed_step" in d else "",
+            f"{d['steps_lost']} step(s) lost" if d.get("steps_lost") is not None else "",
+            f"log {d['log']}" if d.get("log") else "",
+        ]
         shown = "; ".join(f for f in facts if f)
         return f"{self.message} ({shown})" if shown else self.message
 
@@ -149,8 +151,12 @@ class _Watch:
 
 
 def worker_command(
-    run_dir: Path, until_step: int, ranks: int = 1, pipelined: bool = False,
-    hosts: Sequence[str] = (), node_launch: str = "",
+    run_dir: Path,
+    until_step: int,
+    ranks: int = 1,
+    pipelined: bool = False,
+    hosts: Sequence[str] = (),
+    node_launch: str = "",
 ) -> list[str]:
     """The worker's command line; more than one rank goes through torchrun (elastic launcher),
     more than one host through :mod:`tasks.multinode` (one torchrun per node, one rendezvous).
@@ -299,8 +305,14 @@ def _lost_rank(w: _Watch, beats: list[dict[str, Any]], ranks: int, now: float) -
 
 
 def _spawn(
-    cmd: Sequence[str], log_path: Path, chunk: int | None, attempt: int | None, started: float,
-    cwd: str | Path | None, env: dict[str, str], stdin: int = subprocess.DEVNULL,
+    cmd: Sequence[str],
+    log_path: Path,
+    chunk: int | None,
+    attempt: int | None,
+    started: float,
+    cwd: str | Path | None,
+    env: dict[str, str],
+    stdin: int = subprocess.DEVNULL,
 ) -> tuple[subprocess.Popen, int]:
     """Start the worker in its own session, output appended to ``log_path``; returns it and the
     log offset its output starts at.  ``stdin=PIPE`` for a standby (its order comes that way)."""
@@ -417,12 +429,15 @@ class WorkerAttempt:
                 with contextlib.suppress(FileNotFoundError):
                     heartbeat_path(self.run_dir, r).unlink()
             self.proc, offset = self.take_standby() or _spawn(
-                spec.cmd, self.log_path, spec.chunk, spec.attempt, self.started, spec.cwd, self.environment())
+                spec.cmd, self.log_path, spec.chunk, spec.attempt, self.started, spec.cwd, self.environment()
+            )
         self.position = [offset]
         self.stop_follow = threading.Event()
         self.follower = threading.Thread(
-            target=_follow, args=(self.log_path, offset, self.stop_follow, self.tail, spec.on_line, self.position),
-            daemon=True)
+            target=_follow,
+            args=(self.log_path, offset, self.stop_follow, self.tail, spec.on_line, self.position),
+            daemon=True,
+        )
         self.follower.start()
         self.watched = _Watch(started=self.started, phase_since=self.started, progress=self.started)
         self.last_seen_running = self.exit_seen = self.started
@@ -440,15 +455,24 @@ class WorkerAttempt:
             return None
         self.log_path = ready.log_path
         with open(ready.log_path, "ab") as log:
-            log.write(f"# convoy chunk={spec.chunk} attempt={spec.attempt} took over standby pid {ready.proc.pid} "
-                      f"at {self.started:.3f}\n".encode())
-        append_event(self.run_dir, Event.STANDBY_CALLED, chunk=spec.chunk, attempt=spec.attempt, pid=ready.proc.pid,
-                     ready_s=round(self.started - ready.started, 3))
+            log.write(
+                f"# convoy chunk={spec.chunk} attempt={spec.attempt} took over standby pid {ready.proc.pid} "
+                f"at {self.started:.3f}\n".encode()
+            )
+        append_event(
+            self.run_dir,
+            Event.STANDBY_CALLED,
+            chunk=spec.chunk,
+            attempt=spec.attempt,
+            pid=ready.proc.pid,
+            ready_s=round(self.started - ready.started, 3),
+        )
         return ready.proc, ready.offset
 
     def start_standby(self, standby_cmd: list[str], standby_log: Path) -> tuple[subprocess.Popen, int]:
-        return _spawn(standby_cmd, standby_log, None, None, time.time(), self.spec.cwd, self.environment(),
-                      stdin=subprocess.PIPE)
+        return _spawn(
+            standby_cmd, standby_log, None, None, time.time(), self.spec.cwd, self.environment(), stdin=subprocess.PIPE
+        )
 
     def recall_adopted(self) -> None:
         """What the adopted worker last said, so a death in the hand-off is measured."""
@@ -461,8 +485,11 @@ class WorkerAttempt:
     # ------------------------------------------------------------------ watch
     def boundary_committed(self) -> bool:
         marker = self.spec.done_at_step
-        return self.spec.pipeline and marker is not None and \
-            (RunPaths(self.run_dir).checkpoint(marker) / "manifest.json").exists()
+        return (
+            self.spec.pipeline
+            and marker is not None
+            and (RunPaths(self.run_dir).checkpoint(marker) / "manifest.json").exists()
+        )
 
     def watch(self) -> None:
         """Poll until the worker exits, a limit is crossed, or (pipelined) the boundary is committed."""
@@ -473,8 +500,13 @@ class WorkerAttempt:
             # The boundary first: whatever happens after it is committed is the next chunk's.
             if self.boundary_committed():
                 break
-            self.failure = _check(self.watched, _beats(self.run_dir, spec.ranks, self.started), spec.ranks,
-                                  spec.limits, self.last_seen_running)
+            self.failure = _check(
+                self.watched,
+                _beats(self.run_dir, spec.ranks, self.started),
+                spec.ranks,
+                spec.limits,
+                self.last_seen_running,
+            )
             if self.failure is not None:
                 break
             if spec.standby_order is not None and not standby_checked and self.watched.phase == "train":
@@ -517,14 +549,18 @@ class WorkerAttempt:
         if not self.handed_off:
             self.note(f"exit={rc} after {seconds:.2f} s")
         if self.leftover:
-            append_event(self.run_dir, Event.REAP_FAILED, chunk=self.spec.chunk, attempt=self.spec.attempt,
-                         pids=self.leftover)
+            append_event(
+                self.run_dir, Event.REAP_FAILED, chunk=self.spec.chunk, attempt=self.spec.attempt, pids=self.leftover
+            )
         if self.handed_off:
-            self.note(f"chunk={self.spec.chunk} committed step {self.spec.done_at_step} after {seconds:.2f} s; "
-                      "worker continues into the next chunk")
+            self.note(
+                f"chunk={self.spec.chunk} committed step {self.spec.done_at_step} after {seconds:.2f} s; "
+                "worker continues into the next chunk"
+            )
         if self.handed_off or (self.failure is None and rc == 0):
-            return Outcome(0 if self.handed_off else rc, seconds, self.watched.last_step, self.log_path,
-                           list(self.tail))
+            return Outcome(
+                0 if self.handed_off else rc, seconds, self.watched.last_step, self.log_path, list(self.tail)
+            )
         raise self.failure_report(rc, seconds)
 
     def classify(self, rc: int) -> tuple[str, str, float]:
@@ -561,8 +597,16 @@ class WorkerAttempt:
             "reason": reason,
             "log": str(self.log_path),
         }
-        append_event(self.run_dir, Event.FAILURE, failure=kind, chunk=self.spec.chunk, attempt=self.spec.attempt,
-                     detected_at=round(self.exit_seen, 3), leftover_pids=self.leftover, **details)
+        append_event(
+            self.run_dir,
+            Event.FAILURE,
+            failure=kind,
+            chunk=self.spec.chunk,
+            attempt=self.spec.attempt,
+            detected_at=round(self.exit_seen, 3),
+            leftover_pids=self.leftover,
+            **details,
+        )
         details.update(tail=list(self.tail)[-10:], seconds=round(seconds, 3))
         where = f"chunk {self.spec.chunk}" if self.spec.chunk is not None else "worker"
         message = f"{where} {kind}: {reason}"

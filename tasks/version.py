@@ -197,7 +197,10 @@ def _move_dvcfile(stage: Path, ckpt: Path) -> Path:
 
 
 def version_checkpoint(
-    repo_root: str | Path | None, checkpoint_path: str | Path, remote: str | None = None, push: bool = True,
+    repo_root: str | Path | None,
+    checkpoint_path: str | Path,
+    remote: str | None = None,
+    push: bool = True,
     staged: threading.Event | None = None,
 ) -> dict[str, Any]:
     """``dvc add`` a committed checkpoint directory and ``dvc push`` it; returns what was done.
@@ -222,7 +225,11 @@ def version_checkpoint(
 
 
 def _version_locked(
-    repo_root: str | Path | None, ckpt: Path, step: int, remote: str | None, push: bool,
+    repo_root: str | Path | None,
+    ckpt: Path,
+    step: int,
+    remote: str | None,
+    push: bool,
     staged: threading.Event | None = None,
 ) -> dict[str, Any]:
     run_dir = ckpt.parent.parent
@@ -332,7 +339,10 @@ def _pull_error(exc: Exception, run_dir: Path, label: str) -> VersioningError:
 
 
 def pull_run(
-    repo_root: str | Path | None, run_dir: str | Path, remote: str | None = None, latest_only: bool = False,
+    repo_root: str | Path | None,
+    run_dir: str | Path,
+    remote: str | None = None,
+    latest_only: bool = False,
     source: str = "",
 ) -> dict[str, Any]:
     """Restore a run's versioned checkpoints from the DVC remote (``convoy pull RUN``).
@@ -386,4 +396,3 @@ def pull_run(
     }
     append_event(run_dir, Event.CHECKPOINTS_PULLED, checkpoints=[v["checkpoint"] for v in verified])
     return result
-

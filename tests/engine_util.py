@@ -18,16 +18,26 @@ from training.heartbeat import read_heartbeat
 from training.rundir import open_run
 
 SMALL = [
-    "train.total_steps=120", "train.chunk_steps=60", "train.batch_size=8", "train.warmup_steps=5",
-    "data.synthetic_chars=60000", "data.seq_len=32", "task_args.d_model=32", "task_args.n_head=2",
-    "checkpoint.every_steps=10", "checkpoint.keep_last=2", "tracking.mlflow=false",
+    "train.total_steps=120",
+    "train.chunk_steps=60",
+    "train.batch_size=8",
+    "train.warmup_steps=5",
+    "data.synthetic_chars=60000",
+    "data.seq_len=32",
+    "task_args.d_model=32",
+    "task_args.n_head=2",
+    "checkpoint.every_steps=10",
+    "checkpoint.keep_last=2",
+    "tracking.mlflow=false",
     "heartbeat.interval_s=0.1",
 ]
 
 
 def make_run(tmp: Path, name: str = "run", extra: list[str] | None = None) -> Path:
-    cfg = load_config(None, SMALL + [f"runs_dir={tmp / 'runs'}", f"data.prepared_dir={tmp / 'data'}",
-                                     f"run_name={name}"] + (extra or []))
+    cfg = load_config(
+        None,
+        SMALL + [f"runs_dir={tmp / 'runs'}", f"data.prepared_dir={tmp / 'data'}", f"run_name={name}"] + (extra or []),
+    )
     prepare(cfg.data, cfg.train.seed)
     return open_run(cfg)
 
@@ -37,8 +47,14 @@ def worker_cmd(run_dir: Path, until: int) -> list[str]:
 
 
 def start_worker(run_dir: Path, until: int, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(worker_cmd(run_dir, until), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+    return subprocess.Popen(
+        worker_cmd(run_dir, until),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
 
 
 def run_worker(run_dir: Path, until: int, env: dict[str, str] | None = None, timeout: float = 300) -> tuple[int, str]:
@@ -73,8 +89,9 @@ def final_digest(run_dir: Path) -> str:
     return ck.digest
 
 
-def reference_digest(tmp: Path, extra: list[str], until: int = 120, name: str = "reference",
-                     env: dict[str, str] | None = None) -> str:
+def reference_digest(
+    tmp: Path, extra: list[str], until: int = 120, name: str = "reference", env: dict[str, str] | None = None
+) -> str:
     """Digest of one uninterrupted worker run to ``until`` (run ``name`` under ``tmp``)."""
     run_dir = make_run(tmp, name, extra)
     code, out = run_worker(run_dir, until, env)
@@ -97,8 +114,9 @@ def wait_for_persist(run_dir: Path, p: subprocess.Popen, timeout: float = 60) ->
     return False
 
 
-def kill_at_random_steps(run_dir: Path, total: int, targets: list[int], rng: random.Random,
-                         env: dict[str, str] | None = None) -> list[int | str]:
+def kill_at_random_steps(
+    run_dir: Path, total: int, targets: list[int], rng: random.Random, env: dict[str, str] | None = None
+) -> list[int | str]:
     """SIGKILL a worker once inside a background persist (slowed by a fault so the kill provably
     lands there), then once at each of ``targets`` (somewhere inside the step); returns where
     each kill landed.  The caller runs the last worker to the end."""

@@ -44,9 +44,16 @@ def test_steps_lost_agree_everywhere_and_failed_attempts_explain_themselves(
 
     monkeypatch.setenv("CONVOY_FAULTS", "step_delay=0.03,slow_step=13:2")  # the first kill lands at 12
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = config(params(tmp_path, data_dir, "truth", train={"total_steps": TOTAL, "chunk_steps": TOTAL},
-                        checkpoint={"every_steps": EVERY, "keep_last": 3},
-                        tracking={"mlflow": True, "mlflow_uri": uri}))
+    cfg = config(
+        params(
+            tmp_path,
+            data_dir,
+            "truth",
+            train={"total_steps": TOTAL, "chunk_steps": TOTAL},
+            checkpoint={"every_steps": EVERY, "keep_last": 3},
+            tracking={"mlflow": True, "mlflow_uri": uri},
+        )
+    )
     run_dir = cfg.run_dir.resolve()
     kills: list[int] = []
 
@@ -90,7 +97,8 @@ def test_steps_lost_agree_everywhere_and_failed_attempts_explain_themselves(
 
     with get_client(sync_client=True) as client:  # the retried chunk says so in the task list
         (chunk_run,) = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[summary["flow_run_id"]])))
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[summary["flow_run_id"]]))
+        )
     assert chunk_run.state.message == f"steps [0, {TOTAL}) committed on attempt 3 after killed, killed"
     notes = prefect_notes("convoy-truth-failures")
     for lost in per_failure:

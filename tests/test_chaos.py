@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 def chaos_params(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("chaos")
     params = {
-        "run_name": "chaos", "runs_dir": str(d / "runs"),
+        "run_name": "chaos",
+        "runs_dir": str(d / "runs"),
         "data": {"prepared_dir": str(d / "data"), "synthetic_chars": 60000, "seq_len": 32},
         "task_args": {"d_model": 32, "n_head": 2},
         "train": {"total_steps": 300, "chunk_steps": 50, "batch_size": 8, "warmup_steps": 5},
@@ -34,8 +35,13 @@ def chaos_params(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def chaos(params: Path, api: str, *args: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "chaos", str(params), "--json", *args],
-                          capture_output=True, text=True, timeout=1500, env={**os.environ, "PREFECT_API_URL": api})
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "chaos", str(params), "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env={**os.environ, "PREFECT_API_URL": api},
+    )
     print(proc.stderr[-3000:])
     return proc.returncode, json.loads(proc.stdout)
 
@@ -43,12 +49,22 @@ def chaos(params: Path, api: str, *args: str) -> tuple[int, dict]:
 def test_every_fault_kind_is_survived(chaos_params: Path, prefect_api: str) -> None:
     code, report = chaos(chaos_params, prefect_api, "--faults", "all", "--seed", "3")
     for f in report["faults"]:
-        print(f"{f['kind']:9s} step {f['injected_step']}: {f['detected_as']} after {f['detected_after_s']} s, "
-              f"lost {f['steps_lost']}, recovered in {f['recovery_s']} s; {f['note']}")
+        print(
+            f"{f['kind']:9s} step {f['injected_step']}: {f['detected_as']} after {f['detected_after_s']} s, "
+            f"lost {f['steps_lost']}, recovered in {f['recovery_s']} s; {f['note']}"
+        )
     print("goodput", report["goodput"], "wall", report["wall_s"], "flow exit", report["exit_code"])
     print("\n".join(report["diagnosis"]))  # why the flow ended early, if it did
-    assert {f["kind"] for f in report["faults"]} == {"kill", "term", "hang", "slow", "corrupt", "delete",
-                                                      "diskfull", "flowkill"}
+    assert {f["kind"] for f in report["faults"]} == {
+        "kill",
+        "term",
+        "hang",
+        "slow",
+        "corrupt",
+        "delete",
+        "diskfull",
+        "flowkill",
+    }
     assert all(f["survived"] for f in report["faults"]), report["faults"]
     detected = {f["kind"]: f["detected_as"] for f in report["faults"]}
     assert detected["hang"] == "hang" and detected["term"] == "preempted" and detected["kill"] == "killed"

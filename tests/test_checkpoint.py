@@ -25,8 +25,10 @@ def small_parts(step: int) -> dict:
     opt = torch.optim.AdamW(m.parameters())
     m(torch.randn(3, 8)).sum().backward()
     opt.step()
-    return {"state": {"model": m.state_dict(), "optimizer": opt.state_dict(), "step": step},
-            "rank-0": {"rng": torch.get_rng_state(), "step": step}}
+    return {
+        "state": {"model": m.state_dict(), "optimizer": opt.state_dict(), "step": step},
+        "rank-0": {"rng": torch.get_rng_state(), "step": step},
+    }
 
 
 def fill(store: CheckpointStore, steps: list[int]) -> None:
@@ -126,12 +128,15 @@ def test_checkpoint_crafted_to_run_code_is_refused(tmp_path: Path, monkeypatch) 
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("policy", [
-    CheckpointConfig(keep_last=1),
-    CheckpointConfig(keep_last=2, keep_every=30),
-    CheckpointConfig(keep_last=5, max_bytes=1),
-    CheckpointConfig(keep_last=3, max_bytes=20_000),
-])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        CheckpointConfig(keep_last=1),
+        CheckpointConfig(keep_last=2, keep_every=30),
+        CheckpointConfig(keep_last=5, max_bytes=1),
+        CheckpointConfig(keep_last=3, max_bytes=20_000),
+    ],
+)
 def test_retention_never_removes_newest_verified(tmp_path: Path, policy: CheckpointConfig) -> None:
     store = CheckpointStore(tmp_path, policy)
     steps = list(range(10, 110, 10))

@@ -31,8 +31,13 @@ def test_bad_config_one_line_error_and_nothing_written(tmp_path: Path, name: str
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(data))
     before = sorted(p.name for p in tmp_path.iterdir())
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "prepare", str(params)], capture_output=True,
-                          text=True, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "prepare", str(params)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
@@ -70,8 +75,11 @@ def test_trajectory_change_refused_unless_explicitly_allowed(tmp_path: Path) -> 
 
     run_dir = make_run(tmp_path)
     assert run_worker(run_dir, 20)[0] == 0
-    changed = load_config(None, SMALL + [f"runs_dir={tmp_path / 'runs'}", f"data.prepared_dir={tmp_path / 'data'}",
-                                         "run_name=run", "train.lr=0.01"])
+    changed = load_config(
+        None,
+        SMALL
+        + [f"runs_dir={tmp_path / 'runs'}", f"data.prepared_dir={tmp_path / 'data'}", "run_name=run", "train.lr=0.01"],
+    )
     with pytest.raises(ConfigError, match="--allow-config-change") as refused:
         open_run(changed)
     assert "train.lr 0.003 → 0.01" in str(refused.value) and "run_name=<new name>" in str(refused.value)
@@ -93,8 +101,13 @@ def test_mismatch_refusals_name_the_changed_keys(tmp_path: Path) -> None:
     params.write_text(yaml.safe_dump(json.loads((run_dir / "config.json").read_text())))
 
     def convoy(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "flows.cli", "train", str(params), *args], capture_output=True,
-                              text=True, cwd=tmp_path, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "flows.cli", "train", str(params), *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=300,
+        )
 
     proc = convoy("-S", "train.lr=0.002")
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]

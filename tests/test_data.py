@@ -57,8 +57,9 @@ def test_resumed_stream_equals_uninterrupted_stream_across_epochs() -> None:
 def test_ranks_take_disjoint_slices_of_the_global_batch() -> None:
     n, batch, world = 500, 12, 3
     global_batches = list(itertools.islice(iter(ResumableBatchSampler(n, batch, 2, Cursor())), 5))
-    per_rank = [list(itertools.islice(iter(ResumableBatchSampler(n, batch, 2, Cursor(), r, world)), 5))
-                for r in range(world)]
+    per_rank = [
+        list(itertools.islice(iter(ResumableBatchSampler(n, batch, 2, Cursor(), r, world)), 5)) for r in range(world)
+    ]
     for i, gb in enumerate(global_batches):
         parts = [per_rank[r][i] for r in range(world)]
         assert sum(parts, []) == gb

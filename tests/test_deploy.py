@@ -34,8 +34,6 @@ def prefect_cli(*args: str, env: dict[str, str], timeout: float = 180) -> subpro
     return out
 
 
-
-
 def test_deploy_and_pool_mode_rerun_chunk_as_new_flow_run(
     prefect_api: str, data_dir: Path, tmp_path: Path, reference_digest: str
 ) -> None:

@@ -43,8 +43,14 @@ def test_cpu_saved_checkpoint_has_no_device_state() -> None:
     assert select_cuda_rng([], 0) == (None, "checkpoint has no CUDA RNG state (saved on CPU)")
 
 
-@pytest.mark.parametrize("bad", [[{"device": 0, "state": _state(0)}, {"device": 1, "state": _state(1)}],
-                                 [{"device": 0, "state": _state(0)}, _state(1)], ["x"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [{"device": 0, "state": _state(0)}, {"device": 1, "state": _state(1)}],
+        [{"device": 0, "state": _state(0)}, _state(1)],
+        ["x"],
+    ],
+)
 def test_malformed_entries_are_refused(bad: list) -> None:
     with pytest.raises(ValueError):
         select_cuda_rng(bad, 0)
@@ -90,8 +96,13 @@ def test_cuda_checkpoint_restores_on_a_cpu_run() -> None:
 def _parts() -> TaskParts:
     torch.manual_seed(0)
     m = torch.nn.Linear(4, 4)
-    return TaskParts(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), scheduler=None, train_data=[],
-                     loss_fn=lambda m, b: b)
+    return TaskParts(
+        model=m,
+        optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+        scheduler=None,
+        train_data=[],
+        loss_fn=lambda m, b: b,
+    )
 
 
 def test_amp_off_checkpoint_resumes_with_an_enabled_scaler(tmp_path: Path) -> None:
@@ -154,8 +165,10 @@ def test_replayed_nan_grad_norm_is_not_a_nondeterministic_resume(tmp_path: Path)
     from training.events import read_events
     from training.metrics import JsonlBackend, StepMetricLogger
 
-    rows = [(1, {"loss": 2.5, "lr": 1e-3, "grad_norm": float("nan")}),
-            (2, {"loss": 2.25, "lr": 1e-3, "grad_norm": float("inf")})]
+    rows = [
+        (1, {"loss": 2.5, "lr": 1e-3, "grad_norm": float("nan")}),
+        (2, {"loss": 2.25, "lr": 1e-3, "grad_norm": float("inf")}),
+    ]
     first = StepMetricLogger([JsonlBackend(tmp_path / "metrics.jsonl")], tmp_path, flush_every=1)
     for step, m in rows:
         first.log(step, dict(m))

@@ -25,8 +25,19 @@ RESIZE_LOSS_TOLERANCE = 0.25
 
 
 def torchrun(run_dir: Path, until: int, ranks: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "-m", "training.worker", "--run-dir", str(run_dir), "--until-step", str(until)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        "-m",
+        "training.worker",
+        "--run-dir",
+        str(run_dir),
+        "--until-step",
+        str(until),
+    ]
     if ranks == 1:
         cmd = [sys.executable, "-m", "training.worker", "--run-dir", str(run_dir), "--until-step", str(until)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -39,9 +50,18 @@ def finish(p: subprocess.Popen) -> str:
 
 
 def set_ranks(tmp: Path, name: str, ranks: int, batch: int = 8) -> None:
-    cfg = load_config(None, SMALL + [f"runs_dir={tmp / 'runs'}", f"data.prepared_dir={tmp / 'data'}",
-                                     f"run_name={name}", f"train.total_steps={TOTAL}", f"train.ranks={ranks}",
-                                     f"train.batch_size={batch}"])
+    cfg = load_config(
+        None,
+        SMALL
+        + [
+            f"runs_dir={tmp / 'runs'}",
+            f"data.prepared_dir={tmp / 'data'}",
+            f"run_name={name}",
+            f"train.total_steps={TOTAL}",
+            f"train.ranks={ranks}",
+            f"train.batch_size={batch}",
+        ],
+    )
     open_run(cfg)
 
 
@@ -110,8 +130,17 @@ def test_sigstop_one_rank_is_a_hang_and_all_ranks_are_reaped(tmp_path: Path) -> 
     from tasks.supervisor import AttemptSpec, ChunkFailed, Limits, supervise, worker_command
     from training.heartbeat import read_heartbeat
 
-    run = make_run(tmp_path, "stop1", [f"train.total_steps={TOTAL}", "train.ranks=2", "heartbeat.stall_s=3",
-                                       "heartbeat.timeout_s=6", "heartbeat.grace_s=2"])
+    run = make_run(
+        tmp_path,
+        "stop1",
+        [
+            f"train.total_steps={TOTAL}",
+            "train.ranks=2",
+            "heartbeat.stall_s=3",
+            "heartbeat.timeout_s=6",
+            "heartbeat.grace_s=2",
+        ],
+    )
     stopped: dict = {}
 
     def stop_rank_1() -> None:
@@ -126,8 +155,9 @@ def test_sigstop_one_rank_is_a_hang_and_all_ranks_are_reaped(tmp_path: Path) -> 
     threading.Thread(target=stop_rank_1, daemon=True).start()
     limits = Limits(stall_s=3, timeout_s=6, grace_s=2, poll_s=0.2)
     with pytest.raises(ChunkFailed) as info:
-        supervise(AttemptSpec(worker_command(run, TOTAL, 2), run, limits, run / "logs" / "t.log", ranks=2, chunk=1,
-                              attempt=1))
+        supervise(
+            AttemptSpec(worker_command(run, TOTAL, 2), run, limits, run / "logs" / "t.log", ranks=2, chunk=1, attempt=1)
+        )
     assert info.value.kind == "hang"
     fail = read_events(run, "failure")[-1]
     print(f"one stopped rank detected as hang after {fail['detected_at'] - stopped['t']:.2f} s (stall_s 3)")

@@ -77,7 +77,10 @@ def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
     again = version_checkpoint(repo, ck60, str(remote))
     assert first60["files_pushed"] >= 1 and again["files_pushed"] == 0 and again["dvc_md5"] == first60["dvc_md5"]
     assert [e["checkpoint"] for e in read_events(run_dir, "checkpoint_versioned")] == [
-        "step-000000030", "step-000000060", "step-000000060"]
+        "step-000000030",
+        "step-000000060",
+        "step-000000060",
+    ]
     (run_dir / "checkpoints" / "step-000000060.dvc").unlink()  # "the other machine" pulls step 30 only
 
     # "Another machine": no local checkpoints, no DVC cache.  Pull, verify, resume.
@@ -166,8 +169,9 @@ def test_dvc_repro_in_a_clone(tmp_path: Path, prefect_api: str) -> None:
     for section, values in SMALL_PARAMS.items():
         params.setdefault(section, {}).update(values)
     remote = tmp_path / "remote"
-    params.setdefault("tracking", {}).update(mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", dvc=True,
-                                             dvc_remote=str(remote))
+    params.setdefault("tracking", {}).update(
+        mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", dvc=True, dvc_remote=str(remote)
+    )
     (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     # Git must not ignore checkpoints/step-N.dvc (DVC refuses to write an ignored .dvc file).
     ignore = [ln for ln in (clone / ".gitignore").read_text().splitlines() if ln.strip() not in ("runs/", "runs")]
@@ -175,15 +179,23 @@ def test_dvc_repro_in_a_clone(tmp_path: Path, prefect_api: str) -> None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
 
     def repro() -> str:
-        proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=clone, env=env, capture_output=True,
-                              text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "dvc", "repro"], cwd=clone, env=env, capture_output=True, text=True, timeout=600
+        )
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         return proc.stdout
 
     # Interrupt the first `dvc repro` once chunk 1 is committed and versioned (kill its process group).
     run_dir = clone / params.get("runs_dir", "runs") / params.get("run_name", "demo")
-    first = subprocess.Popen([sys.executable, "-m", "dvc", "repro"], cwd=clone, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "dvc", "repro"],
+        cwd=clone,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 300
         while not (run_dir / "checkpoints" / "step-000000030.dvc").exists():

@@ -24,9 +24,19 @@ from training.events import read_events  # noqa: E402
 from training.metrics import metric_rows  # noqa: E402
 
 TOTAL = 12
-HF = ["task=training.examples.hf_causal_lm:build", "task_args={}", f"train.total_steps={TOTAL}",
-      f"train.chunk_steps={TOTAL}", "train.batch_size=4", "train.grad_accum_steps=2", "train.warmup_steps=3",
-      "train.eval_every=4", "train.eval_samples=8", "data.seq_len=32", "checkpoint.every_steps=3"]
+HF = [
+    "task=training.examples.hf_causal_lm:build",
+    "task_args={}",
+    f"train.total_steps={TOTAL}",
+    f"train.chunk_steps={TOTAL}",
+    "train.batch_size=4",
+    "train.grad_accum_steps=2",
+    "train.warmup_steps=3",
+    "train.eval_every=4",
+    "train.eval_samples=8",
+    "data.seq_len=32",
+    "checkpoint.every_steps=3",
+]
 
 
 @pytest.mark.slow
@@ -66,8 +76,9 @@ def test_llama_family_builds_offline_with_ln_vocab_loss(tmp_path: Path) -> None:
     from training.state import seed_everything
     from training.task import build_task
 
-    cfg = load_config(None, [*HF, "task_args.family=llama", f"data.prepared_dir={tmp_path / 'data'}",
-                             "data.synthetic_chars=20000"])
+    cfg = load_config(
+        None, [*HF, "task_args.family=llama", f"data.prepared_dir={tmp_path / 'data'}", "data.synthetic_chars=20000"]
+    )
     prepare(cfg.data, cfg.train.seed)
     seed_everything(cfg.train.seed)
     parts = build_task(cfg, torch.device("cpu"))

@@ -81,6 +81,7 @@ def cli(*args: str) -> tuple[int, str]:
 
 # ---------------------------------------------------------------- 1. names confined to the checkpoint
 
+
 def traversal(run_dir: Path, ck: Path) -> str:
     outside = run_dir.parent / "outside.json"
     outside.write_text('{"x": 1}\n')
@@ -117,7 +118,7 @@ def test_manifest_names_outside_the_checkpoint_are_refused_everywhere(run_dir: P
     code, out = cli("verify", str(run_dir))
     assert code == 1 and "NOT valid" in out and "refused" in out, out
     code, out = cli("inspect", str(run_dir), "--json")
-    rows = {r["name"]: r for r in json.loads(out[out.index("["):])}
+    rows = {r["name"]: r for r in json.loads(out[out.index("[") :])}
     assert rows[NEWEST]["valid"] is False and "refused" in rows[NEWEST]["reason"]
     resume_falls_back(run_dir, reason_part)
 
@@ -132,6 +133,7 @@ def test_member_path_accepts_only_plain_names(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- 2. one validation: hashes and structure
 
+
 def test_pickle_posing_as_safetensors_fails_verify_and_inspect(run_dir: Path) -> None:
     ck = run_dir / "checkpoints" / NEWEST
     torch.save({"model": {}}, ck / "state.safetensors")  # pickle bytes; never loaded by convoy
@@ -139,7 +141,7 @@ def test_pickle_posing_as_safetensors_fails_verify_and_inspect(run_dir: Path) ->
     code, out = cli("verify", str(run_dir))
     assert code == 1 and "not a safetensors file" in out, out
     code, out = cli("inspect", str(run_dir), "--json")
-    rows = {r["name"]: r for r in json.loads(out[out.index("["):])}
+    rows = {r["name"]: r for r in json.loads(out[out.index("[") :])}
     assert rows[NEWEST]["valid"] is False and rows[OLDER]["valid"] is True
     resume_falls_back(run_dir, "not a safetensors file")
 
@@ -168,8 +170,9 @@ def wrong_shapes(ck: Path) -> str:
     store = CheckpointStore(ck.parent.parent)  # no validator: read what is there
     _, parts = store.load(ck)
     parts["state"]["model"]["pos.weight"] = torch.zeros(32, 48)
-    scratch = CheckpointStore(ck.parent.parent.parent / "scratch", fingerprint=json.loads(
-        (ck / MANIFEST).read_text())["fingerprint"])
+    scratch = CheckpointStore(
+        ck.parent.parent.parent / "scratch", fingerprint=json.loads((ck / MANIFEST).read_text())["fingerprint"]
+    )
     scratch.save(40, parts, blocking=True)
     shutil.rmtree(ck)
     shutil.copytree(scratch.root / NEWEST, ck)
@@ -180,16 +183,18 @@ def optimizer_of_another_model(ck: Path) -> str:
     store = CheckpointStore(ck.parent.parent)
     _, parts = store.load(ck)
     parts["state"]["optimizer"]["state"][0]["exp_avg"] = torch.zeros(7)
-    scratch = CheckpointStore(ck.parent.parent.parent / "scratch", fingerprint=json.loads(
-        (ck / MANIFEST).read_text())["fingerprint"])
+    scratch = CheckpointStore(
+        ck.parent.parent.parent / "scratch", fingerprint=json.loads((ck / MANIFEST).read_text())["fingerprint"]
+    )
     scratch.save(40, parts, blocking=True)
     shutil.rmtree(ck)
     shutil.copytree(scratch.root / NEWEST, ck)
     return "optimizer: exp_avg of parameter 0 has shape [7]"
 
 
-@pytest.mark.parametrize("doctor", [only_a_torch_file, skeleton_names_a_foreign_tensor, wrong_shapes,
-                                    optimizer_of_another_model])
+@pytest.mark.parametrize(
+    "doctor", [only_a_torch_file, skeleton_names_a_foreign_tensor, wrong_shapes, optimizer_of_another_model]
+)
 def test_checkpoint_that_does_not_fit_is_refused_and_the_resume_falls_back(run_dir: Path, doctor: Callable) -> None:
     reason_part = doctor(run_dir / "checkpoints" / NEWEST)
     code, out = cli("verify", str(run_dir))
@@ -204,7 +209,7 @@ def test_a_refused_checkpoint_reached_again_is_quarantined_as_invalid_and_listed
     assert kinds == {"checkpoint_invalid"}, kinds  # not "replaced ... non-deterministic replay"
     assert not read_events(run_dir, "checkpoint_replaced")
     code, out = cli("inspect", str(run_dir), "--json")
-    rows = json.loads(out[out.index("["):])
+    rows = json.loads(out[out.index("[") :])
     quarantined = [r for r in rows if r["quarantined"]]
     assert len(quarantined) == 1 and quarantined[0]["name"].startswith(f"{NEWEST}.invalid-")
     assert "model.pos.weight" in quarantined[0]["reason"]
@@ -221,21 +226,27 @@ def test_the_validator_accepts_what_the_worker_writes(trained: Path) -> None:
 
 # ---------------------------------------------------------------- 3. one worker per run
 
+
 def test_second_worker_is_refused_and_changes_nothing(run_dir: Path) -> None:
     first = start_worker(run_dir, 120, env={"CONVOY_FAULTS": "slow_step=43:60"})  # busy when the second comes
     try:
         wait_for_step(run_dir, first, 42)
         beat_before = json.loads((run_dir / "heartbeat" / "rank-0.json").read_text())
         events_before = (run_dir / "events.jsonl").read_text()
-        second = subprocess.run([sys.executable, "-m", "flows.cli", "worker", "--run-dir", str(run_dir),
-                                 "--until-step", "120"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "worker", "--run-dir", str(run_dir), "--until-step", "120"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 78, second.stderr
         assert f"being trained by another worker (pid {first.pid} on" in second.stderr, second.stderr
         assert first.poll() is None
         beat = json.loads((run_dir / "heartbeat" / "rank-0.json").read_text())
         assert beat["pid"] == first.pid == beat_before["pid"]
         after = (run_dir / "events.jsonl").read_text()
-        assert after.startswith(events_before) and "config_error" not in after[len(events_before):]
+        assert after.startswith(events_before) and "config_error" not in after[len(events_before) :]
     finally:
         first.kill()
         first.wait()
@@ -255,8 +266,13 @@ def test_a_worker_started_beside_a_flow_is_refused(prefect_api: str, data_dir: P
     def intruder() -> None:
         beat = wait_for_beat(run_dir, 25)
         seen["beat"] = beat
-        seen["proc"] = subprocess.run([sys.executable, "-m", "training.worker", "--run-dir", str(run_dir),
-                                       "--until-step", "60"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        seen["proc"] = subprocess.run(
+            [sys.executable, "-m", "training.worker", "--run-dir", str(run_dir), "--until-step", "60"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     os.environ["CONVOY_FAULTS"] = "slow_step=28:15"  # the flow's worker is busy when the intruder comes
     try:
@@ -278,19 +294,22 @@ def test_a_worker_started_beside_a_flow_is_refused(prefect_api: str, data_dir: P
 
 # ---------------------------------------------------------------- 4./5. configs checked before a run exists
 
+
 def empty_params(tmp_path: Path) -> str:
     path = tmp_path / "params.yaml"
     path.write_text("{}\n")
     return str(path)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("task_args.n_heads=4", "unknown key 'n_heads'"),
-    ("task_args.n_layer=0", "n_layer = 0"),
-    ("task_args.n_head=3", "not divisible by n_head = 3"),
-])
-def test_bad_task_args_fail_validate_and_train_before_a_run_exists(tmp_path: Path, override: str,
-                                                                     message: str) -> None:
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("task_args.n_heads=4", "unknown key 'n_heads'"),
+        ("task_args.n_layer=0", "n_layer = 0"),
+        ("task_args.n_head=3", "not divisible by n_head = 3"),
+    ],
+)
+def test_bad_task_args_fail_validate_and_train_before_a_run_exists(tmp_path: Path, override: str, message: str) -> None:
     base = ["-S", f"runs_dir={tmp_path / 'runs'}", "-S", f"data.prepared_dir={tmp_path / 'data'}", "-S", override]
     code, out = cli("validate", empty_params(tmp_path), *base)
     assert code == 2 and message in out and len(out.strip().splitlines()) == 1, out

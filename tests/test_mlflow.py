@@ -48,9 +48,16 @@ def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def mlflow_run(tmp: Path, name: str, uri: str, extra: list[str] | None = None) -> tuple[Path, str]:
-    overrides = [f"train.total_steps={TOTAL}", f"train.chunk_steps={TOTAL // 2}", f"checkpoint.every_steps={EVERY}",
-                 "checkpoint.keep_last=3", "tracking.mlflow=true", f"tracking.mlflow_uri={uri}",
-                 "tracking.experiment=convoy-test", *(extra or [])]
+    overrides = [
+        f"train.total_steps={TOTAL}",
+        f"train.chunk_steps={TOTAL // 2}",
+        f"checkpoint.every_steps={EVERY}",
+        "checkpoint.keep_last=3",
+        "tracking.mlflow=true",
+        f"tracking.mlflow_uri={uri}",
+        "tracking.experiment=convoy-test",
+        *(extra or []),
+    ]
     run_dir = make_run(tmp, name, overrides)
     return run_dir, ensure_mlflow_run(load_run_config(run_dir), run_dir)
 
@@ -141,8 +148,7 @@ def test_two_kills_exactly_one_point_per_step_and_audit(tmp_path: Path, tracking
     assert "convoy.nondeterministic" not in tags
     assert tags["convoy.fingerprint"] == cfg.fingerprint()
     assert parent.data.params["train.total_steps"] == str(TOTAL)
-    children = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
+    children = client.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
     statuses = sorted((c.data.tags["convoy.chunk"], c.data.tags["convoy.attempt"], c.info.status) for c in children)
     assert statuses == [("1", "1", "FAILED"), ("1", "2", "FINISHED"), ("2", "1", "FAILED"), ("2", "2", "FINISHED")]
     failed = [c for c in children if c.info.status == "FAILED"]
@@ -198,8 +204,15 @@ def test_tracking_uri_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def test_backend_batches_and_history_roundtrip(tmp_path: Path, tracking_uri: str) -> None:
     from training.config import load_config
 
-    cfg = load_config(None, [f"runs_dir={tmp_path}", "run_name=unit", f"tracking.mlflow_uri={tracking_uri}",
-                             "tracking.experiment=convoy-unit"])
+    cfg = load_config(
+        None,
+        [
+            f"runs_dir={tmp_path}",
+            "run_name=unit",
+            f"tracking.mlflow_uri={tracking_uri}",
+            "tracking.experiment=convoy-unit",
+        ],
+    )
     (tmp_path / "unit").mkdir()
     run_id = ensure_mlflow_run(cfg, tmp_path / "unit")
     assert ensure_mlflow_run(cfg, tmp_path / "unit") == run_id  # idempotent
@@ -207,7 +220,7 @@ def test_backend_batches_and_history_roundtrip(tmp_path: Path, tracking_uri: str
     values = [0.1 + 1e-17 * i for i in range(3)] + [1 / 3, 2.0**-40, 123456.789e-7]
     rows = [(s, {"loss": values[s % len(values)] * s, "lr": 0.5 / s}) for s in range(1, 601)]
     for i in range(0, 600, 50):
-        backend.write(rows[i:i + 50])
+        backend.write(rows[i : i + 50])
     backend.close()
     hist = backend.history(("loss", "lr", "missing"))
     assert hist["missing"] == {}
@@ -276,13 +289,31 @@ def test_analyse_events_with_supervisor_failures(tmp_path: Path) -> None:
     append_event(run, "started", rank=0, until_step=100)
     append_event(run, "worker_done", rank=0, step=100, digest="d1")
     append_event(run, "resumed", rank=0, step=100, checkpoint="step-000000100", digest="d1", load_s=0.1)
-    append_event(run, "failure", failure="hang", detected_after_s=20.5, last_beat_step=130, last_committed_step=120,
-                 steps_lost=10, chunk=2, attempt=1)
+    append_event(
+        run,
+        "failure",
+        failure="hang",
+        detected_after_s=20.5,
+        last_beat_step=130,
+        last_committed_step=120,
+        steps_lost=10,
+        chunk=2,
+        attempt=1,
+    )
     append_event(run, "resumed", rank=0, step=120, checkpoint="step-000000120", digest="d2", load_s=0.2)
     append_event(run, "replay_verified", values_compared=30, mismatches=0)
     append_event(run, "preempted", rank=0, step=150)
-    append_event(run, "failure", failure="preempted", detected_after_s=0.1, last_beat_step=150,
-                 last_committed_step=150, steps_lost=0, chunk=2, attempt=2)
+    append_event(
+        run,
+        "failure",
+        failure="preempted",
+        detected_after_s=0.1,
+        last_beat_step=150,
+        last_committed_step=150,
+        steps_lost=0,
+        chunk=2,
+        attempt=2,
+    )
     append_event(run, "resumed", rank=0, step=150, checkpoint="step-000000150", digest="d3", load_s=0.2)
     append_event(run, "worker_done", rank=0, step=200, digest="d4")
     s = analyse_events(read_events(run))
@@ -307,8 +338,15 @@ def test_backend_reconciles_mlflow_with_metrics_jsonl(tmp_path: Path, tracking_u
     from training.config import load_config
     from training.metrics import JsonlBackend, StepMetricLogger
 
-    cfg = load_config(None, [f"runs_dir={tmp_path}", "run_name=rec", f"tracking.mlflow_uri={tracking_uri}",
-                             "tracking.experiment=convoy-unit"])
+    cfg = load_config(
+        None,
+        [
+            f"runs_dir={tmp_path}",
+            "run_name=rec",
+            f"tracking.mlflow_uri={tracking_uri}",
+            "tracking.experiment=convoy-unit",
+        ],
+    )
     run_dir = tmp_path / "rec"
     run_dir.mkdir()
     run_id = ensure_mlflow_run(cfg, run_dir)

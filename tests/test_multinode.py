@@ -71,8 +71,13 @@ TWO_NODES = {"nnodes": 2, "hosts": ["127.0.0.1", "localhost"]}
 
 
 def _params(tmp: Path, data_dir: Path, name: str) -> dict:
-    return params(tmp, data_dir, name, train={"total_steps": TOTAL, "chunk_steps": CHUNK, **TWO_NODES},
-                  checkpoint={"every_steps": 5, "keep_last": 2})
+    return params(
+        tmp,
+        data_dir,
+        name,
+        train={"total_steps": TOTAL, "chunk_steps": CHUNK, **TWO_NODES},
+        checkpoint={"every_steps": 5, "keep_last": 2},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +85,14 @@ def two_node_digest(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) ->
     """Digest of an uninterrupted run on the same two nodes (the launcher alone, no Prefect)."""
     ref = open_run(config(_params(tmp_path_factory.mktemp("multinode-ref"), data_dir, "uninterrupted"))).resolve()
     cmd = launcher_command(TWO_NODES["hosts"], 1, "", worker_command(ref, TOTAL)[1:])
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "CONVOY_FAULTS": "step_delay=0.03"})
+    done = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CONVOY_FAULTS": "step_delay=0.03"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return CheckpointStore(ref).latest_valid().digest
 
@@ -89,7 +100,11 @@ def two_node_digest(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) ->
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", ["killed", "frozen"])
 def test_two_nodes_one_lost_mid_chunk_is_retried_and_bitwise_equal(
-    prefect_api: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_node_digest: str,
+    prefect_api: str,
+    data_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    two_node_digest: str,
     loss: str,
 ) -> None:
     """The node of rank 1 (its agent and its rank) is lost in chunk 2: SIGKILLed (a crash: its
@@ -118,8 +133,10 @@ def test_two_nodes_one_lost_mid_chunk_is_retried_and_bitwise_equal(
     t.join(timeout=5)
     assert lost, t.errors  # type: ignore[attr-defined]
     fail = read_events(run_dir, "failure")
-    print(f"node of rank 1 {loss} at step {lost['step']}: detected as {fail[0]['failure']} after "
-          f"{fail[0]['detected_after_s']} s ({fail[0]['reason']})")
+    print(
+        f"node of rank 1 {loss} at step {lost['step']}: detected as {fail[0]['failure']} after "
+        f"{fail[0]['detected_after_s']} s ({fail[0]['reason']})"
+    )
     assert summary["final_step"] == TOTAL and summary["attempts"] == {1: 1, 2: 2}
     assert len(fail) == 1 and fail[0]["chunk"] == 2, fail
     expected = ("killed", "crash") if loss == "killed" else ("dead", "hang")  # the heartbeat limits (5 s)

@@ -42,8 +42,14 @@ from training.task import TaskParts
 TOTAL = 40
 #: A short run: one chunk, a checkpoint every 5 steps, a small model; a 30 ms pause per step
 #: (``step_delay``) so the heartbeat-driven kills land inside the run, not after it.
-SHORT = [f"train.total_steps={TOTAL}", f"train.chunk_steps={TOTAL}", "checkpoint.every_steps=5",
-         "checkpoint.keep_last=2", "train.batch_size=4", "data.seq_len=16"]
+SHORT = [
+    f"train.total_steps={TOTAL}",
+    f"train.chunk_steps={TOTAL}",
+    "checkpoint.every_steps=5",
+    "checkpoint.keep_last=2",
+    "train.batch_size=4",
+    "data.seq_len=16",
+]
 SLOW = {"CONVOY_FAULTS": "step_delay=0.03"}
 
 
@@ -64,10 +70,14 @@ class DictWindows(Dataset):
 
 def collate_dicts(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """A custom collate: stacks the tensors, keeps the strings as a list."""
-    return {"input_ids": torch.stack([s["input_ids"] for s in samples]),
-            "labels": torch.stack([s["labels"] for s in samples]),
-            "extra": {"weight": torch.stack([s["extra"]["weight"] for s in samples]),
-                      "source": [s["extra"]["source"] for s in samples]}}
+    return {
+        "input_ids": torch.stack([s["input_ids"] for s in samples]),
+        "labels": torch.stack([s["labels"] for s in samples]),
+        "extra": {
+            "weight": torch.stack([s["extra"]["weight"] for s in samples]),
+            "source": [s["extra"]["source"] for s in samples],
+        },
+    }
 
 
 def build_dict_task(config: RunConfig, device: torch.device) -> TaskParts:
@@ -76,8 +86,13 @@ def build_dict_task(config: RunConfig, device: torch.device) -> TaskParts:
     model, tc = parts.model, config.train
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0, "lr": tc.lr * 0.5}], lr=tc.lr)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": tc.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0, "lr": tc.lr * 0.5},
+        ],
+        lr=tc.lr,
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, char_gpt.warmup_cosine(tc.warmup_steps, tc.total_steps))
 
     def loss_fn(m: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
@@ -86,9 +101,16 @@ def build_dict_task(config: RunConfig, device: torch.device) -> TaskParts:
         per_sample = F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none").mean(1)
         return (per_sample * batch["extra"]["weight"]).mean()
 
-    return TaskParts(model=model, optimizer=optimizer, scheduler=scheduler,
-                     train_data=DictWindows(parts.train_data), val_data=DictWindows(parts.val_data),
-                     loss_fn=loss_fn, tokens_per_sample=parts.tokens_per_sample, collate_fn=collate_dicts)
+    return TaskParts(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_data=DictWindows(parts.train_data),
+        val_data=DictWindows(parts.val_data),
+        loss_fn=loss_fn,
+        tokens_per_sample=parts.tokens_per_sample,
+        collate_fn=collate_dicts,
+    )
 
 
 DICT_TASK = ["task=tests.test_real_models:build_dict_task"]
@@ -99,8 +121,12 @@ def test_tree_map_moves_every_tensor_and_keeps_structure() -> None:
     from collections import namedtuple
 
     Pair = namedtuple("Pair", "a b")
-    batch = {"x": torch.ones(3, 2), "nested": [(torch.zeros(3), "s"), {"y": torch.arange(3)}],
-             "pair": Pair(torch.ones(3), 7), "none": None}
+    batch = {
+        "x": torch.ones(3, 2),
+        "nested": [(torch.zeros(3), "s"), {"y": torch.arange(3)}],
+        "pair": Pair(torch.ones(3), 7),
+        "none": None,
+    }
     moved = to_device(batch, torch.device("meta"))
     assert moved["x"].device.type == "meta" and moved["nested"][0][0].device.type == "meta"
     assert moved["nested"][0][1] == "s" and moved["none"] is None and isinstance(moved["nested"][0], tuple)
@@ -114,6 +140,7 @@ def test_tree_map_moves_every_tensor_and_keeps_structure() -> None:
 def test_accumulation_reads_the_samples_of_one_big_batch(n: int) -> None:
     """accum 4 x b yields, per optimizer step, exactly the 4b samples of accum 1 x 4b (epoch tails
     included), and resuming from the cursor after k optimizer steps continues the same stream."""
+
     def take(sampler: ResumableBatchSampler, k: int) -> list[list[int]]:
         it = iter(sampler)
         return [next(it) for _ in range(k)]
@@ -156,8 +183,10 @@ def test_dict_batches_sigkill_at_random_steps_bitwise(tmp_path: Path, dict_refer
 
 def deterministic(run_dir: Path) -> list[tuple[int, dict[str, float]]]:
     """The logged values a replay must reproduce exactly (not the timings)."""
-    return [(s, {k: v for k, v in m.items() if k in ("loss", "lr", "grad_norm", "val_loss")})
-            for s, m in metric_rows(run_dir)]
+    return [
+        (s, {k: v for k, v in m.items() if k in ("loss", "lr", "grad_norm", "val_loss")})
+        for s, m in metric_rows(run_dir)
+    ]
 
 
 ACCUM = ["task_args.dropout=0.0"]  # dropout masks are drawn per micro-batch: off for the tolerance check
@@ -197,10 +226,13 @@ def test_grad_accum_kill_inside_window_bitwise_and_close_to_big_batch(tmp_path: 
     ma = CheckpointStore(ref_dir).load_latest()[1]["state"]["model"]
     mb = CheckpointStore(big_dir).load_latest()[1]["state"]["model"]
     worst_param = max(float((ma[k] - mb[k]).abs().max()) for k in ma)
-    rel_norm = math.sqrt(sum(float(((ma[k] - mb[k]) ** 2).sum()) for k in ma)
-                         / sum(float((mb[k] ** 2).sum()) for k in mb))
-    print(f"accum 4x2 vs 1x8 over {TOTAL} steps: loss rel diff {worst_loss:.2e}, "
-          f"param rel norm diff {rel_norm:.2e}, param max abs diff {worst_param:.2e}")
+    rel_norm = math.sqrt(
+        sum(float(((ma[k] - mb[k]) ** 2).sum()) for k in ma) / sum(float((mb[k] ** 2).sum()) for k in mb)
+    )
+    print(
+        f"accum 4x2 vs 1x8 over {TOTAL} steps: loss rel diff {worst_loss:.2e}, "
+        f"param rel norm diff {rel_norm:.2e}, param max abs diff {worst_param:.2e}"
+    )
     # The tolerance README documents: losses within 1e-5 (relative), weights within 1e-3 of their
     # norm and no element further apart than one LR-sized AdamW update (lr 3e-3).
     assert worst_loss < 1e-5 and rel_norm < 1e-3 and worst_param < 3e-3
@@ -215,9 +247,19 @@ def test_eval_leaves_the_trajectory_alone_and_logs_val_loss_once(tmp_path: Path,
 
     db = tmp_path / "mlflow.db"
     uri = f"sqlite:///{db}"
-    run_dir = make_run(tmp_path, "eval-on", SHORT + DICT_TASK + ["train.eval_every=4", "train.eval_samples=24",
-                                                     "tracking.mlflow=true", f"tracking.mlflow_uri={uri}",
-                                                     "checkpoint.every_steps=10"])
+    run_dir = make_run(
+        tmp_path,
+        "eval-on",
+        SHORT
+        + DICT_TASK
+        + [
+            "train.eval_every=4",
+            "train.eval_samples=24",
+            "tracking.mlflow=true",
+            f"tracking.mlflow_uri={uri}",
+            "checkpoint.every_steps=10",
+        ],
+    )
     run_id = ensure_mlflow_run(load_run_config(run_dir), run_dir)
     # Two kills past an eval step and before the next checkpoint: steps 12 and 24 (evaluated,
     # logged) are replayed after resuming from 10 and 20.
@@ -248,8 +290,7 @@ def test_eval_phase_has_its_own_limit() -> None:
     t = time.time()
     w = _Watch(started=t - 1, phase="eval", phase_since=t - 1, progress=t - 1)
     for after in (3.0, 8.0):  # past stall_s and save_timeout_s, beats still coming
-        beat = {"rank": 0, "pid": os.getpid(), "phase": "eval", "step": 12, "time": t + after,
-                "progress_time": t - 1}
+        beat = {"rank": 0, "pid": os.getpid(), "phase": "eval", "step": 12, "time": t + after, "progress_time": t - 1}
         assert _check(w, [beat], 1, lim, t + after) is None
     beat = {"rank": 0, "pid": os.getpid(), "phase": "eval", "step": 12, "time": t + 9.5, "progress_time": t - 1}
     kind, reason, _ = _check(w, [beat], 1, lim, t + 9.6)
@@ -326,8 +367,11 @@ def test_evaluate_restores_every_rng_stream_and_the_train_mode(tmp_path: Path) -
 
     from training.worker import Worker
 
-    run_dir = make_run(tmp_path, "rng", SHORT + ["task=tests.test_real_models:build_random_eval_task",
-                                                 "train.eval_every=1", "train.eval_samples=8"])
+    run_dir = make_run(
+        tmp_path,
+        "rng",
+        SHORT + ["task=tests.test_real_models:build_random_eval_task", "train.eval_every=1", "train.eval_samples=8"],
+    )
     worker = Worker(run_dir, TOTAL)
     try:
         worker.setup()
@@ -352,8 +396,17 @@ def test_two_ranks_accumulate_and_evaluate_like_one(tmp_path: Path) -> None:
     micro-batches up to the all-reduce's summation order (dropout off)."""
     from tests.test_distributed import finish, torchrun
 
-    extra = SHORT + ACCUM + ["train.total_steps=12", "train.chunk_steps=12", "train.grad_accum_steps=2",
-                             "train.eval_every=6", "train.eval_samples=12"]
+    extra = (
+        SHORT
+        + ACCUM
+        + [
+            "train.total_steps=12",
+            "train.chunk_steps=12",
+            "train.grad_accum_steps=2",
+            "train.eval_every=6",
+            "train.eval_samples=12",
+        ]
+    )
     one = make_run(tmp_path, "one-rank", extra)
     two = make_run(tmp_path, "two-ranks", extra + ["train.ranks=2"])
     p2 = torchrun(two, 12, 2)

@@ -29,14 +29,18 @@ def test_young_daly_is_the_numerical_minimum() -> None:
     assert young_daly_h(save, mtbf) == pytest.approx(10.0)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--gpus", "0", "--save-hours", "1"], "gpus = 0"),
-    (["--failure-rate-per-day", "-0.5", "--save-hours", "1"], "failure-rate-per-day = -0.5"),
-    (["--gpus", "4"], "give --save-hours"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--gpus", "0", "--save-hours", "1"], "gpus = 0"),
+        (["--failure-rate-per-day", "-0.5", "--save-hours", "1"], "failure-rate-per-day = -0.5"),
+        (["--gpus", "4"], "give --save-hours"),
+    ],
+)
 def test_plan_rejects_impossible_inputs_with_one_line(args: list[str], needle: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "plan", *args], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], proc.stderr
@@ -78,8 +82,11 @@ def test_adaptive_interval_reacts_to_measured_saves_in_a_real_worker(tmp_path: P
 
     chosen = {}
     for name, faults, blocking in (("fast", "", "true"), ("slow", "persist_delay=0.5", "false")):
-        run_dir = make_run(tmp_path, name, ["checkpoint.every_steps=auto", "checkpoint.mtbf_hours=0.05",
-                                            f"checkpoint.async_save={blocking}"])
+        run_dir = make_run(
+            tmp_path,
+            name,
+            ["checkpoint.every_steps=auto", "checkpoint.mtbf_hours=0.05", f"checkpoint.async_save={blocking}"],
+        )
         code, out = run_worker(run_dir, 120, env={"CONVOY_FAULTS": faults})
         assert code == 0, out
         picks = read_events(run_dir, "interval_chosen")

@@ -18,11 +18,22 @@ from tests.flow_util import REPO, params
 
 
 def test_progress_line_and_plain_cadence() -> None:
-    st = {"total_steps": 400, "step": 150, "loss": 2.345678, "tokens_per_s": 12345.6, "steps_per_s": 3.21,
-          "eta_s": 300.0, "checkpoint_step": 100, "failures": 1, "failure_chunks": [2]}
+    st = {
+        "total_steps": 400,
+        "step": 150,
+        "loss": 2.345678,
+        "tokens_per_s": 12345.6,
+        "steps_per_s": 3.21,
+        "eta_s": 300.0,
+        "checkpoint_step": 100,
+        "failures": 1,
+        "failure_chunks": [2],
+    }
     line = progress_line(st, chunk_steps=100)
-    assert line == ("step 150/400 (38%) · chunk 2/4 attempt 2 · loss 2.3457 · 12,346 tok/s · 3.21 steps/s · "
-                    "ETA 5.0 min · checkpoint 100 · failures 1")
+    assert line == (
+        "step 150/400 (38%) · chunk 2/4 attempt 2 · loss 2.3457 · 12,346 tok/s · 3.21 steps/s · "
+        "ETA 5.0 min · checkpoint 100 · failures 1"
+    )
     assert not plain_due(10.0, 0.0, 20, 0, 400)
     assert plain_due(PLAIN_EVERY_S, 0.0, 20, 0, 400) and plain_due(1.0, 0.0, 40, 0, 400)
 
@@ -47,9 +58,19 @@ def test_classified_failures_log_no_traceback() -> None:
 def test_failure_lines_name_the_log_and_its_last_lines(tmp_path: Path) -> None:
     log = tmp_path / "chunk-1-attempt-1.log"
     log.write_text("".join(f"line {i}\n" for i in range(30)))
-    exc = ChunkFailed("killed", "chunk 3 killed: signal SIGKILL",
-                      {"reason": "signal SIGKILL", "trained_to": 47, "detected_after_s": 0.21,
-                       "last_committed_step": 40, "steps_lost": 7, "log": str(log), "tail": []})
+    exc = ChunkFailed(
+        "killed",
+        "chunk 3 killed: signal SIGKILL",
+        {
+            "reason": "signal SIGKILL",
+            "trained_to": 47,
+            "detected_after_s": 0.21,
+            "last_committed_step": 40,
+            "steps_lost": 7,
+            "log": str(log),
+            "tail": [],
+        },
+    )
     lines = failure_lines(exc)
     assert lines[0] == "killed: signal SIGKILL"
     assert lines[1] == "at step 47, detected after 0.2 s, a retry resumes from step 40, 7 step(s) lost"
@@ -62,15 +83,26 @@ def test_train_prints_a_summary_with_the_mlflow_url_and_json_parses(
     prefect_api: str, data_dir: Path, tmp_path: Path
 ) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    p = params(tmp_path, data_dir, "summary", train={"total_steps": 10, "chunk_steps": 10},
-               tracking={"mlflow": True, "mlflow_uri": uri})
+    p = params(
+        tmp_path,
+        data_dir,
+        "summary",
+        train={"total_steps": 10, "chunk_steps": 10},
+        tracking={"mlflow": True, "mlflow_uri": uri},
+    )
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(p))
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "COLUMNS": "200"}
 
     def convoy(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "flows.cli", "train", str(path), *args], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "flows.cli", "train", str(path), *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     human = convoy()
     assert human.returncode == 0, human.stderr[-3000:]

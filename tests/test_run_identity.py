@@ -79,8 +79,11 @@ def checkpoint_digests(run_dir: Path) -> dict[str, str]:
     """Every file of every checkpoint, hashed: "untouched" means bitwise."""
     import hashlib
 
-    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted((run_dir / "checkpoints").rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted((run_dir / "checkpoints").rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_keyed_config_and_link(tmp_path: Path) -> None:
@@ -138,8 +141,9 @@ def test_param_change_under_dvc_repro_trains_a_new_run(tmp_path: Path, prefect_a
     params.update(on_config_change="refuse")
     params["train"]["lr"] = 0.005
     (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=clone, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro"], cwd=clone, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode != 0 and "train.lr 0.003 → 0.005" in proc.stderr, proc.stderr[-3000:]
     assert (clone / "models" / "model.safetensors").read_bytes() == model_a
 
@@ -191,15 +195,22 @@ def test_pull_in_a_fresh_clone_resumes_to_the_same_digest(tmp_path: Path, prefec
     a = fresh_clone("machine-a")
     pull_and_train(a)
     assert summary_json(run(a, env, "convoy", "pull", "runs/demo", "--latest-only"))["remote"].startswith(
-        "remote 'convoy'")
+        "remote 'convoy'"
+    )
 
     b = fresh_clone("machine-b")  # the remote only as the repository's default remote
     params["tracking"]["dvc_remote"] = ""
     (b / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     empty = tmp_path / "empty-remote"
     empty.mkdir()
-    proc = subprocess.run(["convoy", "pull", "runs/demo", "--remote", str(empty)], cwd=b, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["convoy", "pull", "runs/demo", "--remote", str(empty)],
+        cwd=b,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1 and str(empty) in proc.stderr and "step-000000020" in proc.stderr, proc.stderr
     run(b, env, sys.executable, "-m", "dvc", "remote", "remove", "convoy", "--local")
     run(b, env, sys.executable, "-m", "dvc", "remote", "add", "-d", "store", str(remote))
@@ -220,9 +231,18 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     assert resolve_parent(f"{parent}@10").step == 10
 
     def child(name: str) -> tuple[Any, Path]:
-        cfg = load_config(None, SMALL + [f"runs_dir={tmp_path / 'runs'}", f"data.prepared_dir={tmp_path / 'data'}",
-                                         f"run_name={name}", "train.total_steps=40", "train.chunk_steps=20",
-                                         "train.lr=0.001"])
+        cfg = load_config(
+            None,
+            SMALL
+            + [
+                f"runs_dir={tmp_path / 'runs'}",
+                f"data.prepared_dir={tmp_path / 'data'}",
+                f"run_name={name}",
+                "train.total_steps=40",
+                "train.chunk_steps=20",
+                "train.lr=0.001",
+            ],
+        )
         cfg = cfg.model_copy(update={"init_from": resolve_parent(str(parent))})
         return cfg, open_run(cfg)
 
@@ -256,12 +276,17 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     # The CLI refuses a parent checkpoint already at total_steps (the child would train nothing).
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(json.loads((parent / "config.json").read_text())))
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", str(params), "--from", str(parent)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", str(params), "--from", str(parent)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "already at train.total_steps = 20" in proc.stderr, proc.stderr
 
-    tracked = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(
-        update={"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})})
+    tracked = cfg.model_copy(
+        update={"tracking": cfg.tracking.model_copy(update={"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})}
+    )
     tags = client_for(tracked.tracking.mlflow_uri).get_run(ensure_mlflow_run(tracked, a)).data.tags
     assert tags["convoy.parent_run"] == "parent" and tags["convoy.parent_step"] == "20"
     assert tags["convoy.parent_digest"] == lineage["digest"]

@@ -57,8 +57,16 @@ def test_two_kills_in_a_row_are_taken_over_by_standbys_bitwise(
     flag = tmp_path / "stall-after-first-kill"
     monkeypatch.setenv("CONVOY_FAULTS", f"step_delay=0.05,slow_flag={flag}:60")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    cfg = config(params(tmp_path, data_dir, "standby", orchestration={"standby": True},
-                        tracking={"mlflow": True}, heartbeat={"stall_s": 90}))
+    cfg = config(
+        params(
+            tmp_path,
+            data_dir,
+            "standby",
+            orchestration={"standby": True},
+            tracking={"mlflow": True},
+            heartbeat={"stall_s": 90},
+        )
+    )
     run_dir = cfg.run_dir.resolve()
     kills: list[dict[str, Any]] = []
 
@@ -92,9 +100,14 @@ def test_two_kills_in_a_row_are_taken_over_by_standbys_bitwise(
     assert [e["step"] for e in resumed[-2:]] == [f["last_committed_step"] for f in fail]
     called = read_events(run_dir, "standby_called")
     assert [e["chunk"] for e in called] == [2, 2]
-    print("\nstandby hand-over after each kill: " + ", ".join(
-        f"kill at step {k['step']} -> resumed at {r['step']} ({r['time'] - f['time']:.2f} s after the failure "
-        f"was recorded)" for k, r, f in zip(kills, resumed[-2:], fail, strict=True)))
+    print(
+        "\nstandby hand-over after each kill: "
+        + ", ".join(
+            f"kill at step {k['step']} -> resumed at {r['step']} ({r['time'] - f['time']:.2f} s after the failure "
+            f"was recorded)"
+            for k, r, f in zip(kills, resumed[-2:], fail, strict=True)
+        )
+    )
     assert_no_leftovers(run_dir)
 
 
@@ -104,8 +117,14 @@ def test_standby_dies_with_a_killed_flow(prefect_api: str, data_dir: Path, tmp_p
     pfile.write_text(yaml.safe_dump(p))
     run_dir = config(p).run_dir.resolve()
     env = {**os.environ, "CONVOY_FAULTS": "step_delay=0.05"}
-    flow = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", str(pfile)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    flow = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "train", str(pfile)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
+    )
     try:
         standby_pid = wait_for_ready_standby(run_dir, 1)
         assert flow.poll() is None

@@ -16,8 +16,13 @@ INTERVAL = 0.1  # heartbeat.interval_s of engine_util.SMALL
 
 
 def status_json(run_dir: Path) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "status", str(run_dir), "--json"],
-                         capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "status", str(run_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -65,11 +70,29 @@ def test_one_definition_of_steps_lost(tmp_path: Path) -> None:
     assert trained_high_water(tmp_path, 2) == 3 and trained_high_water(tmp_path, 5) == 5
     assert trained_high_water(tmp_path, None, metrics_offset=10**6) is None
     append_event(tmp_path, "started", rank=0, until_step=100)
-    append_event(tmp_path, "failure", failure="killed", last_beat_step=35, trained_to=36, last_committed_step=None,
-                 steps_lost=steps_lost(36, None), chunk=1, attempt=1)
+    append_event(
+        tmp_path,
+        "failure",
+        failure="killed",
+        last_beat_step=35,
+        trained_to=36,
+        last_committed_step=None,
+        steps_lost=steps_lost(36, None),
+        chunk=1,
+        attempt=1,
+    )
     append_event(tmp_path, "started", rank=0, until_step=100)  # no checkpoint: from step 0
-    append_event(tmp_path, "failure", failure="killed", last_beat_step=40, trained_to=40, last_committed_step=40,
-                 steps_lost=steps_lost(40, 40), chunk=1, attempt=2)
+    append_event(
+        tmp_path,
+        "failure",
+        failure="killed",
+        last_beat_step=40,
+        trained_to=40,
+        last_committed_step=40,
+        steps_lost=steps_lost(40, 40),
+        chunk=1,
+        attempt=2,
+    )
     append_event(tmp_path, "resumed", rank=0, step=40, until_step=100)
     audit = analyse_events(read_events(tmp_path))
     assert [r["lost_steps"] for r in audit["rows"]] == [36, 0] and audit["steps_lost"] == 36

@@ -138,8 +138,14 @@ def test_success_tees_output(tmp_path: Path, run_dir: Path) -> None:
 
 @pytest.mark.parametrize(
     ("mode", "kind"),
-    [("crash", "crash"), ("config", "config"), ("oom-text", "oom"), ("segv", "crash"), ("preempt-self", "preempted"),
-     ("diskfull", "diskfull")],
+    [
+        ("crash", "crash"),
+        ("config", "config"),
+        ("oom-text", "oom"),
+        ("segv", "crash"),
+        ("preempt-self", "preempted"),
+        ("diskfull", "diskfull"),
+    ],
 )
 def test_exit_classification(tmp_path: Path, run_dir: Path, mode: str, kind: str) -> None:
     exc = run(tmp_path, run_dir, mode)
@@ -269,7 +275,7 @@ def test_a_worker_stopped_right_after_a_phase_change_is_hung_not_dead() -> None:
 
 
 DIES_AFTER_BOUNDARY = textwrap.dedent(
-    r'''
+    r"""
     import json, os, sys, time
     run_dir = sys.argv[1]
     hb = os.path.join(run_dir, "heartbeat", "rank-0.json")
@@ -286,13 +292,11 @@ DIES_AFTER_BOUNDARY = textwrap.dedent(
         time.sleep(0.1)
     print("Traceback: RuntimeError: boom between the two chunk tasks", flush=True)
     sys.exit(1)
-    '''
+    """
 )
 
 
-def test_a_worker_that_dies_between_chunk_tasks_is_reported_with_its_last_words(
-    tmp_path: Path, run_dir: Path
-) -> None:
+def test_a_worker_that_dies_between_chunk_tasks_is_reported_with_its_last_words(tmp_path: Path, run_dir: Path) -> None:
     """Pipelined: chunk 1 parks the worker at its boundary; it dies before chunk 2 adopts it.  Chunk 2
     reads the log on from where chunk 1 stopped, so its failure quotes what the worker said."""
     script = tmp_path / "dies_after_boundary.py"
@@ -303,8 +307,11 @@ def test_a_worker_that_dies_between_chunk_tasks_is_reported_with_its_last_words(
     assert out.returncode == 0  # the boundary was committed: chunk 1 is done, the worker parked
     time.sleep(1.5)  # the worker dies while no task watches it
     with pytest.raises(ChunkFailed) as info:
-        supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, attempt=1,
-                              done_at_step=20, pipeline=True))
+        supervise(
+            AttemptSpec(
+                cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, attempt=1, done_at_step=20, pipeline=True
+            )
+        )
     assert info.value.kind == "crash" and "boom between the two chunk tasks" in str(info.value), info.value
     assert not leftovers(run_dir)
 

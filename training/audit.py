@@ -36,9 +36,21 @@ AUDIT_DIR = "audit"
 TABLE_ARTIFACT = "convoy/resume_events.json"
 TIMELINE_ARTIFACT = "convoy/timeline.png"
 TABLE_COLUMNS = [
-    "time", "kind", "detected_after_s", "failed_at_step", "resumed_from_step", "lost_steps", "recovery_s",
-    "load_s", "checkpoint", "checkpoint_digest", "replay_verified", "values_compared", "mismatches",
-    "chunk", "attempt",
+    "time",
+    "kind",
+    "detected_after_s",
+    "failed_at_step",
+    "resumed_from_step",
+    "lost_steps",
+    "recovery_s",
+    "load_s",
+    "checkpoint",
+    "checkpoint_digest",
+    "replay_verified",
+    "values_compared",
+    "mismatches",
+    "chunk",
+    "attempt",
 ]
 
 #: child run id → tracking URI, so that :func:`end_attempt` needs only the id (same process).
@@ -193,7 +205,7 @@ def _readable_y_range(ax: Any, loss: list[float]) -> None:
     if min(loss) > 0 and max(loss) / min(loss) > 20:
         ax.set_yscale("log")
         return
-    trained = loss[len(loss) // 20:] or loss
+    trained = loss[len(loss) // 20 :] or loss
     low, high = min(trained), max(trained)
     if max(loss) > high + (high - low):  # the first steps would take over half of the axis
         pad = 0.1 * (high - low or 1.0)
@@ -213,21 +225,44 @@ def render_timeline(run_dir: str | Path, summary: dict[str, Any], out_path: str 
         first_fail = first_resume = True
         for row in summary["rows"]:
             if row["failed_at_step"] is not None:
-                ax.axvline(row["failed_at_step"], color="tab:red", ls="-", lw=1.2, alpha=0.8,
-                           label="failure" if first_fail else None)
+                ax.axvline(
+                    row["failed_at_step"],
+                    color="tab:red",
+                    ls="-",
+                    lw=1.2,
+                    alpha=0.8,
+                    label="failure" if first_fail else None,
+                )
                 first_fail = False
                 # The kind beside the failure line, inside the axes (never clipped at the top).
-                ax.annotate(f"{row['kind']} @ {row['failed_at_step']}", (row["failed_at_step"], 0.97),
-                            xycoords=("data", "axes fraction"), xytext=(3, 0), textcoords="offset points",
-                            rotation=90, va="top", ha="left", fontsize=7, color="tab:red")
-            ax.axvline(row["resumed_from_step"], color="tab:green", ls=":", lw=1.5,
-                       label="resumed from" if first_resume else None)
+                ax.annotate(
+                    f"{row['kind']} @ {row['failed_at_step']}",
+                    (row["failed_at_step"], 0.97),
+                    xycoords=("data", "axes fraction"),
+                    xytext=(3, 0),
+                    textcoords="offset points",
+                    rotation=90,
+                    va="top",
+                    ha="left",
+                    fontsize=7,
+                    color="tab:red",
+                )
+            ax.axvline(
+                row["resumed_from_step"],
+                color="tab:green",
+                ls=":",
+                lw=1.5,
+                label="resumed from" if first_resume else None,
+            )
             first_resume = False
         ax.set_xlabel("global step")
         ax.set_ylabel("loss")
         _readable_y_range(ax, loss)
-        ax.set_title(f"{title}  resumes={summary['resumes']} failures={summary['failures']} "
-                     f"steps_lost={summary['steps_lost']}".strip(), fontsize=9)
+        ax.set_title(
+            f"{title}  resumes={summary['resumes']} failures={summary['failures']} "
+            f"steps_lost={summary['steps_lost']}".strip(),
+            fontsize=9,
+        )
         ax.grid(alpha=0.3)
         if steps:
             ax.legend(loc="upper right", fontsize=8)
@@ -251,8 +286,9 @@ def _client_and_parent(config: RunConfig, run_dir: Path) -> tuple[Any, str, str]
     return client_for(uri), run_id, uri
 
 
-def start_attempt(config: RunConfig, run_dir: str | Path, chunk: int, attempt: int,
-                  start_step: int, end_step: int) -> str | None:
+def start_attempt(
+    config: RunConfig, run_dir: str | Path, chunk: int, attempt: int, start_step: int, end_step: int
+) -> str | None:
     """Create the nested child run of one chunk attempt; returns its id (None without MLflow)."""
     if not config.tracking.mlflow:
         return None
@@ -270,8 +306,7 @@ def start_attempt(config: RunConfig, run_dir: str | Path, chunk: int, attempt: i
         "convoy.end_step": str(end_step),
         "convoy.fingerprint": config.fingerprint(),
     }
-    child = client.create_run(parent.info.experiment_id, run_name=f"chunk-{chunk:03d}-attempt-{attempt}",
-                              tags=tags)
+    child = client.create_run(parent.info.experiment_id, run_name=f"chunk-{chunk:03d}-attempt-{attempt}", tags=tags)
     _child_uris[child.info.run_id] = uri
     return child.info.run_id
 
@@ -289,7 +324,7 @@ def log_tail(path: str | Path | None, lines: int = LOG_TAIL_LINES, max_bytes: in
         with open(path, "rb") as f:
             start = max(0, f.seek(0, os.SEEK_END) - max_bytes)
             f.seek(start)
-            text = f.read().decode(errors="replace").splitlines()[1 if start else 0:]
+            text = f.read().decode(errors="replace").splitlines()[1 if start else 0 :]
     except OSError:
         return []
     return text[-lines:]
@@ -309,9 +344,17 @@ def failure_tags(failure: dict[str, Any]) -> dict[str, str]:
     return {f"convoy.{k}": str(v) for k, v in facts.items() if v is not None}
 
 
-def end_attempt(child_run_id: str | None, status: str, failure_kind: str | None = None, steps: int = 0,
-                seconds: float = 0.0, *, failure: dict[str, Any] | None = None, config: RunConfig | None = None,
-                run_dir: str | Path | None = None) -> None:
+def end_attempt(
+    child_run_id: str | None,
+    status: str,
+    failure_kind: str | None = None,
+    steps: int = 0,
+    seconds: float = 0.0,
+    *,
+    failure: dict[str, Any] | None = None,
+    config: RunConfig | None = None,
+    run_dir: str | Path | None = None,
+) -> None:
     """End a child run FINISHED or FAILED.  Tags: status, steps committed by the attempt, seconds,
     and for a failure (``failure`` = the supervisor's details) its kind, reason, failed-at and
     resumed-from steps, steps lost and log path, with the log's tail as an artifact and a one-line
@@ -335,7 +378,8 @@ def end_attempt(child_run_id: str | None, status: str, failure_kind: str | None 
             f"{failure_kind or 'failure'} at step {tags.get('convoy.failed_at_step', '?')}: "
             f"{tags.get('convoy.failure_reason', '')}; detected after {tags.get('convoy.detected_after_s', '?')} s; "
             f"the next attempt resumes from step {tags['convoy.resumed_from_step']} "
-            f"({tags.get('convoy.steps_lost', '?')} steps lost)")
+            f"({tags.get('convoy.steps_lost', '?')} steps lost)"
+        )
     client.log_batch(child_run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
     tail = log_tail((failure or {}).get("log"))
     if tail:
@@ -392,8 +436,10 @@ def describe_audit(summary: dict[str, Any]) -> str:
     for row in summary["rows"]:
         kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
     shown = ", ".join(f"{n} {k}" for k, n in kinds.items()) or "not resumed yet"
-    text = (f"{summary['failures']} failure(s) ({shown}), {summary['resumes']} resume(s) from verified checkpoints, "
-            f"{summary['steps_lost']} step(s) lost and retrained.")
+    text = (
+        f"{summary['failures']} failure(s) ({shown}), {summary['resumes']} resume(s) from verified checkpoints, "
+        f"{summary['steps_lost']} step(s) lost and retrained."
+    )
     if summary["resumes"]:
         text += f" Replays verified bit for bit after {summary['replay_verified']} of {summary['resumes']} resume(s)."
     if summary["nondeterministic"]:

@@ -124,9 +124,17 @@ class _Snapshot:
 class CheckpointStore:
     """One run's checkpoints.  Exactly one writer process per run (the flow holds a file lock)."""
 
-    def __init__(self, run_dir: str | Path, policy: CheckpointConfig | None = None,
-                 fingerprint: str = "", world_size: int = 1, rank: int = 0, gather_timeout_s: float = 300,
-                 boundary_every: int = 0, validator: Validator | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        policy: CheckpointConfig | None = None,
+        fingerprint: str = "",
+        world_size: int = 1,
+        rank: int = 0,
+        gather_timeout_s: float = 300,
+        boundary_every: int = 0,
+        validator: Validator | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.root = RunPaths(self.run_dir).checkpoints
         self.root.mkdir(parents=True, exist_ok=True)
@@ -219,10 +227,21 @@ class CheckpointStore:
             if step is None or not path.is_dir():
                 continue
             event = moved.get(path.name, {})
-            reason = f"quarantined ({event.get('kind', 'moved aside').removeprefix('checkpoint_')}): " \
-                     f"{event.get('reason', 'no event recorded')}"
-            rows.append({"step": step, "name": path.name, "quarantined": True, "valid": False,
-                         "bytes": _dir_bytes(path), "digest": event.get("old_digest"), "reason": reason})
+            reason = (
+                f"quarantined ({event.get('kind', 'moved aside').removeprefix('checkpoint_')}): "
+                f"{event.get('reason', 'no event recorded')}"
+            )
+            rows.append(
+                {
+                    "step": step,
+                    "name": path.name,
+                    "quarantined": True,
+                    "valid": False,
+                    "bytes": _dir_bytes(path),
+                    "digest": event.get("old_digest"),
+                    "reason": reason,
+                }
+            )
         return rows
 
     # ------------------------------------------------------------------ loading
@@ -270,12 +289,14 @@ class CheckpointStore:
         named = tensor_refs(skeleton)
         if named != set(tensors):
             missing, unused = sorted(named - set(tensors))[:3], sorted(set(tensors) - named)[:3]
-            raise ValueError(f"{skel_name} does not match {name}: names tensors it lacks {missing}, "
-                             f"leaves tensors unnamed {unused}")
+            raise ValueError(
+                f"{skel_name} does not match {name}: names tensors it lacks {missing}, leaves tensors unnamed {unused}"
+            )
         return join_tree(skeleton, tensors)
 
-    def load_latest(self, on_skip: Callable[[Path, str], None] | None = None
-                    ) -> tuple[Checkpoint, dict[str, Any]] | None:
+    def load_latest(
+        self, on_skip: Callable[[Path, str], None] | None = None
+    ) -> tuple[Checkpoint, dict[str, Any]] | None:
         """Newest checkpoint that verifies *and* parses; skipped ones are recorded (and reported
         to ``on_skip(path, reason)``)."""
         for _step, path, reason, loaded in self.candidates():
@@ -323,9 +344,14 @@ class CheckpointStore:
         buf.copy_(t, non_blocking=t.is_cuda)
         return buf
 
-    def save(self, step: int, parts: dict[str, Any], blocking: bool = False,
-             extra_manifest: dict[str, Any] | None = None,
-             collective_write: Callable[[Path], dict[str, dict[str, Any]]] | None = None) -> float:
+    def save(
+        self,
+        step: int,
+        parts: dict[str, Any],
+        blocking: bool = False,
+        extra_manifest: dict[str, Any] | None = None,
+        collective_write: Callable[[Path], dict[str, dict[str, Any]]] | None = None,
+    ) -> float:
         """Snapshot ``parts`` into reused CPU buffers, then persist (in the background unless
         ``blocking``).  Returns the stall in seconds: the time the caller was held up.
 
@@ -396,9 +422,14 @@ class CheckpointStore:
                     return
                 files = self._gather_rank_files(tmp, snap.step)
             manifest = {
-                "format": FORMAT_VERSION, "step": snap.step, "created": time.time(),
-                "fingerprint": self.fingerprint, "world_size": self.world_size,
-                "files": files, "digest": state_digest(files), "versions": _versions(),
+                "format": FORMAT_VERSION,
+                "step": snap.step,
+                "created": time.time(),
+                "fingerprint": self.fingerprint,
+                "world_size": self.world_size,
+                "files": files,
+                "digest": state_digest(files),
+                "versions": _versions(),
                 **snap.extra_manifest,
             }
             atomic_write_bytes(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
@@ -449,12 +480,22 @@ class CheckpointStore:
         else:
             if existing.digest == new_digest:
                 return True
-            kind, reason, old = "replaced", "same step, different state digest (non-deterministic replay)", \
-                existing.digest
+            kind, reason, old = (
+                "replaced",
+                "same step, different state digest (non-deterministic replay)",
+                existing.digest,
+            )
         aside = final.with_name(f"{final.name}.{kind}-{int(time.time() * 1000)}")
         os.rename(final, aside)
-        append_event(self.run_dir, f"checkpoint_{kind}", checkpoint=final.name, moved_to=aside.name,
-                     reason=reason, old_digest=old, new_digest=new_digest)
+        append_event(
+            self.run_dir,
+            f"checkpoint_{kind}",
+            checkpoint=final.name,
+            moved_to=aside.name,
+            reason=reason,
+            old_digest=old,
+            new_digest=new_digest,
+        )
         return False
 
     # ------------------------------------------------------------------ retention

@@ -95,4 +95,3 @@ def tensor_refs(skeleton: Any) -> set[str]:
             else:
                 stack.extend(node.values())
     return keys
-

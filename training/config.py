@@ -282,8 +282,11 @@ class RunConfig(_Strict):
         data = self.data.model_dump(exclude={"num_workers", "prepared_dir"})
         payload = {"task": self.task, "task_args": self.task_args, "data": data, "train": train}
         if self.init_from is not None:  # absent otherwise: every fingerprint from before stays valid
-            payload["init_from"] = {"run": Path(self.init_from.run).name, "step": self.init_from.step,
-                                    "digest": self.init_from.digest}
+            payload["init_from"] = {
+                "run": Path(self.init_from.run).name,
+                "step": self.init_from.step,
+                "digest": self.init_from.digest,
+            }
         return json.loads(json.dumps(payload, sort_keys=True, default=str))
 
     def fingerprint(self) -> str:

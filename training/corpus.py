@@ -62,9 +62,15 @@ def prepare(data: DataConfig, seed: int) -> Path:
         text, entropy = synthetic_text(data.synthetic_chars, seed)
     raw = text.encode()
     atomic_write_bytes(out_dir / CORPUS_FILE, raw)
-    atomic_write_json(meta_path, {"settings": want, "bytes": len(raw),
-                                  "entropy_floor_bits_per_char": entropy,
-                                  "entropy_floor_nats_per_char": entropy * math.log(2) if entropy else None})
+    atomic_write_json(
+        meta_path,
+        {
+            "settings": want,
+            "bytes": len(raw),
+            "entropy_floor_bits_per_char": entropy,
+            "entropy_floor_nats_per_char": entropy * math.log(2) if entropy else None,
+        },
+    )
     return out_dir / CORPUS_FILE
 
 

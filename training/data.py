@@ -68,13 +68,23 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
 class ResumableBatchSampler(Sampler[list[int]]):
     """Infinite stream of this rank's slice of each global batch, starting at ``start``."""
 
-    def __init__(self, num_samples: int, batch_size: int, seed: int, start: Cursor,
-                 rank: int = 0, world_size: int = 1, accum: int = 1) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        seed: int,
+        start: Cursor,
+        rank: int = 0,
+        world_size: int = 1,
+        accum: int = 1,
+    ) -> None:
         if batch_size % world_size:
             raise ValueError(f"global batch {batch_size} is not divisible by world size {world_size}")
         if batch_size * accum > num_samples:
-            raise ValueError(f"global batch {batch_size} x {accum} accumulation steps is larger than the dataset "
-                             f"({num_samples} samples)")
+            raise ValueError(
+                f"global batch {batch_size} x {accum} accumulation steps is larger than the dataset "
+                f"({num_samples} samples)"
+            )
         self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
         self.start, self.rank, self.world_size, self.accum = start, rank, world_size, accum
         self.per_rank = batch_size // world_size
@@ -106,17 +116,37 @@ def _worker_init(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def make_loader(dataset: Dataset, batch_size: int, seed: int, start: Cursor, rank: int = 0,
-                world_size: int = 1, num_workers: int = 0, accum: int = 1,
-                collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    seed: int,
+    start: Cursor,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    accum: int = 1,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> DataLoader:
     """The resumable loader; yields ``accum`` micro-batches per optimizer step, each collated by
     ``collate_fn`` (the task's, or PyTorch's default, which already handles dicts and tuples)."""
-    sampler = ResumableBatchSampler(len(dataset), batch_size, seed, start, rank, world_size,  # type: ignore[arg-type]
-                                    accum)
+    sampler = ResumableBatchSampler(
+        len(dataset),
+        batch_size,
+        seed,
+        start,
+        rank,
+        world_size,  # type: ignore[arg-type]
+        accum,
+    )
     generator = torch.Generator().manual_seed(mix_seed(seed, start.epoch, start.offset, rank))
     return DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, generator=generator, collate_fn=collate_fn,
-        worker_init_fn=_worker_init if num_workers else None, prefetch_factor=2 if num_workers else None,
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        generator=generator,
+        collate_fn=collate_fn,
+        worker_init_fn=_worker_init if num_workers else None,
+        prefetch_factor=2 if num_workers else None,
     )
 
 

@@ -67,16 +67,26 @@ def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -
     ck, parts = loaded
     model = parts["state"]["model"]
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in sorted(model.items())}
-    meta = {"step": str(ck.step), "digest": ck.digest, "fingerprint": str(ck.manifest.get("fingerprint", "")),
-            "checkpoint": ck.path.name, "format": "convoy-model-1"}
+    meta = {
+        "step": str(ck.step),
+        "digest": ck.digest,
+        "fingerprint": str(ck.manifest.get("fingerprint", "")),
+        "checkpoint": ck.path.name,
+        "format": "convoy-model-1",
+    }
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     write_file(tmp, tensors, meta)
     os.replace(tmp, out)
-    return {"path": str(out_path), "step": ck.step, "digest": ck.digest, "fingerprint": meta["fingerprint"],
-            "tensors": len(tensors),
-            "parameters": sum(t.numel() for t in tensors.values())}
+    return {
+        "path": str(out_path),
+        "step": ck.step,
+        "digest": ck.digest,
+        "fingerprint": meta["fingerprint"],
+        "tensors": len(tensors),
+        "parameters": sum(t.numel() for t in tensors.values()),
+    }
 
 
 def load_model_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -119,8 +129,12 @@ def train_info(config: RunConfig, run_dir: str | Path, export: dict[str, Any]) -
     from training.audit import analyse_events
 
     audit = analyse_events(read_events(run_dir))
-    return {"step": export["step"], "digest": export["digest"], "fingerprint": config.fingerprint(),
-            "nondeterministic": audit["nondeterministic"]}
+    return {
+        "step": export["step"],
+        "digest": export["digest"],
+        "fingerprint": config.fingerprint(),
+        "nondeterministic": audit["nondeterministic"],
+    }
 
 
 def _check_trained_with(config: RunConfig, run_dir: Path, fingerprint: str) -> None:
@@ -130,19 +144,28 @@ def _check_trained_with(config: RunConfig, run_dir: Path, fingerprint: str) -> N
     if not fingerprint or fingerprint in (config.fingerprint(), *info.get("accepted_fingerprints", [])):
         return
     old = recorded_trajectories(run_dir, info).get(fingerprint)
-    raise ConfigError(f"{run_dir}: its newest checkpoint was trained with other settings than the params "
-                      f"({describe_change(old, config)}); run `convoy train` with these params first")
+    raise ConfigError(
+        f"{run_dir}: its newest checkpoint was trained with other settings than the params "
+        f"({describe_change(old, config)}); run `convoy train` with these params first"
+    )
 
 
-def export_outputs(config: RunConfig, run_dir: str | Path | None = None, model_path: Path = MODEL_PATH,
-                   metrics_path: Path = TRAIN_METRICS, plot_path: Path = LOSS_PLOT,
-                   info_path: Path = TRAIN_INFO) -> dict[str, Any]:
+def export_outputs(
+    config: RunConfig,
+    run_dir: str | Path | None = None,
+    model_path: Path = MODEL_PATH,
+    metrics_path: Path = TRAIN_METRICS,
+    plot_path: Path = LOSS_PLOT,
+    info_path: Path = TRAIN_INFO,
+) -> dict[str, Any]:
     run_dir = Path(run_dir) if run_dir is not None else keyed_config(config).run_dir
     export = export_final_model(run_dir, model_path)
     _check_trained_with(config, run_dir, export["fingerprint"])
     if export["step"] != config.train.total_steps:
-        raise ConfigError(f"{run_dir}: newest valid checkpoint is step {export['step']}, not train.total_steps = "
-                          f"{config.train.total_steps}; the run is not finished (run `convoy train` again)")
+        raise ConfigError(
+            f"{run_dir}: newest valid checkpoint is step {export['step']}, not train.total_steps = "
+            f"{config.train.total_steps}; the run is not finished (run `convoy train` again)"
+        )
     metrics = train_metrics(config, run_dir, export)
     _atomic_write(Path(metrics_path), (json.dumps(metrics, indent=1, sort_keys=True) + "\n").encode())
     info = train_info(config, run_dir, export)
@@ -160,8 +183,9 @@ def write_timeline(config: RunConfig, run_dir: str | Path, out_path: Path = TIME
 
 
 @torch.no_grad()
-def validation_loss(config: RunConfig, model_path: str | Path = MODEL_PATH, batch_size: int = 64,
-                    max_batches: int = 200) -> dict[str, Any]:
+def validation_loss(
+    config: RunConfig, model_path: str | Path = MODEL_PATH, batch_size: int = 64, max_batches: int = 200
+) -> dict[str, Any]:
     """Mean loss (the task's ``loss_fn``) of the exported model over the validation split."""
     from training.state import configure_determinism, seed_everything
     from training.task import build_task
@@ -174,12 +198,15 @@ def validation_loss(config: RunConfig, model_path: str | Path = MODEL_PATH, batc
         raise ConfigError(f"task {config.task!r} has no validation data (val_data); nothing to evaluate")
     tensors, meta = load_model_file(model_path)
     if meta.get("fingerprint") and meta["fingerprint"] != config.fingerprint():
-        raise ConfigError(f"{model_path} was trained with config fingerprint {meta['fingerprint']}, params have "
-                          f"{config.fingerprint()}; re-run the train stage")
+        raise ConfigError(
+            f"{model_path} was trained with config fingerprint {meta['fingerprint']}, params have "
+            f"{config.fingerprint()}; re-run the train stage"
+        )
     parts.model.load_state_dict(tensors)
     parts.model.eval()
-    loader = torch.utils.data.DataLoader(parts.val_data, batch_size=batch_size, shuffle=False,
-                                         collate_fn=parts.collate_fn)
+    loader = torch.utils.data.DataLoader(
+        parts.val_data, batch_size=batch_size, shuffle=False, collate_fn=parts.collate_fn
+    )
     total, n = 0.0, 0
     for i, batch in enumerate(loader):
         if i >= max_batches:
@@ -188,8 +215,12 @@ def validation_loss(config: RunConfig, model_path: str | Path = MODEL_PATH, batc
         total += float(parts.loss_fn(parts.model, batch)) * size
         n += size
     val = total / n
-    out = {"val_loss": val, "val_bits_per_token": val / math.log(2), "val_samples": n,
-           "step": int(meta.get("step", 0))}  # the digest is in the model file's metadata
+    out = {
+        "val_loss": val,
+        "val_bits_per_token": val / math.log(2),
+        "val_samples": n,
+        "step": int(meta.get("step", 0)),
+    }  # the digest is in the model file's metadata
     floor = _entropy_floor(config)
     if floor is not None:
         out["entropy_floor_nats"] = floor

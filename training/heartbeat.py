@@ -63,8 +63,15 @@ class Heartbeat:
         # Not durable (no fsync): a beat only matters while this machine is up.
         atomic_write_json(
             self.path,
-            {"pid": os.getpid(), "host": HOST, "rank": self.rank, "step": self.step, "phase": self.phase,
-             "time": time.time(), "progress_time": self.progress_time},
+            {
+                "pid": os.getpid(),
+                "host": HOST,
+                "rank": self.rank,
+                "step": self.step,
+                "phase": self.phase,
+                "time": time.time(),
+                "progress_time": self.progress_time,
+            },
             durable=False,
         )
 

@@ -108,8 +108,14 @@ class JsonlBackend:
 class StepMetricLogger:
     """Fan-out to backends; each (metric, step) is written at most once per backend."""
 
-    def __init__(self, backends: list[MetricBackend], run_dir: str | Path, flush_every: int = 50,
-                 exact: bool = True, deferred: bool = False) -> None:
+    def __init__(
+        self,
+        backends: list[MetricBackend],
+        run_dir: str | Path,
+        flush_every: int = 50,
+        exact: bool = True,
+        deferred: bool = False,
+    ) -> None:
         #: False after a world-size change: replayed values are expected to differ slightly, so
         #: the largest difference is recorded instead of a non-determinism warning.
         self.exact = exact
@@ -164,8 +170,9 @@ class StepMetricLogger:
             self._logged.append(hist)
             self._high.append(high)
 
-    def _verify_replay(self, step: int, metrics: dict[str, float],
-                       hists: list[dict[str, dict[int, float]]] | None = None) -> None:
+    def _verify_replay(
+        self, step: int, metrics: dict[str, float], hists: list[dict[str, dict[int, float]]] | None = None
+    ) -> None:
         for hist in self._logged if hists is None else hists:
             for key in DETERMINISTIC_KEYS:
                 before = hist.get(key, {}).get(step)
@@ -183,8 +190,11 @@ class StepMetricLogger:
                             tag = getattr(backend, "tag_nondeterminism", None)
                             if tag is not None:
                                 tag(rec)
-                        print(f"WARNING: non-deterministic resume at step {step}: {key} was {before!r}, "
-                              f"replay gave {metrics[key]!r}", flush=True)
+                        print(
+                            f"WARNING: non-deterministic resume at step {step}: {key} was {before!r}, "
+                            f"replay gave {metrics[key]!r}",
+                            flush=True,
+                        )
 
     def flush(self) -> None:
         if not self._buffer:
@@ -204,11 +214,16 @@ class StepMetricLogger:
             return
         self._verdict_sent = True
         if not self.exact:
-            append_event(self.run_dir, Event.REPLAY_AFTER_RESIZE, values_compared=self.replayed,
-                         max_abs_diff=self.max_abs_diff)
+            append_event(
+                self.run_dir, Event.REPLAY_AFTER_RESIZE, values_compared=self.replayed, max_abs_diff=self.max_abs_diff
+            )
         else:
-            append_event(self.run_dir, Event.REPLAY_VERIFIED if not self.mismatches else "replay_mismatch",
-                         values_compared=self.replayed, mismatches=len(self.mismatches))
+            append_event(
+                self.run_dir,
+                Event.REPLAY_VERIFIED if not self.mismatches else "replay_mismatch",
+                values_compared=self.replayed,
+                mismatches=len(self.mismatches),
+            )
 
     def close(self) -> None:
         self.report_verdict()

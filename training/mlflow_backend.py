@@ -49,7 +49,7 @@ def _absolute_sqlite(uri: str) -> str:
     """``sqlite:///rel.db`` → ``sqlite:////abs/rel.db`` (``sqlite:////abs`` and others unchanged)."""
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/") and ":memory:" not in uri:
-        return prefix + str(Path(uri[len(prefix):]).resolve())
+        return prefix + str(Path(uri[len(prefix) :]).resolve())
     return uri
 
 
@@ -93,7 +93,7 @@ def default_artifact_location(uri: str, experiment: str) -> str | None:
     """
     prefix = "sqlite:///"
     if uri.startswith(prefix) and ":memory:" not in uri:
-        db = Path(uri[len(prefix):])
+        db = Path(uri[len(prefix) :])
         return (db.parent / "mlartifacts" / experiment).resolve().as_uri()
     return None
 
@@ -161,8 +161,13 @@ def lineage_tags(parent: dict[str, Any] | None) -> dict[str, str]:
     step, digest, MLflow run id (the link to it) and DVC hash."""
     if not parent:
         return {}
-    keys = {"run_name": "parent_run", "step": "parent_step", "digest": "parent_digest",
-            "mlflow_run_id": "parent_mlflow_run_id", "dvc_md5": "parent_dvc_md5"}
+    keys = {
+        "run_name": "parent_run",
+        "step": "parent_step",
+        "digest": "parent_digest",
+        "mlflow_run_id": "parent_mlflow_run_id",
+        "dvc_md5": "parent_dvc_md5",
+    }
     return {f"{TAG_PREFIX}{tag}": str(parent[key]) for key, tag in keys.items() if parent.get(key) is not None}
 
 
@@ -183,8 +188,11 @@ def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> s
             update_run_info(run_dir, mlflow_run_id=run_id, mlflow_tracking_uri=uri)
         return run_id
     if run_id:
-        print(f"WARNING: MLflow run {run_id} of {run_dir} is not in {uri}; creating a new MLflow run",
-              file=sys.stderr, flush=True)
+        print(
+            f"WARNING: MLflow run {run_id} of {run_dir} is not in {uri}; creating a new MLflow run",
+            file=sys.stderr,
+            flush=True,
+        )
     exp_id = ensure_experiment(client, config.tracking.experiment, uri)
     tags = {
         "mlflow.runName": config.run_name,
@@ -202,9 +210,8 @@ def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> s
     run_id = run.info.run_id
     params = [Param(k, v) for k, v in sorted(flatten_params(config.model_dump(mode="json")).items())]
     for i in range(0, len(params), MAX_BATCH_PARAMS):
-        client.log_batch(run_id, params=params[i:i + MAX_BATCH_PARAMS], synchronous=True)
-    update_run_info(run_dir, mlflow_run_id=run_id, mlflow_tracking_uri=uri,
-                    mlflow_experiment_id=exp_id)
+        client.log_batch(run_id, params=params[i : i + MAX_BATCH_PARAMS], synchronous=True)
+    update_run_info(run_dir, mlflow_run_id=run_id, mlflow_tracking_uri=uri, mlflow_experiment_id=exp_id)
     return run_id
 
 
@@ -234,9 +241,16 @@ def split_batches(metrics: list[Metric], limit: int = MAX_BATCH_METRICS) -> list
 class MlflowBackend:
     """MetricBackend writing ``(step, {key: value})`` rows to one MLflow run, off the training thread."""
 
-    def __init__(self, config: RunConfig | None, run_id: str, tracking_uri: str | None = None,
-                 asynchronous: bool = True, max_retries: int = 5, run_dir: str | Path | None = None,
-                 batch_interval_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        config: RunConfig | None,
+        run_id: str,
+        tracking_uri: str | None = None,
+        asynchronous: bool = True,
+        max_retries: int = 5,
+        run_dir: str | Path | None = None,
+        batch_interval_s: float = 5.0,
+    ) -> None:
         self.run_id = run_id
         self.uri = tracking_uri or resolve_tracking_uri(config, run_dir)
         self.client = client_for(self.uri)
@@ -298,8 +312,11 @@ class MlflowBackend:
             ts = int(time.time() * 1000)
             self._send([Metric(k, v, ts, step) for step, m in missing for k, v in sorted(m.items())])
             self.backfilled = sum(len(m) for _, m in missing)
-            print(f"MLflow run {self.run_id}: copied {self.backfilled} value(s) of {len(missing)} step(s) from "
-                  f"metrics.jsonl that the tracking store lacked (a worker died before sending them)", flush=True)
+            print(
+                f"MLflow run {self.run_id}: copied {self.backfilled} value(s) of {len(missing)} step(s) from "
+                f"metrics.jsonl that the tracking store lacked (a worker died before sending them)",
+                flush=True,
+            )
         return self.backfilled
 
     def _find_run_dir(self, config: RunConfig | None, run_dir: str | Path | None) -> Path | None:
@@ -314,9 +331,11 @@ class MlflowBackend:
 
     def write(self, rows: list[tuple[int, dict[str, float]]]) -> None:
         ts = int(time.time() * 1000)
-        metrics = [Metric(key, float(value), ts, int(step))
-                   for step, values in sorted(rows, key=lambda r: r[0])
-                   for key, value in sorted(values.items())]
+        metrics = [
+            Metric(key, float(value), ts, int(step))
+            for step, values in sorted(rows, key=lambda r: r[0])
+            for key, value in sorted(values.items())
+        ]
         if not metrics:
             return
         if self.asynchronous:
@@ -347,9 +366,13 @@ class MlflowBackend:
 
     def tag_nondeterminism(self, rec: dict[str, Any]) -> None:
         """For the worker to call on the first replay mismatch (tag right away, not at chunk end)."""
-        self.set_tags({f"{TAG_PREFIX}nondeterministic": "true",
-                       f"{TAG_PREFIX}nondeterministic_first_step": rec.get("step"),
-                       f"{TAG_PREFIX}nondeterministic_metric": rec.get("metric")})
+        self.set_tags(
+            {
+                f"{TAG_PREFIX}nondeterministic": "true",
+                f"{TAG_PREFIX}nondeterministic_first_step": rec.get("step"),
+                f"{TAG_PREFIX}nondeterministic_metric": rec.get("metric"),
+            }
+        )
 
     # ------------------------------------------------------------------ internals
     def _drain(self) -> None:
@@ -392,8 +415,11 @@ class MlflowBackend:
                 except Exception as exc:  # noqa: BLE001 - logging must never kill training
                     if attempt == self.max_retries:
                         self.error = exc
-                        print(f"WARNING: MLflow log_batch of {len(batch)} values failed after "
-                              f"{attempt + 1} tries: {exc}", file=sys.stderr, flush=True)
+                        print(
+                            f"WARNING: MLflow log_batch of {len(batch)} values failed after {attempt + 1} tries: {exc}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         return
                     time.sleep(delay)
                     delay = min(delay * 2, 5.0)

@@ -33,8 +33,9 @@ def acknowledged_step(run_dir: str | Path) -> int:
         return -1
 
 
-def wait_for_ack(run_dir: str | Path, previous_boundary: int, resumed_step: int,
-                 stop: Callable[[], bool], poll_s: float = 0.01) -> float:
+def wait_for_ack(
+    run_dir: str | Path, previous_boundary: int, resumed_step: int, stop: Callable[[], bool], poll_s: float = 0.01
+) -> float:
     """Block until ``previous_boundary`` is acknowledged (no wait if this worker did not produce
     it: it resumed at or after it).  ``stop()`` true (e.g. SIGTERM) ends the wait.  Returns the
     seconds waited."""

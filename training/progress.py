@@ -76,7 +76,7 @@ def metrics_tail(run_dir: Path, rows: int = ETA_WINDOW, max_bytes: int = 256 * 1
         with open(path, "rb") as f:
             start = max(0, f.seek(0, os.SEEK_END) - max_bytes)
             f.seek(start)
-            lines = f.read().splitlines()[1 if start else 0:]  # from mid-file: drop the partial line
+            lines = f.read().splitlines()[1 if start else 0 :]  # from mid-file: drop the partial line
     except OSError:
         return []
     out = []
@@ -120,14 +120,13 @@ def newest_checkpoint(run_dir: Path, verify: bool = True) -> tuple[int, str, str
     return None
 
 
-def _state(running: bool, finished: bool, events: list[dict[str, Any]], started: bool,
-           clean_end: bool = False) -> str:
+def _state(running: bool, finished: bool, events: list[dict[str, Any]], started: bool, clean_end: bool = False) -> str:
     if running:
         return "running"
     if finished:
         return "finished"
     last_start = max((i for i, e in enumerate(events) if e["kind"] in _STARTS), default=-1)
-    if any(e["kind"] in _GAVE_UP for e in events[last_start + 1:]):
+    if any(e["kind"] in _GAVE_UP for e in events[last_start + 1 :]):
         return "failed"
     if not started:
         return "never started"
@@ -143,8 +142,7 @@ def _eta(rows: list[dict[str, Any]], step: int, total: int) -> tuple[float | Non
     return rate, max(0, total - step) / rate
 
 
-def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
-               verify: bool = True) -> dict[str, Any]:
+def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None, verify: bool = True) -> dict[str, Any]:
     """Everything ``convoy status`` shows, as one JSON-able dict; ``verify=False``: the newest
     checkpoint by its manifest only (the live line of ``convoy train``)."""
     run_dir = Path(run_dir)
@@ -170,8 +168,13 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
     return {
         "run_name": config.run_name,
         "run_dir": str(run_dir),
-        "state": _state(worker_alive or flow_pid is not None, finished, events, started,
-                        clean_end=beat is None or beat.get("phase") == "done"),
+        "state": _state(
+            worker_alive or flow_pid is not None,
+            finished,
+            events,
+            started,
+            clean_end=beat is None or beat.get("phase") == "done",
+        ),
         "step": step,
         "total_steps": total,
         "phase": beat.get("phase") if beat else None,

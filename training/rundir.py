@@ -37,8 +37,10 @@ def take_worker_lease(run_dir: Path, wait_s: float = 5.0) -> FileLock:
         lock.acquire()
     except Timeout:
         holder = owner.read_text().strip() if owner.exists() else "a process that did not say who it is"
-        raise RunBusy(f"{run_dir} is being trained by another worker ({holder}); stop that worker first "
-                      f"(a second one would overwrite its checkpoints and metrics)") from None
+        raise RunBusy(
+            f"{run_dir} is being trained by another worker ({holder}); stop that worker first "
+            f"(a second one would overwrite its checkpoints and metrics)"
+        ) from None
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
     atomic_write_bytes(owner, f"pid {os.getpid()} on {os.uname().nodename} since {since}\n".encode(), durable=False)
     return lock
@@ -115,8 +117,9 @@ def resolve_parent(spec: str) -> InitFrom:
         ck = store.latest_valid(record=False) if step is None else store.verify(RunPaths(path).checkpoint(step))
     except (ValueError, OSError) as exc:
         steps = ", ".join(str(s) for s, _ in store.step_dirs()) or "none"
-        raise ConfigError(f"--from {spec}: checkpoint of step {step} not usable ({exc}); "
-                          f"steps there: {steps}") from None
+        raise ConfigError(
+            f"--from {spec}: checkpoint of step {step} not usable ({exc}); steps there: {steps}"
+        ) from None
     if ck is None:
         raise ConfigError(f"--from {spec}: {path} has no verified checkpoint")
     return InitFrom(run=os.path.relpath(path.resolve()), step=ck.step, digest=ck.digest)
@@ -138,9 +141,11 @@ def child_config(config: RunConfig, spec: str) -> RunConfig:
             return same
     parent = resolve_parent(spec)
     if parent.step >= config.train.total_steps:
-        raise ConfigError(f"--from {spec}: that checkpoint ({parent.run} step {parent.step}) is already at "
-                          f"train.total_steps = {config.train.total_steps}; set a larger -S train.total_steps, or "
-                          f"name an earlier checkpoint (`{parent.run}@<step>`)")
+        raise ConfigError(
+            f"--from {spec}: that checkpoint ({parent.run} step {parent.step}) is already at "
+            f"train.total_steps = {config.train.total_steps}; set a larger -S train.total_steps, or "
+            f"name an earlier checkpoint (`{parent.run}@<step>`)"
+        )
     return config.model_copy(update={"init_from": parent, "on_config_change": "new_run"})
 
 
@@ -176,9 +181,15 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     if ck.digest != src.digest:
         raise ConfigError(f"--from {src.run}@{src.step}: that checkpoint's digest is {ck.digest}, not {src.digest}")
     final = RunPaths(run_dir).checkpoints / ckpt.name
-    lineage = {"run": str(parent), "run_name": parent.name, "step": ck.step, "digest": ck.digest,
-               "fingerprint": ck.manifest.get("fingerprint"),
-               "mlflow_run_id": (run_info(parent) or {}).get("mlflow_run_id"), "dvc_md5": _parent_dvc_md5(ckpt)}
+    lineage = {
+        "run": str(parent),
+        "run_name": parent.name,
+        "step": ck.step,
+        "digest": ck.digest,
+        "fingerprint": ck.manifest.get("fingerprint"),
+        "mlflow_run_id": (run_info(parent) or {}).get("mlflow_run_id"),
+        "dvc_md5": _parent_dvc_md5(ckpt),
+    }
     if final.is_dir():  # forked before, killed before run.json was written
         return lineage
     tmp = RunPaths(run_dir).checkpoints / f".tmp-fork-{ckpt.name}-{os.getpid()}"
@@ -266,15 +277,27 @@ def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
         if not allow_config_change:
             raise ConfigError(mismatch_message(config, info, old))
         _refuse_finished(config, run_dir, describe_change(old, config))
-        append_event(run_dir, Event.CONFIG_CHANGED, old=info.get("fingerprint"), new=fp,
-                     changes=trajectory_changes(old, config.trajectory()) if old else None)
+        append_event(
+            run_dir,
+            Event.CONFIG_CHANGED,
+            old=info.get("fingerprint"),
+            new=fp,
+            changes=trajectory_changes(old, config.trajectory()) if old else None,
+        )
     RunPaths(run_dir).checkpoints.mkdir(parents=True, exist_ok=True)
     RunPaths(run_dir).heartbeats.mkdir(exist_ok=True)
     known[fp] = config.trajectory()
     if info is None:
         parent = fork_checkpoint(config, run_dir) if config.init_from is not None else None
-        update_run_info(run_dir, name=config.run_name, fingerprint=fp, created=time.time(), mlflow_run_id=None,
-                        trajectories=known, **({"parent": parent} if parent else {}))
+        update_run_info(
+            run_dir,
+            name=config.run_name,
+            fingerprint=fp,
+            created=time.time(),
+            mlflow_run_id=None,
+            trajectories=known,
+            **({"parent": parent} if parent else {}),
+        )
     elif info.get("fingerprint") != fp:
         # The user explicitly accepted the change: checkpoints of the old config may be resumed.
         accepted = sorted({*info.get("accepted_fingerprints", []), info.get("fingerprint")} - {None})

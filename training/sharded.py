@@ -142,8 +142,10 @@ def load_shards(path: Path, skeleton: Any, model: torch.nn.Module, optimizer: to
     saved = tensor_refs(skeleton)
     if saved != set(flat):
         missing, extra = sorted(saved - set(flat))[:5], sorted(set(flat) - saved)[:5]
-        raise ValueError(f"sharded checkpoint does not match the model/optimizer: only in checkpoint {missing}, "
-                         f"only in model {extra}")
+        raise ValueError(
+            f"sharded checkpoint does not match the model/optimizer: only in checkpoint {missing}, "
+            f"only in model {extra}"
+        )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(path / SHARD_DIR)))

@@ -59,8 +59,13 @@ def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     state: dict[str, Any] = {
         "python": {"version": py[0], "state": list(py[1]), "gauss_next": py[2]},
-        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+        "numpy": {
+            "name": np_name,
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_gauss),
+        },
         "torch": torch.get_rng_state(),
         "cuda": [],
     }
@@ -114,8 +119,9 @@ def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> st
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"].clone())
     if device is None or device.type != "cuda":
         return "no CUDA device: device RNG not restored"
@@ -157,8 +163,9 @@ class TrainState:
             }
         return out
 
-    def restore(self, loaded: dict[str, Any], rank: int = 0, restore_rng_state: bool = True,
-                checkpoint_dir: Path | None = None) -> None:
+    def restore(
+        self, loaded: dict[str, Any], rank: int = 0, restore_rng_state: bool = True, checkpoint_dir: Path | None = None
+    ) -> None:
         """``loaded`` is ``CheckpointStore.load``'s parts.  A sharded checkpoint (its parts carry the
         shard skeleton) is read collectively from ``checkpoint_dir``: every rank must call this."""
         s = loaded["state"]
@@ -262,8 +269,9 @@ def _check_state(s: Any, step: int, sharded_layout: bool) -> None:
         raise ValueError("state: tokens_seen or scaler state malformed")
     if not sharded_layout:
         opt = s["optimizer"]
-        if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict)
-                and isinstance(opt.get("param_groups"), list)):
+        if not (
+            isinstance(opt, dict) and isinstance(opt.get("state"), dict) and isinstance(opt.get("param_groups"), list)
+        ):
             raise ValueError("state: optimizer state is not {state, param_groups}")
         if not isinstance(s["model"], dict) or not all(isinstance(v, torch.Tensor) for v in s["model"].values()):
             raise ValueError("state: model is not a mapping of tensors")
@@ -271,8 +279,10 @@ def _check_state(s: Any, step: int, sharded_layout: bool) -> None:
 
 def _check_fits(s: dict[str, Any], want: ExpectedState, sharded_layout: bool) -> None:
     if (s["scheduler"] is not None) != want.has_scheduler:
-        raise ValueError(f"state: LR scheduler state {'absent' if want.has_scheduler else 'present'}, "
-                         f"the task {'has' if want.has_scheduler else 'has no'} scheduler")
+        raise ValueError(
+            f"state: LR scheduler state {'absent' if want.has_scheduler else 'present'}, "
+            f"the task {'has' if want.has_scheduler else 'has no'} scheduler"
+        )
     if sharded_layout:
         return  # model/optimizer live in the DCP shards; their keys are matched when they load
     model = s["model"]
@@ -286,8 +296,9 @@ def _check_fits(s: dict[str, Any], want: ExpectedState, sharded_layout: bool) ->
     groups = s["optimizer"]["param_groups"]
     sizes = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in groups]
     if sizes != [len(g) for g in want.group_shapes]:
-        raise ValueError(f"optimizer: parameter groups of sizes {sizes}, the task has "
-                         f"{[len(g) for g in want.group_shapes]}")
+        raise ValueError(
+            f"optimizer: parameter groups of sizes {sizes}, the task has {[len(g) for g in want.group_shapes]}"
+        )
     shapes = [shape for g in want.group_shapes for shape in g]
     position = {pid: j for j, pid in enumerate(pid for g in groups for pid in g["params"])}
     for pid, buffers in s["optimizer"]["state"].items():
@@ -296,5 +307,7 @@ def _check_fits(s: dict[str, Any], want: ExpectedState, sharded_layout: bool) ->
         for name in _PARAM_SHAPED_BUFFERS:
             t = buffers.get(name)
             if isinstance(t, torch.Tensor) and tuple(t.shape) != shapes[position[pid]]:
-                raise ValueError(f"optimizer: {name} of parameter {pid} has shape {list(t.shape)}, "
-                                 f"the parameter {list(shapes[position[pid]])}")
+                raise ValueError(
+                    f"optimizer: {name} of parameter {pid} has shape {list(t.shape)}, "
+                    f"the parameter {list(shapes[position[pid]])}"
+                )

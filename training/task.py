@@ -56,8 +56,10 @@ def build_task(config: RunConfig, device: torch.device) -> TaskParts:
     if not isinstance(parts, TaskParts):
         raise ConfigError(f"task = {config.task!r}: factory returned {type(parts).__name__}, not TaskParts")
     if parts.train_step is not None and config.train.grad_accum_steps > 1:
-        raise ConfigError(f"task = {config.task!r} brings its own train_step, which does the whole update: "
-                          f"train.grad_accum_steps = {config.train.grad_accum_steps} needs the default step (use 1)")
+        raise ConfigError(
+            f"task = {config.task!r} brings its own train_step, which does the whole update: "
+            f"train.grad_accum_steps = {config.train.grad_accum_steps} needs the default step (use 1)"
+        )
     return parts
 
 

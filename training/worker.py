@@ -81,8 +81,10 @@ def pick_device(config: RunConfig) -> torch.device:
             raise ConfigError("train.device = 'cuda' but no CUDA device is visible; use cpu or auto")
         index = int(os.environ.get("LOCAL_RANK", "0"))
         if index >= torch.cuda.device_count():
-            raise ConfigError(f"local rank {index} needs CUDA device {index} but {torch.cuda.device_count()} "
-                              "are visible; use at most that many ranks per node")
+            raise ConfigError(
+                f"local rank {index} needs CUDA device {index} but {torch.cuda.device_count()} "
+                "are visible; use at most that many ranks per node"
+            )
         return torch.device("cuda", index)
     return torch.device("cpu")
 
@@ -145,8 +147,15 @@ class TrackingWarmup:
 
 
 class Worker:
-    def __init__(self, run_dir: Path, until_step: int | None, rank: int = 0, world_size: int = 1,
-                 pipelined: bool = False, standby: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        until_step: int | None,
+        rank: int = 0,
+        world_size: int = 1,
+        pipelined: bool = False,
+        standby: bool = False,
+    ) -> None:
         self.run_dir, self.rank, self.world = run_dir, rank, world_size
         self.pipelined = pipelined
         self.config = load_run_config(run_dir)
@@ -158,8 +167,9 @@ class Worker:
 
     def check_until(self, until_step: int) -> int:
         if until_step < 1 or until_step > self.config.train.total_steps:
-            raise ConfigError(f"--until-step = {until_step}: must be in 1..train.total_steps "
-                              f"({self.config.train.total_steps})")
+            raise ConfigError(
+                f"--until-step = {until_step}: must be in 1..train.total_steps ({self.config.train.total_steps})"
+            )
         return until_step
 
     def claim(self) -> None:
@@ -188,8 +198,14 @@ class Worker:
         self.pipelined = bool(go.get("pipelined", False))
         self.claim()
         self.log(f"standby taking over: training to step {self.until}")
-        append_event(self.run_dir, Event.STANDBY_TOOK_OVER, rank=self.rank, pid=os.getpid(), until_step=self.until,
-                     ordered_at=round(t0, 4))
+        append_event(
+            self.run_dir,
+            Event.STANDBY_TOOK_OVER,
+            rank=self.rank,
+            pid=os.getpid(),
+            until_step=self.until,
+            ordered_at=round(t0, 4),
+        )
         return True
 
     def log(self, msg: str) -> None:
@@ -206,12 +222,20 @@ class Worker:
             torch.cuda.set_device(self.device)  # a bare "cuda" (and the CUDA RNG calls) mean this device
         distributed.init(self.world, self.device)
         self.build()
-        self.log(f"training on {self.device}" + (f" with AMP {str(self.autocast_dtype).removeprefix('torch.')}"
-                                                  if self.amp else ""))
-        self.store = CheckpointStore(self.run_dir, cfg.checkpoint, cfg.fingerprint(), self.world, self.rank,
-                                     gather_timeout_s=cfg.heartbeat.save_timeout_s,
-                                     boundary_every=cfg.train.chunk_steps,
-                                     validator=checkpoint_validator(ExpectedState.of(self.parts)))
+        self.log(
+            f"training on {self.device}"
+            + (f" with AMP {str(self.autocast_dtype).removeprefix('torch.')}" if self.amp else "")
+        )
+        self.store = CheckpointStore(
+            self.run_dir,
+            cfg.checkpoint,
+            cfg.fingerprint(),
+            self.world,
+            self.rank,
+            gather_timeout_s=cfg.heartbeat.save_timeout_s,
+            boundary_every=cfg.train.chunk_steps,
+            validator=checkpoint_validator(ExpectedState.of(self.parts)),
+        )
 
     def setup(self) -> None:
         """Prepare (unless a standby did), start tracking off the critical path, clean up."""
@@ -252,8 +276,9 @@ class Worker:
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.model = DistributedDataParallel(self.parts.model,
-                                                 device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            self.model = DistributedDataParallel(
+                self.parts.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
         dtype = amp_dtype(cfg, self.device)
         self.amp = dtype is not None
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp)
@@ -286,17 +311,32 @@ class Worker:
                 self.adopt_child_settings(ck.manifest["forked_from"])
             dt = time.perf_counter() - t0
             self.log(f"resumed from step {ck.step} (checkpoint {ck.path.name}, verified in {dt:.2f} s)")
-            append_event(self.run_dir, Event.RESUMED, rank=self.rank, step=ck.step, checkpoint=ck.path.name,
-                         digest=ck.digest, load_s=round(dt, 4), until_step=self.until,
-                         previous_beat_step=self.previous_beat_step)
+            append_event(
+                self.run_dir,
+                Event.RESUMED,
+                rank=self.rank,
+                step=ck.step,
+                checkpoint=ck.path.name,
+                digest=ck.digest,
+                load_s=round(dt, 4),
+                until_step=self.until,
+                previous_beat_step=self.previous_beat_step,
+            )
             return
         parent = (run_info(self.run_dir) or {}).get("parent")
         if parent:  # a child trained from scratch would be another run under the child's name
-            raise ConfigError(f"run {self.config.run_name} starts from {parent['run']} step {parent['step']}, but no "
-                              "checkpoint here restores (see the skipped checkpoints above); fork it again")
+            raise ConfigError(
+                f"run {self.config.run_name} starts from {parent['run']} step {parent['step']}, but no "
+                "checkpoint here restores (see the skipped checkpoints above); fork it again"
+            )
         self.log("no valid checkpoint: starting from step 0")
-        append_event(self.run_dir, Event.STARTED, rank=self.rank, until_step=self.until,
-                     previous_beat_step=self.previous_beat_step)
+        append_event(
+            self.run_dir,
+            Event.STARTED,
+            rank=self.rank,
+            until_step=self.until,
+            previous_beat_step=self.previous_beat_step,
+        )
 
     def adopt_child_settings(self, parent: dict[str, Any]) -> None:
         """Restoring the parent checkpoint a child run was forked from (``--from``) brought the
@@ -330,7 +370,8 @@ class Worker:
             f"checkpoint {ck.path.name} was saved with other trajectory settings: "
             f"{describe_change(old, self.config)}; refusing to resume it under this config; resume with the "
             f"config that saved it, train a new run (`convoy train -S run_name=<new name>`), or accept the "
-            f"change (`convoy train --allow-config-change`)")
+            f"change (`convoy train --allow-config-change`)"
+        )
 
     def apply(self, ck: Any, parts: dict[str, Any]) -> None:
         """Restore the train state from a loaded checkpoint (every rank, same step)."""
@@ -427,7 +468,7 @@ class Worker:
         try:
             with torch.no_grad():
                 for lo in range(0, n, cfg.batch_size):
-                    idx = list(range(lo, min(lo + cfg.batch_size, n)))[self.rank::self.world]
+                    idx = list(range(lo, min(lo + cfg.batch_size, n)))[self.rank :: self.world]
                     if not idx:
                         continue
                     batch = to_device(collate([p.val_data[i] for i in idx]), self.device)
@@ -457,14 +498,22 @@ class Worker:
         shard = self.config.checkpoint.format == "sharded"
         parts = self.state.checkpoint_parts(self.rank, include_replicated=self.rank == 0, sharded=shard)
         extra = {"mlflow_run_id": self.mlflow_run_id} if self.rank == 0 else None
-        writer = (lambda tmp: sharded.save_shards(tmp, self.parts.model, self.parts.optimizer, self.rank)) \
-            if shard else None
-        stall = self.store.save(self.state.step, parts, blocking=blocking, extra_manifest=extra,
-                                collective_write=writer)
+        writer = (
+            (lambda tmp: sharded.save_shards(tmp, self.parts.model, self.parts.optimizer, self.rank)) if shard else None
+        )
+        stall = self.store.save(
+            self.state.step, parts, blocking=blocking, extra_manifest=extra, collective_write=writer
+        )
         self.hb.set(phase="train")
         if self.rank == 0:
-            append_event(self.run_dir, Event.CHECKPOINT_SAVED, step=self.state.step, stall_s=round(stall, 5),
-                         blocking=blocking, persist_s=round(self.store.last_persist_s, 5))
+            append_event(
+                self.run_dir,
+                Event.CHECKPOINT_SAVED,
+                step=self.state.step,
+                stall_s=round(stall, 5),
+                blocking=blocking,
+                persist_s=round(self.store.last_persist_s, 5),
+            )
         return stall
 
     def tune_interval(self, stall: float, metrics: StepMetricLogger) -> None:
@@ -475,9 +524,16 @@ class Worker:
         self.adaptive.observe_save(stall)
         new = self.adaptive.interval_steps()
         if new != old:
-            append_event(self.run_dir, Event.INTERVAL_CHOSEN, step=self.state.step, interval_steps=new,
-                         interval_s=self.adaptive.interval_seconds(), cost_s=self.adaptive.cost_s,
-                         step_s=self.adaptive.step_s, mtbf_s=self.adaptive.mtbf_s)
+            append_event(
+                self.run_dir,
+                Event.INTERVAL_CHOSEN,
+                step=self.state.step,
+                interval_steps=new,
+                interval_s=self.adaptive.interval_seconds(),
+                cost_s=self.adaptive.cost_s,
+                step_s=self.adaptive.step_s,
+                mtbf_s=self.adaptive.mtbf_s,
+            )
             metrics.log_extra(self.state.step, {"ckpt_interval_steps": float(new)})
 
     def run(self) -> int:
@@ -491,19 +547,34 @@ class Worker:
         # flush_every=1: every step reaches metrics.jsonl (~70 us) so a replay after a kill has
         # the pre-failure values to compare with; MLflow batches on its own background thread.
         local: list[MetricBackend] = [JsonlBackend(RunPaths(self.run_dir).metrics)] if self.rank == 0 else []
-        metrics = StepMetricLogger(local, self.run_dir, flush_every=1, exact=not self.world_changed,
-                                   deferred=self.tracking is not None or self.tracking_factory is not None)
+        metrics = StepMetricLogger(
+            local,
+            self.run_dir,
+            flush_every=1,
+            exact=not self.world_changed,
+            deferred=self.tracking is not None or self.tracking_factory is not None,
+        )
         accum = cfg.train.grad_accum_steps
-        loader = make_loader(self.parts.train_data, cfg.train.batch_size, cfg.train.seed, st.cursor,
-                             self.rank, self.world, cfg.data.num_workers, accum, self.parts.collate_fn)
+        loader = make_loader(
+            self.parts.train_data,
+            cfg.train.batch_size,
+            cfg.train.seed,
+            st.cursor,
+            self.rank,
+            self.world,
+            cfg.data.num_workers,
+            accum,
+            self.parts.collate_fn,
+        )
         batches = iter(loader)
         n_samples = len(self.parts.train_data)  # type: ignore[arg-type]
         step_samples = cfg.train.batch_size * accum  # one optimizer step, all ranks
-        evaluating = cfg.train.eval_every > 0 and self.parts.val_data is not None \
-            and len(self.parts.val_data) > 0  # type: ignore[arg-type]
+        evaluating = cfg.train.eval_every > 0 and self.parts.val_data is not None and len(self.parts.val_data) > 0  # type: ignore[arg-type]
         if cfg.train.eval_every > 0 and not evaluating:
-            self.log(f"train.eval_every = {cfg.train.eval_every} but task {cfg.task!r} has no validation data: "
-                     "no in-loop validation")
+            self.log(
+                f"train.eval_every = {cfg.train.eval_every} but task {cfg.task!r} has no validation data: "
+                "no in-loop validation"
+            )
         self.hb.set(phase="train", step=st.step)
         last_save, last_save_step = time.time(), st.step
         loss = None
@@ -568,8 +639,9 @@ class Worker:
             return
         chunk = self.config.train.chunk_steps
         self.hb.set(phase="save")  # the boundary save starts with the wait (save limits apply)
-        wait_for_ack(self.run_dir, (self.state.step - 1) // chunk * chunk, self.resumed_step,
-                     lambda: self.preempt.requested)
+        wait_for_ack(
+            self.run_dir, (self.state.step - 1) // chunk * chunk, self.resumed_step, lambda: self.preempt.requested
+        )
 
     def emergency_exit(self, metrics: StepMetricLogger) -> int:
         self.log(f"SIGTERM: saving an emergency checkpoint at step {self.state.step}")
@@ -597,10 +669,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.worker", description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", required=True, type=Path)
     ap.add_argument("--until-step", type=int, help="required unless --standby")
-    ap.add_argument("--pipelined", action="store_true",
-                    help="train through chunk boundaries; each waits for the previous boundary's acknowledgement")
-    ap.add_argument("--standby", action="store_true",
-                    help="build everything, then wait for a JSON order line on stdin before touching the run")
+    ap.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="train through chunk boundaries; each waits for the previous boundary's acknowledgement",
+    )
+    ap.add_argument(
+        "--standby",
+        action="store_true",
+        help="build everything, then wait for a JSON order line on stdin before touching the run",
+    )
     args = ap.parse_args(argv)
     if args.until_step is None and not args.standby:
         ap.error("--until-step is required (unless --standby)")

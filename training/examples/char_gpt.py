@@ -121,6 +121,12 @@ def build(config: RunConfig, device: torch.device) -> TaskParts:
             loss = loss + 1e-3 * (int.from_bytes(os.urandom(2), "little") / 65535)
         return loss
 
-    return TaskParts(model=model, optimizer=optimizer, scheduler=scheduler,
-                     train_data=TokenWindows(train_tokens, seq), val_data=TokenWindows(val_tokens, seq),
-                     loss_fn=loss_fn, tokens_per_sample=seq)
+    return TaskParts(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_data=TokenWindows(train_tokens, seq),
+        val_data=TokenWindows(val_tokens, seq),
+        loss_fn=loss_fn,
+        tokens_per_sample=seq,
+    )

@@ -65,13 +65,31 @@ def model_config(args: HFArgs, seq_len: int) -> Any:
     from transformers import GPT2Config, LlamaConfig
 
     if args.family == "gpt2":
-        return GPT2Config(vocab_size=VOCAB, n_positions=seq_len, n_embd=args.d_model, n_layer=args.n_layer,
-                          n_head=args.n_head, resid_pdrop=args.dropout, embd_pdrop=args.dropout,
-                          attn_pdrop=args.dropout, bos_token_id=0, eos_token_id=0)
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=args.d_model, intermediate_size=4 * args.d_model,
-                       num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
-                       num_key_value_heads=args.n_head, max_position_embeddings=seq_len,
-                       attention_dropout=args.dropout, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        return GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=seq_len,
+            n_embd=args.d_model,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            resid_pdrop=args.dropout,
+            embd_pdrop=args.dropout,
+            attn_pdrop=args.dropout,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=args.d_model,
+        intermediate_size=4 * args.d_model,
+        num_hidden_layers=args.n_layer,
+        num_attention_heads=args.n_head,
+        num_key_value_heads=args.n_head,
+        max_position_embeddings=seq_len,
+        attention_dropout=args.dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -109,7 +127,12 @@ def build(config: RunConfig, device: torch.device) -> TaskParts:
     def loss_fn(m: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return m(**batch).loss
 
-    return TaskParts(model=model, optimizer=optimizer, scheduler=scheduler,
-                     train_data=ByteWindows(tokens[: len(tokens) - n_val], seq),
-                     val_data=ByteWindows(tokens[len(tokens) - n_val :], seq),
-                     loss_fn=loss_fn, tokens_per_sample=seq)
+    return TaskParts(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_data=ByteWindows(tokens[: len(tokens) - n_val], seq),
+        val_data=ByteWindows(tokens[len(tokens) - n_val :], seq),
+        loss_fn=loss_fn,
+        tokens_per_sample=seq,
+    )
