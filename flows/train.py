@@ -123,6 +123,151 @@ def flow_run_name() -> str:
     return f"{name or 'train'}-{stamp}"
 
 
+class TrainingRun:
+    """One flow run over one training run: its chunks, their rows, the versioning in flight.
+
+    :meth:`open` pins and reports the run, :meth:`chunk` handles one chunk (skip what is
+    committed, else train it, version and acknowledge its boundary), :meth:`close` releases the
+    workers and writes the audit whatever happened, :meth:`summary` is what the flow returns."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, flow_run_id: str | None, logger: Any) -> None:
+        self.cfg, self.run_dir, self.flow_run_id, self.logger = cfg, run_dir, flow_run_id, logger
+        self.t0 = time.time()
+        self.task = configured(cfg)
+        self.rows: list[dict[str, Any]] = []
+        self.versioned: list[dict[str, Any]] = []
+        self.version_futures: list[Any] = []
+        self.audit: dict[str, Any] | None = None
+        self.chunks = plan_chunks(cfg.train.total_steps, cfg.train.chunk_steps)
+        self.committed = 0
+
+    @classmethod
+    def open(cls, cfg: RunConfig, flow_run_id: str | None, allow_config_change: bool, logger: Any) -> TrainingRun:
+        """Pin the run (fingerprint check), point ``runs/<name>`` at it, start its MLflow run."""
+        run_dir = open_run(cfg, allow_config_change=allow_config_change).resolve()
+        link_current(cfg)
+        if flow_run_id:
+            remember(flow_run_id, run_dir=run_dir, run_name=cfg.run_name, chunk=None)
+        tracking.begin_run(cfg, run_dir)
+        if reap_stale_worker(run_dir, cfg.train.world_size):
+            logger.warning("stopped a worker of this run left over from a flow that died")
+        run = cls(cfg, run_dir, flow_run_id, logger)
+        run.committed = last_committed_step(run_dir) or 0
+        append_event(
+            run_dir, Event.FLOW_STARTED, flow_run_id=flow_run_id, committed_step=run.committed, chunks=len(run.chunks)
+        )
+        logger.info(
+            "run %s: %d chunk(s) of %d steps (%s mode); newest verified checkpoint: step %d",
+            cfg.run_name,
+            len(run.chunks),
+            cfg.train.chunk_steps,
+            cfg.orchestration.mode,
+            run.committed,
+        )
+        return run
+
+    def version(self, end: int, only_if_missing: bool = False) -> Any:
+        pending = tracking.version_async(self.cfg, self.run_dir, end, only_if_missing=only_if_missing)
+        if pending is not None:
+            self.version_futures.append(pending)
+        return pending
+
+    def chunk(self, chunk: int, start: int, end: int) -> None:
+        row: dict[str, Any] = {
+            "chunk": chunk,
+            "start_step": start,
+            "end_step": end,
+            "attempts": 0,
+            "failure_kinds": [],
+            "seconds": 0.0,
+            "digest": None,
+            "loss": None,
+        }
+        self.rows.append(row)
+        if self.committed >= end:
+            row["status"] = "skipped (committed)"
+            # A flow that died after the commit but before versioning left it unversioned
+            # (a pipelined worker can commit the last chunk before its flow handles it).
+            self.version(end, only_if_missing=True)
+            return
+        c0 = time.time()
+        try:
+            rec = self.train_chunk(chunk, start, end)
+        except BaseException:
+            kinds = _failure_kinds(self.run_dir, chunk, c0)
+            row.update(status="failed", seconds=time.time() - c0, failure_kinds=kinds, attempts=len(kinds) or 1)
+            raise
+        row.update(
+            status="trained",
+            attempts=rec["attempt"],
+            seconds=time.time() - c0,
+            digest=rec["digest"],
+            loss=rec["loss"],
+            failure_kinds=rec.get("failure_kinds") or _failure_kinds(self.run_dir, chunk, c0),
+        )
+        if "flow_runs" in rec:  # pool mode: one flow run per attempt
+            row["flow_runs"] = rec["flow_runs"]
+        self.hand_over_boundary(end)
+
+    def train_chunk(self, chunk: int, start: int, end: int) -> dict[str, Any]:
+        if self.cfg.orchestration.mode == "pool":
+            from flows.pool import dispatch_chunk
+
+            return dispatch_chunk(self.cfg, self.run_dir, chunk, start, end)
+        return chunk_record(self.task(str(self.run_dir), chunk, start, end))
+
+    def hand_over_boundary(self, end: int) -> None:
+        """Version the boundary checkpoint (overlapping the next chunk), then acknowledge it."""
+        pending = self.version(end)
+        if pending is not None:
+            # Until it is staged the boundary checkpoint must stay: a pipelined worker
+            # commits its next boundary (and may retire this one) only after the ack.
+            pending.staged.wait(timeout=self.cfg.heartbeat.save_timeout_s)
+        acknowledge_chunk(self.run_dir, end)
+        tracking.refresh(self.cfg, self.run_dir)  # audit table + timeline picture at each chunk end
+        self.committed = end
+
+    def close(self, ok: bool) -> None:
+        """Release the run's worker and standby, finish versioning and the audit (also on failure)."""
+        if handoff.release(self.run_dir):  # only after a failure: the last chunk's worker exits itself
+            self.logger.info("stopped the pipelined worker of run %s", self.cfg.run_name)
+        standby.release(self.run_dir)
+        self.versioned.extend(tracking.collect_versions(self.version_futures))
+        publish_chunk_table(self.cfg.run_name, self.rows, mlflow_link(self.run_dir)[0])
+        self.audit = tracking.finish_run(self.cfg, self.run_dir, ok)
+
+    def summary(self) -> dict[str, Any]:
+        from training.checkpoint import CheckpointStore
+
+        rows, audit = self.rows, self.audit or {}
+        latest = CheckpointStore(self.run_dir).latest_valid(record=False)
+        summary = {
+            "run_name": self.cfg.run_name,
+            "run_dir": str(self.run_dir),
+            "flow_run_id": self.flow_run_id,
+            "final_step": last_committed_step(self.run_dir) or 0,
+            "digest": latest.digest if latest is not None else None,
+            "trained_chunks": sum(r["status"] == "trained" for r in rows),
+            "skipped_chunks": sum(r["status"].startswith("skipped") for r in rows),
+            "attempts": {r["chunk"]: r["attempts"] for r in rows},
+            "losses": {r["chunk"]: r["loss"] for r in rows if r["loss"] is not None},
+            "failures": [{"chunk": r["chunk"], "kinds": r["failure_kinds"]} for r in rows if r["failure_kinds"]],
+            "chunks": rows,
+            "versioned": self.versioned,
+            "audit": {k: audit.get(k) for k in ("resumes", "failures", "steps_lost", "nondeterministic")},
+            "seconds": round(time.time() - self.t0, 3),
+        }
+        append_event(
+            self.run_dir,
+            Event.FLOW_DONE,
+            final_step=summary["final_step"],
+            digest=summary["digest"],
+            trained_chunks=summary["trained_chunks"],
+            flow_run_id=self.flow_run_id,
+        )
+        return summary
+
+
 @flow(name="train", flow_run_name=flow_run_name, on_failure=[flow_failed], on_crashed=[flow_crashed], log_prints=True)
 def train(
     params: str | None = "params.yaml",
@@ -132,126 +277,19 @@ def train(
 ) -> dict[str, Any]:
     """Train (or continue) the run described by ``config``, or by ``params`` + ``overrides``."""
     quiet_classified_tracebacks()
-    logger = get_run_logger()
     cfg = keyed_config(config if config is not None else load_config(params, overrides or []))
-    t0 = time.time()
     ctx = FlowRunContext.get()
     flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else None
     with run_lock(cfg.run_dir, cfg.run_name):
-        run_dir = open_run(cfg, allow_config_change=allow_config_change).resolve()
-        link_current(cfg)
-        if flow_run_id:
-            remember(flow_run_id, run_dir=run_dir, run_name=cfg.run_name, chunk=None)
-        tracking.begin_run(cfg, run_dir)
-        if reap_stale_worker(run_dir, cfg.train.world_size):
-            logger.warning("stopped a worker of this run left over from a flow that died")
-        chunks = plan_chunks(cfg.train.total_steps, cfg.train.chunk_steps)
-        committed = last_committed_step(run_dir) or 0
-        append_event(run_dir, Event.FLOW_STARTED, flow_run_id=flow_run_id, committed_step=committed, chunks=len(chunks))
-        logger.info(
-            "run %s: %d chunk(s) of %d steps (%s mode); newest verified checkpoint: step %d",
-            cfg.run_name,
-            len(chunks),
-            cfg.train.chunk_steps,
-            cfg.orchestration.mode,
-            committed,
-        )
-        task = configured(cfg)
-        rows: list[dict[str, Any]] = []
-        versioned: list[dict[str, Any]] = []
-        version_futures: list[Any] = []
+        run = TrainingRun.open(cfg, flow_run_id, allow_config_change, get_run_logger())
         ok = False
         try:
-            for chunk, start, end in chunks:
-                row: dict[str, Any] = {
-                    "chunk": chunk,
-                    "start_step": start,
-                    "end_step": end,
-                    "attempts": 0,
-                    "failure_kinds": [],
-                    "seconds": 0.0,
-                    "digest": None,
-                    "loss": None,
-                }
-                rows.append(row)
-                if committed >= end:
-                    row["status"] = "skipped (committed)"
-                    # A flow that died after the commit but before versioning left it unversioned
-                    # (a pipelined worker can commit the last chunk before its flow handles it).
-                    pending = tracking.version_async(cfg, run_dir, end, only_if_missing=True)
-                    if pending is not None:
-                        version_futures.append(pending)
-                    continue
-                c0 = time.time()
-                try:
-                    if cfg.orchestration.mode == "pool":
-                        from flows.pool import dispatch_chunk
-
-                        rec = dispatch_chunk(cfg, run_dir, chunk, start, end)
-                    else:
-                        rec = chunk_record(task(str(run_dir), chunk, start, end))
-                except BaseException:
-                    row.update(
-                        status="failed", seconds=time.time() - c0, failure_kinds=_failure_kinds(run_dir, chunk, c0)
-                    )
-                    row["attempts"] = len(row["failure_kinds"]) or 1
-                    raise
-                row.update(
-                    status="trained",
-                    attempts=rec["attempt"],
-                    seconds=time.time() - c0,
-                    digest=rec["digest"],
-                    loss=rec["loss"],
-                    failure_kinds=rec.get("failure_kinds") or _failure_kinds(run_dir, chunk, c0),
-                )
-                if "flow_runs" in rec:  # pool mode: one flow run per attempt
-                    row["flow_runs"] = rec["flow_runs"]
-                pending = tracking.version_async(cfg, run_dir, end)  # overlaps the next chunk
-                if pending is not None:
-                    version_futures.append(pending)
-                    # Until it is staged the boundary checkpoint must stay: a pipelined worker
-                    # commits its next boundary (and may retire this one) only after the ack.
-                    pending.staged.wait(timeout=cfg.heartbeat.save_timeout_s)
-                acknowledge_chunk(run_dir, end)
-                tracking.refresh(cfg, run_dir)  # audit table + timeline picture at each chunk end
-                committed = end
+            for chunk, start, end in run.chunks:
+                run.chunk(chunk, start, end)
             ok = True
         finally:
-            if handoff.release(run_dir):  # only after a failure: the last chunk's worker exits itself
-                logger.info("stopped the pipelined worker of run %s", cfg.run_name)
-            standby.release(run_dir)
-            versioned.extend(tracking.collect_versions(version_futures))
-            publish_chunk_table(cfg.run_name, rows, mlflow_link(run_dir)[0])
-            audit = tracking.finish_run(cfg, run_dir, ok)
-        final_step = last_committed_step(run_dir) or 0
-        from training.checkpoint import CheckpointStore
-
-        latest = CheckpointStore(run_dir).latest_valid(record=False)
-        summary = {
-            "run_name": cfg.run_name,
-            "run_dir": str(run_dir),
-            "flow_run_id": flow_run_id,
-            "final_step": final_step,
-            "digest": latest.digest if latest is not None else None,
-            "trained_chunks": sum(r["status"] == "trained" for r in rows),
-            "skipped_chunks": sum(r["status"].startswith("skipped") for r in rows),
-            "attempts": {r["chunk"]: r["attempts"] for r in rows},
-            "losses": {r["chunk"]: r["loss"] for r in rows if r["loss"] is not None},
-            "failures": [{"chunk": r["chunk"], "kinds": r["failure_kinds"]} for r in rows if r["failure_kinds"]],
-            "chunks": rows,
-            "versioned": versioned,
-            "audit": {k: (audit or {}).get(k) for k in ("resumes", "failures", "steps_lost", "nondeterministic")},
-            "seconds": round(time.time() - t0, 3),
-        }
-        append_event(
-            run_dir,
-            "flow_done",
-            final_step=final_step,
-            digest=summary["digest"],
-            trained_chunks=summary["trained_chunks"],
-            flow_run_id=flow_run_id,
-        )
-        return summary
+            run.close(ok)
+        return run.summary()
 
 
 def run_training(

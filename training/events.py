@@ -29,6 +29,7 @@ class Event(StrEnum):
     CONFIG_ERROR = "config_error"
     FAILURE = "failure"
     FIRST_STEP = "first_step"
+    FLOW_DONE = "flow_done"
     FLOW_STARTED = "flow_started"
     FORKED = "forked"
     INTERVAL_CHOSEN = "interval_chosen"
