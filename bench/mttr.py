@@ -118,15 +118,21 @@ def one(root: Path, standby: bool, i: int, kill_step: int) -> dict[str, float]:
     }
 
 
+OPTIMIZER_PROBE = "import torch; torch.optim.AdamW([torch.zeros(1, requires_grad=True)])"
+
+
 def floor(checkpoint: Path) -> dict[str, float]:
     """A bare interpreter with torch imported, plus reading the checkpoint's bytes (cold-ish)."""
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import torch"], check=True)
     t_import = time.perf_counter() - t0
+    t0 = time.perf_counter()  # what any PyTorch process pays before its first step: Optimizer() imports dynamo
+    subprocess.run([sys.executable, "-c", OPTIMIZER_PROBE], check=True)
+    t_optimizer = time.perf_counter() - t0
     t0 = time.perf_counter()
     n = sum(len(p.read_bytes()) for p in checkpoint.rglob("*") if p.is_file())
     t_read = time.perf_counter() - t0
-    return {"import_torch": t_import, "read_state": t_read, "bytes": float(n)}
+    return {"import_torch": t_import, "import_torch_optimizer": t_optimizer, "read_state": t_read, "bytes": float(n)}
 
 
 def main() -> None:
@@ -152,6 +158,7 @@ def main() -> None:
     f_import = statistics.median(f["import_torch"] for f in fl)
     f_read = statistics.median(f["read_state"] for f in fl)
     floor_s = f_import + f_read
+    f_opt = statistics.median(f["import_torch_optimizer"] for f in fl)
     keys = ("detect", "handover", "restore", "first_step", "mttr")
     print(
         f"\nmedian of {args.repeats} kills each (seconds); floor = import torch {f_import:.3f} + "
@@ -172,6 +179,11 @@ def main() -> None:
             + " ".join(f"{med[k]:>10.3f}" for k in keys)
             + f" {med['mttr'] / floor_s:>8.2f} {verdict:>18}"
         )
+    restart = statistics.median(r["mttr"] for r in rows[False])
+    print(
+        f"\nreference: import torch + constructing an optimizer (torch imports dynamo there) = {f_opt:.3f} s; "
+        f"restart MTTR / (that + read state) = {restart / (f_opt + f_read):.2f}x"
+    )
     worker = statistics.median(r["worker_rss_mb"] for r in rows[True])
     spare = statistics.median(r["standby_rss_mb"] for r in rows[True])
     print(
