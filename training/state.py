@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,25 +30,12 @@ def configure_determinism(deterministic: bool, device: torch.device) -> None:
     if not deterministic:
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
-    deterministic_algorithms()
+    torch.use_deterministic_algorithms(True, warn_only=False)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-
-
-def deterministic_algorithms() -> None:
-    """What ``torch.use_deterministic_algorithms(True)`` does, without its import of
-    ``torch._inductor`` (which pulls in dynamo: ~0.7 s of every worker start, half the floor of
-    a restart, measured by bench/mttr.py).  Inductor reads ``TORCHINDUCTOR_DETERMINISTIC`` when it
-    is first imported, so a task that compiles later is deterministic too; one already imported is
-    set directly, as torch does."""
-    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
-    inductor_config = sys.modules.get("torch._inductor.config")
-    if inductor_config is not None:
-        inductor_config.deterministic = True
-    torch._C._set_deterministic_algorithms(True, warn_only=False)
 
 
 def seed_everything(seed: int) -> None:
