@@ -501,15 +501,15 @@ def _pull_remote(remote: str | None, cfg: RunConfig | None, run_dir: Path) -> tu
         return remote, "--remote"
     if cfg is not None and cfg.tracking.dvc_remote:
         return cfg.tracking.dvc_remote, "params tracking.dvc_remote"
-    from training.rundir import CONFIG_FILE, load_run_config
+    from training.rundir import load_run_config
 
-    if (run_dir / CONFIG_FILE).exists():
+    if RunPaths(run_dir).config_file.exists():
         try:
             recorded = load_run_config(run_dir).tracking.dvc_remote
         except ConfigError:
             recorded = ""
         if recorded:
-            return recorded, f"{run_dir / CONFIG_FILE} tracking.dvc_remote"
+            return recorded, f"{RunPaths(run_dir).config_file} tracking.dvc_remote"
     return None, (
         "no remote in --remote, params or the run's config.json: the repository's default remote, "
         "else a remote configured before, else $CONVOY_DVC_REMOTE or ~/.cache/convoy/dvc-remote"

@@ -17,7 +17,7 @@ from filelock import FileLock, Timeout
 from training.config import ConfigError, InitFrom, RunConfig, config_from_dict, trajectory_changes
 from training.events import Event, append_event
 from training.fsutil import atomic_write_bytes, atomic_write_json, read_json
-from training.paths import CONFIG_FILE, RUN_FILE, WORKER_LEASE, RunPaths
+from training.paths import CONFIG_FILE, WORKER_LEASE, RunPaths
 
 
 class RunBusy(ConfigError):
@@ -31,7 +31,7 @@ def take_worker_lease(run_dir: Path, wait_s: float = 5.0) -> FileLock:
     one's in-flight temp save.  The OS drops the lock when the holder dies however it dies; a
     retry waits ``wait_s`` for a predecessor that is still being reaped.  A pipelined chunk
     adopts the running worker, and with it the lease."""
-    lock = FileLock(str(run_dir / WORKER_LEASE), timeout=wait_s)
+    lock = FileLock(str(RunPaths(run_dir).worker_lease), timeout=wait_s)
     owner = run_dir / f"{WORKER_LEASE}.owner"
     try:
         lock.acquire()
@@ -47,14 +47,14 @@ def take_worker_lease(run_dir: Path, wait_s: float = 5.0) -> FileLock:
 
 
 def run_info(run_dir: str | Path) -> dict[str, Any] | None:
-    path = Path(run_dir) / RUN_FILE
+    path = RunPaths(run_dir).run_file
     return read_json(path) if path.exists() else None
 
 
 def update_run_info(run_dir: str | Path, **fields: Any) -> dict[str, Any]:
     info = run_info(run_dir) or {}
     info.update(fields)
-    atomic_write_json(Path(run_dir) / RUN_FILE, info)
+    atomic_write_json(RunPaths(run_dir).run_file, info)
     return info
 
 
@@ -134,8 +134,8 @@ def child_config(config: RunConfig, spec: str) -> RunConfig:
     params its very fingerprint, that child is resumed instead of being forked again.  A parent
     already at ``train.total_steps`` is refused: the child would train nothing."""
     path, step = _split_from(spec)
-    info = run_info(path) if step is None and (path / RUN_FILE).exists() else None
-    if info and info.get("parent") and (path / CONFIG_FILE).exists():
+    info = run_info(path) if step is None and RunPaths(path).run_file.exists() else None
+    if info and info.get("parent") and RunPaths(path).config_file.exists():
         same = config.model_copy(update={"init_from": load_run_config(path).init_from, "on_config_change": "new_run"})
         if same.init_from is not None and same.fingerprint() == info.get("fingerprint"):
             return same
@@ -218,7 +218,7 @@ def recorded_trajectories(run_dir: Path, info: dict[str, Any]) -> dict[str, dict
     Runs created before ``run.json`` kept them: the trajectory is re-derived from ``config.json``,
     which still holds the config the run was last opened with."""
     known = dict(info.get("trajectories") or {})
-    if not known and (run_dir / CONFIG_FILE).exists():
+    if not known and RunPaths(run_dir).config_file.exists():
         try:
             previous = load_run_config(run_dir)
         except ConfigError:
@@ -304,12 +304,12 @@ def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
         update_run_info(run_dir, fingerprint=fp, accepted_fingerprints=accepted, trajectories=known)
     elif info.get("trajectories") != known:
         update_run_info(run_dir, trajectories=known)
-    atomic_write_json(run_dir / CONFIG_FILE, config.model_dump(mode="json"))
+    atomic_write_json(RunPaths(run_dir).config_file, config.model_dump(mode="json"))
     return run_dir
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:
-    path = Path(run_dir) / CONFIG_FILE
+    path = RunPaths(run_dir).config_file
     if not path.exists():
         raise ConfigError(f"{run_dir}: not a convoy run directory (no {CONFIG_FILE}); create it with `convoy train`")
     return config_from_dict(read_json(path), str(path))
