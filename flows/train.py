@@ -32,9 +32,9 @@ from tasks.artifacts import publish_chunk_table
 from tasks.chunk import chunk_record, configured
 from tasks.hooks import flow_crashed, flow_failed, remember
 from tasks.supervisor import ChunkFailed, last_committed_step, reap_stale_worker
+from training import chunk_boundary
 from training.config import ConfigError, RunConfig, load_config
 from training.events import Event, append_event, read_events
-from training.pipeline import acknowledge_chunk
 from training.rundir import keyed_config, link_current, open_run
 
 LOCK_FILE = ".lock"
@@ -217,13 +217,11 @@ class TrainingRun:
         return chunk_record(self.task(str(self.run_dir), chunk, start, end))
 
     def hand_over_boundary(self, end: int) -> None:
-        """Version the boundary checkpoint (overlapping the next chunk), then acknowledge it."""
+        """Version the boundary checkpoint (overlapping the next chunk), then acknowledge it once
+        it is staged (rule 3 of :mod:`training.chunk_boundary`)."""
         pending = self.version(end)
-        if pending is not None:
-            # Until it is staged the boundary checkpoint must stay: a pipelined worker
-            # commits its next boundary (and may retire this one) only after the ack.
-            pending.staged.wait(timeout=self.cfg.heartbeat.save_timeout_s)
-        acknowledge_chunk(self.run_dir, end)
+        staged = pending.staged if pending is not None else None
+        chunk_boundary.acknowledge(self.run_dir, end, staged, timeout_s=self.cfg.heartbeat.save_timeout_s)
         tracking.refresh(self.cfg, self.run_dir)  # audit table + timeline picture at each chunk end
         self.committed = end
 

@@ -14,7 +14,8 @@ The worker resumes from the emergency checkpoint it wrote, so nothing is lost ei
 Pipelining (``orchestration.pipeline``, local mode): the worker is started with the run's last
 step as its target and this task ends when the chunk's boundary checkpoint is committed, leaving
 the worker training for the next chunk's task to adopt (:mod:`tasks.handoff`).  The boundary
-checkpoint is still verified here and is the chunk's artifact.
+checkpoint is still verified here and is the chunk's artifact.  The protocol, end to end:
+:mod:`training.chunk_boundary`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tasks.supervisor import (
     supervise,
     worker_command,
 )
+from training.chunk_boundary import boundary_step
 from training.config import ConfigError, RunConfig
 from training.events import Event, append_event, read_events
 from training.paths import RunPaths
@@ -151,8 +153,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> State
                     chunk=chunk,
                     attempt=attempt,
                     on_line=echo,
-                    done_at_step=end_step if pipeline and end_step < cfg.train.total_steps else None,
-                    pipeline=pipeline,
+                    boundary_step=boundary_step(end_step, cfg.train.total_steps, pipeline),
                     standby_order={"until_step": until, "pipelined": pipeline} if use_standby else None,
                 )
             )

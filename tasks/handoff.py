@@ -11,6 +11,8 @@ Failures are unchanged: the task watching the worker stops its whole group and r
 retry starts a fresh worker from the newest verified checkpoint.  A worker that died between two
 tasks is adopted dead and reported as the next chunk's failure (that is where its steps were).
 The registry lives in the flow process (tasks are threads there); pool mode never uses it.
+The protocol around the boundary (what the worker waits for, what the flow acknowledges, what
+retention keeps): :mod:`training.chunk_boundary`.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from tasks.classify import (
 )
 from tasks.multinode import failed_node, launcher_command
 from tasks.procs import child_setup, pid_gone, reap_stale_worker, stop_group
+from training import chunk_boundary
 from training.audit import steps_lost, trained_high_water
 from training.config import EXIT_CONFIG
 from training.events import Event, append_event
@@ -353,12 +354,13 @@ def last_committed_step(run_dir: Path) -> int | None:
 class AttemptSpec:
     """What one worker attempt runs and how it is watched: the input of :class:`WorkerAttempt`.
 
-    ``pipeline``: a worker parked by the previous chunk (same ``cmd``) is adopted instead of
-    spawned; ``done_at_step`` (pipelined, every chunk but the last): once that step's checkpoint is
-    committed the attempt ends with the worker still training, parked for the next chunk
-    (:mod:`tasks.handoff`).  ``standby_order`` (``until_step``, ``pipelined``): a warm standby of
-    the run is given that order instead of spawning ``cmd``, and once the worker trains a new
-    standby is kept ready behind it (:mod:`tasks.standby`)."""
+    A worker parked by the previous chunk (same ``cmd``) is adopted instead of spawned;
+    ``boundary_step`` (pipelined, every chunk but the last): once that step's checkpoint is
+    committed the attempt ends with the worker still training, parked for the next chunk (rule 2
+    of :mod:`training.chunk_boundary`; the registry is :mod:`tasks.handoff`).
+    ``standby_order`` (``until_step``, ``pipelined``): a warm standby of the run is given that
+    order instead of spawning ``cmd``, and once the worker trains a new standby is kept ready
+    behind it (:mod:`tasks.standby`)."""
 
     cmd: Sequence[str]
     run_dir: Path
@@ -371,8 +373,7 @@ class AttemptSpec:
     cwd: str | Path | None = None
     on_line: Callable[[str], None] | None = None
     tail_lines: int = 80
-    done_at_step: int | None = None
-    pipeline: bool = False
+    boundary_step: int | None = None
     standby_order: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -416,7 +417,7 @@ class WorkerAttempt:
         """Adopt the parked worker, take the standby, or spawn; then follow its log."""
         spec = self.spec
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        live = handoff.adopt(self.run_dir, list(spec.cmd)) if spec.pipeline else None
+        live = handoff.adopt(self.run_dir, list(spec.cmd))  # None unless the previous chunk parked it
         self.oom_before = oom_kills()
         self.metrics_offset = _size(RunPaths(self.run_dir).metrics)  # this attempt's rows start here (steps lost)
         self.started = time.time()
@@ -484,12 +485,8 @@ class WorkerAttempt:
 
     # ------------------------------------------------------------------ watch
     def boundary_committed(self) -> bool:
-        marker = self.spec.done_at_step
-        return (
-            self.spec.pipeline
-            and marker is not None
-            and (RunPaths(self.run_dir).checkpoint(marker) / "manifest.json").exists()
-        )
+        step = self.spec.boundary_step
+        return step is not None and chunk_boundary.boundary_committed(self.run_dir, step)
 
     def watch(self) -> None:
         """Poll until the worker exits, a limit is crossed, or (pipelined) the boundary is committed."""
@@ -554,7 +551,7 @@ class WorkerAttempt:
             )
         if self.handed_off:
             self.note(
-                f"chunk={self.spec.chunk} committed step {self.spec.done_at_step} after {seconds:.2f} s; "
+                f"chunk={self.spec.chunk} committed step {self.spec.boundary_step} after {seconds:.2f} s; "
                 "worker continues into the next chunk"
             )
         if self.handed_off or (self.failure is None and rc == 0):

@@ -303,14 +303,12 @@ def test_a_worker_that_dies_between_chunk_tasks_is_reported_with_its_last_words(
     script.write_text(DIES_AFTER_BOUNDARY)
     cmd = [sys.executable, str(script), str(run_dir)]
     log = run_dir / "logs" / "chunk-1.log"
-    out = supervise(AttemptSpec(cmd, run_dir, FAST, log, chunk=1, attempt=1, done_at_step=10, pipeline=True))
+    out = supervise(AttemptSpec(cmd, run_dir, FAST, log, chunk=1, attempt=1, boundary_step=10))
     assert out.returncode == 0  # the boundary was committed: chunk 1 is done, the worker parked
     time.sleep(1.5)  # the worker dies while no task watches it
     with pytest.raises(ChunkFailed) as info:
         supervise(
-            AttemptSpec(
-                cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, attempt=1, done_at_step=20, pipeline=True
-            )
+            AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, attempt=1, boundary_step=20)
         )
     assert info.value.kind == "crash" and "boom between the two chunk tasks" in str(info.value), info.value
     assert not leftovers(run_dir)

@@ -32,6 +32,7 @@ import torch
 
 from training import faults, sharded
 from training import safetensors_io as st
+from training.chunk_boundary import boundary_to_keep
 from training.codec import join_tree, split_tree, tensor_refs
 from training.config import CheckpointConfig
 from training.events import Event, append_event, read_events
@@ -144,7 +145,8 @@ class CheckpointStore:
         self.rank = rank
         self.gather_timeout_s = gather_timeout_s
         #: Chunk length: retention keeps the newest chunk-boundary checkpoint (the chunk's artifact,
-        #: which its task verifies and DVC versions while the worker trains on).
+        #: which its task verifies and DVC versions while the worker trains on; rule 4 of
+        #: :mod:`training.chunk_boundary`).
         self.boundary_every = boundary_every
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
@@ -513,8 +515,8 @@ class CheckpointStore:
                 continue
             candidates.append((step, path, sum(f["size"] for f in manifest["files"].values())))
         keep_recent = {p for _, p, _ in candidates[: max(pol.keep_last - 1, 0)]}
-        if self.boundary_every and protect.step % self.boundary_every:
-            keep_recent |= {next((p for s, p, _ in candidates if s % self.boundary_every == 0), protect.path)}
+        boundary = boundary_to_keep(protect.step, (s for s, _, _ in candidates), self.boundary_every)
+        keep_recent |= {p for s, p, _ in candidates if s == boundary}
         deleted: list[str] = []
         survivors = []
         for step, path, size in candidates:
@@ -528,7 +530,7 @@ class CheckpointStore:
             for _step, path, size in sorted(survivors):  # oldest first
                 if total <= pol.max_bytes:
                     break
-                if path in keep_recent and self.boundary_every and _step % self.boundary_every == 0:
+                if _step == boundary:
                     continue
                 self._delete(path, "max_bytes")
                 deleted.append(path.name)

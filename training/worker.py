@@ -33,13 +33,13 @@ from training import distributed, faults, sharded
 from training.adaptive import AdaptiveInterval, estimate_mtbf_s
 from training.batch import to_device
 from training.checkpoint import CheckpointStore
+from training.chunk_boundary import wait_for_previous_boundary
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
 from training.data import make_loader, mix_seed
 from training.events import Event, append_event
 from training.heartbeat import Heartbeat, read_heartbeat
 from training.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, StepMetricLogger
 from training.paths import RunPaths
-from training.pipeline import wait_for_ack
 from training.rundir import (
     RunBusy,
     describe_change,
@@ -634,13 +634,16 @@ class Worker:
 
     def await_previous_boundary(self) -> None:
         """Pipelined: before committing the next chunk boundary (or the last step), wait until the
-        flow acknowledged the previous boundary, so retention never removes an unverified one."""
+        flow acknowledged the previous boundary (rule 1 of :mod:`training.chunk_boundary`)."""
         if not self.pipelined:
             return
-        chunk = self.config.train.chunk_steps
         self.hb.set(phase="save")  # the boundary save starts with the wait (save limits apply)
-        wait_for_ack(
-            self.run_dir, (self.state.step - 1) // chunk * chunk, self.resumed_step, lambda: self.preempt.requested
+        wait_for_previous_boundary(
+            self.run_dir,
+            self.state.step,
+            self.config.train.chunk_steps,
+            self.resumed_step,
+            stop=lambda: self.preempt.requested,
         )
 
     def emergency_exit(self, metrics: StepMetricLogger) -> int:
