@@ -35,6 +35,7 @@ from tasks.supervisor import (
     AttemptSpec,
     ChunkFailed,
     Limits,
+    Outcome,
     last_committed_step,
     reap_stale_worker,
     supervise,
@@ -106,94 +107,135 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> State
     chunk (or, if a checkpoint turned out corrupt, before it): only the lost steps are redone.
     """
     rd = Path(run_dir)
-    logger = get_run_logger()
     cfg = load_run_config(rd)
     ctx = TaskRunContext.get()
     if ctx is not None:
         remember(ctx.task_run.id, run_dir=rd, run_name=cfg.run_name, chunk=chunk)
-    attempt = _attempt()
-    limits = Limits.from_config(cfg)
-    pipeline = cfg.orchestration.pipeline and cfg.orchestration.mode == "local"
-    until = cfg.train.total_steps if pipeline else end_step
-    use_standby = cfg.orchestration.standby and cfg.orchestration.mode == "local" and cfg.train.world_size == 1
-    if handoff.parked_pid(rd) is None:  # our own parked worker is not stale
-        reap_stale_worker(rd, cfg.train.world_size)
-    started = time.time()
-    preemptions = 0
-    while True:
-        resume = last_committed_step(rd) or 0
-        if resume < start_step:
-            logger.warning(
-                "chunk %d: newest valid checkpoint is step %d, before the chunk start %d", chunk, resume, start_step
+    return ChunkRun(cfg, rd, chunk, start_step, end_step, get_run_logger()).run()
+
+
+class ChunkRun:
+    """One attempt of one chunk task: supervised worker attempts (a preempted worker is
+    re-spawned at once, see the module docstring), then the committed boundary verified and
+    recorded."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, chunk: int, start: int, end: int, logger: Any) -> None:
+        self.cfg, self.run_dir, self.chunk, self.start, self.end, self.logger = cfg, run_dir, chunk, start, end, logger
+        self.attempt = _attempt()
+        self.pipelined = cfg.orchestration.pipeline and cfg.orchestration.mode == "local"
+        self.standby = cfg.orchestration.standby and cfg.orchestration.mode == "local" and cfg.train.world_size == 1
+        self.preemptions = 0
+        self.resumed_from = 0
+
+    def run(self) -> State:
+        if handoff.parked_pid(self.run_dir) is None:  # our own parked worker is not stale
+            reap_stale_worker(self.run_dir, self.cfg.train.world_size)
+        started = time.time()
+        outcome = None
+        while outcome is None:
+            outcome = self.supervised_attempt()
+        return self.committed(started, outcome)
+
+    def supervised_attempt(self) -> Outcome | None:
+        """One worker attempt under watch: its outcome, or None when it was preempted and is to be
+        re-spawned at once; any other failure is reported and raised (Prefect retries the task)."""
+        cfg, rd = self.cfg, self.run_dir
+        self.resumed_from = last_committed_step(rd) or 0
+        if self.resumed_from < self.start:
+            self.logger.warning(
+                "chunk %d: newest valid checkpoint is step %d, before the chunk start %d",
+                self.chunk,
+                self.resumed_from,
+                self.start,
             )
-        sub = f"{attempt}" + (f"-{preemptions}" if preemptions else "")
-        log_path = RunPaths(rd).chunk_log(chunk, sub)
-
-        def echo(line: str) -> None:
-            if any(m in line for m in _ECHO):
-                logger.info("chunk %d: %s", chunk, line)
-
-        child = tracking.start_attempt(cfg, rd, chunk, attempt, start_step, end_step)
+        child = tracking.start_attempt(cfg, rd, self.chunk, self.attempt, self.start, self.end)
         t_attempt = time.time()
         try:
-            outcome = supervise(
-                AttemptSpec(
-                    worker_command(
-                        rd.resolve(),
-                        until,
-                        cfg.train.ranks,
-                        pipelined=pipeline,
-                        hosts=cfg.train.hosts if cfg.train.nnodes > 1 else (),
-                        node_launch=cfg.orchestration.node_launch,
-                    ),
-                    rd,
-                    limits,
-                    log_path,
-                    ranks=cfg.train.world_size,
-                    chunk=chunk,
-                    attempt=attempt,
-                    on_line=echo,
-                    boundary_step=boundary_step(end_step, cfg.train.total_steps, pipeline),
-                    standby_order={"until_step": until, "pipelined": pipeline} if use_standby else None,
-                )
-            )
+            outcome = supervise(self.spec())
         except ChunkFailed as exc:
             resume_at = exc.details.get("last_committed_step") or 0
-            trained = max(0, resume_at - resume)
+            trained = max(0, resume_at - self.resumed_from)
             tracking.end_attempt(cfg, rd, child, False, exc.kind, trained, time.time() - t_attempt, exc.details)
-            if exc.kind == "preempted" and preemptions < cfg.orchestration.retries:
-                preemptions += 1
-                logger.warning("chunk %d preempted; re-submitting at once, resuming from step %d", chunk, resume_at)
-                append_event(
-                    rd, Event.RESUBMITTED, chunk=chunk, attempt=attempt, reason="preempted", resume_step=resume_at
+            if exc.kind == "preempted" and self.preemptions < cfg.orchestration.retries:
+                self.preemptions += 1
+                self.logger.warning(
+                    "chunk %d preempted; re-submitting at once, resuming from step %d", self.chunk, resume_at
                 )
-                continue
-            _report(logger, cfg, exc, chunk, attempt, resume_at)
+                append_event(
+                    rd,
+                    Event.RESUBMITTED,
+                    chunk=self.chunk,
+                    attempt=self.attempt,
+                    reason="preempted",
+                    resume_step=resume_at,
+                )
+                return None
+            _report(self.logger, cfg, exc, self.chunk, self.attempt, resume_at)
             raise
-        tracking.end_attempt(cfg, rd, child, True, None, end_step - resume, time.time() - t_attempt)
-        break
-    digest = _committed_digest(rd, end_step)
-    if digest is None:
-        raise ChunkFailed(
-            "crash",
-            f"chunk {chunk}: worker exited 0 but no valid checkpoint at step {end_step}",
-            {"last_committed_step": last_committed_step(rd), "log": str(log_path)},
+        tracking.end_attempt(cfg, rd, child, True, None, self.end - self.resumed_from, time.time() - t_attempt)
+        return outcome
+
+    def spec(self) -> AttemptSpec:
+        """The worker attempt: pipelined workers train to the run's end and hand over at the
+        chunk's boundary; otherwise they stop at the chunk's end."""
+        cfg, rd = self.cfg, self.run_dir
+        until = cfg.train.total_steps if self.pipelined else self.end
+        sub = f"{self.attempt}" + (f"-{self.preemptions}" if self.preemptions else "")
+        self.log_path = RunPaths(rd).chunk_log(self.chunk, sub)
+        command = worker_command(
+            rd.resolve(),
+            until,
+            cfg.train.ranks,
+            pipelined=self.pipelined,
+            hosts=cfg.train.hosts if cfg.train.nnodes > 1 else (),
+            node_launch=cfg.orchestration.node_launch,
         )
-    record = {
-        "chunk": chunk,
-        "start_step": start_step,
-        "end_step": end_step,
-        "attempt": attempt,
-        "preemptions": preemptions,
-        "resumed_from": resume,
-        "digest": digest,
-        "loss": _loss_at(rd, end_step),
-        "seconds": round(time.time() - started, 3),
-        "worker_seconds": round(outcome.seconds, 3),
-    }
-    append_event(rd, Event.CHUNK_DONE, **record)
-    logger.info("chunk %d done: steps [%d, %d) digest %s (attempt %d)", chunk, start_step, end_step, digest, attempt)
-    return Completed(message=_done_message(rd, chunk, start_step, end_step, attempt), data=record)
+        return AttemptSpec(
+            command,
+            rd,
+            Limits.from_config(cfg),
+            self.log_path,
+            ranks=cfg.train.world_size,
+            chunk=self.chunk,
+            attempt=self.attempt,
+            on_line=self.echo,
+            boundary_step=boundary_step(self.end, cfg.train.total_steps, self.pipelined),
+            standby_order={"until_step": until, "pipelined": self.pipelined} if self.standby else None,
+        )
+
+    def echo(self, line: str) -> None:
+        """Worker output worth a line in the Prefect log (everything is in the chunk's log file)."""
+        if any(m in line for m in _ECHO):
+            self.logger.info("chunk %d: %s", self.chunk, line)
+
+    def committed(self, started: float, outcome: Outcome) -> State:
+        """Verify the chunk's end checkpoint and record the chunk (``chunk_done`` event)."""
+        rd, chunk = self.run_dir, self.chunk
+        digest = _committed_digest(rd, self.end)
+        if digest is None:
+            raise ChunkFailed(
+                "crash",
+                f"chunk {chunk}: worker exited 0 but no valid checkpoint at step {self.end}",
+                {"last_committed_step": last_committed_step(rd), "log": str(self.log_path)},
+            )
+        record = {
+            "chunk": chunk,
+            "start_step": self.start,
+            "end_step": self.end,
+            "attempt": self.attempt,
+            "preemptions": self.preemptions,
+            "resumed_from": self.resumed_from,
+            "digest": digest,
+            "loss": _loss_at(rd, self.end),
+            "seconds": round(time.time() - started, 3),
+            "worker_seconds": round(outcome.seconds, 3),
+        }
+        append_event(rd, Event.CHUNK_DONE, **record)
+        self.logger.info(
+            "chunk %d done: steps [%d, %d) digest %s (attempt %d)", chunk, self.start, self.end, digest, self.attempt
+        )
+        message = _done_message(rd, chunk, self.start, self.end, self.attempt)
+        return Completed(message=message, data=record)
 
 
 def _done_message(run_dir: Path, chunk: int, start: int, end: int, attempt: int) -> str:

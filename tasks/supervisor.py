@@ -308,18 +308,18 @@ def _lost_rank(w: _Watch, beats: list[dict[str, Any]], ranks: int, now: float) -
 def _spawn(
     cmd: Sequence[str],
     log_path: Path,
-    chunk: int | None,
-    attempt: int | None,
-    started: float,
+    header: str,
+    *,
     cwd: str | Path | None,
     env: dict[str, str],
     stdin: int = subprocess.DEVNULL,
 ) -> tuple[subprocess.Popen, int]:
-    """Start the worker in its own session, output appended to ``log_path``; returns it and the
-    log offset its output starts at.  ``stdin=PIPE`` for a standby (its order comes that way)."""
+    """Start the worker in its own session, output appended to ``log_path`` after a ``# convoy``
+    ``header`` line; returns it and the log offset its output starts at.  ``stdin=PIPE`` for a
+    standby (its order comes that way)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        log.write(f"# convoy chunk={chunk} attempt={attempt} started={started:.3f} cmd={' '.join(cmd)}\n".encode())
+        log.write(f"# convoy {header} cmd={' '.join(cmd)}\n".encode())
         log.flush()
         offset = log.tell()
         proc = subprocess.Popen(
@@ -430,7 +430,11 @@ class WorkerAttempt:
                 with contextlib.suppress(FileNotFoundError):
                     heartbeat_path(self.run_dir, r).unlink()
             self.proc, offset = self.take_standby() or _spawn(
-                spec.cmd, self.log_path, spec.chunk, spec.attempt, self.started, spec.cwd, self.environment()
+                spec.cmd,
+                self.log_path,
+                f"chunk={spec.chunk} attempt={spec.attempt} started={self.started:.3f}",
+                cwd=spec.cwd,
+                env=self.environment(),
             )
         self.position = [offset]
         self.stop_follow = threading.Event()
@@ -471,8 +475,9 @@ class WorkerAttempt:
         return ready.proc, ready.offset
 
     def start_standby(self, standby_cmd: list[str], standby_log: Path) -> tuple[subprocess.Popen, int]:
+        header = f"standby started={time.time():.3f}"
         return _spawn(
-            standby_cmd, standby_log, None, None, time.time(), self.spec.cwd, self.environment(), stdin=subprocess.PIPE
+            standby_cmd, standby_log, header, cwd=self.spec.cwd, env=self.environment(), stdin=subprocess.PIPE
         )
 
     def recall_adopted(self) -> None:

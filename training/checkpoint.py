@@ -122,6 +122,16 @@ class _Snapshot:
     prewritten: dict[str, dict[str, Any]] | None = None
 
 
+@dataclass(frozen=True)
+class WriterGroup:
+    """The ranks that write one checkpoint together: this process's ``rank`` of ``world_size``;
+    rank 0 commits once every rank's files are written, or gives up after ``gather_timeout_s``."""
+
+    world_size: int = 1
+    rank: int = 0
+    gather_timeout_s: float = 300
+
+
 class CheckpointStore:
     """One run's checkpoints.  Exactly one writer process per run (the flow holds a file lock)."""
 
@@ -130,9 +140,8 @@ class CheckpointStore:
         run_dir: str | Path,
         policy: CheckpointConfig | None = None,
         fingerprint: str = "",
-        world_size: int = 1,
-        rank: int = 0,
-        gather_timeout_s: float = 300,
+        *,
+        writers: WriterGroup | None = None,
         boundary_every: int = 0,
         validator: Validator | None = None,
     ) -> None:
@@ -141,9 +150,8 @@ class CheckpointStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.policy = policy or CheckpointConfig()
         self.fingerprint = fingerprint
-        self.world_size = world_size
-        self.rank = rank
-        self.gather_timeout_s = gather_timeout_s
+        writers = writers or WriterGroup()
+        self.world_size, self.rank, self.gather_timeout_s = writers.world_size, writers.rank, writers.gather_timeout_s
         #: Chunk length: retention keeps the newest chunk-boundary checkpoint (the chunk's artifact,
         #: which its task verifies and DVC versions while the worker trains on; rule 4 of
         #: :mod:`training.chunk_boundary`).

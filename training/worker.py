@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from torch.utils.data import default_collate
 from training import distributed, faults, sharded
 from training.adaptive import AdaptiveInterval, estimate_mtbf_s
 from training.batch import to_device
-from training.checkpoint import CheckpointStore
+from training.checkpoint import CheckpointStore, WriterGroup
 from training.chunk_boundary import wait_for_previous_boundary
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
 from training.data import make_loader, mix_seed
@@ -230,9 +230,7 @@ class Worker:
             self.run_dir,
             cfg.checkpoint,
             cfg.fingerprint(),
-            self.world,
-            self.rank,
-            gather_timeout_s=cfg.heartbeat.save_timeout_s,
+            writers=WriterGroup(self.world, self.rank, gather_timeout_s=cfg.heartbeat.save_timeout_s),
             boundary_every=cfg.train.chunk_steps,
             validator=checkpoint_validator(ExpectedState.of(self.parts)),
         )
@@ -537,44 +535,17 @@ class Worker:
             metrics.log_extra(self.state.step, {"ckpt_interval_steps": float(new)})
 
     def run(self) -> int:
+        """Set up, restore, train to ``until`` (saving on the policy's schedule), save, finish."""
         self.setup()
         self.restore()
-        st, cfg = self.state, self.config
+        st = self.state
         self.resumed_step = st.step
         if st.step >= self.until:
             self.log(f"already at step {st.step} >= {self.until}: nothing to train")
             return self.finish(loss=None)
-        # flush_every=1: every step reaches metrics.jsonl (~70 us) so a replay after a kill has
-        # the pre-failure values to compare with; MLflow batches on its own background thread.
-        local: list[MetricBackend] = [JsonlBackend(RunPaths(self.run_dir).metrics)] if self.rank == 0 else []
-        metrics = StepMetricLogger(
-            local,
-            self.run_dir,
-            flush_every=1,
-            exact=not self.world_changed,
-            deferred=self.tracking is not None or self.tracking_factory is not None,
-        )
-        accum = cfg.train.grad_accum_steps
-        loader = make_loader(
-            self.parts.train_data,
-            cfg.train.batch_size,
-            cfg.train.seed,
-            st.cursor,
-            self.rank,
-            self.world,
-            cfg.data.num_workers,
-            accum,
-            self.parts.collate_fn,
-        )
-        batches = iter(loader)
-        n_samples = len(self.parts.train_data)  # type: ignore[arg-type]
-        step_samples = cfg.train.batch_size * accum  # one optimizer step, all ranks
-        evaluating = cfg.train.eval_every > 0 and self.parts.val_data is not None and len(self.parts.val_data) > 0  # type: ignore[arg-type]
-        if cfg.train.eval_every > 0 and not evaluating:
-            self.log(
-                f"train.eval_every = {cfg.train.eval_every} but task {cfg.task!r} has no validation data: "
-                "no in-loop validation"
-            )
+        metrics = self.open_metrics()
+        batches = self.batches()
+        evaluating = self.evaluating()
         self.hb.set(phase="train", step=st.step)
         last_save, last_save_step = time.time(), st.step
         loss = None
@@ -582,30 +553,10 @@ class Worker:
             (stop,) = distributed.agree_any(self.preempt.requested)
             if stop:
                 return self.emergency_exit(metrics)
-            self.store.check()
-            t0 = time.perf_counter()
-            faults.slow_step(st.step + 1)
-            out = self.train_step([next(batches) for _ in range(accum)])
-            st.step += 1
-            st.cursor = st.cursor.advance(step_samples, n_samples)
-            st.tokens_seen += step_samples * self.parts.tokens_per_sample
-            dt = time.perf_counter() - t0
-            out.update(step_time_s=dt, tokens_per_s=step_samples * self.parts.tokens_per_sample / dt)
-            if evaluating and st.step % cfg.train.eval_every == 0:
-                t1 = time.perf_counter()
-                out.update(val_loss=self.evaluate(), eval_time_s=time.perf_counter() - t1)
-            loss = out["loss"]
-            metrics.log(st.step, out)
-            self.attach_tracking(metrics, wait=False)
-            self.hb.set(step=st.step)
-            if st.step == self.resumed_step + 1 and self.rank == 0:  # recovery ends here (MTTR)
-                append_event(self.run_dir, Event.FIRST_STEP, step=st.step, step_s=round(dt, 4))
-                self.start_tracking()
-            if self.adaptive is not None:
-                self.adaptive.observe_step(dt, self.store.in_flight)
+            loss = self.take_step(batches, metrics, evaluating)
             (due,) = distributed.agree_any(st.step < self.until and self.save_due(st.step, last_save_step, last_save))
             if due:
-                if st.step % cfg.train.chunk_steps == 0:
+                if st.step % self.config.train.chunk_steps == 0:
                     self.await_previous_boundary()
                 metrics.flush()  # metrics up to a committed step are durable before the commit
                 self.tune_interval(self.save(blocking=False), metrics)
@@ -616,6 +567,73 @@ class Worker:
         self.attach_tracking(metrics, wait=True)
         metrics.close()
         return self.finish(loss=loss)
+
+    def open_metrics(self) -> StepMetricLogger:
+        """Step metrics: ``metrics.jsonl`` at once (rank 0), MLflow once its thread has built it.
+
+        flush_every=1: every step reaches metrics.jsonl (~70 us) so a replay after a kill has the
+        pre-failure values to compare with; MLflow batches on its own background thread."""
+        local: list[MetricBackend] = [JsonlBackend(RunPaths(self.run_dir).metrics)] if self.rank == 0 else []
+        return StepMetricLogger(
+            local,
+            self.run_dir,
+            flush_every=1,
+            exact=not self.world_changed,
+            deferred=self.tracking is not None or self.tracking_factory is not None,
+        )
+
+    def batches(self) -> Iterator[Any]:
+        """This rank's micro-batches from the restored cursor on."""
+        cfg = self.config
+        loader = make_loader(
+            self.parts.train_data,
+            cfg.train.batch_size,
+            cfg.train.seed,
+            self.state.cursor,
+            self.rank,
+            self.world,
+            cfg.data.num_workers,
+            cfg.train.grad_accum_steps,
+            self.parts.collate_fn,
+        )
+        return iter(loader)
+
+    def evaluating(self) -> bool:
+        """Whether in-loop validation runs (``train.eval_every`` and a task with validation data)."""
+        every, val = self.config.train.eval_every, self.parts.val_data
+        if every > 0 and (val is None or len(val) == 0):  # type: ignore[arg-type]
+            self.log(
+                f"train.eval_every = {every} but task {self.config.task!r} has no validation data: "
+                "no in-loop validation"
+            )
+            return False
+        return every > 0
+
+    def take_step(self, batches: Iterator[Any], metrics: StepMetricLogger, evaluating: bool) -> float:
+        """One optimizer step (with its micro-batches), its metrics and beat; returns the loss."""
+        st, cfg = self.state, self.config
+        step_samples = cfg.train.batch_size * cfg.train.grad_accum_steps  # one optimizer step, all ranks
+        self.store.check()
+        t0 = time.perf_counter()
+        faults.slow_step(st.step + 1)
+        out = self.train_step([next(batches) for _ in range(cfg.train.grad_accum_steps)])
+        st.step += 1
+        st.cursor = st.cursor.advance(step_samples, len(self.parts.train_data))  # type: ignore[arg-type]
+        st.tokens_seen += step_samples * self.parts.tokens_per_sample
+        dt = time.perf_counter() - t0
+        out.update(step_time_s=dt, tokens_per_s=step_samples * self.parts.tokens_per_sample / dt)
+        if evaluating and st.step % cfg.train.eval_every == 0:
+            t1 = time.perf_counter()
+            out.update(val_loss=self.evaluate(), eval_time_s=time.perf_counter() - t1)
+        metrics.log(st.step, out)
+        self.attach_tracking(metrics, wait=False)
+        self.hb.set(step=st.step)
+        if st.step == self.resumed_step + 1 and self.rank == 0:  # recovery ends here (MTTR)
+            append_event(self.run_dir, Event.FIRST_STEP, step=st.step, step_s=round(dt, 4))
+            self.start_tracking()
+        if self.adaptive is not None:
+            self.adaptive.observe_step(dt, self.store.in_flight)
+        return out["loss"]
 
     def start_tracking(self) -> None:
         """Build the tracking backends on their thread (once).  Called after the first step: the
