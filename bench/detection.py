@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from tasks.supervisor import AttemptSpec, ChunkFailed, Limits, supervise, worker_command
+from tasks.supervisor import AttemptSpec, ChunkFailed, DetectionLimits, supervise, worker_command
 from training.checkpoint import CheckpointStore
 from training.config import load_config
 from training.corpus import prepare
@@ -86,7 +86,7 @@ def one(root: Path, kind: str, i: int, ranks: int, nnodes: int = 1) -> dict:
     world = cfg.train.world_size
     prepare(cfg.data, cfg.train.seed)
     run_dir = open_run(cfg).resolve()
-    limits = Limits.from_config(cfg)
+    limits = DetectionLimits.from_config(cfg)
     shot: dict = {}
     t = threading.Thread(target=inject_when_training, args=(run_dir, sig, 25, world - 1, shot), daemon=True)
     t.start()

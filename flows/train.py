@@ -29,9 +29,9 @@ from prefect.context import FlowRunContext
 from flows.report import mlflow_link
 from tasks import handoff, standby, tracking
 from tasks.artifacts import publish_chunk_table
-from tasks.chunk import chunk_record, configured
-from tasks.hooks import flow_crashed, flow_failed, remember
-from tasks.supervisor import ChunkFailed, last_committed_step, reap_stale_worker
+from tasks.chunk import chunk_record, retrying_chunk_task
+from tasks.hooks import flow_crashed, flow_failed, remember_run
+from tasks.supervisor import ChunkFailed, newest_verified_step, reap_stale_worker
 from training import chunk_boundary
 from training.config import ConfigError, RunConfig, load_config
 from training.events import Event, append_event, read_events
@@ -133,7 +133,7 @@ class TrainingRun:
     def __init__(self, cfg: RunConfig, run_dir: Path, flow_run_id: str | None, logger: Any) -> None:
         self.cfg, self.run_dir, self.flow_run_id, self.logger = cfg, run_dir, flow_run_id, logger
         self.t0 = time.time()
-        self.task = configured(cfg)
+        self.task = retrying_chunk_task(cfg)
         self.rows: list[dict[str, Any]] = []
         self.versioned: list[dict[str, Any]] = []
         self.version_futures: list[Any] = []
@@ -147,12 +147,12 @@ class TrainingRun:
         run_dir = open_run(cfg, allow_config_change=allow_config_change).resolve()
         link_current(cfg)
         if flow_run_id:
-            remember(flow_run_id, run_dir=run_dir, run_name=cfg.run_name, chunk=None)
+            remember_run(flow_run_id, run_dir=run_dir, run_name=cfg.run_name, chunk=None)
         tracking.begin_run(cfg, run_dir)
         if reap_stale_worker(run_dir, cfg.train.world_size):
             logger.warning("stopped a worker of this run left over from a flow that died")
         run = cls(cfg, run_dir, flow_run_id, logger)
-        run.committed = last_committed_step(run_dir) or 0
+        run.committed = newest_verified_step(run_dir) or 0
         append_event(
             run_dir, Event.FLOW_STARTED, flow_run_id=flow_run_id, committed_step=run.committed, chunks=len(run.chunks)
         )
@@ -243,7 +243,7 @@ class TrainingRun:
             "run_name": self.cfg.run_name,
             "run_dir": str(self.run_dir),
             "flow_run_id": self.flow_run_id,
-            "final_step": last_committed_step(self.run_dir) or 0,
+            "final_step": newest_verified_step(self.run_dir) or 0,
             "digest": latest.digest if latest is not None else None,
             "trained_chunks": sum(r["status"] == "trained" for r in rows),
             "skipped_chunks": sum(r["status"].startswith("skipped") for r in rows),

@@ -1,6 +1,6 @@
 """Prefect task ``run_chunk``: one step range, one supervised worker, retried on its own.
 
-Retry policy comes from ``orchestration.*`` via :func:`configured` (``with_options``): ``retries``,
+Retry policy comes from ``orchestration.*`` via :func:`retrying_chunk_task` (``with_options``): ``retries``,
 delays ``retry_delay_seconds * backoff**i`` with Prefect's ``retry_jitter_factor = jitter``, and a
 ``retry_condition_fn`` that never retries a ``config`` failure (same input, same error).
 
@@ -30,13 +30,13 @@ from prefect.states import Completed, State
 
 from tasks import handoff, tracking
 from tasks.artifacts import publish_failure_note
-from tasks.hooks import chunk_failed, remember
+from tasks.hooks import chunk_failed, remember_run
 from tasks.supervisor import (
     AttemptSpec,
     ChunkFailed,
-    Limits,
+    DetectionLimits,
     Outcome,
-    last_committed_step,
+    newest_verified_step,
     reap_stale_worker,
     supervise,
     worker_command,
@@ -110,7 +110,7 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> State
     cfg = load_run_config(rd)
     ctx = TaskRunContext.get()
     if ctx is not None:
-        remember(ctx.task_run.id, run_dir=rd, run_name=cfg.run_name, chunk=chunk)
+        remember_run(ctx.task_run.id, run_dir=rd, run_name=cfg.run_name, chunk=chunk)
     return ChunkRun(cfg, rd, chunk, start_step, end_step, get_run_logger()).run()
 
 
@@ -140,7 +140,7 @@ class ChunkRun:
         """One worker attempt under watch: its outcome, or None when it was preempted and is to be
         re-spawned at once; any other failure is reported and raised (Prefect retries the task)."""
         cfg, rd = self.cfg, self.run_dir
-        self.resumed_from = last_committed_step(rd) or 0
+        self.resumed_from = newest_verified_step(rd) or 0
         if self.resumed_from < self.start:
             self.logger.warning(
                 "chunk %d: newest valid checkpoint is step %d, before the chunk start %d",
@@ -193,7 +193,7 @@ class ChunkRun:
         return AttemptSpec(
             command,
             rd,
-            Limits.from_config(cfg),
+            DetectionLimits.from_config(cfg),
             self.log_path,
             ranks=cfg.train.world_size,
             chunk=self.chunk,
@@ -216,7 +216,7 @@ class ChunkRun:
             raise ChunkFailed(
                 "crash",
                 f"chunk {chunk}: worker exited 0 but no valid checkpoint at step {self.end}",
-                {"last_committed_step": last_committed_step(rd), "log": str(self.log_path)},
+                {"last_committed_step": newest_verified_step(rd), "log": str(self.log_path)},
             )
         record = {
             "chunk": chunk,
@@ -283,7 +283,7 @@ def _report(logger: Any, cfg: RunConfig, exc: ChunkFailed, chunk: int, attempt: 
         )
 
 
-def configured(config: RunConfig) -> Any:
+def retrying_chunk_task(config: RunConfig) -> Any:
     """``run_chunk`` with this run's retry policy."""
     o = config.orchestration
     return run_chunk.with_options(

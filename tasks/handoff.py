@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.procs import stop_group
+from tasks.process_group import stop_group
 
 
 @dataclass

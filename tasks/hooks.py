@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.artifacts import publish_failure_note
-from tasks.supervisor import ChunkFailed, last_committed_step
+from tasks.supervisor import ChunkFailed, newest_verified_step
 from training.events import append_event
 
 log = logging.getLogger("convoy.hooks")
@@ -26,7 +26,7 @@ log = logging.getLogger("convoy.hooks")
 _RUNS: dict[str, dict[str, Any]] = {}
 
 
-def remember(run_id: Any, **info: Any) -> None:
+def remember_run(run_id: Any, **info: Any) -> None:
     _RUNS[str(run_id)] = info
 
 
@@ -68,7 +68,7 @@ def _audit(kind: str, info: dict[str, Any], exc: BaseException | None, state: An
     run_dir: Path = info["run_dir"]
     failure, message = _describe(exc, state)
     try:
-        resume = last_committed_step(run_dir) or 0
+        resume = newest_verified_step(run_dir) or 0
     except Exception:  # noqa: BLE001
         resume = None
     append_event(run_dir, kind, failure=failure, message=message, chunk=info.get("chunk"), resume_step=resume)

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from tasks.procs import child_setup
+from tasks.process_group import child_setup
 from training.config import EXIT_CONFIG
 
 #: How long the other nodes get to exit by themselves after one node's agent failed.

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.procs import stop_group
+from tasks.process_group import stop_group
 from training.paths import RunPaths
 
 

@@ -9,8 +9,8 @@ raises :class:`ChunkFailed`.  Prefect then retries only that chunk.
 
 This module never imports Prefect, so it is unit-tested with stand-in scripts.
 
-Failure kinds and the rules that assign them: :mod:`tasks.classify`.  Process-group
-lifecycle (die with the supervisor, stop, reap): :mod:`tasks.procs`.
+Failure kinds and the rules that assign them: :mod:`tasks.failure_kinds`.  Process-group
+lifecycle (die with the supervisor, stop, reap): :mod:`tasks.process_group`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks import handoff, standby
-from tasks.classify import (
+from tasks.failure_kinds import (
     FAILURE_KINDS,
     NOT_RETRYABLE,
     classify_exit,
@@ -39,7 +39,7 @@ from tasks.classify import (
     signame,
 )
 from tasks.multinode import failed_node, launcher_command
-from tasks.procs import child_setup, pid_gone, reap_stale_worker, stop_group
+from tasks.process_group import child_setup, pid_gone, reap_stale_worker, stop_group
 from training import chunk_boundary
 from training.audit import steps_lost, trained_high_water
 from training.config import EXIT_CONFIG
@@ -52,11 +52,11 @@ __all__ = [
     "FAILURE_KINDS",
     "NOT_RETRYABLE",
     "ChunkFailed",
-    "Limits",
+    "DetectionLimits",
     "AttemptSpec",
     "Outcome",
     "classify_exit",
-    "last_committed_step",
+    "newest_verified_step",
     "reap_stale_worker",
     "stop_group",
     "WorkerAttempt",
@@ -99,7 +99,7 @@ class ChunkFailed(Exception):
 
 
 @dataclass(frozen=True)
-class Limits:
+class DetectionLimits:
     """Detection limits in seconds; mirrors ``heartbeat.*`` plus the chunk deadline."""
 
     stall_s: float = 20.0
@@ -112,7 +112,7 @@ class Limits:
     poll_s: float = 0.2
 
     @classmethod
-    def from_config(cls, config: Any) -> Limits:
+    def from_config(cls, config: Any) -> DetectionLimits:
         hb, orch = config.heartbeat, config.orchestration
         return cls(
             stall_s=hb.stall_s,
@@ -172,7 +172,7 @@ def worker_command(
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *tail]
 
 
-def _follow(
+def _tail_log(
     path: Path,
     offset: int,
     stop: threading.Event,
@@ -222,8 +222,8 @@ def _beats(run_dir: Path, ranks: int, since: float) -> list[dict[str, Any]]:
     return out
 
 
-def _check(
-    w: _Watch, beats: list[dict[str, Any]], ranks: int, lim: Limits, now: float
+def _failure_verdict(
+    w: _Watch, beats: list[dict[str, Any]], ranks: int, lim: DetectionLimits, now: float
 ) -> tuple[str, str, float] | None:
     """Return (kind, reason, detected_after_s) if the running worker has failed, else None."""
     if lim.deadline_s and now - w.started > lim.deadline_s:
@@ -342,7 +342,7 @@ def _size(path: Path) -> int:
         return 0
 
 
-def last_committed_step(run_dir: Path) -> int | None:
+def newest_verified_step(run_dir: Path) -> int | None:
     """Step of the newest *verified* checkpoint (imported lazily: it pulls in torch)."""
     from training.checkpoint import CheckpointStore
 
@@ -364,7 +364,7 @@ class AttemptSpec:
 
     cmd: Sequence[str]
     run_dir: Path
-    limits: Limits
+    limits: DetectionLimits
     log_path: Path
     ranks: int = 1
     chunk: int | None = None
@@ -439,7 +439,7 @@ class WorkerAttempt:
         self.position = [offset]
         self.stop_follow = threading.Event()
         self.follower = threading.Thread(
-            target=_follow,
+            target=_tail_log,
             args=(self.log_path, offset, self.stop_follow, self.tail, spec.on_line, self.position),
             daemon=True,
         )
@@ -502,7 +502,7 @@ class WorkerAttempt:
             # The boundary first: whatever happens after it is committed is the next chunk's.
             if self.boundary_committed():
                 break
-            self.failure = _check(
+            self.failure = _failure_verdict(
                 self.watched,
                 _beats(self.run_dir, spec.ranks, self.started),
                 spec.ranks,
@@ -587,7 +587,7 @@ class WorkerAttempt:
     def failure_report(self, rc: int, seconds: float) -> ChunkFailed:
         """Audit the failure (one ``failure`` event, steps lost by their one definition) and say it."""
         kind, reason, detected_after = self.classify(rc)
-        committed = last_committed_step(self.run_dir)
+        committed = newest_verified_step(self.run_dir)
         trained_to = trained_high_water(self.run_dir, self.watched.last_step, self.metrics_offset)
         details = {
             "detected_after_s": round(detected_after, 3),

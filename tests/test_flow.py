@@ -159,7 +159,7 @@ def test_config_error_is_not_retried(prefect_api: str, data_dir: Path, tmp_path:
 def test_killed_flow_resumes_and_second_flow_is_refused(
     prefect_api: str, data_dir: Path, tmp_path: Path, reference_digest: str
 ) -> None:
-    from tasks.supervisor import last_committed_step
+    from tasks.supervisor import newest_verified_step
 
     p = params(tmp_path, data_dir, "flowkill", heartbeat={"stall_s": 30})
     pfile = tmp_path / "params.yaml"
@@ -187,7 +187,7 @@ def test_killed_flow_resumes_and_second_flow_is_refused(
             first.wait()
     before = [e["chunk"] for e in read_events(run_dir, "chunk_done")]
     assert before in ([1], [1, 2]), before
-    committed_at_kill = last_committed_step(run_dir)
+    committed_at_kill = newest_verified_step(run_dir)
     assert committed_at_kill is not None and committed_at_kill > CHUNK
     if before == [1]:  # killed inside the slow step: the orphaned worker got SIGTERM from the
         assert read_events(run_dir, "preempted")  # kernel (PDEATHSIG) and saved an emergency checkpoint

@@ -284,16 +284,16 @@ def test_eval_phase_has_its_own_limit() -> None:
     """A validation longer than stall_s (and save_timeout_s) is not a hang; past eval_timeout_s it is."""
     import os
 
-    from tasks.supervisor import Limits, _check, _Watch
+    from tasks.supervisor import DetectionLimits, _failure_verdict, _Watch
 
-    lim = Limits(stall_s=2.0, timeout_s=4.0, save_timeout_s=3.0, eval_timeout_s=10.0, poll_s=0.2)
+    lim = DetectionLimits(stall_s=2.0, timeout_s=4.0, save_timeout_s=3.0, eval_timeout_s=10.0, poll_s=0.2)
     t = time.time()
     w = _Watch(started=t - 1, phase="eval", phase_since=t - 1, progress=t - 1)
     for after in (3.0, 8.0):  # past stall_s and save_timeout_s, beats still coming
         beat = {"rank": 0, "pid": os.getpid(), "phase": "eval", "step": 12, "time": t + after, "progress_time": t - 1}
-        assert _check(w, [beat], 1, lim, t + after) is None
+        assert _failure_verdict(w, [beat], 1, lim, t + after) is None
     beat = {"rank": 0, "pid": os.getpid(), "phase": "eval", "step": 12, "time": t + 9.5, "progress_time": t - 1}
-    kind, reason, _ = _check(w, [beat], 1, lim, t + 9.6)
+    kind, reason, _ = _failure_verdict(w, [beat], 1, lim, t + 9.6)
     assert kind == "hang" and "phase eval" in reason and "limit 10" in reason
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.supervisor import AttemptSpec, ChunkFailed, Limits, classify_exit, supervise
+from tasks.supervisor import AttemptSpec, ChunkFailed, DetectionLimits, classify_exit, supervise
 from training.events import read_events
 
 STANDIN = textwrap.dedent(
@@ -89,7 +89,7 @@ STANDIN = textwrap.dedent(
     '''
 )
 
-FAST = Limits(stall_s=1.0, timeout_s=1.0, init_timeout_s=3.0, save_timeout_s=3.0, grace_s=1.0, poll_s=0.05)
+FAST = DetectionLimits(stall_s=1.0, timeout_s=1.0, init_timeout_s=3.0, save_timeout_s=3.0, grace_s=1.0, poll_s=0.05)
 
 
 @pytest.fixture
@@ -117,7 +117,9 @@ def leftovers(run_dir: Path) -> list[psutil.Process]:
     return out
 
 
-def run(tmp_path: Path, run_dir: Path, mode: str, limits: Limits = FAST, steps: int = 20) -> ChunkFailed | float:
+def run(
+    tmp_path: Path, run_dir: Path, mode: str, limits: DetectionLimits = FAST, steps: int = 20
+) -> ChunkFailed | float:
     t0 = time.monotonic()
     try:
         cmd = standin(tmp_path, run_dir, mode, steps)
@@ -167,12 +169,14 @@ def test_hang_is_detected_and_group_stopped(tmp_path: Path, run_dir: Path) -> No
 
 def test_silent_worker_is_dead(tmp_path: Path, run_dir: Path) -> None:
     # stall_s > timeout_s so the missing beat, not the missing progress, is what fires.
-    exc = run(tmp_path, run_dir, "silent", Limits(**{**FAST.__dict__, "stall_s": 5.0}))
+    exc = run(tmp_path, run_dir, "silent", DetectionLimits(**{**FAST.__dict__, "stall_s": 5.0}))
     assert isinstance(exc, ChunkFailed) and exc.kind == "dead", exc
 
 
 def test_never_beating_worker_is_dead(tmp_path: Path, run_dir: Path) -> None:
-    exc = run(tmp_path, run_dir, "no-beat", Limits(**{**FAST.__dict__, "timeout_s": 0.5, "init_timeout_s": 60}))
+    exc = run(
+        tmp_path, run_dir, "no-beat", DetectionLimits(**{**FAST.__dict__, "timeout_s": 0.5, "init_timeout_s": 60})
+    )
     # The first beat is written before the beat thread starts; after that silence = dead.
     assert isinstance(exc, ChunkFailed) and exc.kind == "dead", exc
 
@@ -180,12 +184,12 @@ def test_never_beating_worker_is_dead(tmp_path: Path, run_dir: Path) -> None:
 def test_save_phase_has_its_own_limit(tmp_path: Path, run_dir: Path) -> None:
     # A 1.5 s save with stall_s 1: must not count as a stalled step afterwards.
     assert isinstance(run(tmp_path, run_dir, "slow-save"), float)
-    exc = run(tmp_path, run_dir, "slow-save", Limits(**{**FAST.__dict__, "save_timeout_s": 0.5}))
+    exc = run(tmp_path, run_dir, "slow-save", DetectionLimits(**{**FAST.__dict__, "save_timeout_s": 0.5}))
     assert isinstance(exc, ChunkFailed) and exc.kind == "hang" and "phase save" in exc.message
 
 
 def test_deadline(tmp_path: Path, run_dir: Path) -> None:
-    exc = run(tmp_path, run_dir, "ok", Limits(**{**FAST.__dict__, "deadline_s": 0.4}), steps=100)
+    exc = run(tmp_path, run_dir, "ok", DetectionLimits(**{**FAST.__dict__, "deadline_s": 0.4}), steps=100)
     assert isinstance(exc, ChunkFailed) and exc.kind == "timeout"
 
 
@@ -263,14 +267,14 @@ def test_a_worker_stopped_right_after_a_phase_change_is_hung_not_dead() -> None:
     """stall_s == timeout_s (as in `convoy chaos`): the stall clock starts at the beat that first
     shows the phase, never at the later moment the supervisor read it, so a SIGSTOP just after an
     adoption or a boundary save is a hang, as it is anywhere else (a CI run called it dead)."""
-    from tasks.supervisor import _check, _Watch
+    from tasks.supervisor import _failure_verdict, _Watch
 
-    lim = Limits(stall_s=4.0, timeout_s=4.0, poll_s=0.2)
+    lim = DetectionLimits(stall_s=4.0, timeout_s=4.0, poll_s=0.2)
     t = time.time()
     w = _Watch(started=t - 0.5, phase="save", phase_since=t - 0.5, progress=t - 0.5)
     beat = {"rank": 0, "pid": os.getpid(), "phase": "train", "step": 69, "time": t, "progress_time": t - 0.01}
-    assert _check(w, [beat], 1, lim, t + 0.35) is None  # the new phase seen a poll and a bit late
-    kind, reason, _after = _check(w, [beat], 1, lim, t + 4.05)  # the worker was stopped right after t
+    assert _failure_verdict(w, [beat], 1, lim, t + 0.35) is None  # the new phase seen a poll and a bit late
+    kind, reason, _after = _failure_verdict(w, [beat], 1, lim, t + 4.05)  # the worker was stopped right after t
     assert kind == "hang", reason
 
 
