@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Checkpoint I/O benchmark: training.checkpoint.CheckpointStore against same-run raw baselines.
+"""Checkpoint I/O benchmark: training.checkpointing.store.CheckpointStore against same-run raw baselines.
 
 Run from the repository root::
 
@@ -53,9 +53,9 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
-from training import safetensors_io as st  # noqa: E402
-from training.checkpoint import CheckpointStore  # noqa: E402
-from training.codec import join_tree, split_tree  # noqa: E402
+from training.checkpointing import safetensors_io as st  # noqa: E402
+from training.checkpointing.codec import join_tree, split_tree  # noqa: E402
+from training.checkpointing.store import CheckpointStore  # noqa: E402
 from training.config import CheckpointConfig  # noqa: E402
 from training.state import capture_rng  # noqa: E402
 

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from tasks.supervisor import AttemptSpec, ChunkFailed, DetectionLimits, supervise, worker_command
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.config import load_config
 from training.corpus import prepare
 from training.events import read_events

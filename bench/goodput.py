@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.config import load_config
 from training.corpus import prepare
 from training.events import append_event, read_events

@@ -52,7 +52,7 @@ from bench.checkpoint import (  # noqa: E402
     raw_views,
     raw_write,
 )
-from training.checkpoint import CheckpointStore  # noqa: E402
+from training.checkpointing.store import CheckpointStore  # noqa: E402
 from training.config import CheckpointConfig  # noqa: E402
 
 STALL_GOAL = 1.2

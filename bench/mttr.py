@@ -38,7 +38,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from training.checkpoint import CheckpointStore  # noqa: E402
+from training.checkpointing.store import CheckpointStore  # noqa: E402
 from training.config import load_config  # noqa: E402
 from training.corpus import prepare  # noqa: E402
 from training.events import read_events  # noqa: E402

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.config import load_config
 from training.corpus import prepare
 from training.events import read_events

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from training.audit import analyse_events, steps_lost
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig, load_config
 from training.events import Event, read_events
 from training.heartbeat import read_heartbeat

@@ -168,7 +168,7 @@ def worker(
 def _store(run_dir: Path):
     """The run's store with the resume's own validation: structure always, and the model's
     shapes and dtypes when the task can be built here from the run's config."""
-    from training.checkpoint import CheckpointStore
+    from training.checkpointing.store import CheckpointStore
     from training.rundir import load_run_config
     from training.state import ExpectedState, checkpoint_validator
     from training.task import check_task
@@ -240,8 +240,8 @@ def plan(
     """Failure probability, MTBF, Young/Daly interval, overhead, availability for a job."""
     from pydantic import ValidationError
 
-    from training.reliability import PlanInput
-    from training.reliability import plan as make_plan
+    from training.checkpointing.reliability import PlanInput
+    from training.checkpointing.reliability import plan as make_plan
 
     values = {
         k: v

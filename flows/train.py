@@ -235,7 +235,7 @@ class TrainingRun:
         self.audit = tracking.finish_run(self.cfg, self.run_dir, ok)
 
     def summary(self) -> dict[str, Any]:
-        from training.checkpoint import CheckpointStore
+        from training.checkpointing.store import CheckpointStore
 
         rows, audit = self.rows, self.audit or {}
         latest = CheckpointStore(self.run_dir).latest_valid(record=False)

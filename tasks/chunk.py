@@ -88,7 +88,7 @@ def _loss_at(run_dir: Path, step: int) -> float | None:
 
 def _committed_digest(run_dir: Path, step: int) -> str | None:
     """Digest of the verified checkpoint at exactly ``step`` (None if missing or invalid)."""
-    from training.checkpoint import CheckpointStore, checkpoint_name
+    from training.checkpointing.store import CheckpointStore, checkpoint_name
 
     store = CheckpointStore(run_dir)
     try:

@@ -344,7 +344,7 @@ def _size(path: Path) -> int:
 
 def newest_verified_step(run_dir: Path) -> int | None:
     """Step of the newest *verified* checkpoint (imported lazily: it pulls in torch)."""
-    from training.checkpoint import CheckpointStore
+    from training.checkpointing.store import CheckpointStore
 
     ck = CheckpointStore(run_dir).latest_valid(record=False)
     return ck.step if ck is not None else None

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from training.checkpoint import CheckpointStore, parse_step
+from training.checkpointing.store import CheckpointStore, parse_step
 from training.events import Event, append_event
 from training.paths import RunPaths
 

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.config import load_config
 from training.corpus import prepare
 from training.heartbeat import read_heartbeat

@@ -119,7 +119,7 @@ def in_thread(fn: Any) -> threading.Thread:
 def uninterrupted_digest(tmp: Path, data_dir: Path, name: str, **sections: dict[str, Any]) -> str:
     """Digest after TOTAL steps trained by one uninterrupted worker (no Prefect, no chunks) for
     ``params(tmp, data_dir, name, **sections)``: what any chunking and any failures must reach."""
-    from training.checkpoint import CheckpointStore
+    from training.checkpointing.store import CheckpointStore
     from training.rundir import open_run
 
     run_dir = open_run(config(params(tmp, data_dir, name, **sections))).resolve()

@@ -30,7 +30,7 @@ from tests.engine_util import (
     reference_digest,
     run_worker,
 )
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.events import read_events
 
 NO_CUDA = "needs a CUDA device (none visible)"

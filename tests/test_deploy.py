@@ -135,7 +135,7 @@ def test_deploy_and_pool_mode_rerun_chunk_as_new_flow_run(
         "pooled-chunk-3-attempt-1": "COMPLETED",
     }, by_name
     assert reruns[0]["flow_run_id"] != next(r.id for r in runs if r.name == "pooled-chunk-2-attempt-2").hex
-    from training.checkpoint import CheckpointStore
+    from training.checkpointing.store import CheckpointStore
 
     ck = CheckpointStore(run_dir).latest_valid(record=False)
     assert ck is not None and ck.step == 3 * CHUNK and ck.digest == reference_digest

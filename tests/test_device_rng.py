@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.config import load_config
 from training.state import TrainState, capture_rng, fallback_cuda_seed, restore_rng, select_cuda_rng
 from training.task import TaskParts

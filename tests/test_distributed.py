@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine_util import SMALL, kill_group, make_run, wait_for_step
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.config import load_config
 from training.events import read_events
 from training.rundir import open_run

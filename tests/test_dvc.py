@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.evaluate import export_final_model, load_model_file, write_loss_plot
 from training.events import read_events
 

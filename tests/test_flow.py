@@ -194,7 +194,7 @@ def test_killed_flow_resumes_and_second_flow_is_refused(
 
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    from training.checkpoint import CheckpointStore
+    from training.checkpointing.store import CheckpointStore
 
     final = CheckpointStore(run_dir).latest_valid(record=False)
     assert final is not None and final.step == TOTAL and final.digest == reference_digest

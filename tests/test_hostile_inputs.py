@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 from flows.cli import app
 from tests.engine_util import make_run, run_worker, start_worker, wait_for_step
 from tests.flow_util import REPO, config, params
-from training import safetensors_io as st
-from training.checkpoint import MANIFEST, CheckpointStore, member_path, state_digest
+from training.checkpointing import safetensors_io as st
+from training.checkpointing.store import MANIFEST, CheckpointStore, member_path, state_digest
 from training.config import ConfigError, load_config
 from training.events import read_events
 from training.rundir import load_run_config

@@ -20,7 +20,7 @@ import pytest
 from tasks.multinode import failed_node, is_local, launcher_command, node_commands
 from tasks.supervisor import _lost_rank, _Watch, worker_command
 from tests.flow_util import REPO, assert_no_leftovers, config, in_thread, params, wait_for_step
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.config import ConfigError
 from training.events import read_events
 from training.rundir import open_run

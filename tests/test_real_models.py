@@ -31,7 +31,7 @@ from tests.engine_util import (
     wait_for_step,
 )
 from training.batch import batch_len, to_device, tree_map
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
 from training.data import Cursor, ResumableBatchSampler
 from training.events import read_events

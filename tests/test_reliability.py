@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.adaptive import WARMUP_STEPS, AdaptiveInterval
-from training.reliability import PlanInput, overhead, plan, reliability, young_daly_h
+from training.checkpointing.adaptive import WARMUP_STEPS, AdaptiveInterval
+from training.checkpointing.reliability import PlanInput, overhead, plan, reliability, young_daly_h
 
 
 def test_worked_examples() -> None:

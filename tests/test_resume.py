@@ -22,7 +22,7 @@ from tests.engine_util import (
     start_worker,
     wait_for_step,
 )
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.events import read_events
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.test_dvc import GITIGNORE, ROOT, git
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.config import load_config
 from training.evaluate import load_model_file
 from training.events import read_events

@@ -20,7 +20,7 @@ from tests.test_distributed import (
     torchrun,
     two_rank_reference_and_killed_run,
 )
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.events import read_events
 
 pytestmark = pytest.mark.slow

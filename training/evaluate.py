@@ -31,12 +31,12 @@ import torch
 
 from training.audit import analyse_events
 from training.batch import batch_len
-from training.checkpoint import CheckpointStore
+from training.checkpointing.safetensors_io import write_file
+from training.checkpointing.store import CheckpointStore
 from training.config import EXIT_CONFIG, ConfigError, RunConfig, load_config
 from training.events import read_events
 from training.metrics import metric_rows
 from training.rundir import describe_change, keyed_config, recorded_trajectories, run_info
-from training.safetensors_io import write_file
 
 MODEL_PATH = Path("models/model.safetensors")
 TRAIN_METRICS = Path("metrics/train.json")

@@ -29,7 +29,7 @@ from typing import Any
 import psutil
 
 from training.audit import analyse_events
-from training.checkpoint import CheckpointStore
+from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
 from training.events import Event, read_events
 from training.heartbeat import HOST, read_heartbeat

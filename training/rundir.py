@@ -107,7 +107,7 @@ def resolve_parent(spec: str) -> InitFrom:
     """``--from runs/<parent>[@step]`` → the exact parent checkpoint: its run directory (links
     resolved: the child must name the run, not whatever ``runs/<name>`` points at later), the
     step (default: the newest verified one) and its digest.  A ConfigError says what is wrong."""
-    from training.checkpoint import CheckpointStore
+    from training.checkpointing.store import CheckpointStore
 
     path, step = _split_from(spec)
     if not RunPaths(path).checkpoints.is_dir():
@@ -168,7 +168,7 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     parent's MLflow run id (the child logs to its own run).  Built in a temporary sibling and
     renamed, then ``LATEST`` (invariant 1).  The worker restores it like any checkpoint and then
     takes the optimisation settings of the child's config (:mod:`training.worker`)."""
-    from training.checkpoint import MANIFEST, CheckpointStore
+    from training.checkpointing.store import MANIFEST, CheckpointStore
 
     src = config.init_from
     assert src is not None
@@ -248,7 +248,7 @@ def mismatch_message(config: RunConfig, info: dict[str, Any], old: dict[str, Any
 def _refuse_finished(config: RunConfig, run_dir: Path, changes: str) -> None:
     """``--allow-config-change`` on a run whose newest checkpoint is already at the new
     ``total_steps`` would train nothing and exit 0 as if the new settings had been applied."""
-    from training.checkpoint import CheckpointStore  # imports torch: only on this path
+    from training.checkpointing.store import CheckpointStore  # imports torch: only on this path
 
     newest = CheckpointStore(run_dir).latest_valid(record=False)
     if newest is not None and newest.step >= config.train.total_steps:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import xxhash
 
-from training import sharded
+from training.checkpointing import sharded
 from training.data import Cursor
 from training.task import TaskParts
 
@@ -149,7 +149,7 @@ class TrainState:
 
     def checkpoint_parts(self, rank: int = 0, include_replicated: bool = True, sharded: bool = False) -> dict[str, Any]:
         """What the store writes for this rank.  ``sharded``: model and optimizer are left out
-        (``training.sharded`` writes them collectively); the rest stays in rank 0's ``state``."""
+        (``training.checkpointing.sharded`` writes them collectively); the rest stays in rank 0's ``state``."""
         out: dict[str, Any] = {f"rank-{rank}": {"rng": capture_rng(self.device), "step": self.step}}
         if include_replicated:
             p = self.parts

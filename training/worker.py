@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from training import distributed, faults, sharded
-from training.adaptive import AdaptiveInterval, estimate_mtbf_s
+from training import distributed, faults
 from training.batch import to_device
-from training.checkpoint import CheckpointStore, WriterGroup
+from training.checkpointing import sharded
+from training.checkpointing.adaptive import AdaptiveInterval, estimate_mtbf_s
+from training.checkpointing.store import CheckpointStore, WriterGroup
 from training.chunk_boundary import wait_for_previous_boundary
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
 from training.data import make_loader, mix_seed

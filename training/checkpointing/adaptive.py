@@ -13,8 +13,8 @@ import math
 import time
 from pathlib import Path
 
+from training.checkpointing.reliability import young_daly_h
 from training.events import Event, read_events
-from training.reliability import young_daly_h
 
 WARMUP_STEPS = 10  # first save early, to measure the stall
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from training import safetensors_io as st
-from training.codec import join_tree, split_tree, tensor_refs
+from training.checkpointing import safetensors_io as st
+from training.checkpointing.codec import join_tree, split_tree, tensor_refs
 from training.fsutil import atomic_write_bytes, fsync_dir
 
 SHARD_DIR = "dcp"

@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 
-from training import faults, sharded
-from training import safetensors_io as st
+from training import faults
+from training.checkpointing import safetensors_io as st
+from training.checkpointing import sharded
+from training.checkpointing.codec import join_tree, split_tree, tensor_refs
 from training.chunk_boundary import boundary_to_keep
-from training.codec import join_tree, split_tree, tensor_refs
 from training.config import CheckpointConfig
 from training.events import Event, append_event, read_events
 from training.fsutil import atomic_write_bytes, atomic_write_json, fsync_dir, read_json
