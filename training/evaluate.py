@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from training.checkpointing.safetensors_io import write_file
 from training.checkpointing.store import CheckpointStore
 from training.config import EXIT_CONFIG, ConfigError, RunConfig, load_config
 from training.events import read_events
+from training.fsutil import atomic_replace, atomic_write_bytes
 from training.metrics import metric_rows
 from training.rundir import describe_change, keyed_config, recorded_trajectories, run_info
 
@@ -48,9 +48,7 @@ TIMELINE_PLOT = Path("plots/timeline.png")
 
 def _atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, data)
 
 
 def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -> dict[str, Any]:
@@ -74,11 +72,8 @@ def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -
         "checkpoint": ck.path.name,
         "format": "convoy-model-1",
     }
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    write_file(tmp, tensors, meta)
-    os.replace(tmp, out)
+    with atomic_replace(Path(out_path)) as tmp:
+        write_file(tmp, tensors, meta)
     return {
         "path": str(out_path),
         "step": ck.step,

@@ -6,8 +6,10 @@ default so no caller forgets it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,27 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_replace(path: Path, durable: bool = True) -> Iterator[Path]:
+    """For writers that need a path (a plot, a safetensors file, a symbolic link): yield a
+    temporary sibling to create, which replaces ``path`` when the block ends without an error
+    (removed otherwise), so readers see the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        yield tmp
+        if durable and tmp.is_file() and not tmp.is_symlink():
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     if durable:
         fsync_dir(path.parent)
 

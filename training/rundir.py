@@ -16,7 +16,7 @@ from filelock import FileLock, Timeout
 
 from training.config import ConfigError, InitFrom, RunConfig, config_from_dict, trajectory_changes
 from training.events import Event, append_event
-from training.fsutil import atomic_write_bytes, atomic_write_json, read_json
+from training.fsutil import atomic_replace, atomic_write_bytes, atomic_write_json, read_json
 from training.paths import CONFIG_FILE, WORKER_LEASE, RunPaths
 
 
@@ -86,10 +86,8 @@ def link_current(config: RunConfig) -> Path | None:
     link = Path(config.runs_dir) / base
     if link.exists() and not link.is_symlink():
         return None
-    tmp = link.with_name(f".{base}.link-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(config.run_name)
-    os.replace(tmp, link)
+    with atomic_replace(link, durable=False) as tmp:
+        tmp.symlink_to(config.run_name)
     return link
 
 
