@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
-from training.audit import analyse_events, end_attempt, refresh_audit, start_attempt
+from training.audit import AttemptOutcome, analyse_events, end_attempt, refresh_audit, start_attempt
 from training.events import append_event, read_events
 from training.metrics import metric_rows
 from training.mlflow_backend import (
@@ -96,11 +96,11 @@ def attempt(cfg, run_dir: Path, chunk: int, number: int, start: int, end: int, k
     t0 = time.time()
     if kill_step is not None:
         kill_at(run_dir, end, kill_step)
-        end_attempt(child, "FAILED", "killed", steps=kill_step - 1 - start, seconds=time.time() - t0)
+        end_attempt(child, AttemptOutcome("FAILED", "killed", steps=kill_step - 1 - start, seconds=time.time() - t0))
     else:
         code, out = run_worker(run_dir, end)
         assert code == 0, out
-        end_attempt(child, "FINISHED", None, steps=end - start, seconds=time.time() - t0)
+        end_attempt(child, AttemptOutcome("FINISHED", None, steps=end - start, seconds=time.time() - t0))
     refresh_audit(cfg, run_dir)
 
 
