@@ -43,7 +43,7 @@ def main() -> int:
 
     from training.config import load_config
     from training.corpus import prepare
-    from training.data import Cursor, make_loader
+    from training.data import Cursor, LoaderSpec, make_loader
     from training.metrics import JsonlBackend, StepMetricLogger
     from training.mlflow_backend import MlflowBackend, client_for, ensure_mlflow_run
     from training.rundir import open_run
@@ -73,7 +73,9 @@ def main() -> int:
     configure_determinism(cfg.train.deterministic, device)
     seed_everything(cfg.train.seed)
     parts = build_task(cfg, device)
-    batches = iter(make_loader(parts.train_data, cfg.train.batch_size, cfg.train.seed, Cursor(), 0, 1, 0))
+    batches = iter(
+        make_loader(parts.train_data, LoaderSpec(cfg.train.batch_size, cfg.train.seed, Cursor(), 0, 1), num_workers=0)
+    )
 
     def step() -> dict[str, float]:
         x = next(batches)
