@@ -20,6 +20,7 @@ from training.events import append_event, read_events
 from training.metrics import metric_rows
 from training.mlflow_backend import (
     MlflowBackend,
+    MlflowDelivery,
     client_for,
     ensure_mlflow_run,
     resolve_tracking_uri,
@@ -352,7 +353,7 @@ def test_backend_reconciles_mlflow_with_metrics_jsonl(tmp_path: Path, tracking_u
     run_id = ensure_mlflow_run(cfg, run_dir)
     rows = [(s, {"loss": 1.0 / s, "lr": 0.1, "grad_norm": 2.0, "step_time_s": 0.01}) for s in range(1, 61)]
     JsonlBackend(run_dir / "metrics.jsonl").write(rows)  # the local log reached step 60 (checkpoint)
-    first = MlflowBackend(cfg, run_id, asynchronous=False)
+    first = MlflowBackend(cfg, run_id, delivery=MlflowDelivery(asynchronous=False))
     first._reconciled = True  # the dying worker: only steps 1..40 reached MLflow
     first.write(rows[:40])
     second = MlflowBackend(cfg, run_id)  # the resumed worker
