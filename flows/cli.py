@@ -484,9 +484,7 @@ def _print_chaos_report(report: ChaosReport, run_name: str) -> None:
     """The human form of the chaos report: the table on stdout, the diagnosis on stderr."""
     console.print(_chaos_table(report, run_name))
     same = report.final_digest == report.reference_digest
-    console.print(
-        f"final digest {report.final_digest} {'==' if same else '!='} reference {report.reference_digest}"
-    )
+    console.print(f"final digest {report.final_digest} {'==' if same else '!='} reference {report.reference_digest}")
     console.print(
         f"metrics logged exactly once per step: {report.metrics_exactly_once}; "
         f"goodput {report.goodput}; wall {report.wall_s} s; flow exit {report.exit_code}"
