@@ -21,28 +21,24 @@ Each figure is measured beside a baseline doing the same bytes the plainest way,
   after the restore are reported separately.  Goal GB/s ratio >= 0.8.
 * verify: ``verify()`` vs ``xxh3_128`` over an in-memory buffer (informational).
 
-``--prototypes`` also times the pre-94a3a35 code paths and candidate fixes built from the store's own
-pieces, and checks two restore hazards (file pinned after retention, in-place writes showing through);
-``--fresh-process N`` times N resumes per variant in a new process (the restarted-worker case).
+``--hazards`` checks two restore hazards (file pinned after retention, in-place writes showing through);
+``--fresh-process N`` times N resumes in a new process (the restarted-worker case).
 Temporary files go to ``--tmp`` (default ``<repo>/.bench-tmp``, removed at the end).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
-import mmap
 import os
 import platform
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +49,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
-from training.checkpointing import safetensors_io as st  # noqa: E402
-from training.checkpointing.codec import join_tree, split_tree  # noqa: E402
+from training.checkpointing.codec import split_tree  # noqa: E402
 from training.checkpointing.store import CheckpointStore  # noqa: E402
 from training.config import CheckpointConfig  # noqa: E402
 from training.state import capture_rng  # noqa: E402
@@ -159,151 +154,8 @@ def flat_tensors(parts: dict[str, Any]) -> list[torch.Tensor]:
     return out
 
 
-# ---------------------------------------------------------------------------- prototypes
-# Candidate fixes for training/, built from the store's own pieces (see RESULTS.md).
-def _check(path: Path, size: int, expected_size: int) -> None:
-    if size != expected_size:
-        raise ValueError(f"{path.name}: size {size} != manifest {expected_size} (truncated or replaced)")
-
-
-def proto_read_verified_empty(path: Path, expected_size: int, expected_hash: str) -> memoryview:
-    """st.read_verified with an uninitialised torch buffer (no bytearray zero-fill pass) and the hash
-    computed per 8 MiB chunk right after it is read (still in cache)."""
-    _check(path, path.stat().st_size, expected_size)
-    buf = torch.empty(expected_size, dtype=torch.uint8)
-    view = memoryview(buf.numpy()).cast("B")
-    hasher = xxhash.xxh3_128()
-    chunk = 8 << 20
-    with open(path, "rb", buffering=0) as f:
-        got = 0
-        while got < expected_size:
-            n = f.readinto(view[got : got + chunk])
-            if not n:
-                raise ValueError(f"{path.name}: file shrank while reading")
-            hasher.update(view[got : got + n])
-            got += n
-    if hasher.hexdigest() != expected_hash:
-        raise ValueError(f"{path.name}: content hash mismatch (corrupt)")
-    return view
-
-
-def proto_read_verified_bytearray(path: Path, expected_size: int, expected_hash: str) -> bytearray:
-    """st.read_verified as it was before commit 94a3a35: zero-filled bytearray, one readinto, then one
-    hash pass over the whole buffer (kept to compare the current store against)."""
-    _check(path, path.stat().st_size, expected_size)
-    buf = bytearray(expected_size)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        got = 0
-        while got < expected_size:
-            n = f.readinto(view[got:])
-            if not n:
-                raise ValueError(f"{path.name}: file shrank while reading")
-            got += n
-    if xxhash.xxh3_128(buf).hexdigest() != expected_hash:
-        raise ValueError(f"{path.name}: content hash mismatch (corrupt)")
-    return buf
-
-
-def proto_read_verified_mmap(path: Path, expected_size: int, expected_hash: str) -> Any:
-    """st.read_verified as a private (copy-on-write) file mapping: hashing maps page-cache pages
-    instead of copying them into fresh memory; tensors from torch.frombuffer stay writable."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        _check(path, size, expected_size)
-        if size == 0:
-            return bytearray()
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    if xxhash.xxh3_128(m).hexdigest() != expected_hash:
-        raise ValueError(f"{path.name}: content hash mismatch (corrupt)")
-    return m
-
-
-def proto_hash_file_mmap(path: Path, chunk: int = 0) -> tuple[int, str]:
-    """st.hash_file over a read-only mapping (no copy into a chunk buffer)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return 0, xxhash.xxh3_128(b"").hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return size, xxhash.xxh3_128(m).hexdigest()
-
-
-def proto_load_into(store: CheckpointStore, path: Path, live: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
-    """load() that reads each tensor straight into a caller-supplied tensor of the right shape
-    (the model's own parameters) and into ``torch.empty`` for the rest, hashing per chunk as it
-    reads: no bytearray zero-fill, no separate hash pass, no load_state_dict copy for the model.
-    On a hash mismatch the destinations hold garbage: the caller must fall back / re-init."""
-    manifest = store.read_manifest(path)
-    parts: dict[str, Any] = {}
-    chunk = 8 << 20
-    for name, info in manifest["files"].items():
-        if not name.endswith(".safetensors"):
-            continue
-        part = name.removesuffix(".safetensors")
-        skel_info = manifest["files"][f"{part}.json"]
-        skel = json.loads(bytes(st.read_verified(path / f"{part}.json", skel_info["size"], skel_info["xxh3_128"])))
-        dests = live.get(part, {})
-        hasher = st.new_hasher()
-        tensors: dict[str, torch.Tensor] = {}
-        with open(path / name, "rb", buffering=0) as f:
-            if os.fstat(f.fileno()).st_size != info["size"]:
-                raise ValueError(f"{name}: size mismatch")
-            head = f.read(8)
-            (hlen,) = struct.unpack("<Q", head)
-            hb = f.read(hlen)
-            hasher.update(head)
-            hasher.update(hb)
-            header = json.loads(hb)
-            header.pop("__metadata__", None)
-            pos = 0
-            for key, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                dtype, shape = st._FROM_NAME[meta["dtype"]], [int(x) for x in meta["shape"]]
-                start, end = meta["data_offsets"]
-                if start != pos:
-                    raise ValueError(f"{name}: gap in the data section")
-                dst = dests.get(key)
-                if dst is None or dst.dtype != dtype or list(dst.shape) != shape or not dst.is_contiguous():
-                    dst = torch.empty(shape, dtype=dtype)
-                tensors[key] = dst
-                view = memoryview(dst.reshape(-1).view(torch.uint8).numpy()).cast("B") if end > start else None
-                got = 0
-                while got < end - start:
-                    n = f.readinto(view[got : got + chunk])
-                    if not n:
-                        raise ValueError(f"{name}: file shrank while reading")
-                    hasher.update(view[got : got + n])
-                    got += n
-                pos = end
-        if hasher.hexdigest() != info["xxh3_128"]:
-            raise ValueError(f"{name}: content hash mismatch (corrupt)")
-        parts[part] = join_tree(skel, tensors)
-    return parts
-
-
-@contextlib.contextmanager
-def patched(name: str, fn: Callable[..., Any]) -> Iterator[None]:
-    old = getattr(st, name)
-    setattr(st, name, fn)
-    try:
-        yield
-    finally:
-        setattr(st, name, old)
-
-
-class SnapshotAlwaysStore(CheckpointStore):
-    """The store as it was before commit 94a3a35: a blocking save also copies every tensor into the
-    snapshot buffers first (kept to compare the current store against)."""
-
-    def _snapshot_tensor(self, key: str, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        try:
-            return super()._snapshot_tensor(key, t, False)  # type: ignore[call-arg]
-        except TypeError:  # a store without the blocking argument always copies
-            return super()._snapshot_tensor(key, t)
-
-
 # ---------------------------------------------------------------------------- fresh-process resume
-def resume_child(ckpt: str, variant: str, params: float) -> None:
+def resume_child(ckpt: str, params: float) -> None:
     """What a restarted worker pays: fresh process, model built (params touched), optimizer with no
     state; time load + load_state_dict + the first optimizer step.  Prints one JSON line."""
     torch.manual_seed(0)
@@ -321,33 +173,12 @@ def resume_child(ckpt: str, variant: str, params: float) -> None:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     store = CheckpointStore(Path(ckpt).parent.parent)
-    live = {"state": {f"model.{k}": v for k, v in model.state_dict().items()}}
     out: dict[str, float] = {}
-    fn = {
-        "load": None,
-        "load_empty": proto_read_verified_empty,
-        "load_mmap": proto_read_verified_mmap,
-        "load_old": proto_read_verified_bytearray,
-    }.get(variant)
-    if variant == "load_into":
-        out["load"], loaded = timed(proto_load_into, store, Path(ckpt), live)
-        out["load_cpu"] = LAST_CPU[0]
-    else:
-        with patched("read_verified", fn) if fn else contextlib.nullcontext():
-            out["load"], (_c, loaded) = timed(store.load, Path(ckpt))
-        out["load_cpu"] = LAST_CPU[0]
+    out["load"], (_c, loaded) = timed(store.load, Path(ckpt))
+    out["load_cpu"] = LAST_CPU[0]
     s = loaded["state"]
-    out["lsd_model"] = 0.0 if variant == "load_into" else timed(model.load_state_dict, s["model"])[0]
+    out["lsd_model"] = timed(model.load_state_dict, s["model"])[0]
     out["lsd_opt"] = timed(opt.load_state_dict, s["optimizer"])[0]
-    if variant == "load_clone":  # proposal 2a: own memory for the optimizer state, mapping released
-
-        def own() -> None:
-            for per_param in opt.state.values():
-                for k, v in per_param.items():
-                    if isinstance(v, torch.Tensor):
-                        per_param[k] = v.clone()
-
-        out["lsd_opt"] += timed(own)[0]
     del loaded, s
     out["first_step"] = timed(opt.step)[0]
     out["total"] = out["load"] + out["lsd_model"] + out["lsd_opt"] + out["first_step"]
@@ -358,28 +189,19 @@ def resume_child(ckpt: str, variant: str, params: float) -> None:
 
 
 def fresh_process_resumes(T: Timings, args: argparse.Namespace, ckpt: Path, cold_ok: bool) -> None:
-    variants = ["load"] + (["load_clone", "load_old", "load_empty", "load_into"] if args.prototypes else [])
+    variant = "load"  # in the keys (fp_warm_load_total...), as in RESULTS.md
     for mode in ["warm", "cold"] if cold_ok else ["warm"]:
-        for i in range(args.fresh_process):
-            for variant in interleave(i, variants):
-                if mode == "cold":
-                    drop_caches()
-                else:
-                    for f in ckpt.iterdir():  # make sure it is cached
-                        raw_readinto(f, memoryview(bytearray(f.stat().st_size)))
-                cmd = [
-                    sys.executable,
-                    str(Path(__file__).resolve()),
-                    "--child",
-                    str(ckpt),
-                    variant,
-                    "--params",
-                    str(args.params),
-                ]
-                out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-                r = json.loads(out.stdout.strip().splitlines()[-1])
-                for k, v in r.items():
-                    T.add(f"fp_{mode}_{variant}_{k}", v)
+        for _ in range(args.fresh_process):
+            if mode == "cold":
+                drop_caches()
+            else:
+                for f in ckpt.iterdir():  # make sure it is cached
+                    raw_readinto(f, memoryview(bytearray(f.stat().st_size)))
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(ckpt), "--params", str(args.params)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            for k, v in r.items():
+                T.add(f"fp_{mode}_{variant}_{k}", v)
 
 
 def check_restore_hazards(tmp: Path) -> dict[str, Any]:
@@ -479,7 +301,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
 
     store = CheckpointStore(tmp / "run", CheckpointConfig(keep_last=10**6))
-    old = SnapshotAlwaysStore(tmp / "run", CheckpointConfig(keep_last=10**6))
 
     def retire_all() -> None:
         for _step, p in store.step_dirs():
@@ -515,9 +336,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print("[2/4] sync save vs raw write+fsync ...", flush=True)
     views = raw_views(tensors)
     raw_path = tmp / "raw.bin"
-    kinds = ["raw", "save"] + (["old"] if args.prototypes else [])
     for i in range(R):
-        for kind in interleave(i, kinds):
+        for kind in interleave(i, ["raw", "save"]):
             retire_all()
             raw_path.unlink(missing_ok=True)
             os.sync()
@@ -526,9 +346,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             step += 1
             p = make_parts(model, opt, step)
-            s = old if kind == "old" else store
-            dt, _ = timed(s.save, step, p, True)
-            T.add(f"sync_{kind}", dt, s.last_committed.bytes, cpu=True)
+            dt, _ = timed(store.save, step, p, True)
+            T.add(f"sync_{kind}", dt, store.last_committed.bytes, cpu=True)
     raw_path.unlink(missing_ok=True)
     retire_all()
     step += 1
@@ -557,10 +376,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raw_readinto(f, memoryview(torch.empty(sizes[f], dtype=torch.uint8).numpy()).cast("B")) for f in data_files
         )
 
-    variants = {"load": None}
-    if args.prototypes:
-        variants.update(load_old=proto_read_verified_bytearray, load_empty=proto_read_verified_empty, load_into=None)
-    live = {"state": {f"model.{k}": v for k, v in model.state_dict().items()}}
     cold_ok = not args.no_cold and drop_caches()
     res["cold_available"] = cold_ok
     res["cold_skipped"] = args.no_cold
@@ -568,7 +383,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         T.load[mode] = os.getloadavg()[0]
         raw_read_pre()  # warm: everything cached; cold: dropped again before each measurement
         for i in range(R):
-            for kind in interleave(i, ["raw_pre", "raw_fresh", *variants]):
+            for kind in interleave(i, ["raw_pre", "raw_fresh", "load"]):
                 gc.collect()
                 if mode == "cold":
                     drop_caches()
@@ -578,17 +393,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if kind == "raw_fresh":
                     T.add(f"{mode}_raw_fresh", timed(raw_read_fresh)[0], data_bytes, cpu=True)
                     continue
-                fn = variants[kind]
-                if kind == "load_into":
-                    dt, loaded = timed(proto_load_into, store, ck.path, live)
-                    _c = None
-                else:
-                    with patched("read_verified", fn) if fn else contextlib.nullcontext():
-                        dt, (_c, loaded) = timed(store.load, ck.path)
+                dt, (_c, loaded) = timed(store.load, ck.path)
                 T.add(f"{mode}_{kind}", dt, data_bytes, cpu=True)
                 s = loaded["state"]
-                # load_into already wrote the model's own parameters: no load_state_dict copy needed
-                lm = 0.0 if kind == "load_into" else timed(model.load_state_dict, s["model"])[0]
+                lm = timed(model.load_state_dict, s["model"])[0]
                 lo = timed(opt.load_state_dict, s["optimizer"])[0]
                 ls = timed(opt.step)[0]
                 T.add(f"{mode}_{kind}_lsd_model", lm)
@@ -614,17 +422,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     verify_bytes = sum(sizes.values())
     raw_read_pre()  # warm
     for i in range(R):
-        kinds = ["xxh3", "verify"] + (["verify_mmap"] if args.prototypes else [])
-        for kind in interleave(i, kinds):
+        for kind in interleave(i, ["xxh3", "verify"]):
             if kind == "xxh3":
                 T.add("xxh3", timed(lambda: xxhash.xxh3_128(hv).hexdigest())[0], sizes[big])
-            elif kind == "verify":
-                T.add("verify", timed(lambda: store.verify(ck.path))[0], verify_bytes)
             else:
-                with patched("hash_file", proto_hash_file_mmap):
-                    T.add("verify_mmap", timed(lambda: store.verify(ck.path))[0], verify_bytes)
+                T.add("verify", timed(lambda: store.verify(ck.path))[0], verify_bytes)
 
-    if args.prototypes:
+    if args.hazards:
         res["hazards"] = check_restore_hazards(tmp)
     res["t"], res["nbytes"], res["loadavg"], res["cpu"] = T.t, T.nbytes, T.load, T.cpu
     res["machine"] = dict(
@@ -691,41 +495,20 @@ def report(res: dict[str, Any]) -> str:
         ">= 0.8x",
         r >= 0.8,
     )
-    for name, label in (("sync_old", "  before 94a3a35: snapshot copy also on blocking saves"),):
-        if name in T.t:
-            r = T.gbps(name) / T.gbps("raw_write")
-            row(
-                label,
-                bw(name),
-                f"raw write+fsync: {bw('raw_write')}",
-                r,
-                T.gbps(name, True) / T.gbps("raw_write", True),
-                ">= 0.8x",
-                r >= 0.8,
-            )
     for mode in ("warm", "cold"):
         if f"{mode}_load" not in T.t:
             continue
-        base = f"{mode}_raw_pre"
-        for kind, label in (
-            ("load", "restore `load()`"),
-            ("load_empty", "  prototype: torch.empty + chunked hash"),
-            ("load_old", "  before 94a3a35: bytearray + readinto + hash"),
-            ("load_into", "  prototype: read into model params + torch.empty"),
-        ):
-            name = f"{mode}_{kind}"
-            if name not in T.t:
-                continue
-            r = T.gbps(name) / T.gbps(base)
-            row(
-                f"{label} ({mode} cache)",
-                bw(name),
-                f"raw readinto preallocated: {bw(base)}",
-                r,
-                T.gbps(name, True) / T.gbps(base, True),
-                ">= 0.8x",
-                r >= 0.8,
-            )
+        base, name = f"{mode}_raw_pre", f"{mode}_load"
+        r = T.gbps(name) / T.gbps(base)
+        row(
+            f"restore `load()` ({mode} cache)",
+            bw(name),
+            f"raw readinto preallocated: {bw(base)}",
+            r,
+            T.gbps(name, True) / T.gbps(base, True),
+            ">= 0.8x",
+            r >= 0.8,
+        )
         fresh = f"{mode}_raw_fresh"
         r = T.gbps(f"{mode}_load") / T.gbps(fresh)
         row(
@@ -747,17 +530,6 @@ def report(res: dict[str, Any]) -> str:
         "(info)",
         None,
     )
-    if "verify_mmap" in T.t:
-        r = T.gbps("verify_mmap") / T.gbps("xxh3")
-        row(
-            "  prototype: verify hashing an mmap",
-            bw("verify_mmap"),
-            f"xxh3_128 in memory: {bw('xxh3')}",
-            r,
-            T.gbps("verify_mmap", True) / T.gbps("xxh3", True),
-            "(info)",
-            None,
-        )
     add("")
     cpu = res.get("cpu", {})
     if cpu:
@@ -780,14 +552,13 @@ def report(res: dict[str, Any]) -> str:
     if "retention_rmtree" in T.t:
         add(f"- retention delete (rmtree) of one checkpoint: {ms('retention_rmtree')} (outside the save timings)")
     for mode in ("warm", "cold"):
-        for kind in ("load", "load_old", "load_empty", "load_into"):
-            n = f"{mode}_{kind}"
-            if n in T.t:
-                add(
-                    f"- resume ({mode}, {kind}): load {ms(n)}, model.load_state_dict {ms(n + '_lsd_model')}, "
-                    f"optimizer.load_state_dict {ms(n + '_lsd_opt')}, first optimizer.step {ms(n + '_first_step')}; "
-                    f"total {ms(n + '_resume')}"
-                )
+        n = f"{mode}_load"
+        if n in T.t:
+            add(
+                f"- resume ({mode}, load): load {ms(n)}, model.load_state_dict {ms(n + '_lsd_model')}, "
+                f"optimizer.load_state_dict {ms(n + '_lsd_opt')}, first optimizer.step {ms(n + '_first_step')}; "
+                f"total {ms(n + '_resume')}"
+            )
     fp = [n for n in T.t if n.startswith("fp_") and n.endswith("_total")]
     if fp:
         add("")
@@ -828,7 +599,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="repeats per measurement (median reported)")
     ap.add_argument("--tmp", default=str(ROOT / ".bench-tmp"), help="scratch dir on the same disk as the repo")
     ap.add_argument("--keep", action="store_true", help="keep the scratch dir")
-    ap.add_argument("--prototypes", action="store_true", help="also time candidate fixes")
+    ap.add_argument(
+        "--hazards",
+        action="store_true",
+        help="also check two restore hazards (file pinned after retention, in-place writes showing through)",
+    )
     ap.add_argument(
         "--no-cold",
         action="store_true",
@@ -839,13 +614,13 @@ def main() -> None:
         type=int,
         default=0,
         metavar="N",
-        help="also time N resumes per variant in a fresh process (the restarted-worker case)",
+        help="also time N resumes in a fresh process (the restarted-worker case)",
     )
     ap.add_argument("--json", help="write all raw timings here")
-    ap.add_argument("--child", nargs=2, metavar=("CKPT", "VARIANT"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", metavar="CKPT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        resume_child(args.child[0], args.child[1], args.params)
+        resume_child(args.child, args.params)
         return
     res = run(args)
     print()

@@ -10,7 +10,7 @@ interleaved blocks (so machine load drifts hit every variant alike), for three v
                     rows are buffered, flushed every 50 steps, MLflow writes on a background thread;
 * ``async/1``     — the same, but the logger hands every step over (``flush_every=1``: metrics.jsonl
                     written each step; the MLflow thread still batches, every 5 s);
-* ``sync``        — flush every 50 with ``MlflowBackend(asynchronous=False)``: ``log_batch`` in the loop.
+* ``sync``        — flush every 50, ``MlflowDelivery(asynchronous=False)``: ``log_batch`` in the loop.
 
 Printed: median step time; the time spent *inside* the logging calls per step (what the training
 loop waits for) as a % of the step; the MLflow ``log_batch`` time per step (on the background
@@ -43,9 +43,9 @@ def main() -> int:
 
     from training.config import load_config
     from training.corpus import prepare
-    from training.data import Cursor, make_loader
+    from training.data import Cursor, LoaderSpec, make_loader
     from training.metrics import JsonlBackend, StepMetricLogger
-    from training.mlflow_backend import MlflowBackend, client_for, ensure_mlflow_run
+    from training.mlflow_backend import MlflowBackend, MlflowDelivery, client_for, ensure_mlflow_run
     from training.rundir import open_run
     from training.state import configure_determinism, seed_everything
     from training.task import build_task
@@ -73,7 +73,9 @@ def main() -> int:
     configure_determinism(cfg.train.deterministic, device)
     seed_everything(cfg.train.seed)
     parts = build_task(cfg, device)
-    batches = iter(make_loader(parts.train_data, cfg.train.batch_size, cfg.train.seed, Cursor(), 0, 1, 0))
+    batches = iter(
+        make_loader(parts.train_data, LoaderSpec(cfg.train.batch_size, cfg.train.seed, Cursor(), 0, 1), num_workers=0)
+    )
 
     def step() -> dict[str, float]:
         x = next(batches)
@@ -92,7 +94,9 @@ def main() -> int:
         vcfg = cfg.model_copy(update={"run_name": f"bench-{variant.replace('/', '-')}"})
         run_dir = open_run(vcfg)
         run_id = ensure_mlflow_run(vcfg, run_dir)
-        backends[variant] = MlflowBackend(cfg, run_id, tracking_uri=uri, asynchronous=asynchronous)
+        backends[variant] = MlflowBackend(
+            cfg, run_id, tracking_uri=uri, delivery=MlflowDelivery(asynchronous=asynchronous)
+        )
         loggers[variant] = StepMetricLogger(
             [JsonlBackend(run_dir / "metrics.jsonl"), backends[variant]], run_dir, flush_every=flush_every
         )

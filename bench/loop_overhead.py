@@ -41,7 +41,7 @@ def bare_setup(cfg: Any) -> tuple[Any, Any, Any]:
     """The same model, optimizer, scheduler and data order as the worker builds, without convoy."""
     import torch
 
-    from training.data import Cursor, make_loader
+    from training.data import Cursor, LoaderSpec, make_loader
     from training.state import configure_determinism, seed_everything
     from training.task import build_task
 
@@ -49,7 +49,7 @@ def bare_setup(cfg: Any) -> tuple[Any, Any, Any]:
     configure_determinism(cfg.train.deterministic, device)
     seed_everything(cfg.train.seed)
     parts = build_task(cfg, device)
-    batches = iter(make_loader(parts.train_data, cfg.train.batch_size, cfg.train.seed, Cursor()))
+    batches = iter(make_loader(parts.train_data, LoaderSpec(cfg.train.batch_size, cfg.train.seed, Cursor())))
     return parts, batches, device
 
 
@@ -110,14 +110,14 @@ def alternating_steps(cfg: Any, run_dir: Path, n: int) -> tuple[list[float], lis
     """Single steps of ``Worker.train_step`` and of the bare step on identical models, alternated
     one by one (who goes first flips each round), so load drifts cancel: the per-step work
     convoy adds to the update itself (tree map, autocast/scaler no-ops, accumulation loop, LRs)."""
-    from training.data import make_loader
+    from training.data import LoaderSpec, make_loader
     from training.worker import Worker
 
     worker = Worker(run_dir, cfg.train.total_steps)
     worker.setup()
     worker.restore()
     convoy_batches = iter(
-        make_loader(worker.parts.train_data, cfg.train.batch_size, cfg.train.seed, worker.state.cursor)
+        make_loader(worker.parts.train_data, LoaderSpec(cfg.train.batch_size, cfg.train.seed, worker.state.cursor))
     )
     parts, batches, _ = bare_setup(cfg)
     sides = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -20,6 +20,9 @@ from rich.table import Table
 from training.config import ConfigError, RunConfig, load_config
 from training.events import Event
 from training.paths import RunPaths
+
+if TYPE_CHECKING:
+    from flows.chaos import ChaosReport
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fault-tolerant, exactly-resumable training.")
 console = Console()
@@ -440,42 +443,55 @@ def chaos(
     if as_json:
         sys.stdout.write(json.dumps(report.to_dict(), indent=1) + "\n")
     else:
-        table = Table(title=f"convoy chaos: {runner.cfg.run_name}")
-        for col in (
-            "fault",
-            "at step",
-            "detected as",
-            "detected after s",
-            "steps lost",
-            "recovery s",
-            "survived",
-            "note",
-        ):
-            table.add_column(col)
-        for f in report.faults:
-            table.add_row(
-                f.kind,
-                str(f.injected_step if f.injected_step is not None else "-"),
-                str(f.detected_as or "-"),
-                str(f.detected_after_s if f.detected_after_s is not None else "-"),
-                str(f.steps_lost if f.steps_lost is not None else "-"),
-                str(f.recovery_s if f.recovery_s is not None else "-"),
-                "yes" if f.survived else "[red]NO[/]",
-                f.note,
-            )
-        console.print(table)
-        same = report.final_digest == report.reference_digest
-        console.print(
-            f"final digest {report.final_digest} {'==' if same else '!='} reference {report.reference_digest}"
-        )
-        console.print(
-            f"metrics logged exactly once per step: {report.metrics_exactly_once}; "
-            f"goodput {report.goodput}; wall {report.wall_s} s; flow exit {report.exit_code}"
-        )
-        for line in report.diagnosis:
-            err.print(line, highlight=False, markup=False)
-        console.print("[bold green]SURVIVED[/]" if report.survived else "[bold red]NOT SURVIVED[/]")
+        _print_chaos_report(report, runner.cfg.run_name)
     raise typer.Exit(0 if report.survived else 1)
+
+
+def _dash(value: object) -> str:
+    """A table cell: ``-`` for an unmeasured (None) value, so the columns stay readable."""
+    return str(value if value is not None else "-")
+
+
+def _chaos_table(report: ChaosReport, run_name: str) -> Table:
+    """One row per injected fault: what hit, how it was seen, what it cost."""
+    table = Table(title=f"convoy chaos: {run_name}")
+    for col in (
+        "fault",
+        "at step",
+        "detected as",
+        "detected after s",
+        "steps lost",
+        "recovery s",
+        "survived",
+        "note",
+    ):
+        table.add_column(col)
+    for f in report.faults:
+        table.add_row(
+            f.kind,
+            _dash(f.injected_step),
+            str(f.detected_as or "-"),
+            _dash(f.detected_after_s),
+            _dash(f.steps_lost),
+            _dash(f.recovery_s),
+            "yes" if f.survived else "[red]NO[/]",
+            f.note,
+        )
+    return table
+
+
+def _print_chaos_report(report: ChaosReport, run_name: str) -> None:
+    """The human form of the chaos report: the table on stdout, the diagnosis on stderr."""
+    console.print(_chaos_table(report, run_name))
+    same = report.final_digest == report.reference_digest
+    console.print(f"final digest {report.final_digest} {'==' if same else '!='} reference {report.reference_digest}")
+    console.print(
+        f"metrics logged exactly once per step: {report.metrics_exactly_once}; "
+        f"goodput {report.goodput}; wall {report.wall_s} s; flow exit {report.exit_code}"
+    )
+    for line in report.diagnosis:
+        err.print(line, highlight=False, markup=False)
+    console.print("[bold green]SURVIVED[/]" if report.survived else "[bold red]NOT SURVIVED[/]")
 
 
 def _pull_target(run_dir: Path, cfg: RunConfig | None) -> Path:

@@ -155,7 +155,9 @@ class ChunkRun:
         except ChunkFailed as exc:
             resume_at = exc.details.get("last_committed_step") or 0
             trained = max(0, resume_at - self.resumed_from)
-            tracking.end_attempt(cfg, rd, child, False, exc.kind, trained, time.time() - t_attempt, exc.details)
+            tracking.end_attempt(
+                cfg, rd, child, tracking.attempt_outcome(False, exc.kind, trained, time.time() - t_attempt, exc.details)
+            )
             if exc.kind == "preempted" and self.preemptions < cfg.orchestration.retries:
                 self.preemptions += 1
                 self.logger.warning(
@@ -172,7 +174,10 @@ class ChunkRun:
                 return None
             _report(self.logger, cfg, exc, self.chunk, self.attempt, resume_at)
             raise
-        tracking.end_attempt(cfg, rd, child, True, None, self.end - self.resumed_from, time.time() - t_attempt)
+        outcome_seconds = time.time() - t_attempt
+        tracking.end_attempt(
+            cfg, rd, child, tracking.attempt_outcome(True, None, self.end - self.resumed_from, outcome_seconds)
+        )
         return outcome
 
     def spec(self) -> AttemptSpec:

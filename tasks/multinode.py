@@ -35,6 +35,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tasks.process_group import child_setup
 from training.config import EXIT_CONFIG
@@ -83,11 +84,18 @@ def launcher_command(hosts: Sequence[str], ranks_per_node: int, node_launch: str
     ]
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and under which id every node's agent meets (c10d, hosted on node 0)."""
+
+    endpoint: str
+    id: str
+
+
 def node_commands(
     hosts: Sequence[str],
     ranks_per_node: int,
-    endpoint: str,
-    rdzv_id: str,
+    rendezvous: Rendezvous,
     node_launch: str,
     tail: Sequence[str],
     cwd: str,
@@ -103,8 +111,8 @@ def node_commands(
             f"--nproc-per-node={ranks_per_node}",
             f"--node-rank={i}",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={rdzv_id}",
+            f"--rdzv-endpoint={rendezvous.endpoint}",
+            f"--rdzv-id={rendezvous.id}",
             f"--rdzv-conf=is_host={int(i == 0)}",
             "--max-restarts=0",
             *tail,
@@ -181,11 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     # Remote agents must reach the rendezvous: name node 0 as the others know it.
     host0 = "127.0.0.1" if all(is_local(h) for h in hosts) else socket.getfqdn()
-    endpoint = f"{host0}:{free_port()}"
-    rdzv_id = uuid.uuid4().hex[:12]
-    cmds = node_commands(hosts, args.ranks, endpoint, rdzv_id, args.node_launch, tail, os.getcwd())
+    rdzv = Rendezvous(f"{host0}:{free_port()}", uuid.uuid4().hex[:12])
+    cmds = node_commands(hosts, args.ranks, rdzv, args.node_launch, tail, os.getcwd())
     print(
-        f"{PREFIX}{len(hosts)} nodes x {args.ranks} ranks, rendezvous {endpoint} id {rdzv_id}",
+        f"{PREFIX}{len(hosts)} nodes x {args.ranks} ranks, rendezvous {rdzv.endpoint} id {rdzv.id}",
         file=sys.stderr,
         flush=True,
     )

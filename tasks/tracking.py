@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from training.audit import AttemptOutcome
 from training.config import RunConfig
 
 log = logging.getLogger("convoy.tracking")
@@ -40,32 +41,31 @@ def start_attempt(config: RunConfig, run_dir: Path, chunk: int, attempt: int, st
         return None
 
 
-def end_attempt(
-    config: RunConfig,
-    run_dir: Path,
-    child: str | None,
+def attempt_outcome(
     ok: bool,
     kind: str | None = None,
     steps: int = 0,
     seconds: float = 0.0,
     failure: dict[str, Any] | None = None,
+) -> AttemptOutcome:
+    """The outcome of a chunk attempt as the chunk task knows it (ok or not, and the supervisor's
+    failure kind and details), in the form :func:`training.audit.end_attempt` records."""
+    return AttemptOutcome("FINISHED" if ok else "FAILED", kind, steps, seconds, failure)
+
+
+def end_attempt(
+    config: RunConfig,
+    run_dir: Path,
+    child: str | None,
+    outcome: AttemptOutcome,
 ) -> None:
-    """End the attempt's MLflow run; ``failure``: the supervisor's details of a failed one."""
+    """End the attempt's MLflow run (best effort); ``outcome``: see :func:`attempt_outcome`."""
     if child is None:
         return
     try:
         from training.audit import end_attempt as _end
 
-        _end(
-            child,
-            "FINISHED" if ok else "FAILED",
-            failure_kind=kind,
-            steps=steps,
-            seconds=seconds,
-            failure=failure,
-            config=config,
-            run_dir=run_dir,
-        )
+        _end(child, outcome, config=config, run_dir=run_dir)
     except Exception as exc:  # noqa: BLE001
         log.warning("MLflow: could not end attempt run %s: %s", child, exc)
 

@@ -33,6 +33,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -246,9 +247,8 @@ def _version_locked(
             manifest = CheckpointStore(run_dir).verify(stage, step=step).manifest  # the store's own check
         except (ValueError, OSError, KeyError) as exc:
             raise VersioningError(f"{ckpt.name} does not verify, not versioning it: {exc}") from None
-        result = _with_repo(
-            repo_root, ckpt, lambda repo: _add_and_push(repo, ckpt, stage, step, manifest, remote, push)
-        )
+        snap = _StagedCheckpoint(ckpt, stage, step, manifest["digest"])
+        result = _with_repo(repo_root, ckpt, lambda repo: _add_and_push(repo, snap, remote, push))
     except VersioningError:
         raise
     except Exception as exc:  # DVC raises many types; the caller needs one line
@@ -266,9 +266,20 @@ def _version_locked(
     return result
 
 
-def _add_and_push(
-    repo: Any, ckpt: Path, stage: Path, step: int, manifest: dict[str, Any], remote: str | None, push: bool
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _StagedCheckpoint:
+    """A verified checkpoint and its private hard-linked stage: what ``dvc add`` tracks (the stage)
+    and what its ``.dvc`` file must name once pushed (the checkpoint)."""
+
+    ckpt: Path
+    stage: Path
+    step: int
+    digest: str
+
+
+def _add_and_push(repo: Any, snap: _StagedCheckpoint, remote: str | None, push: bool) -> dict[str, Any]:
+    """``dvc add`` the stage, ``dvc push`` it if asked, then move its ``.dvc`` file beside the checkpoint."""
+    ckpt, stage = snap.ckpt, snap.stage
     remote_name = resolve_remote(repo, remote) if push else None
     t0 = time.perf_counter()
     stages = repo.add([str(stage)], relink=False)  # the stage is deleted next: no re-checkout
@@ -285,8 +296,8 @@ def _add_and_push(
     dvcfile = _move_dvcfile(stage, ckpt)
     return {
         "checkpoint": ckpt.name,
-        "step": step,
-        "digest": manifest["digest"],
+        "step": snap.step,
+        "digest": snap.digest,
         "dvc_md5": md5,
         "dvcfile": str(dvcfile),
         "remote": (remote_name or "(default)") if push else None,

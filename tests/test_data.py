@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from training.data import Cursor, ResumableBatchSampler, TokenWindows, epoch_order, make_loader
+from training.data import Cursor, LoaderSpec, ResumableBatchSampler, TokenWindows, epoch_order, make_loader
 
 
 class CountingDataset(Dataset):
@@ -36,7 +36,7 @@ def test_restoring_cursor_touches_no_earlier_sample() -> None:
     n, batch = 2_000_000, 64
     ds = CountingDataset(n)
     start = Cursor(epoch=3, offset=1_000_000)
-    loader = make_loader(ds, batch, seed=5, start=start)
+    loader = make_loader(ds, LoaderSpec(batch, seed=5, start=start))
     first = next(iter(loader))
     assert ds.reads == batch  # exactly one batch materialised, nothing before the cursor
     expected = epoch_order(n, 5, 3)[1_000_000 : 1_000_000 + batch]
@@ -45,20 +45,21 @@ def test_restoring_cursor_touches_no_earlier_sample() -> None:
 
 def test_resumed_stream_equals_uninterrupted_stream_across_epochs() -> None:
     n, batch = 100, 16  # 6 batches per epoch, 4 samples dropped
-    full = list(itertools.islice(iter(ResumableBatchSampler(n, batch, 1, Cursor())), 20))
+    full = list(itertools.islice(iter(ResumableBatchSampler(n, LoaderSpec(batch, 1, Cursor()))), 20))
     cursor = Cursor()
     for _ in range(9):
         cursor = cursor.advance(batch, n)
     assert cursor == Cursor(epoch=1, offset=48)
-    resumed = list(itertools.islice(iter(ResumableBatchSampler(n, batch, 1, cursor)), 11))
+    resumed = list(itertools.islice(iter(ResumableBatchSampler(n, LoaderSpec(batch, 1, cursor))), 11))
     assert resumed == full[9:]
 
 
 def test_ranks_take_disjoint_slices_of_the_global_batch() -> None:
     n, batch, world = 500, 12, 3
-    global_batches = list(itertools.islice(iter(ResumableBatchSampler(n, batch, 2, Cursor())), 5))
+    global_batches = list(itertools.islice(iter(ResumableBatchSampler(n, LoaderSpec(batch, 2, Cursor()))), 5))
     per_rank = [
-        list(itertools.islice(iter(ResumableBatchSampler(n, batch, 2, Cursor(), r, world)), 5)) for r in range(world)
+        list(itertools.islice(iter(ResumableBatchSampler(n, LoaderSpec(batch, 2, Cursor(), r, world))), 5))
+        for r in range(world)
     ]
     for i, gb in enumerate(global_batches):
         parts = [per_rank[r][i] for r in range(world)]
@@ -69,8 +70,8 @@ def test_ranks_take_disjoint_slices_of_the_global_batch() -> None:
 def test_worker_processes_give_the_same_batches() -> None:
     ds = TokenWindows(torch.arange(5000) % 251, seq_len=8)
     start = Cursor(1, 40)
-    a = list(itertools.islice(iter(make_loader(ds, 8, 3, start, num_workers=0)), 6))
-    b = list(itertools.islice(iter(make_loader(ds, 8, 3, start, num_workers=2)), 6))
+    a = list(itertools.islice(iter(make_loader(ds, LoaderSpec(8, 3, start), num_workers=0)), 6))
+    b = list(itertools.islice(iter(make_loader(ds, LoaderSpec(8, 3, start), num_workers=2)), 6))
     for (xa, ya), (xb, yb) in zip(a, b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
@@ -79,7 +80,7 @@ def test_loader_start_does_not_consume_global_rng() -> None:
     ds = TokenWindows(torch.arange(5000) % 251, seq_len=8)
     torch.manual_seed(0)
     before = torch.get_rng_state()
-    next(iter(make_loader(ds, 8, 3, Cursor(), num_workers=2)))
+    next(iter(make_loader(ds, LoaderSpec(8, 3, Cursor()), num_workers=2)))
     assert torch.equal(before, torch.get_rng_state())
 
 

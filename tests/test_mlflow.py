@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
-from training.audit import analyse_events, end_attempt, refresh_audit, start_attempt
+from training.audit import AttemptOutcome, analyse_events, end_attempt, refresh_audit, start_attempt
 from training.events import append_event, read_events
 from training.metrics import metric_rows
 from training.mlflow_backend import (
     MlflowBackend,
+    MlflowDelivery,
     client_for,
     ensure_mlflow_run,
     resolve_tracking_uri,
@@ -96,11 +97,11 @@ def attempt(cfg, run_dir: Path, chunk: int, number: int, start: int, end: int, k
     t0 = time.time()
     if kill_step is not None:
         kill_at(run_dir, end, kill_step)
-        end_attempt(child, "FAILED", "killed", steps=kill_step - 1 - start, seconds=time.time() - t0)
+        end_attempt(child, AttemptOutcome("FAILED", "killed", steps=kill_step - 1 - start, seconds=time.time() - t0))
     else:
         code, out = run_worker(run_dir, end)
         assert code == 0, out
-        end_attempt(child, "FINISHED", None, steps=end - start, seconds=time.time() - t0)
+        end_attempt(child, AttemptOutcome("FINISHED", None, steps=end - start, seconds=time.time() - t0))
     refresh_audit(cfg, run_dir)
 
 
@@ -352,7 +353,7 @@ def test_backend_reconciles_mlflow_with_metrics_jsonl(tmp_path: Path, tracking_u
     run_id = ensure_mlflow_run(cfg, run_dir)
     rows = [(s, {"loss": 1.0 / s, "lr": 0.1, "grad_norm": 2.0, "step_time_s": 0.01}) for s in range(1, 61)]
     JsonlBackend(run_dir / "metrics.jsonl").write(rows)  # the local log reached step 60 (checkpoint)
-    first = MlflowBackend(cfg, run_id, asynchronous=False)
+    first = MlflowBackend(cfg, run_id, delivery=MlflowDelivery(asynchronous=False))
     first._reconciled = True  # the dying worker: only steps 1..40 reached MLflow
     first.write(rows[:40])
     second = MlflowBackend(cfg, run_id)  # the resumed worker

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.multinode import failed_node, is_local, launcher_command, node_commands
+from tasks.multinode import Rendezvous, failed_node, is_local, launcher_command, node_commands
 from tasks.supervisor import _lost_rank, _Watch, worker_command
 from tests.flow_util import REPO, assert_no_leftovers, config, in_thread, params, wait_for_step
 from training.checkpointing.store import CheckpointStore
@@ -40,7 +40,7 @@ def test_nnodes_needs_one_host_per_node(data_dir: Path, tmp_path: Path) -> None:
 def test_remote_nodes_go_through_node_launch_local_ones_do_not() -> None:
     tail = ["-m", "training.worker", "--run-dir", "/shared/runs/x", "--until-step", "100"]
     hosts = ["localhost", "gpu-node-7"]
-    local, remote = node_commands(hosts, 8, "head:29500", "abc", "ssh -tt {host}", tail, "/srv/app")
+    local, remote = node_commands(hosts, 8, Rendezvous("head:29500", "abc"), "ssh -tt {host}", tail, "/srv/app")
     assert local[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--node-rank=0" in local
     assert "--rdzv-conf=is_host=1" in local and "--nproc-per-node=8" in local and "--nnodes=2" in local
     assert remote[:3] == ["ssh", "-tt", "gpu-node-7"]

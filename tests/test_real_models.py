@@ -33,7 +33,7 @@ from tests.engine_util import (
 from training.batch import batch_len, to_device, tree_map
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
-from training.data import Cursor, ResumableBatchSampler
+from training.data import Cursor, LoaderSpec, ResumableBatchSampler
 from training.events import read_events
 from training.examples import char_gpt
 from training.metrics import metric_rows
@@ -145,15 +145,17 @@ def test_accumulation_reads_the_samples_of_one_big_batch(n: int) -> None:
         it = iter(sampler)
         return [next(it) for _ in range(k)]
 
-    big = take(ResumableBatchSampler(n, 8, 3, Cursor()), 12)
-    micro = take(ResumableBatchSampler(n, 2, 3, Cursor(), accum=4), 48)
+    big = take(ResumableBatchSampler(n, LoaderSpec(8, 3, Cursor())), 12)
+    micro = take(ResumableBatchSampler(n, LoaderSpec(2, 3, Cursor(), accum=4)), 48)
     assert [sum(micro[4 * i : 4 * i + 4], []) for i in range(12)] == big
     cursor = Cursor()
     for _ in range(7):
         cursor = cursor.advance(8, n)
-    assert take(ResumableBatchSampler(n, 2, 3, cursor, accum=4), 20) == micro[28:48]
+    assert take(ResumableBatchSampler(n, LoaderSpec(2, 3, cursor, accum=4)), 20) == micro[28:48]
     # Two ranks: each takes its half of every global micro-batch.
-    halves = [take(ResumableBatchSampler(n, 2, 3, Cursor(), rank=r, world_size=2, accum=4), 8) for r in (0, 1)]
+    halves = [
+        take(ResumableBatchSampler(n, LoaderSpec(2, 3, Cursor(), rank=r, world_size=2, accum=4)), 8) for r in (0, 1)
+    ]
     assert [a + b for a, b in zip(*halves, strict=True)] == micro[:8]
 
 

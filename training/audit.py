@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +213,70 @@ def _readable_y_range(ax: Any, loss: list[float]) -> None:
         ax.set_ylim(low - pad, high + pad)
 
 
+def _mark_attempts(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """A red line (labelled with its kind) at each failure and a dotted green one at each resume;
+    each legend entry once, however many recoveries there were."""
+    first_fail = first_resume = True
+    for row in rows:
+        if row["failed_at_step"] is not None:
+            ax.axvline(
+                row["failed_at_step"],
+                color="tab:red",
+                ls="-",
+                lw=1.2,
+                alpha=0.8,
+                label="failure" if first_fail else None,
+            )
+            first_fail = False
+            # The kind beside the failure line, inside the axes (never clipped at the top).
+            ax.annotate(
+                f"{row['kind']} @ {row['failed_at_step']}",
+                (row["failed_at_step"], 0.97),
+                xycoords=("data", "axes fraction"),
+                xytext=(3, 0),
+                textcoords="offset points",
+                rotation=90,
+                va="top",
+                ha="left",
+                fontsize=7,
+                color="tab:red",
+            )
+        ax.axvline(
+            row["resumed_from_step"],
+            color="tab:green",
+            ls=":",
+            lw=1.5,
+            label="resumed from" if first_resume else None,
+        )
+        first_resume = False
+
+
+def _label_axes(ax: Any, summary: dict[str, Any], loss: list[float], title: str) -> None:
+    """Axis names, a readable y range and the run's recovery counts in the title."""
+    ax.set_xlabel("global step")
+    ax.set_ylabel("loss")
+    _readable_y_range(ax, loss)
+    ax.set_title(
+        f"{title}  resumes={summary['resumes']} failures={summary['failures']} "
+        f"steps_lost={summary['steps_lost']}".strip(),
+        fontsize=9,
+    )
+    ax.grid(alpha=0.3)
+
+
+def _save_png_atomically(fig: Any, out_path: str | Path) -> Path:
+    """Write through a temporary file and rename, so a reader never sees half a picture."""
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, out)
+    return out
+
+
 def render_timeline(run_dir: str | Path, summary: dict[str, Any], out_path: str | Path, title: str = "") -> Path:
+    """The loss against the step with a marker at each failure and resume: one look shows where a
+    run was interrupted and where it picked up."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,57 +286,12 @@ def render_timeline(run_dir: str | Path, summary: dict[str, Any], out_path: str 
     fig, ax = plt.subplots(figsize=(9, 4), dpi=100)
     try:
         ax.plot(steps, loss, lw=1.0, color="tab:blue", label="loss")
-        first_fail = first_resume = True
-        for row in summary["rows"]:
-            if row["failed_at_step"] is not None:
-                ax.axvline(
-                    row["failed_at_step"],
-                    color="tab:red",
-                    ls="-",
-                    lw=1.2,
-                    alpha=0.8,
-                    label="failure" if first_fail else None,
-                )
-                first_fail = False
-                # The kind beside the failure line, inside the axes (never clipped at the top).
-                ax.annotate(
-                    f"{row['kind']} @ {row['failed_at_step']}",
-                    (row["failed_at_step"], 0.97),
-                    xycoords=("data", "axes fraction"),
-                    xytext=(3, 0),
-                    textcoords="offset points",
-                    rotation=90,
-                    va="top",
-                    ha="left",
-                    fontsize=7,
-                    color="tab:red",
-                )
-            ax.axvline(
-                row["resumed_from_step"],
-                color="tab:green",
-                ls=":",
-                lw=1.5,
-                label="resumed from" if first_resume else None,
-            )
-            first_resume = False
-        ax.set_xlabel("global step")
-        ax.set_ylabel("loss")
-        _readable_y_range(ax, loss)
-        ax.set_title(
-            f"{title}  resumes={summary['resumes']} failures={summary['failures']} "
-            f"steps_lost={summary['steps_lost']}".strip(),
-            fontsize=9,
-        )
-        ax.grid(alpha=0.3)
+        _mark_attempts(ax, summary["rows"])
+        _label_axes(ax, summary, loss, title)
         if steps:
             ax.legend(loc="upper right", fontsize=8)
         fig.tight_layout()
-        out = Path(out_path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, out)
-        return out
+        return _save_png_atomically(fig, out_path)
     finally:
         plt.close(fig)
 
@@ -344,50 +363,72 @@ def failure_tags(failure: dict[str, Any]) -> dict[str, str]:
     return {f"convoy.{k}": str(v) for k, v in facts.items() if v is not None}
 
 
+@dataclass(frozen=True)
+class AttemptOutcome:
+    """How one chunk attempt ended, as :func:`end_attempt` records it on the attempt's MLflow run.
+
+    ``status``: FINISHED, FAILED or KILLED; ``failure_kind``: the supervisor's name for the failure
+    (``killed``, ``hang``...); ``steps``: steps the attempt committed; ``seconds``: its duration;
+    ``failure``: the supervisor's details of a failed attempt (see :func:`failure_tags`).
+    """
+
+    status: str
+    failure_kind: str | None = None
+    steps: int = 0
+    seconds: float = 0.0
+    failure: dict[str, Any] | None = None
+
+
+def _outcome_tags(outcome: AttemptOutcome) -> dict[str, str]:
+    """The tags of an ended attempt, with a one-line description of a failure for the MLflow UI."""
+    tags = {
+        "convoy.status": outcome.status,
+        "convoy.steps_committed": str(outcome.steps),
+        "convoy.seconds": f"{outcome.seconds:.1f}",
+    }
+    if outcome.failure_kind:
+        tags["convoy.failure_kind"] = outcome.failure_kind
+    if outcome.failure:
+        tags.update(failure_tags(outcome.failure))
+        tags["mlflow.note.content"] = (
+            f"{outcome.failure_kind or 'failure'} at step {tags.get('convoy.failed_at_step', '?')}: "
+            f"{tags.get('convoy.failure_reason', '')}; detected after {tags.get('convoy.detected_after_s', '?')} s; "
+            f"the next attempt resumes from step {tags['convoy.resumed_from_step']} "
+            f"({tags.get('convoy.steps_lost', '?')} steps lost)"
+        )
+    return tags
+
+
 def end_attempt(
     child_run_id: str | None,
-    status: str,
-    failure_kind: str | None = None,
-    steps: int = 0,
-    seconds: float = 0.0,
+    outcome: AttemptOutcome,
     *,
-    failure: dict[str, Any] | None = None,
     config: RunConfig | None = None,
     run_dir: str | Path | None = None,
 ) -> None:
     """End a child run FINISHED or FAILED.  Tags: status, steps committed by the attempt, seconds,
-    and for a failure (``failure`` = the supervisor's details) its kind, reason, failed-at and
-    resumed-from steps, steps lost and log path, with the log's tail as an artifact and a one-line
-    description, so a failed attempt explains itself in the MLflow UI."""
+    and for a failure (``outcome.failure`` = the supervisor's details) its kind, reason, failed-at
+    and resumed-from steps, steps lost and log path, with the log's tail as an artifact and a
+    one-line description, so a failed attempt explains itself in the MLflow UI."""
     if not child_run_id:
         return
-    if status not in ("FINISHED", "FAILED", "KILLED"):
-        raise ValueError(f"status = {status!r}: expected FINISHED, FAILED or KILLED")
+    if outcome.status not in ("FINISHED", "FAILED", "KILLED"):
+        raise ValueError(f"status = {outcome.status!r}: expected FINISHED, FAILED or KILLED")
     from mlflow.entities import RunTag
 
     from training.mlflow_backend import client_for, resolve_tracking_uri
 
     uri = _child_uris.get(child_run_id) or resolve_tracking_uri(config, run_dir)
     client = client_for(uri)
-    tags = {"convoy.status": status, "convoy.steps_committed": str(steps), "convoy.seconds": f"{seconds:.1f}"}
-    if failure_kind:
-        tags["convoy.failure_kind"] = failure_kind
-    if failure:
-        tags.update(failure_tags(failure))
-        tags["mlflow.note.content"] = (
-            f"{failure_kind or 'failure'} at step {tags.get('convoy.failed_at_step', '?')}: "
-            f"{tags.get('convoy.failure_reason', '')}; detected after {tags.get('convoy.detected_after_s', '?')} s; "
-            f"the next attempt resumes from step {tags['convoy.resumed_from_step']} "
-            f"({tags.get('convoy.steps_lost', '?')} steps lost)"
-        )
+    tags = _outcome_tags(outcome)
     client.log_batch(child_run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
-    tail = log_tail((failure or {}).get("log"))
+    tail = log_tail((outcome.failure or {}).get("log"))
     if tail:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / Path(LOG_TAIL_ARTIFACT).name
             path.write_text("\n".join(tail) + "\n")
             client.log_artifact(child_run_id, str(path), artifact_path=str(Path(LOG_TAIL_ARTIFACT).parent))
-    client.set_terminated(child_run_id, status=status)
+    client.set_terminated(child_run_id, status=outcome.status)
     _child_uris.pop(child_run_id, None)
 
 

@@ -65,19 +65,25 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(num_samples, generator=g)
 
 
-class ResumableBatchSampler(Sampler[list[int]]):
-    """Infinite stream of this rank's slice of each global batch, starting at ``start``."""
+@dataclass(frozen=True)
+class LoaderSpec:
+    """Which samples a rank's loader yields: the global batch, the seed of the epoch orders, the
+    cursor to start at, this rank's slice and the micro-batches per optimizer step.  One object,
+    so the sampler and the loader cannot be built from different values."""
 
-    def __init__(
-        self,
-        num_samples: int,
-        batch_size: int,
-        seed: int,
-        start: Cursor,
-        rank: int = 0,
-        world_size: int = 1,
-        accum: int = 1,
-    ) -> None:
+    batch_size: int
+    seed: int
+    start: Cursor = Cursor()
+    rank: int = 0
+    world_size: int = 1
+    accum: int = 1
+
+
+class ResumableBatchSampler(Sampler[list[int]]):
+    """Infinite stream of this rank's slice of each global batch, starting at ``spec.start``."""
+
+    def __init__(self, num_samples: int, spec: LoaderSpec) -> None:
+        batch_size, world_size, accum = spec.batch_size, spec.world_size, spec.accum
         if batch_size % world_size:
             raise ValueError(f"global batch {batch_size} is not divisible by world size {world_size}")
         if batch_size * accum > num_samples:
@@ -85,8 +91,8 @@ class ResumableBatchSampler(Sampler[list[int]]):
                 f"global batch {batch_size} x {accum} accumulation steps is larger than the dataset "
                 f"({num_samples} samples)"
             )
-        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
-        self.start, self.rank, self.world_size, self.accum = start, rank, world_size, accum
+        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, spec.seed
+        self.start, self.rank, self.world_size, self.accum = spec.start, spec.rank, world_size, accum
         self.per_rank = batch_size // world_size
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -118,27 +124,15 @@ def _worker_init(worker_id: int) -> None:
 
 def make_loader(
     dataset: Dataset,
-    batch_size: int,
-    seed: int,
-    start: Cursor,
-    rank: int = 0,
-    world_size: int = 1,
+    spec: LoaderSpec,
+    *,
     num_workers: int = 0,
-    accum: int = 1,
     collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
-    """The resumable loader; yields ``accum`` micro-batches per optimizer step, each collated by
-    ``collate_fn`` (the task's, or PyTorch's default, which already handles dicts and tuples)."""
-    sampler = ResumableBatchSampler(
-        len(dataset),
-        batch_size,
-        seed,
-        start,
-        rank,
-        world_size,  # type: ignore[arg-type]
-        accum,
-    )
-    generator = torch.Generator().manual_seed(mix_seed(seed, start.epoch, start.offset, rank))
+    """The resumable loader; yields ``spec.accum`` micro-batches per optimizer step, each collated
+    by ``collate_fn`` (the task's, or PyTorch's default, which already handles dicts and tuples)."""
+    sampler = ResumableBatchSampler(len(dataset), spec)  # type: ignore[arg-type]
+    generator = torch.Generator().manual_seed(mix_seed(spec.seed, spec.start.epoch, spec.start.offset, spec.rank))
     return DataLoader(
         dataset,
         batch_sampler=sampler,

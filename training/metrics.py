@@ -33,15 +33,30 @@ def same_value(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
-def read_metric_lines(path: str | Path) -> Iterator[tuple[int, dict[str, float]]]:
+def _text_lines(path: Path, tail_bytes: int | None) -> tuple[list[str], str]:
+    """The file's lines, or only those wholly inside its last ``tail_bytes`` (a line cut at that
+    boundary is dropped: it is not torn, just partly outside the window), and how to name a line
+    in an error (``path:N``, or ``line N of the last B bytes of path``)."""
+    if tail_bytes is None:
+        return path.read_text().splitlines(), f"{path}:{{}}"
+    with open(path, "rb") as f:
+        start = max(0, f.seek(0, os.SEEK_END) - tail_bytes)
+        f.seek(start)
+        lines = f.read().decode(errors="replace").splitlines()[1 if start else 0 :]
+    where = f"{path}: line {{}} of its last {tail_bytes} bytes" if start else f"{path}:{{}}"
+    return lines, where
+
+
+def read_metric_lines(path: str | Path, *, tail_bytes: int | None = None) -> Iterator[tuple[int, dict[str, float]]]:
     """Every ``(step, metrics)`` row of a ``metrics.jsonl`` in file order (a replayed step may
     appear more than once; callers keep the first).  The one rule for a torn line: only the last
     line may be cut short (a kill during the append) and it is skipped; a bad line anywhere else
-    means the file was damaged and is an error naming the line."""
+    means the file was damaged and is an error naming the line.  ``tail_bytes``: read only the
+    file's end (live status of a long run: the file grows every step)."""
     path = Path(path)
     if not path.exists():
         return
-    lines = path.read_text().splitlines()
+    lines, where = _text_lines(path, tail_bytes)
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -51,7 +66,9 @@ def read_metric_lines(path: str | Path) -> Iterator[tuple[int, dict[str, float]]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             if number == len(lines):
                 return  # torn by a kill mid-append; JsonlBackend cuts it off when it next opens
-            raise ValueError(f"{path}:{number}: not a metrics row ({exc}); the file was edited or damaged") from None
+            raise ValueError(
+                f"{where.format(number)}: not a metrics row ({exc}); the file was edited or damaged"
+            ) from None
 
 
 def metric_rows(run_dir: str | Path) -> list[tuple[int, dict[str, float]]]:

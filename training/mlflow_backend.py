@@ -27,6 +27,7 @@ import queue
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +239,17 @@ def split_batches(metrics: list[Metric], limit: int = MAX_BATCH_METRICS) -> list
     return batches
 
 
+@dataclass(frozen=True)
+class MlflowDelivery:
+    """How :class:`MlflowBackend` sends: on a background thread (``asynchronous``; else
+    ``log_batch`` runs in the training loop), batched every ``batch_interval_s``, each batch retried
+    ``max_retries`` times before the backend gives up (the local ``metrics.jsonl`` still has it)."""
+
+    asynchronous: bool = True
+    max_retries: int = 5
+    batch_interval_s: float = 5.0
+
+
 class MlflowBackend:
     """MetricBackend writing ``(step, {key: value})`` rows to one MLflow run, off the training thread."""
 
@@ -245,11 +257,10 @@ class MlflowBackend:
         self,
         config: RunConfig | None,
         run_id: str,
+        *,
         tracking_uri: str | None = None,
-        asynchronous: bool = True,
-        max_retries: int = 5,
         run_dir: str | Path | None = None,
-        batch_interval_s: float = 5.0,
+        delivery: MlflowDelivery = MlflowDelivery(),
     ) -> None:
         self.run_id = run_id
         self.uri = tracking_uri or resolve_tracking_uri(config, run_dir)
@@ -257,16 +268,16 @@ class MlflowBackend:
         self.run_dir = self._find_run_dir(config, run_dir)
         self.backfilled = 0
         self._reconciled = False
-        self.max_retries = max_retries
-        self.asynchronous = asynchronous
+        self.max_retries = delivery.max_retries
+        self.asynchronous = delivery.asynchronous
         self.write_s = 0.0  # time spent in log_batch (on the background thread when asynchronous)
         self.calls = 0
         self.values = 0
         self.error: BaseException | None = None
-        self.batch_interval_s = batch_interval_s
+        self.batch_interval_s = delivery.batch_interval_s
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
-        if asynchronous:
+        if self.asynchronous:
             self._thread = threading.Thread(target=self._drain, name="convoy-mlflow", daemon=True)
             self._thread.start()
 

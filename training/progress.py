@@ -20,8 +20,6 @@ pulled clone.  State:
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
 from training.events import Event, read_events
 from training.heartbeat import HOST, read_heartbeat
+from training.metrics import read_metric_lines
 from training.paths import RunPaths
 
 #: Step times averaged for the ETA: long enough to smooth noise, short enough to follow a change.
@@ -70,22 +69,16 @@ def beat_alive(beat: dict[str, Any] | None, timeout_s: float, now: float) -> boo
 
 
 def metrics_tail(run_dir: Path, rows: int = ETA_WINDOW, max_bytes: int = 256 * 1024) -> list[dict[str, Any]]:
-    """The last ``rows`` rows of ``metrics.jsonl``, read from its end (it grows every step)."""
-    path = RunPaths(run_dir).metrics
+    """The last ``rows`` rows (0: all read) of ``metrics.jsonl``, read from its end (it grows every
+    step) by the one reader of the file, :func:`training.metrics.read_metric_lines`."""
     try:
-        with open(path, "rb") as f:
-            start = max(0, f.seek(0, os.SEEK_END) - max_bytes)
-            f.seek(start)
-            lines = f.read().splitlines()[1 if start else 0 :]  # from mid-file: drop the partial line
+        found = [
+            {"step": step, "metrics": metrics}
+            for step, metrics in read_metric_lines(RunPaths(run_dir).metrics, tail_bytes=max_bytes)
+        ]
     except OSError:
         return []
-    out = []
-    for line in lines[-rows:] if rows else lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # torn last line or a partial first one
-    return out
+    return found[-rows:] if rows else found
 
 
 def last_logged(run_dir: Path, key: str) -> tuple[int, float] | None:
@@ -142,6 +135,40 @@ def _eta(rows: list[dict[str, Any]], step: int, total: int) -> tuple[float | Non
     return rate, max(0, total - step) / rate
 
 
+def _audit_fields(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The recovery counts of the run so far, from its events."""
+    audit = analyse_events(events)
+    return {
+        "failures": audit["failures"],
+        "resumes": audit["resumes"],
+        "steps_lost": audit["steps_lost"],
+        "failure_kinds": [r["kind"] for r in audit["rows"]],
+        "failure_chunks": [e.get("chunk") for e in events if e["kind"] == Event.FAILURE],  # attempt numbers
+    }
+
+
+def _beat_fields(beat: dict[str, Any] | None, now: float) -> dict[str, Any]:
+    """What the newest heartbeat says of the worker (all None without one)."""
+    return {
+        "phase": beat.get("phase") if beat else None,
+        "heartbeat_age_s": round(now - float(beat["time"]), 3) if beat else None,
+        "pid": beat.get("pid") if beat else None,
+        "host": beat.get("host") if beat else None,
+    }
+
+
+def _checkpoint_fields(newest: tuple[int, str, str] | None, verify: bool, step: int) -> dict[str, Any]:
+    """The newest checkpoint and how far the worker's step is past it."""
+    ck_step = newest[0] if newest is not None else None
+    return {
+        "checkpoint_step": ck_step,
+        "checkpoint": newest[1] if newest is not None else None,
+        "checkpoint_digest": newest[2] if newest is not None else None,
+        "checkpoint_verified": verify,
+        "steps_since_checkpoint": max(0, step - (ck_step or 0)),
+    }
+
+
 def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None, verify: bool = True) -> dict[str, Any]:
     """Everything ``convoy status`` shows, as one JSON-able dict; ``verify=False``: the newest
     checkpoint by its manifest only (the live line of ``convoy train``)."""
@@ -161,26 +188,17 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
     known = [s for s in (beat.get("step") if beat else None, metric_step, ck_step) if s is not None]
     step = int(beat["step"]) if worker_alive and beat else (max(known) if known else 0)
     started = bool(known) or any(e["kind"] in (Event.STARTED, Event.RESUMED) for e in events)
-    audit = analyse_events(events)
     rate, eta = _eta(rows, step, total)
     last = rows[-1]["metrics"] if rows else {}
     val = last_logged(run_dir, "val_loss")
+    clean_end = beat is None or beat.get("phase") == "done"
     return {
         "run_name": config.run_name,
         "run_dir": str(run_dir),
-        "state": _state(
-            worker_alive or flow_pid is not None,
-            finished,
-            events,
-            started,
-            clean_end=beat is None or beat.get("phase") == "done",
-        ),
+        "state": _state(worker_alive or flow_pid is not None, finished, events, started, clean_end=clean_end),
         "step": step,
         "total_steps": total,
-        "phase": beat.get("phase") if beat else None,
-        "heartbeat_age_s": round(now - float(beat["time"]), 3) if beat else None,
-        "pid": beat.get("pid") if beat else None,
-        "host": beat.get("host") if beat else None,
+        **_beat_fields(beat, now),
         "worker_alive": worker_alive,
         "flow_pid": flow_pid,
         "loss": last.get("loss"),
@@ -190,14 +208,6 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
         "tokens_per_s": last.get("tokens_per_s"),
         "steps_per_s": round(rate, 3) if rate else None,
         "eta_s": round(eta, 1) if eta is not None and not finished else None,
-        "checkpoint_step": ck_step,
-        "checkpoint": newest[1] if newest is not None else None,
-        "checkpoint_digest": newest[2] if newest is not None else None,
-        "checkpoint_verified": verify,
-        "steps_since_checkpoint": max(0, step - (ck_step or 0)),
-        "failures": audit["failures"],
-        "resumes": audit["resumes"],
-        "steps_lost": audit["steps_lost"],
-        "failure_kinds": [r["kind"] for r in audit["rows"]],
-        "failure_chunks": [e.get("chunk") for e in events if e["kind"] == Event.FAILURE],  # attempt numbers
+        **_checkpoint_fields(newest, verify, step),
+        **_audit_fields(events),
     }

@@ -36,7 +36,7 @@ from training.checkpointing.adaptive import AdaptiveInterval, estimate_mtbf_s
 from training.checkpointing.store import CheckpointStore, WriterGroup
 from training.chunk_boundary import wait_for_previous_boundary
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
-from training.data import make_loader, mix_seed
+from training.data import LoaderSpec, make_loader, mix_seed
 from training.events import Event, append_event
 from training.heartbeat import Heartbeat, read_heartbeat
 from training.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, StepMetricLogger
@@ -586,16 +586,11 @@ class Worker:
     def batches(self) -> Iterator[Any]:
         """This rank's micro-batches from the restored cursor on."""
         cfg = self.config
+        spec = LoaderSpec(
+            cfg.train.batch_size, cfg.train.seed, self.state.cursor, self.rank, self.world, cfg.train.grad_accum_steps
+        )
         loader = make_loader(
-            self.parts.train_data,
-            cfg.train.batch_size,
-            cfg.train.seed,
-            self.state.cursor,
-            self.rank,
-            self.world,
-            cfg.data.num_workers,
-            cfg.train.grad_accum_steps,
-            self.parts.collate_fn,
+            self.parts.train_data, spec, num_workers=cfg.data.num_workers, collate_fn=self.parts.collate_fn
         )
         return iter(loader)
 
