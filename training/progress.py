@@ -71,13 +71,14 @@ def beat_alive(beat: dict[str, Any] | None, timeout_s: float, now: float) -> boo
 def metrics_tail(run_dir: Path, rows: int = ETA_WINDOW, max_bytes: int = 256 * 1024) -> list[dict[str, Any]]:
     """The last ``rows`` rows (0: all read) of ``metrics.jsonl``, read from its end (it grows every
     step) by the one reader of the file, :func:`training.metrics.read_metric_lines`."""
+    found: list[dict[str, Any]] = []
     try:
-        found = [
-            {"step": step, "metrics": metrics}
-            for step, metrics in read_metric_lines(RunPaths(run_dir).metrics, tail_bytes=max_bytes)
-        ]
+        for step, metrics in read_metric_lines(RunPaths(run_dir).metrics, tail_bytes=max_bytes):
+            found.append({"step": step, "metrics": metrics})
     except OSError:
         return []
+    except ValueError:  # a damaged line: status shows what precedes it (the export reports the damage)
+        pass
     return found[-rows:] if rows else found
 
 
