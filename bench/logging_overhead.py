@@ -41,14 +41,15 @@ def main() -> int:
 
     import torch
 
+    from tasks.mlflow_runs import ensure_mlflow_run
     from training.config import load_config
     from training.corpus import prepare
     from training.data import Cursor, LoaderSpec, make_loader
-    from training.metrics import JsonlBackend, StepMetricLogger
-    from training.mlflow_backend import MlflowBackend, MlflowDelivery, client_for, ensure_mlflow_run
     from training.rundir import open_run
     from training.state import configure_determinism, seed_everything
     from training.task import build_task
+    from training.tracking.metrics import JsonlBackend, StepMetricLogger
+    from training.tracking.mlflow_backend import MlflowBackend, MlflowDelivery, client_for
 
     tmp = Path(tempfile.mkdtemp(prefix="convoy-bench-log-"))
     uri = f"sqlite:///{tmp / 'mlflow.db'}"

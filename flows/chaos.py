@@ -35,14 +35,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.audit import analyse_events, steps_lost
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig, load_config
 from training.events import Event, read_events
 from training.heartbeat import read_heartbeat
-from training.metrics import read_metric_lines
 from training.paths import RunPaths
 from training.rundir import keyed_config
+from training.tracking.metrics import read_metric_lines
+from training.tracking.resume_audit import analyse_events, steps_lost
 
 FAULT_KINDS = ("kill", "term", "hang", "slow", "corrupt", "delete", "diskfull", "flowkill")
 
@@ -110,7 +110,7 @@ def plan_faults(kinds: list[str], total_steps: int, seed: int) -> list[Fault]:
 
 
 def failure_steps_lost(failure: dict[str, Any], audit_rows: list[dict[str, Any]]) -> int | None:
-    """Steps lost by one failure as the audit counts them (training/audit.py: the resume row that
+    """Steps lost by one failure as the audit counts them (training/tracking/resume_audit.py: the resume row that
     followed it, the same figure as MLflow's resume table and `convoy status`), else the failure
     event's own figure when no worker resumed after it."""
     row = next((r for r in audit_rows if r.get("failure_time") == failure["time"]), None)

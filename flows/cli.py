@@ -373,8 +373,8 @@ def status(
 
     from rich.live import Live
 
-    from training.progress import run_status
     from training.rundir import load_run_config
+    from training.tracking.progress import run_status
 
     try:
         cfg = load_run_config(run_dir)

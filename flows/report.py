@@ -89,7 +89,7 @@ def failure_lines(exc: Any) -> list[str]:
 
     The log is read from the file the supervisor followed (for a pipelined worker the log of the
     chunk that started it), so its last lines are there even when the attempt's own tail is empty."""
-    from training.audit import log_tail
+    from tasks.mlflow_audit import log_tail
 
     d = getattr(exc, "details", {}) or {}
     at = d.get("trained_to", d.get("last_beat_step"))
@@ -118,7 +118,7 @@ PLAIN_EVERY_FRACTION = 0.1
 
 
 def progress_line(st: dict[str, Any], chunk_steps: int) -> str:
-    """One line from :func:`training.progress.run_status`: step/total, chunk k/n and attempt,
+    """One line from :func:`training.tracking.progress.run_status`: step/total, chunk k/n and attempt,
     loss, speed, ETA, last checkpoint, failures."""
     total, step = st["total_steps"], st["step"]
     chunks = -(-total // chunk_steps)
@@ -160,7 +160,7 @@ class LiveProgress:
     On a terminal: one rich live line under Prefect's log lines (Prefect's console handlers print
     through the live console meanwhile, so the two never overwrite each other).  Elsewhere: a
     plain line every :data:`PLAIN_EVERY_S` s or :data:`PLAIN_EVERY_FRACTION` of the run.  Fed by
-    :func:`training.progress.run_status` (heartbeat, metrics, checkpoints, events)."""
+    :func:`training.tracking.progress.run_status` (heartbeat, metrics, checkpoints, events)."""
 
     def __init__(self, config: Any, console: Any, every_s: float = 2.0) -> None:
         import threading
@@ -172,7 +172,7 @@ class LiveProgress:
         self._swapped: list[tuple[Any, Any]] = []
 
     def _line(self) -> tuple[str, int] | None:
-        from training.progress import run_status
+        from training.tracking.progress import run_status
 
         run_dir = self.config.run_dir
         if not (run_dir / "config.json").exists():

@@ -27,7 +27,7 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from flows.report import mlflow_link
-from tasks import handoff, standby, tracking
+from tasks import handoff, run_records, standby
 from tasks.artifacts import publish_chunk_table
 from tasks.chunk import chunk_record, retrying_chunk_task
 from tasks.hooks import flow_crashed, flow_failed, remember_run
@@ -148,7 +148,7 @@ class TrainingRun:
         link_current(cfg)
         if flow_run_id:
             remember_run(flow_run_id, run_dir=run_dir, run_name=cfg.run_name, chunk=None)
-        tracking.begin_run(cfg, run_dir)
+        run_records.begin_run(cfg, run_dir)
         if reap_stale_worker(run_dir, cfg.train.world_size):
             logger.warning("stopped a worker of this run left over from a flow that died")
         run = cls(cfg, run_dir, flow_run_id, logger)
@@ -167,7 +167,7 @@ class TrainingRun:
         return run
 
     def version(self, end: int, only_if_missing: bool = False) -> Any:
-        pending = tracking.version_async(self.cfg, self.run_dir, end, only_if_missing=only_if_missing)
+        pending = run_records.version_async(self.cfg, self.run_dir, end, only_if_missing=only_if_missing)
         if pending is not None:
             self.version_futures.append(pending)
         return pending
@@ -222,7 +222,7 @@ class TrainingRun:
         pending = self.version(end)
         staged = pending.staged if pending is not None else None
         chunk_boundary.acknowledge(self.run_dir, end, staged, timeout_s=self.cfg.heartbeat.save_timeout_s)
-        tracking.refresh(self.cfg, self.run_dir)  # audit table + timeline picture at each chunk end
+        run_records.refresh(self.cfg, self.run_dir)  # audit table + timeline picture at each chunk end
         self.committed = end
 
     def close(self, ok: bool) -> None:
@@ -230,9 +230,9 @@ class TrainingRun:
         if handoff.release(self.run_dir):  # only after a failure: the last chunk's worker exits itself
             self.logger.info("stopped the pipelined worker of run %s", self.cfg.run_name)
         standby.release(self.run_dir)
-        self.versioned.extend(tracking.collect_versions(self.version_futures))
+        self.versioned.extend(run_records.collect_versions(self.version_futures))
         publish_chunk_table(self.cfg.run_name, self.rows, mlflow_link(self.run_dir)[0])
-        self.audit = tracking.finish_run(self.cfg, self.run_dir, ok)
+        self.audit = run_records.finish_run(self.cfg, self.run_dir, ok)
 
     def summary(self) -> dict[str, Any]:
         from training.checkpointing.store import CheckpointStore

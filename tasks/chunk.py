@@ -28,7 +28,7 @@ from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 from prefect.states import Completed, State
 
-from tasks import handoff, tracking
+from tasks import handoff, run_records
 from tasks.artifacts import publish_failure_note
 from tasks.hooks import chunk_failed, remember_run
 from tasks.supervisor import (
@@ -80,7 +80,7 @@ def _loss_at(run_dir: Path, step: int) -> float | None:
     for ev in reversed(read_events(run_dir, Event.WORKER_DONE)):
         if ev.get("step") == step and ev.get("rank", 0) == 0:
             return ev.get("loss")
-    from training.metrics import read_metric_lines  # a pipelined worker passed this boundary without stopping
+    from training.tracking.metrics import read_metric_lines  # a pipelined worker passed this boundary without stopping
 
     rows = [m for s, m in read_metric_lines(RunPaths(run_dir).metrics) if s == step]
     return rows[0].get("loss") if rows else None
@@ -148,15 +148,18 @@ class ChunkRun:
                 self.resumed_from,
                 self.start,
             )
-        child = tracking.start_attempt(cfg, rd, self.chunk, self.attempt, self.start, self.end)
+        child = run_records.start_attempt(cfg, rd, self.chunk, self.attempt, self.start, self.end)
         t_attempt = time.time()
         try:
             outcome = supervise(self.spec())
         except ChunkFailed as exc:
             resume_at = exc.details.get("last_committed_step") or 0
             trained = max(0, resume_at - self.resumed_from)
-            tracking.end_attempt(
-                cfg, rd, child, tracking.attempt_outcome(False, exc.kind, trained, time.time() - t_attempt, exc.details)
+            run_records.end_attempt(
+                cfg,
+                rd,
+                child,
+                run_records.attempt_outcome(False, exc.kind, trained, time.time() - t_attempt, exc.details),
             )
             if exc.kind == "preempted" and self.preemptions < cfg.orchestration.retries:
                 self.preemptions += 1
@@ -175,8 +178,8 @@ class ChunkRun:
             _report(self.logger, cfg, exc, self.chunk, self.attempt, resume_at)
             raise
         outcome_seconds = time.time() - t_attempt
-        tracking.end_attempt(
-            cfg, rd, child, tracking.attempt_outcome(True, None, self.end - self.resumed_from, outcome_seconds)
+        run_records.end_attempt(
+            cfg, rd, child, run_records.attempt_outcome(True, None, self.end - self.resumed_from, outcome_seconds)
         )
         return outcome
 

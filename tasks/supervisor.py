@@ -41,11 +41,11 @@ from tasks.failure_kinds import (
 from tasks.multinode import failed_node, launcher_command
 from tasks.process_group import child_setup, pid_gone, reap_stale_worker, stop_group
 from training import chunk_boundary
-from training.audit import steps_lost, trained_high_water
 from training.config import EXIT_CONFIG
 from training.events import Event, append_event
 from training.heartbeat import beat_is_local, heartbeat_path, read_heartbeat
 from training.paths import RunPaths
+from training.tracking.resume_audit import steps_lost, trained_high_water
 
 #: Re-exported: callers only need this module.
 __all__ = [

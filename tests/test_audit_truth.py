@@ -36,11 +36,12 @@ def test_steps_lost_agree_everywhere_and_failed_attempts_explain_themselves(
 ) -> None:
     from flows.chaos import failure_steps_lost
     from flows.train import run_training
-    from training.audit import LOG_TAIL_ARTIFACT, analyse_events
+    from tasks.mlflow_audit import LOG_TAIL_ARTIFACT
     from training.evaluate import train_metrics
-    from training.mlflow_backend import client_for
-    from training.progress import run_status
     from training.rundir import run_info
+    from training.tracking.mlflow_backend import client_for
+    from training.tracking.progress import run_status
+    from training.tracking.resume_audit import analyse_events
 
     monkeypatch.setenv("CONVOY_FAULTS", "step_delay=0.03,slow_step=13:2")  # the first kill lands at 12
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

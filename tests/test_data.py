@@ -87,7 +87,7 @@ def test_loader_start_does_not_consume_global_rng() -> None:
 def test_metrics_reader_skips_only_a_torn_last_line(tmp_path: Path) -> None:
     """One rule for every reader of metrics.jsonl: a torn last line is a kill mid-append and is
     skipped; a damaged line before it is an error that names the line."""
-    from training.metrics import read_metric_lines
+    from training.tracking.metrics import read_metric_lines
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "metrics": {"loss": 2.5}}\n{"step": 2, "metrics": {"loss": 2.4}}\n{"step": 3, "met')

@@ -163,7 +163,7 @@ def test_replayed_nan_grad_norm_is_not_a_nondeterministic_resume(tmp_path: Path)
     """An AMP float16 step that the GradScaler skips logs a NaN (or inf) grad norm; replaying it
     bitwise must not be reported as a non-deterministic resume (NaN != NaN)."""
     from training.events import read_events
-    from training.metrics import JsonlBackend, StepMetricLogger
+    from training.tracking.metrics import JsonlBackend, StepMetricLogger
 
     rows = [
         (1, {"loss": 2.5, "lr": 1e-3, "grad_norm": float("nan")}),

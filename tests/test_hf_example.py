@@ -21,7 +21,7 @@ from tests.engine_util import (  # noqa: E402 - after the skip
     start_worker,
 )
 from training.events import read_events  # noqa: E402
-from training.metrics import metric_rows  # noqa: E402
+from training.tracking.metrics import metric_rows  # noqa: E402
 
 TOTAL = 12
 HF = [

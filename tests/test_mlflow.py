@@ -14,19 +14,20 @@ from pathlib import Path
 
 import pytest
 
+from tasks.mlflow_audit import AttemptOutcome, end_attempt, refresh_audit, start_attempt
+from tasks.mlflow_runs import ensure_mlflow_run
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
-from training.audit import AttemptOutcome, analyse_events, end_attempt, refresh_audit, start_attempt
 from training.events import append_event, read_events
-from training.metrics import metric_rows
-from training.mlflow_backend import (
+from training.rundir import load_run_config, run_info
+from training.tracking.metrics import metric_rows
+from training.tracking.mlflow_backend import (
     MlflowBackend,
     MlflowDelivery,
     client_for,
-    ensure_mlflow_run,
     resolve_tracking_uri,
     split_batches,
 )
-from training.rundir import load_run_config, run_info
+from training.tracking.resume_audit import analyse_events
 
 TOTAL = 150
 #: Checkpoint cadence.  The worker flushes metrics every 50 steps and before each checkpoint, so a
@@ -239,7 +240,7 @@ def test_backend_batches_and_history_roundtrip(tmp_path: Path, tracking_uri: str
 
 
 class ListBackend:
-    """A metric backend kept in a list (the protocol of training.metrics.MetricBackend)."""
+    """A metric backend kept in a list (the protocol of training.tracking.metrics.MetricBackend)."""
 
     def __init__(self, held: dict[int, float]) -> None:
         self.held = held
@@ -256,7 +257,7 @@ class ListBackend:
 
 
 def test_a_backend_attached_late_gets_each_step_once_and_checks_the_replay(tmp_path: Path) -> None:
-    from training.metrics import StepMetricLogger
+    from training.tracking.metrics import StepMetricLogger
 
     local = ListBackend({s: float(s) for s in range(1, 11)})  # metrics.jsonl held steps 1..10
     logger = StepMetricLogger([local], tmp_path, flush_every=1, deferred=True)
@@ -337,7 +338,7 @@ def test_backend_reconciles_mlflow_with_metrics_jsonl(tmp_path: Path, tracking_u
     """A worker killed right after a checkpoint commit may leave queued MLflow rows unsent; steps at
     or below the checkpoint are never replayed, so the next worker copies them from metrics.jsonl."""
     from training.config import load_config
-    from training.metrics import JsonlBackend, StepMetricLogger
+    from training.tracking.metrics import JsonlBackend, StepMetricLogger
 
     cfg = load_config(
         None,

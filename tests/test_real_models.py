@@ -36,8 +36,8 @@ from training.config import RunConfig
 from training.data import Cursor, LoaderSpec, ResumableBatchSampler
 from training.events import read_events
 from training.examples import char_gpt
-from training.metrics import metric_rows
 from training.task import TaskParts
+from training.tracking.metrics import metric_rows
 
 TOTAL = 40
 #: A short run: one chunk, a checkpoint every 5 steps, a small model; a 30 ms pause per step
@@ -244,8 +244,9 @@ def test_grad_accum_kill_inside_window_bitwise_and_close_to_big_batch(tmp_path: 
 def test_eval_leaves_the_trajectory_alone_and_logs_val_loss_once(tmp_path: Path, dict_reference: str) -> None:
     """The dict task with validation every 4 steps (dict val batches through the task's collate),
     killed twice, ends where the same task without validation ends."""
-    from training.mlflow_backend import client_for, ensure_mlflow_run
+    from tasks.mlflow_runs import ensure_mlflow_run
     from training.rundir import load_run_config
+    from training.tracking.mlflow_backend import client_for
 
     db = tmp_path / "mlflow.db"
     uri = f"sqlite:///{db}"

@@ -62,8 +62,8 @@ def test_status_follows_a_running_worker_then_sees_it_dead(tmp_path: Path) -> No
 def test_one_definition_of_steps_lost(tmp_path: Path) -> None:
     """Steps lost = steps trained beyond the checkpoint resumed from; before the first checkpoint
     that is every step trained; a kill right after a save loses nothing."""
-    from training.audit import analyse_events, steps_lost, trained_high_water
     from training.events import append_event, read_events
+    from training.tracking.resume_audit import analyse_events, steps_lost, trained_high_water
 
     assert steps_lost(36, None) == 36 and steps_lost(40, 40) == 0 and steps_lost(None, 10) is None
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "metrics": {}}) + "\n" for s in (1, 2, 3)))
@@ -100,7 +100,7 @@ def test_one_definition_of_steps_lost(tmp_path: Path) -> None:
 
 def test_state_rules() -> None:
     """running beats everything; finished; failed only when the flow gave up after the last start."""
-    from training.progress import _state
+    from training.tracking.progress import _state
 
     gave_up = [{"kind": "flow_started"}, {"kind": "started"}, {"kind": "failure"}, {"kind": "chunk_failed"}]
     assert _state(True, False, gave_up, True) == "running"

@@ -28,15 +28,15 @@ from typing import Any
 
 import torch
 
-from training.audit import analyse_events
 from training.batch import batch_len
 from training.checkpointing.safetensors_io import write_file
 from training.checkpointing.store import CheckpointStore
 from training.config import EXIT_CONFIG, ConfigError, RunConfig, load_config
 from training.events import read_events
 from training.fsutil import atomic_replace, atomic_write_bytes
-from training.metrics import metric_rows
 from training.rundir import describe_change, keyed_config, recorded_trajectories, run_info
+from training.tracking.metrics import metric_rows
+from training.tracking.resume_audit import analyse_events
 
 MODEL_PATH = Path("models/model.safetensors")
 TRAIN_METRICS = Path("metrics/train.json")
@@ -121,7 +121,7 @@ def train_metrics(config: RunConfig, run_dir: str | Path, export: dict[str, Any]
 
 def train_info(config: RunConfig, run_dir: str | Path, export: dict[str, Any]) -> dict[str, Any]:
     """Identity of the result, kept out of the metrics (a hex digest is not a number to compare)."""
-    from training.audit import analyse_events
+    from training.tracking.resume_audit import analyse_events
 
     audit = analyse_events(read_events(run_dir))
     return {
@@ -172,7 +172,7 @@ def export_outputs(
 
 def write_timeline(config: RunConfig, run_dir: str | Path, out_path: Path = TIMELINE_PLOT) -> Path:
     """The audit's timeline picture for ``dvc plots show`` (failures and resumes marked)."""
-    from training.audit import analyse_events, render_timeline
+    from training.tracking.resume_audit import analyse_events, render_timeline
 
     return render_timeline(run_dir, analyse_events(read_events(run_dir)), out_path, title=config.run_name)
 

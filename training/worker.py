@@ -39,7 +39,6 @@ from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
 from training.data import LoaderSpec, make_loader, mix_seed
 from training.events import Event, append_event
 from training.heartbeat import Heartbeat, read_heartbeat
-from training.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, StepMetricLogger
 from training.paths import RunPaths
 from training.rundir import (
     RunBusy,
@@ -59,6 +58,7 @@ from training.state import (
     seed_everything,
 )
 from training.task import build_task
+from training.tracking.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, StepMetricLogger
 
 
 class _Preempt:
@@ -105,7 +105,7 @@ def tracking_backends(config: RunConfig, run_dir: Path) -> list[MetricBackend]:
     always there, built at once (the replay check reads it)."""
     backends: list[MetricBackend] = []
     if config.tracking.mlflow:
-        from training.mlflow_backend import MlflowBackend  # imported lazily: ~3 s
+        from training.tracking.mlflow_backend import MlflowBackend  # imported lazily: ~3 s
 
         run_id = (run_info(run_dir) or {}).get("mlflow_run_id")
         if run_id:
@@ -178,7 +178,7 @@ class Worker:
         beat and catch SIGTERM (from here on a stop is a preemption with an emergency save)."""
         self.lease = take_worker_lease(self.run_dir) if self.rank == 0 else None
         # How far a predecessor that vanished unreported (no supervisor saw it die) got: its
-        # last beat, before ours replaces it (the audit's steps lost; training/audit.py).
+        # last beat, before ours replaces it (the audit's steps lost; training/tracking/resume_audit.py).
         self.previous_beat_step = (read_heartbeat(self.run_dir, self.rank) or {}).get("step")
         self.hb = Heartbeat(self.run_dir, self.rank, self.config.heartbeat.interval_s).start()
         self.preempt = _Preempt()

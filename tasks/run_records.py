@@ -1,4 +1,4 @@
-"""Glue from the orchestration to MLflow (training/audit.py) and DVC (tasks/version.py).
+"""Glue from the orchestration to MLflow (training/tracking/resume_audit.py) and DVC (tasks/version.py).
 
 Why a separate module: the flow and the chunk task call these at fixed points (run start, every
 attempt, every committed chunk, run end) and each call must be *best effort* where the tracking
@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from training.audit import AttemptOutcome
+from tasks.mlflow_audit import AttemptOutcome
 from training.config import RunConfig
 
 log = logging.getLogger("convoy.tracking")
@@ -23,7 +23,7 @@ def begin_run(config: RunConfig, run_dir: Path) -> str | None:
     """Create (or find) the run's MLflow run so workers log into it; None without MLflow."""
     if not config.tracking.mlflow:
         return None
-    from training.mlflow_backend import ensure_mlflow_run
+    from tasks.mlflow_runs import ensure_mlflow_run
 
     return ensure_mlflow_run(config, run_dir)
 
@@ -33,7 +33,7 @@ def start_attempt(config: RunConfig, run_dir: Path, chunk: int, attempt: int, st
     if not config.tracking.mlflow:
         return None
     try:
-        from training.audit import start_attempt as _start
+        from tasks.mlflow_audit import start_attempt as _start
 
         return _start(config, run_dir, chunk, attempt, start, end)
     except Exception as exc:  # noqa: BLE001 - audit only
@@ -49,7 +49,7 @@ def attempt_outcome(
     failure: dict[str, Any] | None = None,
 ) -> AttemptOutcome:
     """The outcome of a chunk attempt as the chunk task knows it (ok or not, and the supervisor's
-    failure kind and details), in the form :func:`training.audit.end_attempt` records."""
+    failure kind and details), in the form :func:`training.tracking.resume_audit.end_attempt` records."""
     return AttemptOutcome("FINISHED" if ok else "FAILED", kind, steps, seconds, failure)
 
 
@@ -63,7 +63,7 @@ def end_attempt(
     if child is None:
         return
     try:
-        from training.audit import end_attempt as _end
+        from tasks.mlflow_audit import end_attempt as _end
 
         _end(child, outcome, config=config, run_dir=run_dir)
     except Exception as exc:  # noqa: BLE001
@@ -74,8 +74,8 @@ def finish_run(config: RunConfig, run_dir: Path, ok: bool) -> dict[str, Any] | N
     """Recompute the resume audit (files under ``audit/``, MLflow if enabled) and end the run."""
     summary = None
     try:
-        from training.audit import finish_run as _finish
-        from training.audit import refresh_audit
+        from tasks.mlflow_audit import finish_run as _finish
+        from tasks.mlflow_audit import refresh_audit
 
         summary = refresh_audit(config, run_dir)
         _finish(config, run_dir, "FINISHED" if ok else "FAILED")
@@ -89,7 +89,7 @@ def refresh(config: RunConfig, run_dir: Path) -> None:
     if not config.tracking.mlflow:
         return
     try:
-        from training.audit import refresh_audit
+        from tasks.mlflow_audit import refresh_audit
 
         refresh_audit(config, run_dir)
     except Exception as exc:  # noqa: BLE001

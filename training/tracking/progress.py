@@ -26,13 +26,13 @@ from typing import Any
 
 import psutil
 
-from training.audit import analyse_events
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
 from training.events import Event, read_events
 from training.heartbeat import HOST, read_heartbeat
-from training.metrics import read_metric_lines
 from training.paths import RunPaths
+from training.tracking.metrics import read_metric_lines
+from training.tracking.resume_audit import analyse_events
 
 #: Step times averaged for the ETA: long enough to smooth noise, short enough to follow a change.
 ETA_WINDOW = 50
@@ -70,7 +70,7 @@ def beat_alive(beat: dict[str, Any] | None, timeout_s: float, now: float) -> boo
 
 def metrics_tail(run_dir: Path, rows: int = ETA_WINDOW, max_bytes: int = 256 * 1024) -> list[dict[str, Any]]:
     """The last ``rows`` rows (0: all read) of ``metrics.jsonl``, read from its end (it grows every
-    step) by the one reader of the file, :func:`training.metrics.read_metric_lines`."""
+    step) by the one reader of the file, :func:`training.tracking.metrics.read_metric_lines`."""
     found: list[dict[str, Any]] = []
     try:
         for step, metrics in read_metric_lines(RunPaths(run_dir).metrics, tail_bytes=max_bytes):

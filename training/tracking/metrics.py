@@ -8,7 +8,7 @@ Steps past the high-water mark are buffered and written in batches (one call per
 ``flush_every`` steps), which is what keeps logging cheap.
 
 Backends implement :class:`MetricBackend`: :class:`JsonlBackend` (``metrics.jsonl`` in the run
-directory, always on) and the MLflow one in ``training/mlflow_backend.py``.
+directory, always on) and the MLflow one in ``training/tracking/mlflow_backend.py``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,156 @@
+"""Creating the MLflow run of a training run (the flow does it once; workers only log into it).
+
+:func:`ensure_mlflow_run` creates the run once (name = run_name, ``convoy.*`` tags, params logged
+once) and stores its id and URI in ``run.json``; later calls, from any process or attempt, reuse
+it (or the id a checkpoint manifest carries, after a pull).  Kept out of the engine: a worker
+never creates a run, it logs into the one named in ``run.json``
+(:class:`training.tracking.mlflow_backend.MlflowBackend`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Param
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from training.config import RunConfig
+from training.paths import RunPaths
+from training.rundir import run_info, update_run_info
+from training.tracking.mlflow_backend import TAG_PREFIX, client_for, resolve_tracking_uri
+
+MAX_BATCH_PARAMS = 100
+
+
+def default_artifact_location(uri: str, experiment: str) -> str | None:
+    """Artifacts of a SQLite store go next to the database (``<db dir>/mlartifacts/<experiment>``).
+
+    MLflow's own default is ``./mlruns`` of whatever directory the *creating* process ran in;
+    tying it to the database keeps a run's artifacts with its metrics.  Servers decide themselves.
+    """
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and ":memory:" not in uri:
+        db = Path(uri[len(prefix) :])
+        return (db.parent / "mlartifacts" / experiment).resolve().as_uri()
+    return None
+
+
+def ensure_experiment(client: MlflowClient, name: str, uri: str = "") -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=default_artifact_location(uri, name))
+    except MlflowException:  # created concurrently by another process
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def flatten_params(data: Any, prefix: str = "") -> dict[str, str]:
+    """Nested config dict → ``{"train.lr": "0.003", ...}`` (MLflow params are flat strings)."""
+    out: dict[str, str] = {}
+    if isinstance(data, dict):
+        for k, v in data.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, dict) and v:
+                out.update(flatten_params(v, key))
+            else:
+                out[key] = str(v)[:6000]
+    else:
+        out[prefix or "value"] = str(data)[:6000]
+    return out
+
+
+def _run_exists(client: MlflowClient, run_id: str) -> bool:
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        return False
+    if run.info.lifecycle_stage == "deleted":
+        client.restore_run(run_id)
+    return True
+
+
+def run_id_from_checkpoints(run_dir: str | Path) -> str | None:
+    """The MLflow run id recorded in the newest checkpoint manifest that has one (``mlflow_run_id``).
+
+    On another machine the checkpoints arrive (``convoy pull``) without ``run.json``; the id in the
+    manifest keeps every resume logging into the same MLflow run."""
+    root = RunPaths(run_dir).checkpoints
+    if not root.is_dir():
+        return None
+    for path in sorted(root.glob("step-*/manifest.json"), reverse=True):
+        try:
+            run_id = json.loads(path.read_text()).get("mlflow_run_id")
+        except (OSError, ValueError):
+            continue
+        if run_id:
+            return str(run_id)
+    return None
+
+
+def lineage_tags(parent: dict[str, Any] | None) -> dict[str, str]:
+    """``convoy.parent_*`` tags of a run forked from another (``--from``): the parent's run,
+    step, digest, MLflow run id (the link to it) and DVC hash."""
+    if not parent:
+        return {}
+    keys = {
+        "run_name": "parent_run",
+        "step": "parent_step",
+        "digest": "parent_digest",
+        "mlflow_run_id": "parent_mlflow_run_id",
+        "dvc_md5": "parent_dvc_md5",
+    }
+    return {f"{TAG_PREFIX}{tag}": str(parent[key]) for key, tag in keys.items() if parent.get(key) is not None}
+
+
+def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> str:
+    """The MLflow run id of this training run, creating the run (and recording it) if needed.
+
+    Idempotent: the id stored in ``run.json`` is reused when it exists in the tracking store.  A
+    stored id the store does not know (another tracking URI, a deleted database) gets a fresh
+    run and a warning — the training run itself is unaffected.
+    """
+    run_dir = Path(run_dir) if run_dir is not None else config.run_dir
+    uri = resolve_tracking_uri(config, run_dir)
+    client = client_for(uri)
+    info = run_info(run_dir) or {}
+    run_id = info.get("mlflow_run_id") or run_id_from_checkpoints(run_dir)
+    if run_id and info.get("mlflow_tracking_uri", uri) == uri and _run_exists(client, run_id):
+        if info.get("mlflow_run_id") != run_id or info.get("mlflow_tracking_uri") != uri:
+            update_run_info(run_dir, mlflow_run_id=run_id, mlflow_tracking_uri=uri)
+        return run_id
+    if run_id:
+        print(
+            f"WARNING: MLflow run {run_id} of {run_dir} is not in {uri}; creating a new MLflow run",
+            file=sys.stderr,
+            flush=True,
+        )
+    exp_id = ensure_experiment(client, config.tracking.experiment, uri)
+    tags = {
+        "mlflow.runName": config.run_name,
+        f"{TAG_PREFIX}run_name": config.run_name,
+        f"{TAG_PREFIX}fingerprint": config.fingerprint(),
+        f"{TAG_PREFIX}run_dir": str(run_dir.resolve()),
+        f"{TAG_PREFIX}task": config.task,
+        f"{TAG_PREFIX}total_steps": str(config.train.total_steps),
+        f"{TAG_PREFIX}resumes": "0",
+        f"{TAG_PREFIX}failures": "0",
+        f"{TAG_PREFIX}steps_lost": "0",
+        **lineage_tags(info.get("parent")),
+    }
+    run = client.create_run(exp_id, run_name=config.run_name, tags=tags)
+    run_id = run.info.run_id
+    params = [Param(k, v) for k, v in sorted(flatten_params(config.model_dump(mode="json")).items())]
+    for i in range(0, len(params), MAX_BATCH_PARAMS):
+        client.log_batch(run_id, params=params[i : i + MAX_BATCH_PARAMS], synchronous=True)
+    update_run_info(run_dir, mlflow_run_id=run_id, mlflow_tracking_uri=uri, mlflow_experiment_id=exp_id)
+    return run_id
