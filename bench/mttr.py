@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from training.checkpointing.store import CheckpointStore  # noqa: E402
 from training.config import load_config  # noqa: E402
 from training.corpus import prepare  # noqa: E402
-from training.events import read_events  # noqa: E402
+from training.events import WorkerSays, read_events  # noqa: E402
 from training.heartbeat import read_heartbeat  # noqa: E402
 
 SETTINGS = [
@@ -59,7 +59,7 @@ def kill_when(run_dir: Path, step: int, standby: bool, out: dict[str, Any]) -> N
     while True:
         beat = read_heartbeat(run_dir, 0)
         log = run_dir / "logs" / "standby-1.log"
-        ready = not standby or (log.exists() and "standby ready" in log.read_text(errors="replace"))
+        ready = not standby or (log.exists() and WorkerSays.STANDBY_READY in log.read_text(errors="replace"))
         if ready and beat and beat.get("phase") == "train" and int(beat["step"]) >= step:
             if standby:
                 out.update(memory_mb(int(beat["pid"])))

@@ -18,11 +18,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from training.config import ConfigError, RunConfig, load_config
-from training.events import Event
+from training.events import Event, FailureKind
 from training.paths import RunPaths
 
 if TYPE_CHECKING:
-    from flows.chaos import ChaosReport
+    from flows.chaos_drill import ChaosReport
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fault-tolerant, exactly-resumable training.")
 console = Console()
@@ -292,7 +292,7 @@ def _measured_from_run(run_dir: Path, values: dict) -> dict:
     if not events:
         raise fail(f"{run_dir}: no events.jsonl; run training first")
     saves = [e["persist_s"] + e["stall_s"] for e in events if e["kind"] == Event.CHECKPOINT_SAVED]
-    failures = [e for e in events if e["kind"] == Event.FAILURE and e.get("failure") != "config"]
+    failures = [e for e in events if e["kind"] == Event.FAILURE and e.get("failure") != FailureKind.CONFIG]
     out: dict = {}
     if saves:
         out["save_hours"] = median(saves) / 3600
@@ -424,7 +424,7 @@ def chaos(
 
     Example: convoy chaos params.yaml --faults kill,hang --seed 1
     """
-    from flows.chaos import ChaosRunner, parse_faults
+    from flows.chaos_drill import ChaosRunner, parse_faults
 
     config_or_exit(params, set_)
     try:

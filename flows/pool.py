@@ -28,7 +28,7 @@ from prefect.deployments import run_deployment
 from tasks.chunk import chunk_record, run_chunk, should_retry
 from tasks.supervisor import NOT_RETRYABLE, ChunkFailed
 from training.config import RunConfig
-from training.events import append_event, read_events
+from training.events import FailureKind, append_event, read_events
 from training.rundir import load_run_config
 
 CHUNK_FLOW = "train-chunk"
@@ -77,7 +77,7 @@ def dispatch_chunk(config: RunConfig, run_dir: Path, chunk: int, start: int, end
         if fr.state is not None and fr.state.is_completed() and done:
             return {**done[-1], "attempt": attempt, "flow_runs": flow_runs, "failure_kinds": kinds}
         failures = _since(run_dir, "failure", chunk, t0)
-        kind = failures[-1]["failure"] if failures else "crash"  # no event: the node itself went away
+        kind = failures[-1]["failure"] if failures else FailureKind.CRASH  # no event: the node itself went away
         message = failures[-1].get("reason", "") if failures else f"chunk flow run ended {fr.state}"
         kinds.append(kind)
         append_event(
@@ -91,7 +91,7 @@ def dispatch_chunk(config: RunConfig, run_dir: Path, chunk: int, start: int, end
         )
         if kind in NOT_RETRYABLE or attempt > o.retries:
             raise ChunkFailed(kind, f"chunk {chunk} {kind}: {message}", {"flow_runs": flow_runs})
-        delay = 0.0 if kind == "preempted" else delays[min(attempt - 1, len(delays) - 1)]
+        delay = 0.0 if kind == FailureKind.PREEMPTED else delays[min(attempt - 1, len(delays) - 1)]
         delay *= 1 + random.uniform(-o.jitter, o.jitter)
         resume = (failures[-1].get("last_committed_step") if failures else None) or 0
         logger.warning(

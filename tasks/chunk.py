@@ -43,12 +43,12 @@ from tasks.supervisor import (
 )
 from training.chunk_boundary import boundary_step
 from training.config import ConfigError, RunConfig
-from training.events import Event, append_event, read_events
+from training.events import Event, FailureKind, WorkerSays, append_event, read_events
 from training.paths import RunPaths
 from training.rundir import load_run_config
 
 #: Worker output lines echoed to the Prefect log (everything goes to the chunk's log file).
-_ECHO = ("resumed from", "no valid checkpoint", "SIGTERM", "config error", "done at step", "already at step")
+_ECHO = tuple(m for m in WorkerSays if m != WorkerSays.STANDBY_READY)
 
 
 def retry_delays(config: RunConfig) -> list[float]:
@@ -161,7 +161,7 @@ class ChunkRun:
                 child,
                 run_records.attempt_outcome(False, exc.kind, trained, time.time() - t_attempt, exc.details),
             )
-            if exc.kind == "preempted" and self.preemptions < cfg.orchestration.retries:
+            if exc.kind == FailureKind.PREEMPTED and self.preemptions < cfg.orchestration.retries:
                 self.preemptions += 1
                 self.logger.warning(
                     "chunk %d preempted; re-submitting at once, resuming from step %d", self.chunk, resume_at
@@ -171,7 +171,7 @@ class ChunkRun:
                     Event.RESUBMITTED,
                     chunk=self.chunk,
                     attempt=self.attempt,
-                    reason="preempted",
+                    reason=FailureKind.PREEMPTED,
                     resume_step=resume_at,
                 )
                 return None
@@ -222,7 +222,7 @@ class ChunkRun:
         digest = _committed_digest(rd, self.end)
         if digest is None:
             raise ChunkFailed(
-                "crash",
+                FailureKind.CRASH,
                 f"chunk {chunk}: worker exited 0 but no valid checkpoint at step {self.end}",
                 {"last_committed_step": newest_verified_step(rd), "log": str(self.log_path)},
             )

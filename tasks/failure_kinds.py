@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED
-from training.events import Event, read_events
+from training.events import Event, FailureKind, WorkerSays, read_events
 
-FAILURE_KINDS = ("crash", "killed", "oom", "diskfull", "hang", "dead", "preempted", "timeout", "config")
+FAILURE_KINDS = tuple(FailureKind)
 #: Kinds Prefect must never retry: the same input fails the same way.
-NOT_RETRYABLE = frozenset({"config"})
+NOT_RETRYABLE = frozenset({FailureKind.CONFIG})
 #: Signals a process raises on itself when it crashes (as opposed to being killed from outside).
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
 _OOM_MARKERS = ("out of memory", "memoryerror", "cannot allocate memory")
@@ -54,26 +54,26 @@ def oom_kills() -> int | None:
     return None
 
 
-def classify_exit(returncode: int, tail: Sequence[str], oom_before: int | None, oom_after: int | None) -> str:
+def classify_exit(returncode: int, tail: Sequence[str], oom_before: int | None, oom_after: int | None) -> FailureKind:
     """Failure kind of a worker that exited by itself with ``returncode`` (non-zero)."""
     if returncode == EXIT_CONFIG:
-        return "config"
+        return FailureKind.CONFIG
     if returncode == EXIT_PREEMPTED:
-        return "preempted"
+        return FailureKind.PREEMPTED
     oom_counter = oom_before is not None and oom_after is not None and oom_after > oom_before
     text = "\n".join(tail[-20:]).lower()
     if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) and oom_counter:
-        return "oom"
+        return FailureKind.OOM
     if any(m in text for m in _OOM_MARKERS):
-        return "oom"
+        return FailureKind.OOM
     if returncode > 0 and any(m in text for m in _DISKFULL_MARKERS):
-        return "diskfull"
+        return FailureKind.DISKFULL
     if returncode < 0:
-        return "crash" if -returncode in _CRASH_SIGNALS else "killed"
+        return FailureKind.CRASH if -returncode in _CRASH_SIGNALS else FailureKind.KILLED
     if returncode > 128 and returncode - 128 in {int(s) for s in signal.Signals}:
         # A shell or launcher reporting its child's signal as 128+n.
-        return "crash" if returncode - 128 in _CRASH_SIGNALS else "killed"
-    return "crash"
+        return FailureKind.CRASH if returncode - 128 in _CRASH_SIGNALS else FailureKind.KILLED
+    return FailureKind.CRASH
 
 
 def launcher_exit(run_dir: Path, returncode: int, tail: Sequence[str], since: float) -> int:
@@ -98,7 +98,7 @@ def launcher_exit(run_dir: Path, returncode: int, tail: Sequence[str], since: fl
 def config_message(tail: Sequence[str]) -> str:
     """The worker's one-line config message (it prints ``config error: ...`` last, on stderr)."""
     for line in reversed(tail):
-        if line.startswith("config error"):
+        if line.startswith(WorkerSays.CONFIG_ERROR):
             return line
     return next((line for line in reversed(tail) if line.strip()), "configuration error (exit 78)")
 

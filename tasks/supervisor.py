@@ -42,7 +42,7 @@ from tasks.multinode import failed_node, launcher_command
 from tasks.process_group import child_setup, pid_gone, reap_stale_worker, stop_group
 from training import chunk_boundary
 from training.config import EXIT_CONFIG
-from training.events import Event, append_event
+from training.events import Event, FailureKind, append_event
 from training.heartbeat import beat_is_local, heartbeat_path, read_heartbeat
 from training.paths import RunPaths
 from training.tracking.resume_audit import steps_lost, trained_high_water
@@ -63,6 +63,10 @@ __all__ = [
     "supervise",
     "worker_command",
 ]
+
+
+#: Failure kinds whose reason says it all (no "last output" or "first to fail" appended).
+_SAYS_WHY = (FailureKind.CONFIG, FailureKind.PREEMPTED, FailureKind.DISKFULL)
 
 
 class ChunkFailed(Exception):
@@ -227,10 +231,10 @@ def _failure_verdict(
 ) -> tuple[str, str, float] | None:
     """Return (kind, reason, detected_after_s) if the running worker has failed, else None."""
     if lim.deadline_s and now - w.started > lim.deadline_s:
-        return "timeout", f"chunk deadline of {lim.deadline_s:g} s exceeded", now - w.started - lim.deadline_s
+        return FailureKind.TIMEOUT, f"chunk deadline of {lim.deadline_s:g} s exceeded", now - w.started - lim.deadline_s
     if not beats:
         if now - w.started > lim.init_timeout_s:
-            return "dead", f"no heartbeat within {lim.init_timeout_s:g} s of start", now - w.started
+            return FailureKind.DEAD, f"no heartbeat within {lim.init_timeout_s:g} s of start", now - w.started
         return None
     # The slowest rank decides: one stalled rank stalls a collective for everybody.
     oldest = min(float(b["time"]) for b in beats)
@@ -254,12 +258,12 @@ def _failure_verdict(
     if lost is not None:
         return lost
     if phase == "train" and now - w.progress > lim.stall_s:
-        return "hang", f"no step progress for {now - w.progress:.1f} s at step {step}", now - w.progress
+        return FailureKind.HANG, f"no step progress for {now - w.progress:.1f} s at step {step}", now - w.progress
     if phases != {"done"} and now - oldest > lim.timeout_s:  # a finished rank stops beating by design
-        return "dead", f"no heartbeat for {now - oldest:.1f} s (phase {phase})", now - oldest
+        return FailureKind.DEAD, f"no heartbeat for {now - oldest:.1f} s (phase {phase})", now - oldest
     if len(beats) < ranks and now - w.started > lim.init_timeout_s:
         return (
-            "dead",
+            FailureKind.DEAD,
             f"only {len(beats)}/{ranks} ranks beat within {lim.init_timeout_s:g} s",
             now - w.started,
         )
@@ -272,7 +276,7 @@ def _failure_verdict(
     }.get(phase)
     if limit is not None and now - w.phase_since > limit:
         return (
-            "hang",
+            FailureKind.HANG,
             f"stuck in phase {phase} for {now - w.phase_since:.1f} s (limit {limit:g} s)",
             now - w.phase_since - limit,
         )
@@ -301,7 +305,11 @@ def _lost_rank(w: _Watch, beats: list[dict[str, Any]], ranks: int, now: float) -
         first = w.rank_gone.setdefault(rank, now)
         if now - first >= RANK_GONE_GRACE_S:
             since = float(b["time"])
-            return "crash", f"rank {rank} (pid {b.get('pid')}) is gone; the other ranks are blocked", now - since
+            return (
+                FailureKind.CRASH,
+                f"rank {rank} (pid {b.get('pid')}) is gone; the other ranks are blocked",
+                now - since,
+            )
     return None
 
 
@@ -570,17 +578,21 @@ class WorkerAttempt:
         tail, ranks = list(self.tail), self.spec.ranks
         if self.failure is not None:
             kind, reason, detected_after = self.failure
-            if kind == "crash" and ranks > 1 and launcher_exit(self.run_dir, 1, tail, self.started) == EXIT_CONFIG:
-                kind, reason = "config", config_message(self.tail)  # a rank's config error: never retried
+            if (
+                kind == FailureKind.CRASH
+                and ranks > 1
+                and launcher_exit(self.run_dir, 1, tail, self.started) == EXIT_CONFIG
+            ):
+                kind, reason = FailureKind.CONFIG, config_message(self.tail)  # a rank's config error: never retried
             return kind, reason, detected_after
         code = rc if ranks <= 1 else launcher_exit(self.run_dir, rc, tail, self.started)
         kind = classify_exit(code, tail, self.oom_before, oom_kills())
         reason = {
-            "config": config_message(self.tail),
-            "preempted": "preempted (exit 75) after saving an emergency checkpoint",
-            "diskfull": diskfull_message(self.tail),
+            FailureKind.CONFIG: config_message(self.tail),
+            FailureKind.PREEMPTED: "preempted (exit 75) after saving an emergency checkpoint",
+            FailureKind.DISKFULL: diskfull_message(self.tail),
         }.get(kind, signame(code) + ("" if code == rc else f" in a rank (launcher {signame(rc)})"))
-        if kind not in ("config", "preempted", "diskfull") and (node := failed_node(tail)):
+        if kind not in _SAYS_WHY and (node := failed_node(tail)):
             reason += f"; first to fail: {node}"
         return kind, reason, self.exit_seen - self.last_seen_running  # upper bound: the exit happened in between
 
@@ -612,6 +624,6 @@ class WorkerAttempt:
         details.update(tail=list(self.tail)[-10:], seconds=round(seconds, 3))
         where = f"chunk {self.spec.chunk}" if self.spec.chunk is not None else "worker"
         message = f"{where} {kind}: {reason}"
-        if kind not in ("config", "preempted", "diskfull") and self.tail:
+        if kind not in _SAYS_WHY and self.tail:
             message += f" | last output: {self.tail[-1][:300]}"
         return ChunkFailed(kind, message, details)

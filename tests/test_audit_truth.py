@@ -34,7 +34,7 @@ def prefect_notes(key: str) -> list[str]:
 def test_steps_lost_agree_everywhere_and_failed_attempts_explain_themselves(
     prefect_api: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.chaos import failure_steps_lost
+    from flows.chaos_drill import failure_steps_lost
     from flows.train import run_training
     from tasks.mlflow_audit import LOG_TAIL_ARTIFACT
     from training.evaluate import train_metrics

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.flow_util import CHUNK, REPO, TOTAL, assert_no_leftovers, config, in_thread, params, wait_for_step
-from training.events import read_events
+from training.events import WorkerSays, read_events
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def wait_for_ready_standby(run_dir: Path, n: int, timeout: float = 120) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace") if log.exists() else ""
-        if "standby ready" in text:
+        if WorkerSays.STANDBY_READY in text:
             return _pid_of(log)
         time.sleep(0.05)
     raise AssertionError(f"standby {n} never got ready: {log}")

@@ -2,6 +2,10 @@
 
 One JSON object per line, appended with O_APPEND in a single write so concurrent writers
 (worker, supervisor, hooks) never interleave inside a line.
+
+The vocabulary the worker and the processes watching it share is named here, once: the event
+kinds (:class:`Event`), the failure kinds a ``failure`` event carries (:class:`FailureKind`) and
+the openings of the worker's output lines that others read (:class:`WorkerSays`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,35 @@ class Event(StrEnum):
     STARTED = "started"
     WORKER_DONE = "worker_done"
     WORLD_SIZE_CHANGED = "world_size_changed"
+
+
+class FailureKind(StrEnum):
+    """How an attempt failed: the ``failure`` field of a ``failure`` event and ``ChunkFailed.kind``
+    (the rules that assign them: ``tasks/failure_kinds.py``)."""
+
+    CONFIG = "config"
+    CRASH = "crash"
+    DEAD = "dead"
+    DISKFULL = "diskfull"
+    HANG = "hang"
+    KILLED = "killed"
+    OOM = "oom"
+    PREEMPTED = "preempted"
+    TIMEOUT = "timeout"
+
+
+class WorkerSays(StrEnum):
+    """How the worker's output lines that others read begin (after ``[worker rank r]``, except the
+    ``config error`` line, which goes bare to stderr): the chunk task echoes them to Prefect's log,
+    the supervisor takes a config error's message from them, and tests and benches wait for them."""
+
+    ALREADY_AT = "already at step"
+    CONFIG_ERROR = "config error"
+    DONE_AT = "done at step"
+    NO_CHECKPOINT = "no valid checkpoint"
+    RESUMED_FROM = "resumed from"
+    SIGTERM = "SIGTERM"
+    STANDBY_READY = "standby ready"
 
 
 def append_event(run_dir: str | Path, kind: str, **fields: Any) -> dict[str, Any]:

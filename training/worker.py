@@ -37,7 +37,7 @@ from training.checkpointing.store import CheckpointStore, WriterGroup
 from training.chunk_boundary import wait_for_previous_boundary
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
 from training.data import LoaderSpec, make_loader, mix_seed
-from training.events import Event, append_event
+from training.events import Event, WorkerSays, append_event
 from training.heartbeat import Heartbeat, read_heartbeat
 from training.paths import RunPaths
 from training.rundir import (
@@ -189,7 +189,7 @@ class Worker:
         self.prepare()
         if self.rank == 0:
             self.standby_backends = tracking_backends(self.config, self.run_dir)
-        self.log("standby ready")
+        self.log(WorkerSays.STANDBY_READY)
         line = order().strip()
         if not line:
             return False
@@ -309,7 +309,7 @@ class Worker:
             if ck.manifest.get("forked_from"):
                 self.adopt_child_settings(ck.manifest["forked_from"])
             dt = time.perf_counter() - t0
-            self.log(f"resumed from step {ck.step} (checkpoint {ck.path.name}, verified in {dt:.2f} s)")
+            self.log(f"{WorkerSays.RESUMED_FROM} step {ck.step} (checkpoint {ck.path.name}, verified in {dt:.2f} s)")
             append_event(
                 self.run_dir,
                 Event.RESUMED,
@@ -328,7 +328,7 @@ class Worker:
                 f"run {self.config.run_name} starts from {parent['run']} step {parent['step']}, but no "
                 "checkpoint here restores (see the skipped checkpoints above); fork it again"
             )
-        self.log("no valid checkpoint: starting from step 0")
+        self.log(f"{WorkerSays.NO_CHECKPOINT}: starting from step 0")
         append_event(
             self.run_dir,
             Event.STARTED,
@@ -542,7 +542,7 @@ class Worker:
         st = self.state
         self.resumed_step = st.step
         if st.step >= self.until:
-            self.log(f"already at step {st.step} >= {self.until}: nothing to train")
+            self.log(f"{WorkerSays.ALREADY_AT} {st.step} >= {self.until}: nothing to train")
             return self.finish(loss=None)
         metrics = self.open_metrics()
         batches = self.batches()
@@ -661,7 +661,7 @@ class Worker:
         )
 
     def emergency_exit(self, metrics: StepMetricLogger) -> int:
-        self.log(f"SIGTERM: saving an emergency checkpoint at step {self.state.step}")
+        self.log(f"{WorkerSays.SIGTERM}: saving an emergency checkpoint at step {self.state.step}")
         metrics.flush()
         self.save(blocking=True)
         self.attach_tracking(metrics, wait=True)
@@ -676,7 +676,7 @@ class Worker:
         ck = (self.store.last_committed or self.store.latest_valid(record=False)) if self.rank == 0 else None
         digest = ck.digest if ck else None
         append_event(self.run_dir, Event.WORKER_DONE, rank=self.rank, step=self.state.step, digest=digest, loss=loss)
-        self.log(f"done at step {self.state.step} (digest {digest})")
+        self.log(f"{WorkerSays.DONE_AT} {self.state.step} (digest {digest})")
         self.hb.stop("done")
         distributed.shutdown()
         return 0
@@ -709,10 +709,10 @@ def main(argv: list[str] | None = None) -> int:
             return worker.run()
         return Worker(args.run_dir, args.until_step, rank, world, args.pipelined).run()
     except RunBusy as exc:  # the run belongs to another worker: leave its audit alone too
-        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        print(f"{WorkerSays.CONFIG_ERROR}: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        print(f"{WorkerSays.CONFIG_ERROR}: {exc}", file=sys.stderr, flush=True)
         append_event(args.run_dir, Event.CONFIG_ERROR, rank=rank, message=str(exc))
         return EXIT_CONFIG
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from training.checkpointing.reliability import young_daly_h
-from training.events import Event, read_events
+from training.events import Event, FailureKind, read_events
 
 WARMUP_STEPS = 10  # first save early, to measure the stall
 
@@ -58,7 +58,7 @@ class AdaptiveInterval:
 def estimate_mtbf_s(run_dir: str | Path, configured_s: float) -> float:
     """Wall time since the run's first event divided by failures seen; configured if none."""
     events = read_events(run_dir)
-    failures = [e for e in events if e.get("kind") == Event.FAILURE and e.get("failure") != "config"]
+    failures = [e for e in events if e.get("kind") == Event.FAILURE and e.get("failure") != FailureKind.CONFIG]
     if not failures or not events:
         return configured_s
     elapsed = time.time() - events[0]["time"]

@@ -1,4 +1,6 @@
-"""``convoy chaos``: a real training run through the real flow, with real faults injected.
+"""The fault drill behind ``convoy chaos``: a real training run through the real flow, with real
+faults injected.  Not a flow itself: it drives flow ``train`` in subprocesses and injects the
+faults from outside, as a failing machine would.
 
 The seeds' acceptance test — kill -9 the training mid-run and check it comes back by itself near
 where it died — generalised to every failure convoy claims to survive.  Two runs are made from
