@@ -61,8 +61,10 @@ def validate(
     set_: SetOpt = None,
     show: bool = typer.Option(False, "--show", help="print the resolved config"),
 ) -> None:
-    """Check PARAMS (and overrides) without running anything; the task is built on the meta
-    device, so task_args are checked too (the prepared data must exist)."""
+    """Check PARAMS (and overrides) without running anything.
+
+    The task is built on the meta device, so task_args are checked too (the prepared data must
+    exist)."""
     cfg = config_or_exit(params, set_)
     try:
         from training.task import check_task
@@ -363,9 +365,11 @@ def status(
         False, "--json", metavar="", help="machine-readable output (one JSON object; with --follow one per line)"
     ),
 ) -> None:
-    """Where a run stands now: state (running / finished / failed / dead / stopped / never started), the
-    worker's step from its heartbeat, heartbeat age, pid and host, loss, speed, ETA, the newest
-    verified checkpoint, failures, resumes and steps lost.
+    """Where a run stands now, read from its run directory alone.
+
+    State (running / finished / failed / dead / stopped / never started), the worker's step from
+    its heartbeat, heartbeat age, pid and host, loss, speed, ETA, the newest verified checkpoint,
+    failures, resumes and steps lost.
 
     Example: convoy status runs/demo --follow
     """

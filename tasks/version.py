@@ -39,6 +39,7 @@ from typing import Any
 
 from training.checkpointing.store import CheckpointStore, parse_step
 from training.events import Event, append_event
+from training.fsutil import atomic_write_bytes
 from training.paths import RunPaths
 
 #: Prefix of the private hard-link stage of a checkpoint being versioned (ignored by the store).
@@ -184,9 +185,7 @@ def _move_dvcfile(stage: Path, ckpt: Path) -> Path:
         if out.get("path") == stage.name:
             out["path"] = ckpt.name
     dst = ckpt.with_name(ckpt.name + ".dvc")
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    tmp.write_text(yaml.safe_dump(spec, sort_keys=False))
-    os.replace(tmp, dst)
+    atomic_write_bytes(dst, yaml.safe_dump(spec, sort_keys=False).encode())
     src.unlink()
     gitignore = ckpt.parent / ".gitignore"
     if gitignore.exists():
