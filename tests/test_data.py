@@ -96,3 +96,22 @@ def test_metrics_reader_skips_only_a_torn_last_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a metrics row"):
         list(read_metric_lines(path))
     assert list(read_metric_lines(tmp_path / "absent.jsonl")) == []
+
+
+def test_metrics_reader_windows_drop_only_a_line_cut_at_their_start(tmp_path: Path) -> None:
+    """``from_byte`` (one attempt's rows) and ``tail_bytes`` (status) start inside the file: a line
+    the window cuts is left out, a line the window starts exactly at is kept."""
+    from training.tracking.metrics import read_metric_lines
+    from training.tracking.resume_audit import trained_high_water
+
+    path = tmp_path / "metrics.jsonl"
+    rows = ['{"step": 1, "metrics": {"loss": 2.5}}', '{"step": 2, "metrics": {"loss": 2.4}}']
+    path.write_text("\n".join(rows) + "\n")
+    second = len(rows[0]) + 1
+    assert [s for s, _ in read_metric_lines(path, from_byte=second)] == [2]
+    assert [s for s, _ in read_metric_lines(path, from_byte=second - 5)] == [2]  # inside row 1
+    assert [s for s, _ in read_metric_lines(path, from_byte=10_000)] == []
+    assert [s for s, _ in read_metric_lines(path, tail_bytes=len(rows[1]) + 1)] == [2]
+    # A worker cut a torn row off and appended: the attempt's old end offset lands inside a row.
+    assert trained_high_water(tmp_path, beat_step=1, metrics_offset=second + 3) == 1
+    assert trained_high_water(tmp_path, beat_step=None, metrics_offset=0) == 2

@@ -33,30 +33,38 @@ def same_value(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
-def _text_lines(path: Path, tail_bytes: int | None) -> tuple[list[str], str]:
-    """The file's lines, or only those wholly inside its last ``tail_bytes`` (a line cut at that
-    boundary is dropped: it is not torn, just partly outside the window), and how to name a line
-    in an error (``path:N``, or ``line N of the last B bytes of path``)."""
-    if tail_bytes is None:
-        return path.read_text().splitlines(), f"{path}:{{}}"
+def _text_lines(path: Path, tail_bytes: int | None, from_byte: int = 0) -> tuple[list[str], str]:
+    """The file's lines from byte ``from_byte`` on, or only those wholly inside its last
+    ``tail_bytes``; a line cut at the window's start is dropped (it is not torn, just partly
+    outside the window).  Also how to name a line in an error (``path:N``, or ``line N of path
+    after byte B``)."""
     with open(path, "rb") as f:
-        start = max(0, f.seek(0, os.SEEK_END) - tail_bytes)
-        f.seek(start)
-        lines = f.read().decode(errors="replace").splitlines()[1 if start else 0 :]
-    where = f"{path}: line {{}} of its last {tail_bytes} bytes" if start else f"{path}:{{}}"
+        size = f.seek(0, os.SEEK_END)
+        start = max(0, size - tail_bytes) if tail_bytes is not None else min(max(0, from_byte), size)
+        if start:
+            f.seek(start - 1)
+            cut = f.read(1) != b"\n"  # the window starts inside a line
+        else:
+            f.seek(0)
+            cut = False
+        lines = f.read().decode(errors="replace").splitlines()[1 if cut else 0 :]
+    where = f"{path}: line {{}} after byte {start}" if start else f"{path}:{{}}"
     return lines, where
 
 
-def read_metric_lines(path: str | Path, *, tail_bytes: int | None = None) -> Iterator[tuple[int, dict[str, float]]]:
+def read_metric_lines(
+    path: str | Path, *, tail_bytes: int | None = None, from_byte: int = 0
+) -> Iterator[tuple[int, dict[str, float]]]:
     """Every ``(step, metrics)`` row of a ``metrics.jsonl`` in file order (a replayed step may
     appear more than once; callers keep the first).  The one rule for a torn line: only the last
     line may be cut short (a kill during the append) and it is skipped; a bad line anywhere else
     means the file was damaged and is an error naming the line.  ``tail_bytes``: read only the
-    file's end (live status of a long run: the file grows every step)."""
+    file's end (live status of a long run: the file grows every step); ``from_byte``: read from
+    there (one attempt's rows: where the file ended when it started)."""
     path = Path(path)
     if not path.exists():
         return
-    lines, where = _text_lines(path, tail_bytes)
+    lines, where = _text_lines(path, tail_bytes, from_byte)
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -18,12 +18,12 @@ A *recovery* is a worker start (``started``/``resumed``) that follows a failure:
 from __future__ import annotations
 
 import datetime as _dt
-import json
 from pathlib import Path
 from typing import Any
 
 from training.fsutil import atomic_replace
 from training.paths import RunPaths
+from training.tracking.metrics import read_metric_lines
 
 
 # ---------------------------------------------------------------------------------- steps lost
@@ -43,21 +43,11 @@ def trained_high_water(run_dir: str | Path, beat_step: int | None, metrics_offse
     wrote to ``metrics.jsonl`` after byte ``metrics_offset`` (where the attempt started).  The
     metrics row is written every step, while the beat may be an interval old at a kill."""
     steps = [beat_step] if beat_step is not None else []
-    # Not training.tracking.metrics.read_metric_lines: the attempt's rows start at a byte offset,
-    # which lands inside a line when the worker first cut a torn row off the file; a fragment
-    # there, like a torn last line, is skipped instead of being an error.
-    path = RunPaths(run_dir).metrics
     try:
-        with open(path, "rb") as f:
-            f.seek(metrics_offset)
-            lines = f.read().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        try:
-            steps.append(int(json.loads(line)["step"]))
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn last line after a kill
+        for step, _ in read_metric_lines(RunPaths(run_dir).metrics, from_byte=metrics_offset):
+            steps.append(step)
+    except (OSError, ValueError):  # a damaged row: count the rows before it (the export reports it)
+        pass
     return max(steps) if steps else None
 
 
