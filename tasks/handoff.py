@@ -20,7 +20,7 @@ from __future__ import annotations
 import atexit
 import subprocess
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.process_group import stop_group
@@ -33,6 +33,10 @@ class LiveWorker:
     log_path: Path
     #: Where the parking chunk stopped reading the log; the adopting chunk reads on from there.
     offset: int = 0
+    #: The last lines the parking chunk read.  A worker that died right after committing the
+    #: boundary said why before the parking chunk stopped reading: the adopting chunk, which
+    #: reports that death, must classify it from those lines.
+    tail: list[str] = field(default_factory=list)
 
 
 _LIVE: dict[str, LiveWorker] = {}

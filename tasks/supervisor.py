@@ -433,6 +433,7 @@ class WorkerAttempt:
             # Read on from where the previous chunk stopped: what it said in between (a traceback if it
             # died between the tasks, a launcher naming the failed node) is this chunk's to report.
             self.proc, self.log_path, offset = live.proc, live.log_path, live.offset
+            self.tail.extend(live.tail)  # its last words so far, not echoed again
         else:
             for r in range(spec.ranks):  # stale beats of an earlier attempt must not count as liveness
                 with contextlib.suppress(FileNotFoundError):
@@ -544,8 +545,8 @@ class WorkerAttempt:
             self.leftover = stop_group(self.proc, min(grace, 2.0))  # the group may outlive its leader
         self.stop_follow.set()
         self.follower.join(timeout=5)
-        if self.handed_off:
-            self.parked.offset = self.position[0]  # before the next chunk's task exists: same thread
+        if self.handed_off:  # before the next chunk's task exists: same thread
+            self.parked.offset, self.parked.tail = self.position[0], list(self.tail)
 
     # ------------------------------------------------------------------ report
     def note(self, text: str) -> None:
