@@ -351,39 +351,6 @@ def test_a_worker_dead_by_the_time_its_boundary_is_seen_is_classified_by_the_nex
     assert not leftovers(run_dir)
 
 
-DIES_AT_BOUNDARY = textwrap.dedent(
-    r"""
-    import json, os, sys, time
-    run_dir = sys.argv[1]
-    hb = os.path.join(run_dir, "heartbeat", "rank-0.json")
-    with open(hb + ".tmp", "w") as f:
-        json.dump({"pid": os.getpid(), "rank": 0, "step": 10, "phase": "train", "time": time.time()}, f)
-    os.replace(hb + ".tmp", hb)
-    print("OSError: [Errno 28] No space left on device: 'step-000000011'", flush=True)
-    os.makedirs(os.path.join(run_dir, "checkpoints", "step-000000010"))
-    open(os.path.join(run_dir, "checkpoints", "step-000000010", "manifest.json"), "w").write("{}")
-    sys.exit(1)
-    """
-)
-
-
-def test_a_worker_dead_by_the_time_its_boundary_is_seen_is_classified_by_the_next_chunk(
-    tmp_path: Path, run_dir: Path
-) -> None:
-    """Pipelined: the worker said why it fails, committed the boundary and exited before chunk 1
-    saw the commit.  Chunk 1 read those last words and parks the dead worker; chunk 2, which
-    reports the death, gets them with it (a disk-full exit is ``diskfull``, not ``crash``)."""
-    script = tmp_path / "dies_at_boundary.py"
-    script.write_text(DIES_AT_BOUNDARY)
-    cmd = [sys.executable, str(script), str(run_dir)]
-    out = supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "chunk-1.log", chunk=1, boundary_step=10))
-    assert out.returncode == 0
-    with pytest.raises(ChunkFailed) as info:
-        supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, boundary_step=20))
-    assert info.value.kind == "diskfull", info.value
-    assert not leftovers(run_dir)
-
-
 def test_disk_full_is_one_line(tmp_path: Path, run_dir: Path) -> None:
     """ENOSPC is its own kind, reported as the line that names it, not the traceback."""
     exc = run(tmp_path, run_dir, "diskfull")
