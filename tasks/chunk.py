@@ -189,7 +189,7 @@ class ChunkRun:
         cfg, rd = self.cfg, self.run_dir
         until = cfg.train.total_steps if self.pipelined else self.end
         sub = f"{self.attempt}" + (f"-{self.preemptions}" if self.preemptions else "")
-        self.log_path = RunPaths(rd).chunk_log(self.chunk, sub)
+        log_path = RunPaths(rd).chunk_log(self.chunk, sub)
         command = worker_command(
             rd.resolve(),
             until,
@@ -202,7 +202,7 @@ class ChunkRun:
             command,
             rd,
             DetectionLimits.from_config(cfg),
-            self.log_path,
+            log_path,
             ranks=cfg.train.world_size,
             chunk=self.chunk,
             attempt=self.attempt,
@@ -224,7 +224,7 @@ class ChunkRun:
             raise ChunkFailed(
                 FailureKind.CRASH,
                 f"chunk {chunk}: worker exited 0 but no valid checkpoint at step {self.end}",
-                {"last_committed_step": newest_verified_step(rd), "log": str(self.log_path)},
+                {"last_committed_step": newest_verified_step(rd), "log": str(outcome.log_path)},
             )
         record = {
             "chunk": chunk,
