@@ -259,8 +259,8 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     assert rows[0]["metrics"]["lr"] == 0.001 * warmup_cosine(5, 40)(20)  # the child's lr and schedule at step 20
 
     _, b = child("child-b")
-    p = start_worker(b, 40)
-    assert wait_for_step(b, p, 30) is not None
+    p = start_worker(b, 40, {"CONVOY_FAULTS": "step_delay=0.1"})  # ~2 s to 40: the kill lands mid-way
+    assert wait_for_step(b, p, 25) is not None
     kill_group(p)
     p.wait()
     code, out = run_worker(b, 40)
