@@ -63,4 +63,6 @@ def test_sigterm_saves_emergency_checkpoint_exits_75_and_resumes_exactly(tmp_pat
     assert ck.step == pre[0]["step"] >= 37  # the step reached, not an older periodic one
     code, out = run_worker(run_dir, TOTAL)
     assert code == 0 and f"resumed from step {ck.step}" in out
+    # Per step first: a divergence names its step (before or after the resume), not just a digest.
+    assert logged_losses(run_dir) == logged_losses(tmp_path / "runs" / "reference")
     assert final_digest(run_dir) == ref

@@ -26,9 +26,17 @@ from training.task import TaskParts
 
 
 def configure_determinism(deterministic: bool, device: torch.device) -> None:
-    """Flags needed for bitwise-reproducible steps (CUDA needs them; CPU is deterministic)."""
+    """Flags needed for bitwise-reproducible steps, on CUDA and on CPU.
+
+    CPU: torch's CPU BLAS is MKL, and MKL starts with dynamic threading on (``MKL_DYNAMIC``): it
+    may run a GEMM on fewer threads than asked, which changes how sums are split and so the last
+    bits.  Intel's reproducibility conditions ask for a fixed thread count with MKL_DYNAMIC
+    off; ``torch.set_num_threads`` does both (torch turns MKL's dynamic mode off only there), so
+    the process pins the count it already had.  A resumed worker then computes its steps the
+    way the uninterrupted one did, whatever else loads the machine."""
     if not deterministic:
         return
+    torch.set_num_threads(torch.get_num_threads())
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
     torch.use_deterministic_algorithms(True, warn_only=False)
     torch.backends.cudnn.deterministic = True
