@@ -63,6 +63,9 @@ def test_sigterm_saves_emergency_checkpoint_exits_75_and_resumes_exactly(tmp_pat
     assert ck.step == pre[0]["step"] >= 37  # the step reached, not an older periodic one
     code, out = run_worker(run_dir, TOTAL)
     assert code == 0 and f"resumed from step {ck.step}" in out
+    runs = (tmp_path / "runs" / "reference", run_dir)
+    starts = [e for r in runs for e in read_events(r) if e["kind"] in ("started", "resumed")]
+    assert len({e["intraop_threads"] for e in starts}) == 1, starts  # one summation order
     # Per step first: a divergence names its step (before or after the resume), not just a digest.
     assert logged_losses(run_dir) == logged_losses(tmp_path / "runs" / "reference")
     assert final_digest(run_dir) == ref

@@ -320,6 +320,7 @@ class Worker:
                 load_s=round(dt, 4),
                 until_step=self.until,
                 previous_beat_step=self.previous_beat_step,
+                intraop_threads=torch.get_num_threads(),  # another count sums in another order
             )
             return
         parent = (run_info(self.run_dir) or {}).get("parent")
@@ -335,6 +336,7 @@ class Worker:
             rank=self.rank,
             until_step=self.until,
             previous_beat_step=self.previous_beat_step,
+            intraop_threads=torch.get_num_threads(),
         )
 
     def adopt_child_settings(self, parent: dict[str, Any]) -> None:
