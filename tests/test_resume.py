@@ -23,7 +23,7 @@ from tests.engine_util import (
     wait_for_step,
 )
 from training.checkpointing.store import CheckpointStore
-from training.events import read_events
+from training.events import Event, read_events
 
 pytestmark = pytest.mark.slow
 TOTAL = 120
@@ -64,7 +64,7 @@ def test_sigterm_saves_emergency_checkpoint_exits_75_and_resumes_exactly(tmp_pat
     code, out = run_worker(run_dir, TOTAL)
     assert code == 0 and f"resumed from step {ck.step}" in out
     runs = (tmp_path / "runs" / "reference", run_dir)
-    starts = [e for r in runs for e in read_events(r) if e["kind"] in ("started", "resumed")]
+    starts = [e for r in runs for e in read_events(r) if e["kind"] in (Event.STARTED, Event.RESUMED)]
     assert len({e["intraop_threads"] for e in starts}) == 1, starts  # one summation order
     # Per step first: a divergence names its step (before or after the resume), not just a digest.
     assert logged_losses(run_dir) == logged_losses(tmp_path / "runs" / "reference")
