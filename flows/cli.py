@@ -49,7 +49,7 @@ def config_or_exit(params: Path, overrides: list[str] | None, build_task: bool =
         if build_task:
             from training.task import check_task
 
-            check_task(cfg)
+            check_task(cfg, fetch=True)
         return cfg
     except ConfigError as exc:
         raise fail(str(exc)) from None
@@ -63,18 +63,23 @@ def validate(
 ) -> None:
     """Check PARAMS (and overrides) without running anything.
 
-    The task is built on the meta device, so task_args are checked too (the prepared data must
+    The task is built on the meta device, so task_args are checked too, and its first training
+    batch and one validation batch are fetched and collated on the CPU (the prepared data must
     exist)."""
     cfg = config_or_exit(params, set_)
     try:
         from training.task import check_task
 
-        built = check_task(cfg)
+        built = check_task(cfg, fetch=True)
     except ConfigError as exc:
         raise fail(str(exc)) from None
     if show:
         console.print_json(json.dumps(cfg.model_dump(mode="json")))
-    task = "task built" if built is not None else "task_args checked; data not prepared yet (convoy prepare)"
+    task = (
+        "task built, first batches fetched"
+        if built is not None
+        else "task_args checked; data not prepared yet (convoy prepare)"
+    )
     console.print(
         f"ok: {params} is valid (run {cfg.run_name!r}, fingerprint {cfg.fingerprint()}; {task})",
         highlight=False,

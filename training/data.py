@@ -9,9 +9,11 @@
   micro-batches of B samples, i.e. the same A·B samples, in the same order, as one batch of A·B
   would be; the cursor and the epoch's dropped tail count whole optimizer batches of A·B, so
   ``accum 4 x B`` and ``accum 1 x 4B`` see exactly the same samples at every step.
-* With ``num_workers > 0`` the DataLoader gets its own generator seeded from the cursor, so the
-  trainer's global RNG is never consumed by loader start-up (it would be, once per process, and
-  a resumed run would drift from an uninterrupted one), and worker seeds depend on the cursor.
+* Every sample is fetched with the host generators seeded from ``sample_seed(seed, epoch,
+  position)``, its position in the epoch's global order (:mod:`training.sample_rng`): augmentation
+  drawn in ``__getitem__`` is the same whichever process, loader worker or rank fetches it, and
+  after any resume.  The DataLoader gets a generator of its own, so its start-up never consumes
+  the trainer's global RNG (it would, once per process, and a resumed run would drift).
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from training.sample_rng import SampleKey, SeededSamples
+
 _GOLDEN = 0x9E3779B97F4A7C15
+#: Salts keep the sample streams apart from every other use of ``mix_seed`` (epoch orders, ranks).
+TRAIN_SALT = 0x7E5A_3B1D
+VAL_SALT = 0x5EED_0A11
 
 
 def mix_seed(*values: int) -> int:
@@ -36,6 +43,12 @@ def mix_seed(*values: int) -> int:
         x = ((x ^ (v & 0xFFFFFFFFFFFFFFFF)) * _GOLDEN + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
         x ^= x >> 29
     return x & 0x7FFFFFFFFFFFFFFF
+
+
+def sample_seed(run_seed: int, epoch: int, position: int, salt: int = TRAIN_SALT) -> int:
+    """Seed of the sample at ``position`` of epoch ``epoch``'s global order (all ranks and
+    micro-batches of a step together), so it does not depend on who fetches the sample."""
+    return mix_seed(run_seed, salt, epoch, position)
 
 
 @dataclass(frozen=True)
@@ -52,10 +65,11 @@ class Cursor:
     def from_dict(cls, d: dict[str, int]) -> Cursor:
         return cls(int(d["epoch"]), int(d["offset"]))
 
-    def advance(self, batch_size: int, num_samples: int) -> Cursor:
-        """Next cursor; the partial batch at an epoch's end is dropped (fixed global batch)."""
+    def advance(self, batch_size: int, num_samples: int | None) -> Cursor:
+        """Next cursor; the partial batch at an epoch's end is dropped (fixed global batch).
+        ``num_samples`` None: a stream, whose cursor counts samples without epochs."""
         offset = self.offset + batch_size
-        if offset + batch_size > num_samples:
+        if num_samples is not None and offset + batch_size > num_samples:
             return Cursor(self.epoch + 1, 0)
         return Cursor(self.epoch, offset)
 
@@ -96,13 +110,24 @@ class ResumableBatchSampler(Sampler[list[int]]):
         self.per_rank = batch_size // world_size
 
     def __iter__(self) -> Iterator[list[int]]:
+        for _epoch, _at, indices in self.slices():
+            yield indices
+
+    def keyed(self) -> Iterator[list[SampleKey]]:
+        """The same batches as keys ``(index, seed)``: each sample's seed from its global position."""
+        for epoch, at, indices in self.slices():
+            yield [SampleKey(i, sample_seed(self.seed, epoch, at + j)) for j, i in enumerate(indices)]
+
+    def slices(self) -> Iterator[tuple[int, int, list[int]]]:
+        """``(epoch, position of the first sample in the epoch's order, indices)`` of each of this
+        rank's micro-batches."""
         cursor = self.start
         order = epoch_order(self.num_samples, self.seed, cursor.epoch)
         lo = self.rank * self.per_rank
         while True:
             for k in range(self.accum):  # the micro-batches of one optimizer step
                 at = cursor.offset + k * self.batch_size + lo
-                yield order[at : at + self.per_rank].tolist()
+                yield cursor.epoch, at, order[at : at + self.per_rank].tolist()
             nxt = cursor.advance(self.batch_size * self.accum, self.num_samples)
             if nxt.epoch != cursor.epoch:
                 order = epoch_order(self.num_samples, self.seed, nxt.epoch)
@@ -112,10 +137,24 @@ class ResumableBatchSampler(Sampler[list[int]]):
         return 2**62
 
 
-def _worker_init(worker_id: int) -> None:
-    # DataLoader already seeded torch in this worker from the loader's generator (a function of
-    # the cursor); derive python/numpy from it.  Ignore SIGTERM here: preemption is handled by the
-    # main process (emergency checkpoint), and a worker dying first would abort that step.
+class KeyedBatches(Sampler[list[SampleKey]]):
+    """The batch sampler the loader uses: :class:`ResumableBatchSampler`'s batches as keys."""
+
+    def __init__(self, sampler: ResumableBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[SampleKey]]:
+        return self.sampler.keyed()
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def worker_init(worker_id: int) -> None:
+    """Loader worker start-up.  Each sample is seeded on its own (:mod:`training.sample_rng`);
+    seeding the worker's streams too keeps a draw outside any sample (a stream's own start-up)
+    reproducible.  SIGTERM is ignored here: preemption is handled by the main process (emergency
+    checkpoint), and a worker dying first would abort that step."""
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)
@@ -130,18 +169,24 @@ def make_loader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
     """The resumable loader; yields ``spec.accum`` micro-batches per optimizer step, each collated
-    by ``collate_fn`` (the task's, or PyTorch's default, which already handles dicts and tuples)."""
+    by ``collate_fn`` (the task's, or PyTorch's default, which already handles dicts and tuples).
+    Every sample is fetched seeded by its global position (module docstring)."""
     sampler = ResumableBatchSampler(len(dataset), spec)  # type: ignore[arg-type]
-    generator = torch.Generator().manual_seed(mix_seed(spec.seed, spec.start.epoch, spec.start.offset, spec.rank))
     return DataLoader(
-        dataset,
-        batch_sampler=sampler,
+        SeededSamples(dataset),
+        batch_sampler=KeyedBatches(sampler),
         num_workers=num_workers,
-        generator=generator,
+        generator=loader_generator(spec.seed, spec.rank),
         collate_fn=collate_fn,
-        worker_init_fn=_worker_init if num_workers else None,
+        worker_init_fn=worker_init if num_workers else None,
         prefetch_factor=2 if num_workers else None,
     )
+
+
+def loader_generator(seed: int, rank: int) -> torch.Generator:
+    """The DataLoader's own generator: its start-up draws a base seed from it instead of from the
+    trainer's global RNG."""
+    return torch.Generator().manual_seed(mix_seed(seed, rank))
 
 
 class TokenWindows(Dataset):

@@ -2,9 +2,9 @@
 
 Complete means everything that influences the next update: model, optimizer, LR scheduler
 (its position is the global step, checked on restore), AMP GradScaler, every RNG (python, numpy,
-torch CPU, the CUDA device this rank trains on — per rank), the data cursor, the global step and
-tokens seen.
-Part ``state`` is replicated (rank 0 writes it); part ``rank-<r>`` holds that rank's RNG.
+torch CPU, the CUDA device this rank trains on — per rank), the data cursor (and, for a stream,
+each rank's stream position: every loader worker's state), the global step and tokens seen.
+Part ``state`` is replicated (rank 0 writes it); part ``rank-<r>`` holds that rank's RNG and stream.
 """
 
 from __future__ import annotations
@@ -154,11 +154,18 @@ class TrainState:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     #: What restore did with the device RNG (logged by the worker).
     rng_note: str = ""
+    #: A stream's loader (``training.streams.StreamBatches``): its position is this rank's to save.
+    stream: Any = None
+    #: This rank's stream position as restored (None: map-style data, or a fresh start).
+    stream_saved: dict[str, Any] | None = None
 
     def checkpoint_parts(self, rank: int = 0, include_replicated: bool = True, sharded: bool = False) -> dict[str, Any]:
         """What the store writes for this rank.  ``sharded``: model and optimizer are left out
         (``training.checkpointing.sharded`` writes them collectively); the rest stays in rank 0's ``state``."""
         out: dict[str, Any] = {f"rank-{rank}": {"rng": capture_rng(self.device), "step": self.step}}
+        stream = self.stream.state_dict() if self.stream is not None else self.stream_saved
+        if stream is not None:  # absent for map-style data: those checkpoints stay as they were
+            out[f"rank-{rank}"]["stream"] = stream
         if include_replicated:
             p = self.parts
             out["state"] = {
@@ -212,6 +219,7 @@ class TrainState:
             if int(mine["step"]) != self.step:
                 raise ValueError(f"rank {rank} RNG is from step {mine['step']}, state from step {self.step}")
             self.rng_note = restore_rng(mine["rng"], self.device)
+            self.stream_saved = mine.get("stream")
 
 
 #: Per-parameter optimizer buffers of torch's built-in optimizers that mirror the parameter's

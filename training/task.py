@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from training.config import ConfigError, DataMissing, RunConfig, resolve_task_factory
+from training.streams import check_stream, is_stream
 
 
 @dataclass
@@ -24,6 +25,10 @@ class TaskParts:
     optimizer: torch.optim.Optimizer
     #: Stepped once per optimizer step; its position is the global step.
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    #: A map-style ``Dataset``, or a stream: an ``IterableDataset`` with ``state_dict()`` and
+    #: ``load_state_dict()`` (an endless one, sharded by rank and loader worker; see
+    #: :mod:`training.streams`).  Each sample is fetched with python, numpy and torch's CPU
+    #: generator seeded by its place in the run (:mod:`training.sample_rng`).
     train_data: Dataset
     #: ``loss_fn(model, batch) -> scalar loss``: ``batch`` is what the DataLoader yields (after
     #: ``collate_fn``) with every tensor moved to the device, whatever its structure: a tensor, a
@@ -60,12 +65,22 @@ def build_task(config: RunConfig, device: torch.device) -> TaskParts:
             f"task = {config.task!r} brings its own train_step, which does the whole update: "
             f"train.grad_accum_steps = {config.train.grad_accum_steps} needs the default step (use 1)"
         )
+    check_stream(parts.train_data, "train_data")
+    if is_stream(parts.val_data) and config.train.eval_every > 0:
+        raise ConfigError(
+            f"val_data is a {type(parts.val_data).__name__} (an IterableDataset), but train.eval_every = "
+            f"{config.train.eval_every} reads the first train.eval_samples validation samples by index: give a "
+            "map-style val_data, or set train.eval_every=0"
+        )
     return parts
 
 
-def check_task(config: RunConfig) -> TaskParts | None:
+def check_task(config: RunConfig, fetch: bool = False) -> TaskParts | None:
     """Build the task without training it, so ``task_args`` and the factory's own checks fail
     before a run directory exists (``convoy validate``, ``convoy train``, ``open_run``).
+    ``fetch``: also fetch and collate the first training batch and one validation batch on the
+    CPU (:func:`training.preflight.fetch_first_batches`), so a dataset or collate error is a
+    one-line config error too.
 
     Built on the meta device: shapes and dtypes without memory for the weights.  A factory that
     cannot build there (e.g. it reads weight values) is built on the CPU instead; anything it
@@ -76,11 +91,17 @@ def check_task(config: RunConfig) -> TaskParts | None:
     for device in (meta, torch.device("cpu")):
         try:
             with device:
-                return build_task(config, device)
+                parts = build_task(config, device)
         except (DataMissing, FileNotFoundError):
             return None
         except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - not every factory can build on meta; on the CPU it is the factory's
             failure = exc
+        else:
+            if fetch:  # outside the meta context: samples are read as the worker reads them
+                from training.preflight import fetch_first_batches
+
+                fetch_first_batches(config, parts)
+            return parts
     raise ConfigError(f"task = {config.task!r}: the factory failed: {type(failure).__name__}: {failure}") from None

@@ -36,7 +36,7 @@ from training.checkpointing.adaptive import AdaptiveInterval, estimate_mtbf_s
 from training.checkpointing.store import CheckpointStore, WriterGroup
 from training.chunk_boundary import wait_for_previous_boundary
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
-from training.data import LoaderSpec, make_loader, mix_seed
+from training.data import VAL_SALT, LoaderSpec, mix_seed, sample_seed
 from training.events import Event, WorkerSays, append_event
 from training.heartbeat import Heartbeat, read_heartbeat
 from training.paths import RunPaths
@@ -48,6 +48,7 @@ from training.rundir import (
     run_info,
     take_worker_lease,
 )
+from training.sample_rng import SampleKey, SeededSamples
 from training.state import (
     ExpectedState,
     TrainState,
@@ -57,6 +58,7 @@ from training.state import (
     restore_rng,
     seed_everything,
 )
+from training.streams import is_stream, train_batches
 from training.task import build_task
 from training.tracking.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, StepMetricLogger
 
@@ -456,7 +458,8 @@ class Worker:
         Why it leaves the trajectory alone: model.eval() + no_grad (no dropout, no gradients, no
         running-stat updates), its own index order (no sampler, no DataLoader, whose start-up
         draws from the global RNG), every RNG stream saved before and restored after (a loss_fn
-        may draw), the training cursor untouched.  Each rank takes every world-th sample of each
+        may draw), each sample seeded by its index (augmentation in val_data is the same at every
+        eval and on every rank), the training cursor untouched.  Each rank takes every world-th sample of each
         batch; the sums are all-reduced."""
         p, cfg = self.parts, self.config.train
         self.hb.set(phase="eval")
@@ -472,7 +475,8 @@ class Worker:
                     idx = list(range(lo, min(lo + cfg.batch_size, n)))[self.rank :: self.world]
                     if not idx:
                         continue
-                    batch = to_device(collate([p.val_data[i] for i in idx]), self.device)
+                    keys = [SampleKey(i, sample_seed(self.config.train.seed, 0, i, VAL_SALT)) for i in idx]
+                    batch = to_device(collate(SeededSamples(p.val_data).__getitems__(keys)), self.device)
                     with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
                         loss = p.loss_fn(p.model, batch)
                     total += torch.tensor([float(loss) * len(idx), len(idx)], dtype=torch.float64)
@@ -591,10 +595,17 @@ class Worker:
         spec = LoaderSpec(
             cfg.train.batch_size, cfg.train.seed, self.state.cursor, self.rank, self.world, cfg.train.grad_accum_steps
         )
-        loader = make_loader(
-            self.parts.train_data, spec, num_workers=cfg.data.num_workers, collate_fn=self.parts.collate_fn
+        batches = train_batches(
+            self.parts.train_data,
+            spec,
+            num_workers=cfg.data.num_workers,
+            collate_fn=self.parts.collate_fn,
+            saved_stream=self.state.stream_saved,
+            resumed=self.resumed_step > 0,
         )
-        return iter(loader)
+        if is_stream(self.parts.train_data):
+            self.state.stream = batches  # its position goes into this rank's checkpoint part
+        return batches
 
     def evaluating(self) -> bool:
         """Whether in-loop validation runs (``train.eval_every`` and a task with validation data)."""
@@ -616,7 +627,8 @@ class Worker:
         faults.slow_step(st.step + 1)
         out = self.train_step([next(batches) for _ in range(cfg.train.grad_accum_steps)])
         st.step += 1
-        st.cursor = st.cursor.advance(step_samples, len(self.parts.train_data))  # type: ignore[arg-type]
+        data = self.parts.train_data
+        st.cursor = st.cursor.advance(step_samples, None if is_stream(data) else len(data))  # type: ignore[arg-type]
         st.tokens_seen += step_samples * self.parts.tokens_per_sample
         dt = time.perf_counter() - t0
         out.update(step_time_s=dt, tokens_per_s=step_samples * self.parts.tokens_per_sample / dt)
