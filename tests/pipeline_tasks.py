@@ -1,0 +1,175 @@
+"""Tasks written as a user would, for the data-pipeline tests (tests/test_data_pipelines.py).
+
+* ``build_cnn``: a CNN with BatchNorm and dropout on tiny images, with random flip and random crop
+  drawn from torch's global RNG in ``__getitem__`` (what torchvision transforms do), a brightness
+  jitter from numpy's and an inversion from python's global RNG.
+* ``build_counter``: an endless ``IterableDataset`` of sample ids, sharded by rank and loader
+  worker, with ``state_dict``/``load_state_dict`` and noise drawn from torch's global RNG.
+* ``build_hf_logged``: the HF ``datasets`` stream example with its sample ids logged.
+
+The stream tasks append each step's sample ids to ``<run dir>/ids.jsonl`` (the tests check that
+every sample was trained exactly once, in order).  ``build_stateless`` is a stream convoy must
+refuse; ``build_raises_at_step_7`` a task whose ``loss_fn`` raises at step 7 every time.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from training.config import RunConfig
+from training.streams import rank_and_world
+from training.task import TaskParts
+
+IMAGES, SIDE, CLASSES = 96, 10, 4
+
+
+class AugmentedImages(Dataset):
+    """Fixed tiny images; every fetch draws a flip, a crop offset, a brightness and an inversion."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.images = (torch.rand(IMAGES, 3, SIDE, SIDE, generator=g) * 255).to(torch.uint8)
+
+    def __len__(self) -> int:
+        return IMAGES
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        img = self.images[i].float() / 255
+        if torch.rand(1).item() < 0.5:
+            img = img.flip(-1)
+        top, left = torch.randint(0, 5, (2,)).tolist()
+        img = F.pad(img, (2, 2, 2, 2))[:, top : top + SIDE, left : left + SIDE]
+        img = img * float(1 + 0.2 * np.random.uniform(-1, 1))
+        if random.random() < 0.2:
+            img = 1 - img
+        return img, i % CLASSES
+
+
+def _constant_schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def build_cnn(config: RunConfig, device: torch.device) -> TaskParts:
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Dropout(0.2),
+        nn.Linear(32, CLASSES),
+    ).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr, momentum=0.9)
+
+    def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(m(x), y)
+
+    return TaskParts(
+        model=model,
+        optimizer=optimizer,
+        scheduler=_constant_schedule(optimizer),
+        train_data=AugmentedImages(),
+        val_data=None,
+        loss_fn=loss_fn,
+    )
+
+
+class ShardedCounter(IterableDataset):
+    """Endless stream of sample ids: shard ``rank * workers + worker`` of ``world * workers`` yields
+    ``shard, shard + shards, ...``; each sample carries noise drawn from torch's global RNG."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.k = self.start = 0
+
+    def __iter__(self):  # noqa: ANN204 - a generator
+        info = get_worker_info()
+        workers, wid = (info.num_workers, info.id) if info is not None else (1, 0)
+        shards, shard = self.world * workers, self.rank * workers + wid
+        self.k = self.start
+        while True:
+            i = shard + self.k * shards
+            self.k += 1
+            x = torch.full((8,), float(i % 13) / 13) + 0.1 * torch.randn(8)
+            yield {"id": i, "x": x, "y": i % CLASSES}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"k": self.k}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = int(state["k"])
+
+
+def id_logger(config: RunConfig, scheduler: Any) -> Any:
+    """``log(ids)``: append the step's sample ids to the run's ``ids.jsonl``."""
+    path = Path(config.runs_dir) / config.run_name / "ids.jsonl"
+
+    def log(ids: torch.Tensor) -> None:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"step": scheduler.last_epoch + 1, "ids": ids.tolist()}) + "\n")
+
+    return log
+
+
+def build_counter(config: RunConfig, device: torch.device) -> TaskParts:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, CLASSES)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr)
+    scheduler = _constant_schedule(optimizer)
+    log = id_logger(config, scheduler)
+
+    def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        log(batch["id"])
+        return F.cross_entropy(m(batch["x"]), batch["y"])
+
+    rank, world = rank_and_world()
+    return TaskParts(model, optimizer, scheduler, ShardedCounter(rank, world), loss_fn)
+
+
+def build_hf_logged(config: RunConfig, device: torch.device) -> TaskParts:
+    from training.examples import hf_stream
+
+    parts = hf_stream.build(config, device)
+    log, inner = id_logger(config, parts.scheduler), parts.loss_fn
+
+    def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        log(batch["id"])
+        return inner(m, batch)
+
+    parts.loss_fn = loss_fn
+    return parts
+
+
+class Stateless(IterableDataset):
+    def __iter__(self):  # noqa: ANN204 - a generator
+        while True:
+            yield torch.zeros(8)
+
+
+def build_stateless(config: RunConfig, device: torch.device) -> TaskParts:
+    model = nn.Linear(8, 1).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return TaskParts(model, optimizer, None, Stateless(), lambda m, b: m(b).mean())
+
+
+def build_raises_at_step_7(config: RunConfig, device: torch.device) -> TaskParts:
+    """The CNN task with a bug: its loss_fn raises on step 7, every time."""
+    parts = build_cnn(config, device)
+    inner, scheduler = parts.loss_fn, parts.scheduler
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        if scheduler.last_epoch + 1 == 7:
+            raise RuntimeError("loss exploded: NaN in batch statistics at step 7")
+        return inner(m, batch)
+
+    parts.loss_fn = loss_fn
+    return parts
