@@ -31,6 +31,7 @@ from prefect.states import Completed, State
 from tasks import handoff, run_records
 from tasks.artifacts import publish_failure_note
 from tasks.hooks import chunk_failed, remember_run
+from tasks.repeated import as_repeated, repeated_failure
 from tasks.supervisor import (
     AttemptSpec,
     ChunkFailed,
@@ -152,7 +153,8 @@ class ChunkRun:
         t_attempt = time.time()
         try:
             outcome = supervise(self.spec())
-        except ChunkFailed as exc:
+        except ChunkFailed as failed:
+            exc = self.unless_repeated(failed)
             resume_at = exc.details.get("last_committed_step") or 0
             trained = max(0, resume_at - self.resumed_from)
             run_records.end_attempt(
@@ -176,12 +178,30 @@ class ChunkRun:
                 )
                 return None
             _report(self.logger, cfg, exc, self.chunk, self.attempt, resume_at)
-            raise
+            raise exc from None
         outcome_seconds = time.time() - t_attempt
         run_records.end_attempt(
             cfg, rd, child, run_records.attempt_outcome(True, None, self.end - self.resumed_from, outcome_seconds)
         )
         return outcome
+
+    def unless_repeated(self, exc: ChunkFailed) -> ChunkFailed:
+        """``exc``, or the ``repeated`` failure it makes with the attempt before (:mod:`tasks.repeated`),
+        recorded as a ``repeated_failure`` event; that one is never retried."""
+        pair = repeated_failure(self.run_dir, self.chunk)
+        if pair is None:
+            return exc
+        previous, latest = pair
+        append_event(
+            self.run_dir,
+            Event.REPEATED_FAILURE,
+            chunk=self.chunk,
+            attempts=[previous.get("attempt"), latest.get("attempt")],
+            step=latest.get("trained_to"),
+            error=latest.get("error"),
+            log=latest.get("log"),
+        )
+        return as_repeated(exc, self.chunk, previous, latest)
 
     def spec(self) -> AttemptSpec:
         """The worker attempt: pipelined workers train to the run's end and hand over at the

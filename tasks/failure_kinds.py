@@ -20,6 +20,9 @@ lost rank) are decided while watching, in :mod:`tasks.supervisor`.
 ``dead``       no heartbeat for ``timeout_s`` (a frozen or wedged process), or none at all within
                ``init_timeout_s`` of the start.
 ``timeout``    the attempt ran past the chunk deadline.
+``repeated``   decided by the chunk task (:mod:`tasks.repeated`), not by one attempt: two consecutive
+               attempts crashed at the same step with the same error and nothing trained in between.
+               A bug, not a fault: never retried.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from training.events import Event, FailureKind, WorkerSays, read_events
 
 FAILURE_KINDS = tuple(FailureKind)
 #: Kinds Prefect must never retry: the same input fails the same way.
-NOT_RETRYABLE = frozenset({FailureKind.CONFIG})
+NOT_RETRYABLE = frozenset({FailureKind.CONFIG, FailureKind.REPEATED})
 #: Signals a process raises on itself when it crashes (as opposed to being killed from outside).
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
 _OOM_MARKERS = ("out of memory", "memoryerror", "cannot allocate memory")
@@ -114,3 +117,8 @@ def diskfull_message(tail: Sequence[str]) -> str:
     """One line for a full disk: the worker's own line naming ENOSPC, not its traceback."""
     line = next((x for x in reversed(tail) if any(m in x.lower() for m in _DISKFULL_MARKERS)), "")
     return f"disk full: {line.strip()[:300] or 'No space left on device'}"
+
+
+def error_line(tail: Sequence[str]) -> str:
+    """The worker's last words: for an exception, the traceback's last line (``Type: message``)."""
+    return next((line.strip() for line in reversed(tail) if line.strip()), "")[:300]

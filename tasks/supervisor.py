@@ -34,6 +34,7 @@ from tasks.failure_kinds import (
     classify_exit,
     config_message,
     diskfull_message,
+    error_line,
     launcher_exit,
     oom_kills,
     signame,
@@ -610,6 +611,7 @@ class WorkerAttempt:
             "steps_lost": steps_lost(trained_to, committed),  # the next attempt resumes from `committed`
             "returncode": rc,
             "reason": reason,
+            "error": error_line(self.tail),  # tasks/repeated.py compares it between attempts
             "log": str(self.log_path),
         }
         append_event(

@@ -173,3 +173,10 @@ def build_raises_at_step_7(config: RunConfig, device: torch.device) -> TaskParts
 
     parts.loss_fn = loss_fn
     return parts
+
+
+def build_bad_collate(config: RunConfig, device: torch.device) -> TaskParts:
+    """The CNN task with a collate function that cannot handle its samples (tuples)."""
+    parts = build_cnn(config, device)
+    parts.collate_fn = lambda samples: torch.stack(samples)
+    return parts

@@ -40,6 +40,7 @@ class Event(StrEnum):
     NONDETERMINISTIC_RESUME = "nondeterministic_resume"
     PREEMPTED = "preempted"
     REAP_FAILED = "reap_failed"
+    REPEATED_FAILURE = "repeated_failure"
     REPLAY_AFTER_RESIZE = "replay_after_resize"
     REPLAY_VERIFIED = "replay_verified"
     RESUBMITTED = "resubmitted"
@@ -64,6 +65,7 @@ class FailureKind(StrEnum):
     KILLED = "killed"
     OOM = "oom"
     PREEMPTED = "preempted"
+    REPEATED = "repeated"
     TIMEOUT = "timeout"
 
 
