@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -171,13 +172,21 @@ def kill_twice(run_dir: Path, rng: random.Random) -> list[int]:
     return kills
 
 
+_OPENING = threading.Lock()  # make_run (re)writes the shared corpus file: one at a time
+
+
+def opened(tmp: Path, name: str, extra: list[str]) -> Path:
+    with _OPENING:
+        return make_run(tmp, name, extra)
+
+
 def scenario(tmp: Path, name: str, extra: list[str], kills: int | None = None, then: list[str] | None = None) -> dict:
     """One run: uninterrupted (``kills`` None) or killed twice with seed ``kills`` and resumed,
     after re-opening it with ``then`` (e.g. another num_workers) if given."""
-    run_dir = make_run(tmp, name, extra)
+    run_dir = opened(tmp, name, extra)
     landed = kill_twice(run_dir, random.Random(kills)) if kills is not None else []
     if then is not None:
-        run_dir = make_run(tmp, name, then)
+        run_dir = opened(tmp, name, then)
     code, out = run_worker(run_dir, TOTAL)
     assert code == 0, out
     return {"digest": final_digest(run_dir), "kills": landed, "dir": run_dir}

@@ -1,0 +1,150 @@
+"""Cost of per-sample seeding (invariant 9) on a CNN-style pipeline, against the same loader without it.
+
+    python bench/loader_overhead.py [--side 32] [--batch 64] [--batches 40] [--repeats 5] [--workers 0 2]
+
+The dataset is what a vision task does in ``__getitem__``: a uint8 image to float, a random flip
+and a random crop (padding 4) from torch's global RNG, a brightness jitter from numpy's.  Both
+sides read the same samples in the same order (convoy's ``ResumableBatchSampler``):
+
+* ``baseline`` — a plain ``DataLoader`` over the dataset with the sampler's index batches;
+* ``seeded``   — ``training.data.make_loader``: each sample fetched by ``SampleKey`` with python,
+  numpy and torch's CPU generator seeded from its global position (and, in the training process,
+  the trainer's generators saved and restored around each batch).
+
+Blocks alternate (machine-load drifts hit both sides alike); printed: median samples/s per side
+and the ratio seeded / baseline per worker count (goal >= 0.97, i.e. at most 3 % slower), then
+``+ CNN step``: the same with a small CNN's forward/backward consuming each batch (what a training
+run sees: with loader workers the fetch overlaps the step), and the per-sample cost of the seeding
+itself.  A figure, not an assertion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+import timeit
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from training.data import Cursor, LoaderSpec, ResumableBatchSampler, make_loader, sample_seed  # noqa: E402
+from training.sample_rng import seed_host_rngs  # noqa: E402
+
+
+class Images(Dataset):
+    """CIFAR-shaped images with flip, crop and brightness drawn per fetch."""
+
+    def __init__(self, n: int, side: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.images = (torch.rand(n, 3, side, side, generator=g) * 255).to(torch.uint8)
+        self.side = side
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        img = self.images[i].float() / 255
+        if torch.rand(1).item() < 0.5:
+            img = img.flip(-1)
+        top, left = torch.randint(0, 9, (2,)).tolist()
+        img = F.pad(img, (4, 4, 4, 4))[:, top : top + self.side, left : left + self.side]
+        return img * float(1 + 0.2 * np.random.uniform(-1, 1)), i % 10
+
+
+def loaders(ds: Images, batch: int, workers: int) -> dict[str, DataLoader]:
+    spec = LoaderSpec(batch, seed=1, start=Cursor())
+    plain = DataLoader(
+        ds,
+        batch_sampler=ResumableBatchSampler(len(ds), spec),
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(1),
+        prefetch_factor=2 if workers else None,
+    )
+    return {"baseline": plain, "seeded": make_loader(ds, spec, num_workers=workers)}
+
+
+def cnn() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(4),
+        torch.nn.Flatten(),
+        torch.nn.Linear(256, 10),
+    )
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def block(loader: DataLoader, batches: int, step: Any) -> float:
+    """Samples per second over ``batches`` batches (the loader's start-up and first batch left out)."""
+    it = iter(loader)
+    next(it)
+    n, t0 = 0, time.perf_counter()
+    for x, y in itertools.islice(it, batches):
+        if step is not None:
+            step(x, y)
+        n += len(y)
+    return n / (time.perf_counter() - t0)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def measure(args: argparse.Namespace, workers: int, with_step: bool) -> dict[str, list[float]]:
+    ds = Images(args.batch * 50, args.side)
+    out: dict[str, list[float]] = {"baseline": [], "seeded": []}
+    model, opt = cnn()
+    step = train_step(model, opt) if with_step else None
+    for r in range(args.repeats):
+        pair = loaders(ds, args.batch, workers)
+        for name in ("baseline", "seeded") if r % 2 == 0 else ("seeded", "baseline"):
+            out[name].append(block(pair[name], args.batches, step))
+    return out
+
+
+def seeding_cost_us() -> float:
+    n = 20000
+    return timeit.timeit(lambda: seed_host_rngs(sample_seed(1, 2, 12345)), number=n) / n * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--side", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batches", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"images 3x{args.side}x{args.side}, batch {args.batch}, {args.batches} batches x {args.repeats} blocks")
+    for with_step in (False, True):
+        for workers in args.workers:
+            m = measure(args, workers, with_step)
+            base, seeded = statistics.median(m["baseline"]), statistics.median(m["seeded"])
+            label = f"{'+ CNN step' if with_step else 'loader only'}, num_workers {workers}"
+            verdict = "met" if seeded / base >= 0.97 else "NOT met"
+            print(
+                f"{label:28s} baseline {base:8.0f} samples/s  seeded {seeded:8.0f} samples/s  "
+                f"ratio {seeded / base:.3f} (goal >= 0.97: {verdict})"
+            )
+    print(f"seeding one sample (sample_seed + python/numpy/torch-CPU seeds): {seeding_cost_us():.1f} us")
+
+
+if __name__ == "__main__":
+    main()
