@@ -109,6 +109,32 @@ def test_stream_loader_resumes_at_the_next_worker_without_losing_prefetched_batc
     assert sum(full[::2], []) == list(range(0, 40, 2)) and sum(full[1::2], []) == list(range(1, 32, 2))
 
 
+class Finite(torch.utils.data.IterableDataset):
+    """Three samples, then the end."""
+
+    def __iter__(self):  # noqa: ANN204 - a generator
+        yield from (torch.tensor([i]) for i in range(3))
+
+    def state_dict(self) -> dict[str, int]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_that_ends_is_a_one_line_data_error(workers: int) -> None:
+    batches = make_stream_loader(
+        Finite(), seed=1, rank=0, per_rank_batch=2, num_workers=workers, collate_fn=None, saved=None
+    )
+    next(batches)  # worker 0's first batch
+    with pytest.raises(ConfigError) as exc:
+        for _ in range(3):
+            next(batches)
+    assert str(exc.value).startswith("train_data: the stream of rank 0, loader worker") and "\n" not in str(exc.value)
+    assert "endless stream" in str(exc.value)
+
+
 def test_streams_convoy_cannot_resume_are_refused_in_one_line() -> None:
     from tests.pipeline_tasks import Stateless
 
