@@ -339,6 +339,8 @@ def _status_table(st: dict) -> Table:
     table.add_row("loss", loss)
     if st.get("val_loss") is not None:
         table.add_row("validation loss", f"{st['val_loss']:.4f} at step {st['val_loss_step']}")
+    if st.get("data_samples") is not None:
+        table.add_row("data", f"{int(st['data_samples']):,} samples trained (epoch {int(st['data_epoch'])})")
     speed = f"{st['steps_per_s']:.2f} steps/s" if st["steps_per_s"] else "-"
     if st["tokens_per_s"]:
         speed += f", {st['tokens_per_s']:,.0f} tokens/s"

@@ -115,3 +115,15 @@ def test_metrics_reader_windows_drop_only_a_line_cut_at_their_start(tmp_path: Pa
     # A worker cut a torn row off and appended: the attempt's old end offset lands inside a row.
     assert trained_high_water(tmp_path, beat_step=1, metrics_offset=second + 3) == 1
     assert trained_high_water(tmp_path, beat_step=None, metrics_offset=0) == 2
+
+
+def test_samples_consumed_counts_every_trained_sample_across_epochs_and_for_streams() -> None:
+    """Each optimizer step consumes one global batch, whichever epoch it falls in (the dropped
+    tail of an epoch is never trained on, so it is not counted); a stream's cursor is the count."""
+    size, batch = 50, 16  # 3 whole batches an epoch, 2 samples dropped
+    cursor, stream = Cursor(), Cursor()
+    for step in range(1, 11):
+        cursor, stream = cursor.advance(batch, size), stream.advance(batch, None)
+        assert cursor.samples_consumed(batch, size) == step * batch
+        assert stream.samples_consumed(batch, None) == step * batch
+    assert cursor.epoch == 3 and stream.epoch == 0

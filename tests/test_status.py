@@ -11,6 +11,7 @@ from typing import Any
 
 from tests.engine_util import kill_group, make_run, run_worker, start_worker, wait_for_step
 from training.heartbeat import read_heartbeat
+from training.rundir import load_run_config
 
 INTERVAL = 0.1  # heartbeat.interval_s of engine_util.SMALL
 
@@ -57,6 +58,8 @@ def test_status_follows_a_running_worker_then_sees_it_dead(tmp_path: Path) -> No
     assert st["state"] == "finished" and st["step"] == st["checkpoint_step"] == 120, st
     assert st["failures"] == st["resumes"] == 1, st
     assert after["step"] <= st["steps_lost"] <= after["step"] + 10, st  # the killed worker's last beat
+    train = load_run_config(run_dir).train
+    assert st["data_samples"] == 120 * train.batch_size * train.grad_accum_steps, st  # the cursor, as samples
 
 
 def test_one_definition_of_steps_lost(tmp_path: Path) -> None:

@@ -73,6 +73,14 @@ class Cursor:
             return Cursor(self.epoch + 1, 0)
         return Cursor(self.epoch, offset)
 
+    def samples_consumed(self, batch_size: int, num_samples: int | None) -> int:
+        """Global samples trained on before this cursor, with the same ``batch_size`` (one
+        optimizer step) as :meth:`advance`: each finished epoch counts the whole batches it
+        yielded.  What ``convoy status`` and MLflow (``data/samples``) show, streams included."""
+        if num_samples is None:
+            return self.offset
+        return self.epoch * (num_samples // batch_size) * batch_size + self.offset
+
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(mix_seed(seed, epoch))

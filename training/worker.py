@@ -628,10 +628,12 @@ class Worker:
         out = self.train_step([next(batches) for _ in range(cfg.train.grad_accum_steps)])
         st.step += 1
         data = self.parts.train_data
-        st.cursor = st.cursor.advance(step_samples, None if is_stream(data) else len(data))  # type: ignore[arg-type]
+        size = None if is_stream(data) else len(data)  # type: ignore[arg-type]
+        st.cursor = st.cursor.advance(step_samples, size)
         st.tokens_seen += step_samples * self.parts.tokens_per_sample
         dt = time.perf_counter() - t0
         out.update(step_time_s=dt, tokens_per_s=step_samples * self.parts.tokens_per_sample / dt)
+        out.update({"data/epoch": st.cursor.epoch, "data/samples": st.cursor.samples_consumed(step_samples, size)})
         if evaluating and st.step % cfg.train.eval_every == 0:
             t1 = time.perf_counter()
             out.update(val_loss=self.evaluate(), eval_time_s=time.perf_counter() - t1)
