@@ -77,6 +77,21 @@ def test_a_sample_draws_the_same_whoever_fetches_it() -> None:
     assert not torch.equal(one[:40, 1:].sort(0).values, one[40:, 1:].sort(0).values)
 
 
+def test_a_task_naming_only_torch_gets_the_same_torch_draws_and_a_bad_name_is_refused() -> None:
+    """``sample_rngs=("torch",)`` seeds torch alone: the torch column is the full seeding's and
+    still independent of the worker count; an unknown generator name is a one-line error."""
+    full = _rows(LoaderSpec(8, 3, Cursor()), 5)
+
+    def torch_only(workers: int) -> torch.Tensor:
+        loader = make_loader(Draws(), LoaderSpec(8, 3, Cursor()), num_workers=workers, sample_rngs=("torch",))
+        return torch.cat(list(itertools.islice(iter(loader), 5)))
+
+    assert torch.equal(full[:, :2], torch_only(0)[:, :2])
+    assert torch.equal(full[:, :2], torch_only(2)[:, :2])
+    with pytest.raises(ValueError, match="name one or more of"):
+        make_loader(Draws(), LoaderSpec(8, 3, Cursor()), sample_rngs=("cuda",))
+
+
 def test_fetching_in_the_training_process_leaves_its_generators_alone() -> None:
     torch.manual_seed(0)
     np.random.seed(0)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from training.sample_rng import SampleKey, SeededSamples
+from training.sample_rng import HOST_RNGS, SampleKey, SeededSamples
 
 _GOLDEN = 0x9E3779B97F4A7C15
 #: Salts keep the sample streams apart from every other use of ``mix_seed`` (epoch orders, ranks).
@@ -45,10 +45,25 @@ def mix_seed(*values: int) -> int:
     return x & 0x7FFFFFFFFFFFFFFF
 
 
+_SEED_MASK = 0x7FFFFFFFFFFFFFFF
+
+
+def epoch_seed_base(run_seed: int, epoch: int, salt: int = TRAIN_SALT) -> int:
+    """The mixed part of every sample seed of one epoch (computed once an epoch, not per sample)."""
+    return mix_seed(run_seed, salt, epoch)
+
+
 def sample_seed(run_seed: int, epoch: int, position: int, salt: int = TRAIN_SALT) -> int:
     """Seed of the sample at ``position`` of epoch ``epoch``'s global order (all ranks and
-    micro-batches of a step together), so it does not depend on who fetches the sample."""
-    return mix_seed(run_seed, salt, epoch, position)
+    micro-batches of a step together), so it does not depend on who fetches the sample.  Base +
+    position, as DataLoader seeds its workers: each generator's own seeding scrambles the value."""
+    return (epoch_seed_base(run_seed, epoch, salt) + position) & _SEED_MASK
+
+
+def validation_keys(run_seed: int, indices: list[int]) -> list[SampleKey]:
+    """Keys of validation samples: seeded by their index, so each looks the same at every eval."""
+    base = epoch_seed_base(run_seed, 0, VAL_SALT)
+    return [SampleKey(i, (base + i) & _SEED_MASK) for i in indices]
 
 
 @dataclass(frozen=True)
@@ -123,8 +138,11 @@ class ResumableBatchSampler(Sampler[list[int]]):
 
     def keyed(self) -> Iterator[list[SampleKey]]:
         """The same batches as keys ``(index, seed)``: each sample's seed from its global position."""
+        base_epoch, base = -1, 0
         for epoch, at, indices in self.slices():
-            yield [SampleKey(i, sample_seed(self.seed, epoch, at + j)) for j, i in enumerate(indices)]
+            if epoch != base_epoch:
+                base_epoch, base = epoch, epoch_seed_base(self.seed, epoch)
+            yield [SampleKey(i, (base + at + j) & _SEED_MASK) for j, i in enumerate(indices)]
 
     def slices(self) -> Iterator[tuple[int, int, list[int]]]:
         """``(epoch, position of the first sample in the epoch's order, indices)`` of each of this
@@ -175,13 +193,14 @@ def make_loader(
     *,
     num_workers: int = 0,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    sample_rngs: tuple[str, ...] = HOST_RNGS,
 ) -> DataLoader:
     """The resumable loader; yields ``spec.accum`` micro-batches per optimizer step, each collated
     by ``collate_fn`` (the task's, or PyTorch's default, which already handles dicts and tuples).
     Every sample is fetched seeded by its global position (module docstring)."""
     sampler = ResumableBatchSampler(len(dataset), spec)  # type: ignore[arg-type]
     return DataLoader(
-        SeededSamples(dataset),
+        SeededSamples(dataset, sample_rngs),
         batch_sampler=KeyedBatches(sampler),
         num_workers=num_workers,
         generator=loader_generator(spec.seed, spec.rank),

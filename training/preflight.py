@@ -15,8 +15,8 @@ from typing import Any
 from torch.utils.data import default_collate
 
 from training.config import ConfigError, RunConfig
-from training.data import VAL_SALT, Cursor, LoaderSpec, sample_seed
-from training.sample_rng import SampleKey, SeededSamples
+from training.data import Cursor, LoaderSpec, validation_keys
+from training.sample_rng import SeededSamples
 from training.streams import is_stream, train_batches
 
 
@@ -33,7 +33,13 @@ def fetch_first_batches(config: RunConfig, parts: Any) -> None:
     try:
         next(
             train_batches(
-                parts.train_data, spec, num_workers=0, collate_fn=parts.collate_fn, saved_stream=None, resumed=False
+                parts.train_data,
+                spec,
+                num_workers=0,
+                collate_fn=parts.collate_fn,
+                saved_stream=None,
+                resumed=False,
+                sample_rngs=parts.sample_rngs,
             )
         )
     except ConfigError:
@@ -44,8 +50,8 @@ def fetch_first_batches(config: RunConfig, parts: Any) -> None:
     if val is None or is_stream(val) or len(val) == 0:
         return
     n = min(tc.batch_size // tc.world_size, len(val))
-    keys = [SampleKey(i, sample_seed(tc.seed, 0, i, VAL_SALT)) for i in range(n)]
+    keys = validation_keys(tc.seed, list(range(n)))
     try:
-        (parts.collate_fn or default_collate)(SeededSamples(val).__getitems__(keys))
+        (parts.collate_fn or default_collate)(SeededSamples(val, parts.sample_rngs).__getitems__(keys))
     except Exception as exc:  # noqa: BLE001 - as above
         raise ConfigError(f"val_data: fetching the first batch failed: {_line(exc)}") from None

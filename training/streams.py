@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 
 from training.config import ConfigError
 from training.data import LoaderSpec, loader_generator, make_loader, mix_seed, worker_init
-from training.sample_rng import preserved_host_rngs, seed_host_rngs
+from training.sample_rng import HOST_RNGS, check_rngs, preserved_host_rngs, seed_host_rngs
 
 STREAM_SALT = 0x57AE_A3ED
 #: HF ``datasets`` iterables whose state does not hold what they need to resume exactly.
@@ -103,8 +103,15 @@ class SeededStream(IterableDataset):
 
     A copy runs in each loader worker; ``states[w]`` is worker ``w``'s saved state (None: start)."""
 
-    def __init__(self, inner: IterableDataset, seed: int, rank: int, states: list[Any] | None) -> None:
-        self.inner, self.seed, self.rank, self.states = inner, seed, rank, states
+    def __init__(
+        self,
+        inner: IterableDataset,
+        seed: int,
+        rank: int,
+        states: list[Any] | None,
+        rngs: tuple[str, ...] = HOST_RNGS,
+    ) -> None:
+        self.inner, self.seed, self.rank, self.states, self.rngs = inner, seed, rank, states, check_rngs(rngs)
         self.samples = 0
 
     def __iter__(self) -> Iterator[Any]:
@@ -115,18 +122,14 @@ class SeededStream(IterableDataset):
             self.inner.load_state_dict(saved["stream"])  # type: ignore[attr-defined]
         self.samples = saved["samples"] if saved is not None else 0
         it = iter(self.inner)
-        while True:
-            seed = mix_seed(self.seed, STREAM_SALT, self.rank, wid, self.samples)
-            if info is None:  # the training process: leave the trainer's generators alone
-                with preserved_host_rngs():
-                    sample = self._next(it, seed, wid)
-            else:
-                sample = self._next(it, seed, wid)
+        base = mix_seed(self.seed, STREAM_SALT, self.rank, wid)
+        while True:  # in the training process StreamBatches keeps the trainer's generators aside
+            sample = self._next(it, (base + self.samples) & 0x7FFFFFFFFFFFFFFF, wid)
             self.samples += 1
             yield sample
 
     def _next(self, it: Iterator[Any], seed: int, wid: int) -> Any:
-        seed_host_rngs(seed)
+        seed_host_rngs(seed, self.rngs)
         try:
             return next(it)
         except StopIteration:
@@ -171,7 +174,11 @@ class StreamBatches:
         want = self.next_worker
         while not self.held[want]:
             try:
-                batch, wid, state = next(self.it)
+                if self.num_workers:
+                    batch, wid, state = next(self.it)
+                else:  # fetched in the training process: the trainer's generators are put back
+                    with preserved_host_rngs():
+                        batch, wid, state = next(self.it)
             except StreamEnded as exc:  # from a worker: "Caught StreamEnded ... StreamEnded: <line>"
                 raise ConfigError(str(exc).splitlines()[-1].split("StreamEnded: ", 1)[-1]) from None
             self.held[wid].append((batch, state))
@@ -193,6 +200,7 @@ def make_stream_loader(
     num_workers: int,
     collate_fn: Callable[[list[Any]], Any] | None,
     saved: dict[str, Any] | None,
+    sample_rngs: tuple[str, ...] = HOST_RNGS,
 ) -> StreamBatches:
     """This rank's resumable stream loader; ``saved`` is the rank's stream state from the checkpoint."""
     if saved is not None and int(saved["num_workers"]) != num_workers:
@@ -201,7 +209,7 @@ def make_stream_loader(
             f"{saved['num_workers']} loader workers (each holds its own shard position); resume with "
             f"-S data.num_workers={saved['num_workers']}"
         )
-    wrapped = SeededStream(stream, seed, rank, saved["workers"] if saved else None)
+    wrapped = SeededStream(stream, seed, rank, saved["workers"] if saved else None, sample_rngs)
     loader = DataLoader(
         wrapped,
         batch_size=per_rank_batch,
@@ -222,12 +230,13 @@ def train_batches(
     collate_fn: Callable[[list[Any]], Any] | None,
     saved_stream: dict[str, Any] | None,
     resumed: bool,
+    sample_rngs: tuple[str, ...] = HOST_RNGS,
 ) -> Iterator[Any]:
     """This rank's training micro-batches: the map-style loader from ``spec.start``, or the stream
     loader from the rank's saved stream state (``resumed`` without one: refused, the stream's
     position was not saved for this rank, e.g. after a change of world size)."""
     if not is_stream(data):
-        return iter(make_loader(data, spec, num_workers=num_workers, collate_fn=collate_fn))
+        return iter(make_loader(data, spec, num_workers=num_workers, collate_fn=collate_fn, sample_rngs=sample_rngs))
     if resumed and saved_stream is None:
         raise ConfigError(
             f"train_data is a stream and the checkpoint holds no stream position for rank {spec.rank} of "
@@ -242,4 +251,5 @@ def train_batches(
         num_workers=num_workers,
         collate_fn=collate_fn,
         saved=saved_stream,
+        sample_rngs=sample_rngs,
     )

@@ -36,7 +36,7 @@ from training.checkpointing.adaptive import AdaptiveInterval, estimate_mtbf_s
 from training.checkpointing.store import CheckpointStore, WriterGroup
 from training.chunk_boundary import wait_for_previous_boundary
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
-from training.data import VAL_SALT, LoaderSpec, mix_seed, sample_seed
+from training.data import LoaderSpec, mix_seed, validation_keys
 from training.events import Event, WorkerSays, append_event
 from training.heartbeat import Heartbeat, read_heartbeat
 from training.paths import RunPaths
@@ -48,7 +48,7 @@ from training.rundir import (
     run_info,
     take_worker_lease,
 )
-from training.sample_rng import SampleKey, SeededSamples
+from training.sample_rng import SeededSamples
 from training.state import (
     ExpectedState,
     TrainState,
@@ -475,8 +475,8 @@ class Worker:
                     idx = list(range(lo, min(lo + cfg.batch_size, n)))[self.rank :: self.world]
                     if not idx:
                         continue
-                    keys = [SampleKey(i, sample_seed(self.config.train.seed, 0, i, VAL_SALT)) for i in idx]
-                    batch = to_device(collate(SeededSamples(p.val_data).__getitems__(keys)), self.device)
+                    keys = validation_keys(self.config.train.seed, idx)
+                    batch = to_device(collate(SeededSamples(p.val_data, p.sample_rngs).__getitems__(keys)), self.device)
                     with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
                         loss = p.loss_fn(p.model, batch)
                     total += torch.tensor([float(loss) * len(idx), len(idx)], dtype=torch.float64)
@@ -602,6 +602,7 @@ class Worker:
             collate_fn=self.parts.collate_fn,
             saved_stream=self.state.stream_saved,
             resumed=self.resumed_step > 0,
+            sample_rngs=self.parts.sample_rngs,
         )
         if is_stream(self.parts.train_data):
             self.state.stream = batches  # its position goes into this rank's checkpoint part
