@@ -116,3 +116,35 @@ def reference_digest(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -
     from tests.flow_util import uninterrupted_digest
 
     return uninterrupted_digest(tmp_path_factory.mktemp("reference"), data_dir, "reference")
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[dict[str, object]]:
+    """A real S3-API HTTP endpoint on 127.0.0.1 with one bucket: moto's standalone server, the
+    stand-in for AWS S3 or MinIO (no client is patched: DVC's s3fs talks HTTP to it).  ``env`` is
+    what a machine using the remote sets: credentials, region and ``AWS_ENDPOINT_URL`` (botocore
+    reads it; for MinIO it is the MinIO URL)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ACCESS_KEY_ID": "convoy-test",
+        "AWS_SECRET_ACCESS_KEY": "convoy-test-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    try:
+        client = boto3.client(
+            "s3",
+            endpoint_url=env["AWS_ENDPOINT_URL"],
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+            region_name=env["AWS_DEFAULT_REGION"],
+        )
+        client.create_bucket(Bucket="convoy-remote")
+        yield {"bucket": "convoy-remote", "env": env}
+    finally:
+        server.stop()
