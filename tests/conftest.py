@@ -148,3 +148,35 @@ def s3_endpoint() -> Iterator[dict[str, object]]:
         yield {"bucket": "convoy-remote", "env": env}
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real ``mlflow server`` (SQLite backend, artifacts served) on 127.0.0.1, for tests where
+    several "machines" log into one MLflow run.  Slow to start (15-50 s), so one per session; it
+    runs in its own process group (its job consumers included), killed whole at the end."""
+    home = tmp_path_factory.mktemp("mlflow-server")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(home / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{home}/mlflow.db"]
+        + ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        cwd=home,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mlflow server did not start: {(home / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        from tests.flow_util import stop_group
+
+        stop_group(proc, check=False)
+        log.close()

@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tasks import remote_checkpoints
 from tasks.remote_checkpoints import fetch_newest, open_remote
 from tasks.version import version_checkpoint
 from tests.engine_util import final_digest, make_run, run_worker
 from tests.test_dvc import dvc_repo
+from training.checkpointing.store import CheckpointStore
 from training.events import read_events
 from training.rundir import load_run_config
 from training.tracking.metrics import metric_rows
@@ -49,7 +51,7 @@ def machine(tmp_path: Path, name: str, remote: str) -> Path:
         "train.total_steps=30",
         "train.chunk_steps=10",
         "checkpoint.every_steps=5",
-        "checkpoint.keep_last=3",
+        "checkpoint.keep_last=5",
         "tracking.dvc=true",
         f"tracking.dvc_remote={remote}",
     ]
@@ -75,7 +77,7 @@ def flip_remote_byte(run_dir: Path, step: int, member: str) -> None:
 def kill_mid_upload(run_dir: Path, step: int, remote: str, flag: Path) -> None:
     """Upload ``step`` in a process of its own, SIGKILLed once every object is in the remote but
     before the index names it (the ``upload_stall`` fault holds it there)."""
-    code = "import sys; from tasks.version import version_checkpoint; version_checkpoint(None, sys.argv[1], sys.argv[2])"
+    code = "import sys; from tasks.version import version_checkpoint as v; v(None, sys.argv[1], sys.argv[2])"
     ckpt = run_dir / "checkpoints" / f"step-{step:09d}"
     env = {**os.environ, "CONVOY_FAULTS": f"upload_stall={step}:300:{flag}"}
     p = subprocess.Popen([sys.executable, "-c", code, str(ckpt), remote], cwd=REPO, env=env, start_new_session=True)
@@ -93,30 +95,25 @@ def uploaded_steps(run_dir: Path) -> list[int]:
     return [e["step"] for e in open_remote(load_run_config(run_dir), run_dir).read_index()["checkpoints"]]
 
 
+@pytest.mark.slow
 def test_upload_fetch_kill_mid_upload_and_corrupt_fallback(tmp_path: Path, remote: str) -> None:
     a = machine(tmp_path, "a", remote)
     cfg = load_run_config(a)
-    assert run_worker(a, 10)[0] == 0
-    version_checkpoint(None, a / "checkpoints" / "step-000000010", remote)  # a chunk boundary, as the flow does
-
-    # The uploader follows the worker; after it drained, the newest committed checkpoint is in the index.
-    remote_checkpoints.follow(cfg, a)
-    assert run_worker(a, 20)[0] == 0
-    remote_checkpoints.stop(a, drain=True)
-    published = uploaded_steps(a)
-    assert published[0] == 10 and published[-1] == 20, published
-    lags = read_events(a, "checkpoint_published")
-    assert lags[-1]["step"] == 20 and lags[-1]["upload_lag_steps"] == 0 and lags[-1]["upload_lag_s"] >= 0
-    st = run_status(cfg, a)
-    assert (st["uploaded_step"], st["upload_lag_steps"]) == (20, 0)
-
-    # Step 30 is killed half-way through its upload: its objects are in the remote, the index does not name it.
     assert run_worker(a, 30)[0] == 0
     digest = final_digest(a)
+    for step in (10, 20):  # uploaded while the worker went on to 30
+        version_checkpoint(None, a / "checkpoints" / f"step-{step:09d}", remote)
+    assert uploaded_steps(a) == [10, 20]
+    lag = read_events(a, "checkpoint_published")[-1]
+    assert (lag["step"], lag["upload_lag_steps"]) == (20, 10) and lag["upload_lag_s"] > 0
+    st = run_status(cfg, a)
+    assert (st["uploaded_step"], st["upload_lag_steps"]) == (20, 10)
+
+    # Step 30 is killed half-way through its upload: its objects are in the remote, the index does not name it.
     kill_mid_upload(a, 30, remote, tmp_path / "stalled")
-    assert uploaded_steps(a) == published
+    assert uploaded_steps(a) == [10, 20]
     half = next((a / "checkpoints").glob(".stage-step-000000030.dvc"))
-    md5 = __import__("yaml").safe_load(half.read_text())["outs"][0]["md5"]
+    md5 = yaml.safe_load(half.read_text())["outs"][0]["md5"]
     r = open_remote(cfg, a)
     assert r.fs.exists(r.odb.oid_to_path(md5)), "the killed upload had not pushed the data yet"
 
@@ -129,20 +126,35 @@ def test_upload_fetch_kill_mid_upload_and_corrupt_fallback(tmp_path: Path, remot
     assert code == 0 and "resumed from step 20" in out, out
     assert final_digest(b) == digest
 
-    # A corrupt object of step 20 in the remote: machine C refuses it, naming the step, and falls back.
+    # A corrupt object of step 20 in the remote: machine C refuses it, naming the step, and falls back to 10.
     flip_remote_byte(a, 20, "state.safetensors")
     c = machine(tmp_path, "c", remote)
     said: list[str] = []
     got = fetch_newest(load_run_config(c), c, said.append)
-    older = max(s for s in published if s < 20)
-    assert got is not None and got["step"] == older and [r["step"] for r in got["refused"]] == [20]
+    assert got is not None and got["step"] == 10 and [r["step"] for r in got["refused"]] == [20]
     refused = read_events(c, "remote_checkpoint_refused")
     assert refused[0]["step"] == 20 and "state.safetensors" in refused[0]["reason"], refused
     assert any("step 20 refused" in line for line in said), said
     assert not list((c / "checkpoints").glob("step-000000020*")), "the corrupt copy was installed"
-    code, out = run_worker(c, 30)
-    assert code == 0 and f"resumed from step {older}" in out, out
-    assert final_digest(c) == digest
+    assert final_digest(c) == got["digest"] == CheckpointStore(a).verify(a / "checkpoints" / "step-000000010").digest
+
+
+def test_uploader_follows_the_newest_committed_checkpoint(tmp_path: Path) -> None:
+    """The background uploader takes the newest committed checkpoint whenever it is free, skips
+    what the index already has, and a drain leaves the newest one in the remote."""
+    remote = str(tmp_path / "remote")
+    a = machine(tmp_path, "a", remote)
+    cfg = load_run_config(a)
+    uploader = remote_checkpoints.follow(cfg, a)
+    assert uploader is not None and remote_checkpoints.follow(cfg, a) is uploader  # one per run
+    code, out = run_worker(a, 20, env={"CONVOY_FAULTS": "step_delay=0.1"})
+    assert code == 0, out
+    remote_checkpoints.stop(a, drain=True)
+    steps = uploaded_steps(a)
+    assert steps[-1] == 20 and len(steps) >= 2, steps  # at least one mid-way upload while training
+    assert all(e["upload_lag_steps"] <= 10 for e in read_events(a, "checkpoint_published"))
+    assert remote_checkpoints.follow(cfg, a).upload_newest() is None  # 20 is in the index: nothing to do
+    remote_checkpoints.stop(a)
 
 
 def test_index_is_written_last_and_read_back(tmp_path: Path) -> None:
