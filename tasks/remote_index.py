@@ -119,19 +119,18 @@ class RemoteRun:
         from dvc_data.hashfile.tree import Tree
 
         tree = Tree.load(self.odb, HashInfo("md5", dvc_md5))
-        sources, targets, total = [], [], 0
-        for key, meta, hash_info in tree:
+        sources, targets = [], []
+        for key, _meta, hash_info in tree:
             if any(part in ("", ".", "..") or "/" in part for part in key):
                 raise ValueError(f"{dvc_md5} lists {'/'.join(key)!r}: not a plain path (refused)")
             target = dest.joinpath(*key)
             target.parent.mkdir(parents=True, exist_ok=True)
             sources.append(self.odb.oid_to_path(hash_info.value))
             targets.append(str(target))
-            total += int(getattr(meta, "size", 0) or 0)
         dest.mkdir(parents=True, exist_ok=True)
         if sources:
             self.fs.get(sources, targets)
-        return total
+        return sum(Path(t).stat().st_size for t in targets)
 
 
 def entry_for(step: int, digest: str, out: Any, manifest: dict[str, Any]) -> dict[str, Any]:

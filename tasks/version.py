@@ -5,7 +5,10 @@ After a chunk commits, :func:`version_checkpoint` runs ``dvc add`` on the checkp
 files cost nothing) and ``dvc push``es it to the remote, through the ``dvc.repo.Repo`` API.  A
 committed checkpoint directory is immutable and is hard-linked to a private stage before DVC reads
 it, so retention deleting it meanwhile is harmless: this can run on a background thread while the
-next chunk trains (:func:`version_checkpoint_async`).
+next chunk trains (:func:`version_checkpoint_async`).  Once every object of the checkpoint is
+in the remote, it is added to the run's index there (:mod:`tasks.remote_index`), which is how
+another machine finds it without a git commit (:mod:`tasks.remote_checkpoints` uploads the
+checkpoints between chunk boundaries too, and fetches them).
 :func:`pull_run` restores a run's checkpoints on another machine (``dvc pull`` of the run's
 ``.dvc`` files), after which the worker resumes from the newest one that verifies.
 
