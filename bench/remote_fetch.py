@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -84,39 +85,53 @@ def upload_big_state(tmp: Path, params: float) -> tuple[RunConfig, Path, dict[st
     return cfg, remote, result
 
 
-def raw_copy(cfg: RunConfig, run_dir: Path, dest: Path) -> int:
-    """The baseline: copy the checkpoint's object files out of the remote, nothing else."""
+def remote_objects(cfg: RunConfig, run_dir: Path) -> list[tuple[str, str]]:
+    """(object path in the remote, file name) of every file of the uploaded checkpoint."""
     from dvc_data.hashfile.hash_info import HashInfo
     from dvc_data.hashfile.tree import Tree
 
     remote = remote_checkpoints.open_remote(cfg, run_dir)
     entry = remote.read_index()["checkpoints"][-1]
+    tree = Tree.load(remote.odb, HashInfo("md5", entry["dvc_md5"]))
+    return [(remote.odb.oid_to_path(hi.value), "/".join(key)) for key, _, hi in tree]
+
+
+def raw_copy(objects: list[tuple[str, str]], dest: Path) -> float:
+    """The baseline: copy the checkpoint's object files out of the remote, nothing else; seconds."""
+    os.sync()  # neither side pays for the other's dirty pages (1.2 GB written each time)
+    t0 = time.perf_counter()
     dest.mkdir(parents=True)
-    total = 0
-    for key, _, hi in Tree.load(remote.odb, HashInfo("md5", entry["dvc_md5"])):
-        src = remote.odb.oid_to_path(hi.value)
-        shutil.copyfile(src, dest / "/".join(key))
-        total += Path(src).stat().st_size
-    return total
+    for src, name in objects:
+        shutil.copyfile(src, dest / name)
+    return time.perf_counter() - t0
+
+
+def timed_fetch(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    os.sync()
+    got = remote_checkpoints.fetch_newest(cfg, run_dir, say=lambda m: None)
+    assert got is not None and got["step"] == 100, got
+    return got
 
 
 def fetch_bench(tmp: Path, params: float, repeats: int) -> dict[str, Any]:
+    """Fetch and raw copy, alternating which goes first, ``repeats`` times each."""
     cfg, remote, up = upload_big_state(tmp, params)
-    machine_b = dvc_repo(tmp / "b")
-    cfg_b = config(machine_b, remote, "big", [])
+    cfg_b = config(dvc_repo(tmp / "b"), remote, "big", [])
     run_b = open_run(cfg_b)
-    fetches, copies, nbytes = [], [], 0
+    objects = remote_objects(cfg_b, run_b)
+    out: dict[str, Any] = {"fetch_s": [], "copy_s": [], "parts": [], "upload": up}
     for i in range(repeats):
-        shutil.rmtree(run_b / "checkpoints", ignore_errors=True)
-        got = remote_checkpoints.fetch_newest(cfg_b, run_b, say=lambda m: None)
-        assert got is not None and got["step"] == 100, got
-        fetches.append(got["fetch_s"])
-        nbytes = got["bytes"]
-        t0 = time.perf_counter()
-        raw_copy(cfg_b, run_b, tmp / f"raw-{i}")
-        copies.append(time.perf_counter() - t0)
-        shutil.rmtree(tmp / f"raw-{i}")
-    return {"bytes": nbytes, "fetch_s": fetches, "copy_s": copies, "upload": up}
+        for which in ("fetch", "copy") if i % 2 == 0 else ("copy", "fetch"):
+            if which == "copy":
+                out["copy_s"].append(raw_copy(objects, tmp / f"raw-{i}"))
+                shutil.rmtree(tmp / f"raw-{i}")
+                continue
+            got = timed_fetch(cfg_b, run_b)
+            out["fetch_s"].append(got["fetch_s"])
+            out["parts"].append((got["download_s"], got["verify_s"]))
+            out["bytes"] = got["bytes"]
+    return out
 
 
 # ---------------------------------------------------------------------------------- upload lag
@@ -170,6 +185,10 @@ def report(fetch: dict[str, Any], lags: list[dict[str, Any]]) -> None:
         f"| T_fetch (index, copy, verify, install) | {f:.2f} s ({min(fetch['fetch_s']):.2f} s) | {gb / f:.2f} "
         f"| {c:.2f} s ({min(fetch['copy_s']):.2f} s), {gb / c:.2f} GB/s | {f / c:.2f}x |"
     )
+    each = f"T_fetch {[round(x, 3) for x in fetch['fetch_s']]} s, raw copy {[round(x, 3) for x in fetch['copy_s']]} s"
+    print(f"each repeat: {each}; of which download / verify {fetch['parts']} s")
+    if not lags:
+        return
     print()
     print(
         "| every_steps | interval s | ckpt MB | committed | uploaded | lag steps median / max "
@@ -199,7 +218,7 @@ def main() -> None:
         fetch = fetch_bench(tmp / "fetch", args.params, args.repeats)
         shutil.rmtree(tmp / "fetch")
         lags = []
-        for interval in (int(x) for x in args.intervals.split(",")):
+        for interval in (int(x) for x in args.intervals.split(",") if x):
             print(f"upload lag: every_steps={interval}", flush=True)
             lags.append(lag_run(tmp, interval, args.steps, args.d_model))
         report(fetch, lags)

@@ -109,15 +109,18 @@ def _install(stage: Path, final: Path, run_dir: Path) -> None:
     atomic_write_bytes(RunPaths(run_dir).latest, (final.name + "\n").encode())
 
 
-def _download_verified(remote: RemoteRun, entry: dict[str, Any], store: Any) -> int:
-    """Download one indexed checkpoint, verify it, install it; returns its bytes.  ValueError
-    (does not verify) or FileNotFoundError (objects missing) when the remote copy is unusable."""
+def _download_verified(remote: RemoteRun, entry: dict[str, Any], store: Any) -> dict[str, Any]:
+    """Download one indexed checkpoint, verify it, install it; returns its bytes and the seconds
+    of each part.  ValueError (does not verify) or FileNotFoundError (objects missing) when the
+    remote copy is unusable."""
     step = int(entry["step"])
     root = store.root
     stage = root / f"{FETCH_PREFIX}{checkpoint_name(step)}"
     shutil.rmtree(stage, ignore_errors=True)
     try:
+        t0 = time.perf_counter()
         nbytes = remote.download(str(entry["dvc_md5"]), stage)
+        t1 = time.perf_counter()
         ck = store.verify(stage, step=step)  # the resume's own validation
         if ck.digest != entry.get("digest"):
             raise ValueError(f"its digest {ck.digest} is not the {entry.get('digest')} the index recorded")
@@ -125,7 +128,7 @@ def _download_verified(remote: RemoteRun, entry: dict[str, Any], store: Any) -> 
         shutil.rmtree(stage, ignore_errors=True)
         raise
     _install(stage, root / checkpoint_name(step), store.run_dir)
-    return nbytes
+    return {"bytes": nbytes, "download_s": round(t1 - t0, 4), "verify_s": round(time.perf_counter() - t1, 4)}
 
 
 def _fill_metrics(remote: RemoteRun, index: dict[str, Any], run_dir: Path, step: int) -> int:
@@ -184,14 +187,14 @@ def fetch_newest(config: RunConfig, run_dir: Path, say: Callable[[str], None] = 
     refused: list[dict[str, Any]] = []
     for entry in newer:
         try:
-            nbytes = _download_verified(remote, entry, store)
+            got = _download_verified(remote, entry, store)
         except (ValueError, FileNotFoundError) as exc:
             refused.append(_refuse(run_dir, remote, entry["step"], str(exc) or type(exc).__name__, say))
             continue
         result = {
             "step": entry["step"],
             "digest": entry["digest"],
-            "bytes": nbytes,
+            **got,
             "fetch_s": round(time.perf_counter() - t0, 4),
             "metric_rows": _fill_metrics(remote, index, run_dir, entry["step"]),
             "from_node": entry.get("node"),
@@ -200,7 +203,7 @@ def fetch_newest(config: RunConfig, run_dir: Path, say: Callable[[str], None] = 
             "refused": refused,
         }
         append_event(run_dir, Event.CHECKPOINT_FETCHED, **result)
-        say(f"fetched checkpoint of step {entry['step']} ({nbytes:,} bytes) in {result['fetch_s']:.2f} s")
+        say(f"fetched checkpoint of step {entry['step']} ({got['bytes']:,} bytes) in {result['fetch_s']:.2f} s")
         return result
     return {"step": None, "refused": refused, "fetch_s": round(time.perf_counter() - t0, 4)}
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,10 @@ class RemoteRun:
             sources.append(self.odb.oid_to_path(hash_info.value))
             targets.append(str(target))
         dest.mkdir(parents=True, exist_ok=True)
-        if sources:
+        if self.fs.protocol == "local":  # a kernel copy: DVC's own goes through Python in 64 MiB reads
+            for source, target in zip(sources, targets, strict=True):
+                shutil.copyfile(source, target)
+        elif sources:
             self.fs.get(sources, targets)
         return sum(Path(t).stat().st_size for t in targets)
 
