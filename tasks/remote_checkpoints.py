@@ -237,7 +237,7 @@ class Uploader:
 
     def __init__(self, config: RunConfig, run_dir: Path, poll_s: float = 0.5) -> None:
         self.config, self.run_dir, self.poll_s = config, Path(run_dir), poll_s
-        self.done: int | None = None  # newest step uploaded, passed over, or already in the index
+        self.done: int | None = None  # newest committed step handled: uploaded, passed over, or in the index
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._follow, name="convoy-upload", daemon=True)
@@ -267,12 +267,12 @@ class Uploader:
     def upload_newest(self) -> dict[str, Any] | None:
         """Upload the newest committed checkpoint if it is newer than the last one handled."""
         with self._lock:
-            if self.done is None:
-                self.done = self._already_uploaded()
             step = self._committed_step()
-            if step is None or step <= self.done:
+            if step is None or (self.done is not None and step <= self.done):
                 return None
             self.done = step
+            if self._already_uploaded() >= step:
+                return None  # in the index already (fetched here, or versioned at its chunk boundary)
             path = RunPaths(self.run_dir).checkpoint(step)
             try:
                 return version_checkpoint(None, path, self.config.tracking.dvc_remote or None)

@@ -19,6 +19,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -37,6 +38,27 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _start_server(
+    cmd: list[str], home: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
+    """Start a server in its own process group (stopped whole), its output in ``home/server.log``."""
+    log = open(home / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+    )
+    return proc, log
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], home: Path, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not _healthy(url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{Path(proc.args[0]).name} server did not start: {(home / 'server.log').read_text()[-2000:]}"
+            )
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Start ``prefect server start`` on 127.0.0.1:<free port>; yield its API URL."""
@@ -53,21 +75,10 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "PREFECT_API_URL": url,
     }
     prefect_bin = Path(sys.executable).parent / "prefect"
-    log = open(home / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(
-        [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
+    cmd = [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    proc, log = _start_server(cmd, home, env=env)
     try:
-        deadline = time.monotonic() + 180
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+        _wait_healthy(proc, home, url, timeout_s=180)
         saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
         os.environ["PREFECT_API_URL"] = url  # for subprocesses (flows started by tests)
         os.environ["PREFECT_HOME"] = str(home)
@@ -158,22 +169,10 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     home = tmp_path_factory.mktemp("mlflow-server")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(home / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{home}/mlflow.db"]
-        + ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        cwd=home,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{home}/mlflow.db"]
+    proc, log = _start_server([*cmd, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"], home, cwd=home)
     try:
-        deadline = time.monotonic() + 240
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server did not start: {(home / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+        _wait_healthy(proc, home, url, timeout_s=240)
         yield url
     finally:
         from tests.flow_util import stop_group

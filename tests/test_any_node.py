@@ -219,7 +219,10 @@ def test_two_machines_pool_mode_resume_on_the_other_node(
 
     from mlflow.tracking import MlflowClient
 
-    history = MlflowClient(mlflow_server).get_metric_history(run_info(parent_dir)["mlflow_run_id"], "loss")
+    client, run_id = MlflowClient(mlflow_server), run_info(parent_dir)["mlflow_run_id"]
+    history = client.get_metric_history(run_id, "loss")
     assert sorted(int(h.step) for h in history) == list(range(1, 61)), "not exactly one loss point per step"
+    lag = [int(h.step) for h in client.get_metric_history(run_id, "upload_lag_steps")]
+    assert 60 in lag and len(lag) == len(set(lag)), lag  # recorded by both nodes, once per uploaded step
     for node in m["nodes"].values():
         assert_no_leftovers(node / "runs")
