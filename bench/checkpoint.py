@@ -141,7 +141,7 @@ def make_parts(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) ->
             "scaler": {"scale": 1.0, "growth_tracker": 0},
             "step": step,
             "tokens_seen": 0,
-            "cursor": {"epoch": 0, "position": 0},
+            "cursor": {"epoch": 0, "offset": 0},
         },
     }
 

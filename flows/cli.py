@@ -321,6 +321,8 @@ def _age(seconds: float | None) -> str:
 
 def _status_table(st: dict) -> Table:
     """``convoy status`` for a person: one row per fact, the state coloured."""
+    from training.tracking.progress import describe_upload
+
     colour = {"running": "green", "finished": "bold green", "failed": "red", "dead": "red"}.get(st["state"], "yellow")
     total = st["total_steps"]
     table = Table(title=f"run {escape(st['run_name'])}", show_header=False, highlight=False)
@@ -355,6 +357,8 @@ def _status_table(st: dict) -> Table:
         else "none yet"
     )
     table.add_row("newest verified checkpoint", ck)
+    if (uploaded := describe_upload(st)) is not None:
+        table.add_row("uploaded to the remote", uploaded)
     kinds = f" ({', '.join(st['failure_kinds'])})" if st["failure_kinds"] else ""
     table.add_row("failures / resumes", f"{st['failures']} / {st['resumes']}{kinds}")
     table.add_row("steps lost", str(st["steps_lost"]))

@@ -4,19 +4,27 @@ Why: in local mode the flow's machine runs every worker.  In pool mode the paren
 and dispatches; each chunk runs as flow ``train-chunk`` on whichever worker of the pool picks it up
 (deployment ``train-chunk/<orchestration.pool>``, see ``prefect.yaml``).  A chunk flow run that
 fails or crashes (its worker, or the node under it, died) is re-run by the parent as a *new* flow
-run, which resumes from the newest valid checkpoint: the run directory must be on storage every
-node of the pool can see.  Inside a chunk flow ``run_chunk`` does not retry: one place owns the
-retry policy (``orchestration.retries`` with backoff), and that place survives a node's death.
+run, which resumes from the newest valid checkpoint.  Inside a chunk flow ``run_chunk`` does not
+retry: one place owns the retry policy (``orchestration.retries`` with backoff), and that place
+survives a node's death.
+
+No shared disk needed (invariant 10) with ``tracking.dvc`` on: the parent sends the run's config
+(not a path), each node trains in its own ``runs_dir`` (relative paths are the node's, under the
+directory the ``flows.node`` pull step entered), fetches the newest uploaded checkpoint from the
+DVC remote before its worker restores, uploads committed checkpoints while it trains and, before
+it reports, the newest one.  The parent learns the outcome (committed step, digest, failure kind,
+steps lost) from a Prefect artifact of the chunk flow run (:func:`publish_outcome`), which also
+carries the node's audit events of the chunk into the parent's ``events.jsonl``; metrics reach
+the MLflow tracking server from the node directly.  Without ``tracking.dvc`` every node must see
+``runs_dir`` (shared storage), as before.
 
 A tag-based concurrency limit (``prefect concurrency-limit create <concurrency_tag> <slots>``)
 caps chunk tasks per GPU slot: ``run_chunk`` carries the tag in pool mode.
-
-What failed is read from the run's ``events.jsonl`` (written by the supervisor on the node), not
-from Prefect results, so no result persistence is needed.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
@@ -25,13 +33,19 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.deployments import run_deployment
 
+from tasks import remote_checkpoints
+from tasks.artifacts import artifact_key
 from tasks.chunk import chunk_record, run_chunk, should_retry
+from tasks.remote_index import node_name
 from tasks.supervisor import NOT_RETRYABLE, ChunkFailed
-from training.config import RunConfig
-from training.events import FailureKind, append_event, read_events
-from training.rundir import load_run_config
+from training.config import ConfigError, RunConfig
+from training.events import Event, FailureKind, append_event, carry_events, read_events
+from training.rundir import open_run, run_info, update_run_info
 
 CHUNK_FLOW = "train-chunk"
+#: Prefect artifact type of a chunk flow run's outcome (one per flow run, read by the parent).
+OUTCOME_TYPE = "convoy-chunk-outcome"
+_MLFLOW_KEYS = ("mlflow_run_id", "mlflow_tracking_uri", "mlflow_experiment_id")
 
 
 def chunk_deployment(config: RunConfig) -> str:
@@ -39,68 +53,158 @@ def chunk_deployment(config: RunConfig) -> str:
     return f"{CHUNK_FLOW}/{config.orchestration.pool}"
 
 
+def open_node_run(config: RunConfig, mlflow_run: dict[str, Any] | None) -> Path:
+    """This node's directory of the run (created on a node new to it; the fingerprint check as
+    everywhere), logging into the parent's MLflow run."""
+    run_dir = open_run(config).resolve()
+    wanted = {k: v for k, v in (mlflow_run or {}).items() if k in _MLFLOW_KEYS and v}
+    if wanted and any((run_info(run_dir) or {}).get(k) != v for k, v in wanted.items()):
+        update_run_info(run_dir, **wanted)
+    return run_dir
+
+
+def failure_of(exc: BaseException) -> dict[str, Any]:
+    """How a chunk flow run failed, in the words the parent needs to decide on a retry."""
+    if isinstance(exc, ChunkFailed):
+        return {"kind": exc.kind, "message": exc.message, "details": exc.details}
+    if isinstance(exc, ConfigError):
+        return {"kind": FailureKind.CONFIG, "message": str(exc), "details": {}}
+    return {"kind": FailureKind.CRASH, "message": f"{type(exc).__name__}: {exc}", "details": {}}
+
+
+def publish_outcome(run_name: str, outcome: dict[str, Any]) -> None:
+    """The chunk flow run's outcome as an artifact of that flow run (best effort: without it the
+    parent treats the run as a node that went away)."""
+    from prefect.artifacts import Artifact
+
+    try:
+        data = json.loads(json.dumps(outcome, default=str))
+        description = f"convoy chunk outcome on node {outcome.get('node')}: {'ok' if outcome.get('ok') else 'failed'}"
+        key = artifact_key(run_name, "chunk-outcome")
+        Artifact(type=OUTCOME_TYPE, key=key, description=description, data=data).create()
+    except Exception as exc:  # noqa: BLE001
+        print(f"WARNING: could not publish the chunk outcome: {exc}", flush=True)
+
+
 @flow(name=CHUNK_FLOW, log_prints=True)
-def train_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dict[str, Any]:
-    """One chunk on a pool worker: ``run_chunk`` without retries (the parent re-dispatches)."""
-    cfg = load_run_config(run_dir)
-    task = run_chunk.with_options(
-        retries=0,
-        retry_condition_fn=should_retry,
-        tags=["convoy", f"run:{cfg.run_name}", cfg.orchestration.concurrency_tag],
+def train_chunk(
+    config: RunConfig, chunk: int, start_step: int, end_step: int, mlflow_run: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One chunk on a pool worker, in this node's directory of the run: ``run_chunk`` without
+    retries (the parent re-dispatches); the outcome and this node's events of the chunk go to the
+    parent as an artifact, after the newest committed checkpoint went to the remote."""
+    t0 = time.time()
+    outcome: dict[str, Any] = {"node": node_name(), "ok": False}
+    run_dir: Path | None = None
+    try:
+        run_dir = open_node_run(config, mlflow_run)
+        outcome["run_dir"] = str(run_dir)
+        task = run_chunk.with_options(
+            retries=0,
+            retry_condition_fn=should_retry,
+            tags=["convoy", f"run:{config.run_name}", config.orchestration.concurrency_tag],
+        )
+        record = chunk_record(task(str(run_dir), chunk, start_step, end_step))
+        outcome.update(ok=True, record=record)
+        return record
+    except BaseException as exc:
+        outcome.update(failure_of(exc))
+        raise
+    finally:
+        if run_dir is not None:
+            remote_checkpoints.stop(run_dir, drain=True)  # before the parent hears of it (tracking.dvc)
+            outcome["events"] = [e for e in read_events(run_dir) if e.get("time", 0) >= t0]
+        publish_outcome(config.run_name, outcome)
+
+
+def read_outcome(flow_run_id: Any) -> dict[str, Any] | None:
+    """The outcome artifact of a chunk flow run (None: the node died before it could report)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+    flt = ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), type=ArtifactFilterType(any_=[OUTCOME_TYPE])
     )
-    return chunk_record(task(run_dir, chunk, start_step, end_step))
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=flt)
+    if not found:
+        return None
+    data = found[-1].data
+    return json.loads(data) if isinstance(data, str) else data
 
 
-def _since(run_dir: Path, kind: str, chunk: int, t0: float) -> list[dict[str, Any]]:
-    return [e for e in read_events(run_dir, kind) if e.get("chunk") == chunk and e.get("time", 0) >= t0]
+def _parameters(config: RunConfig, run_dir: Path, chunk: int, start: int, end: int) -> dict[str, Any]:
+    info = run_info(run_dir) or {}
+    return {
+        "config": config.model_dump(mode="json"),
+        "chunk": chunk,
+        "start_step": start,
+        "end_step": end,
+        "mlflow_run": {k: info[k] for k in _MLFLOW_KEYS if info.get(k)},
+    }
+
+
+def _fetches(outcome: dict[str, Any]) -> list[dict[str, Any]]:
+    keep = ("step", "fetch_s", "bytes", "from_node", "node", "refused")
+    return [{k: e.get(k) for k in keep} for e in outcome.get("events", []) if e.get("kind") == Event.CHECKPOINT_FETCHED]
+
+
+def _record_failure(run_dir: Path, chunk: int, attempt: int, fr: Any, outcome: dict[str, Any]) -> tuple[str, str]:
+    """Audit a failed chunk flow run (``chunk_flow_run_failed``); returns its kind and message."""
+    kind = outcome.get("kind") or FailureKind.CRASH  # no outcome: the node itself went away
+    message = outcome.get("message") or f"chunk {chunk} {kind}: its flow run ended {fr.state} without an outcome"
+    append_event(
+        run_dir,
+        Event.CHUNK_FLOW_RUN_FAILED,
+        chunk=chunk,
+        attempt=attempt,
+        flow_run_id=str(fr.id),
+        state=str(fr.state.type if fr.state else None),
+        failure=kind,
+        node=outcome.get("node"),
+    )
+    return kind, message
 
 
 def dispatch_chunk(config: RunConfig, run_dir: Path, chunk: int, start: int, end: int) -> dict[str, Any]:
-    """Run one chunk as flow runs of the chunk deployment until it commits or retries run out."""
+    """Run one chunk as flow runs of the chunk deployment until it commits or retries run out;
+    the record says on which node each attempt ran and what the attempts fetched."""
     logger = get_run_logger()
     o = config.orchestration
     delays = [o.retry_delay_seconds * o.backoff**i for i in range(max(o.retries, 1))]
-    flow_runs: list[str] = []
-    kinds: list[str] = []
+    seen: dict[str, list[Any]] = {"flow_runs": [], "failure_kinds": [], "nodes": [], "fetched": []}
     for attempt in range(1, o.retries + 2):
-        t0 = time.time()
         fr = run_deployment(
             name=chunk_deployment(config),
-            parameters={"run_dir": str(run_dir), "chunk": chunk, "start_step": start, "end_step": end},
+            parameters=_parameters(config, run_dir, chunk, start, end),
             flow_run_name=f"{config.run_name}-chunk-{chunk}-attempt-{attempt}",
             timeout=None,
             poll_interval=1,
             tags=["convoy", f"run:{config.run_name}"],
         )
-        flow_runs.append(str(fr.id))
-        done = _since(run_dir, "chunk_done", chunk, t0)
-        if fr.state is not None and fr.state.is_completed() and done:
-            return {**done[-1], "attempt": attempt, "flow_runs": flow_runs, "failure_kinds": kinds}
-        failures = _since(run_dir, "failure", chunk, t0)
-        kind = failures[-1]["failure"] if failures else FailureKind.CRASH  # no event: the node itself went away
-        message = failures[-1].get("reason", "") if failures else f"chunk flow run ended {fr.state}"
-        kinds.append(kind)
-        append_event(
-            run_dir,
-            "chunk_flow_run_failed",
-            chunk=chunk,
-            attempt=attempt,
-            flow_run_id=str(fr.id),
-            state=str(fr.state.type if fr.state else None),
-            failure=kind,
-        )
+        seen["flow_runs"].append(str(fr.id))
+        outcome = read_outcome(fr.id) or {}
+        carry_events(run_dir, outcome.get("events", []))
+        seen["nodes"].append(outcome.get("node"))
+        seen["fetched"].extend({"attempt": attempt, **f} for f in _fetches(outcome))
+        if fr.state is not None and fr.state.is_completed() and outcome.get("ok"):
+            return {**outcome["record"], "attempt": attempt, **seen}
+        kind, message = _record_failure(run_dir, chunk, attempt, fr, outcome)
+        seen["failure_kinds"].append(kind)
+        details = outcome.get("details") or {}
         if kind in NOT_RETRYABLE or attempt > o.retries:
-            raise ChunkFailed(kind, f"chunk {chunk} {kind}: {message}", {"flow_runs": flow_runs})
+            raise ChunkFailed(kind, message, {**details, "flow_runs": seen["flow_runs"]})
         delay = 0.0 if kind == FailureKind.PREEMPTED else delays[min(attempt - 1, len(delays) - 1)]
         delay *= 1 + random.uniform(-o.jitter, o.jitter)
-        resume = (failures[-1].get("last_committed_step") if failures else None) or 0
         logger.warning(
-            "chunk %d %s (flow run %s); re-running as a new flow run in %.1f s, resuming from step %d",
+            "chunk %d %s on node %s (flow run %s); re-running as a new flow run in %.1f s, resuming from step %d "
+            "or a newer uploaded checkpoint",
             chunk,
             kind,
+            outcome.get("node") or "?",
             fr.name,
             delay,
-            resume,
+            details.get("last_committed_step") or 0,
         )
         time.sleep(max(delay, 0.0))
     raise AssertionError("unreachable")  # pragma: no cover

@@ -69,7 +69,25 @@ def summary_table(summary: dict[str, Any]) -> Table:
     loss = final_loss(summary)
     table.add_row("final loss", f"{loss:.4f}" if loss is not None else "-")
     table.add_row("digest", escape(str(summary.get("digest"))))
+    for name, value in travel_rows(summary):
+        table.add_row(name, escape(value))
     return table
+
+
+def travel_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Where checkpoints came from (``tracking.dvc``): the flow's fetch at its start and, in pool
+    mode, each chunk whose attempts ran on more than one node, with what the later one fetched."""
+    rows = []
+    got = summary.get("fetched") or {}
+    if got.get("step") is not None:
+        rows.append(("fetched from the remote", f"step {got['step']} in {got['fetch_s']:.2f} s"))
+    for r in summary.get("chunks", []):
+        nodes = [str(n) for n in r.get("nodes") or []]
+        if len(set(nodes)) > 1:
+            fetched = r.get("fetched", [])
+            fetches = ", ".join(f"step {f['step']} on {f['node']} in {f['fetch_s']:.2f} s" for f in fetched)
+            rows.append((f"chunk {r['chunk']} nodes", " → ".join(nodes) + (f" (fetched {fetches})" if fetches else "")))
+    return rows
 
 
 def link_lines(summary: dict[str, Any]) -> list[str]:

@@ -27,11 +27,12 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from flows.report import mlflow_link
-from tasks import handoff, run_records, standby
+from tasks import handoff, remote_checkpoints, run_records, standby
 from tasks.artifacts import publish_chunk_table
 from tasks.chunk import chunk_record, retrying_chunk_task
 from tasks.hooks import flow_crashed, flow_failed, remember_run
 from tasks.supervisor import ChunkFailed, newest_verified_step, reap_stale_worker
+from tasks.version import VersioningError
 from training import chunk_boundary
 from training.config import ConfigError, RunConfig, load_config
 from training.events import Event, append_event, read_events
@@ -140,6 +141,7 @@ class TrainingRun:
         self.audit: dict[str, Any] | None = None
         self.chunks = plan_chunks(cfg.train.total_steps, cfg.train.chunk_steps)
         self.committed = 0
+        self.fetched: dict[str, Any] | None = None
 
     @classmethod
     def open(cls, cfg: RunConfig, flow_run_id: str | None, allow_config_change: bool, logger: Any) -> TrainingRun:
@@ -152,7 +154,7 @@ class TrainingRun:
         if reap_stale_worker(run_dir, cfg.train.world_size):
             logger.warning("stopped a worker of this run left over from a flow that died")
         run = cls(cfg, run_dir, flow_run_id, logger)
-        run.committed = newest_verified_step(run_dir) or 0
+        run.committed = run.newest_committed()
         append_event(
             run_dir, Event.FLOW_STARTED, flow_run_id=flow_run_id, committed_step=run.committed, chunks=len(run.chunks)
         )
@@ -166,7 +168,21 @@ class TrainingRun:
         )
         return run
 
+    def newest_committed(self) -> int:
+        """The step the run is at: the newest verified checkpoint here, after fetching a newer one
+        from the remote (``tracking.dvc``: this machine may be new to the run, invariant 10); in
+        pool mode the newest uploaded one (the nodes train and upload; nothing is fetched here)."""
+        cfg, run_dir = self.cfg, self.run_dir
+        if cfg.tracking.dvc and cfg.orchestration.mode == "local":
+            self.fetched = remote_checkpoints.fetch_before_resume(cfg, run_dir, self.logger.info)
+        committed = newest_verified_step(run_dir) or 0
+        if cfg.tracking.dvc and cfg.orchestration.mode == "pool":
+            committed = max(committed, self.uploaded_final()[0])
+        return committed
+
     def version(self, end: int, only_if_missing: bool = False) -> Any:
+        if self.cfg.orchestration.mode == "pool":
+            return None  # the node that trained the chunk uploaded it before reporting
         pending = run_records.version_async(self.cfg, self.run_dir, end, only_if_missing=only_if_missing)
         if pending is not None:
             self.version_futures.append(pending)
@@ -205,8 +221,9 @@ class TrainingRun:
             loss=rec["loss"],
             failure_kinds=rec.get("failure_kinds") or _failure_kinds(self.run_dir, chunk, c0),
         )
-        if "flow_runs" in rec:  # pool mode: one flow run per attempt
-            row["flow_runs"] = rec["flow_runs"]
+        for key in ("flow_runs", "nodes", "fetched"):  # pool mode: per attempt, its flow run, node, download
+            if key in rec:
+                row[key] = rec[key]
         self.hand_over_boundary(end)
 
     def train_chunk(self, chunk: int, start: int, end: int) -> dict[str, Any]:
@@ -231,20 +248,34 @@ class TrainingRun:
             self.logger.info("stopped the pipelined worker of run %s", self.cfg.run_name)
         standby.release(self.run_dir)
         self.versioned.extend(run_records.collect_versions(self.version_futures))
+        remote_checkpoints.stop(self.run_dir, drain=True)  # the newest committed checkpoint leaves too
         publish_chunk_table(self.cfg.run_name, self.rows, mlflow_link(self.run_dir)[0])
         self.audit = run_records.finish_run(self.cfg, self.run_dir, ok)
+
+    def uploaded_final(self) -> tuple[int, str | None]:
+        """(step, digest) of the newest uploaded checkpoint: in pool mode without shared storage the
+        checkpoints are on the nodes and in the remote, not here."""
+        if not (self.cfg.tracking.dvc and self.cfg.orchestration.mode == "pool"):
+            return 0, None
+        try:
+            entry = remote_checkpoints.newest_uploaded(self.cfg, self.run_dir)
+        except (VersioningError, ValueError, OSError) as exc:
+            self.logger.warning("could not read the remote index: %s", exc)
+            return 0, None
+        return (entry["step"], entry["digest"]) if entry else (0, None)
 
     def summary(self) -> dict[str, Any]:
         from training.checkpointing.store import CheckpointStore
 
         rows, audit = self.rows, self.audit or {}
         latest = CheckpointStore(self.run_dir).latest_valid(record=False)
+        final_step, digest = (latest.step, latest.digest) if latest is not None else self.uploaded_final()
         summary = {
             "run_name": self.cfg.run_name,
             "run_dir": str(self.run_dir),
             "flow_run_id": self.flow_run_id,
-            "final_step": newest_verified_step(self.run_dir) or 0,
-            "digest": latest.digest if latest is not None else None,
+            "final_step": final_step,
+            "digest": digest,
             "trained_chunks": sum(r["status"] == "trained" for r in rows),
             "skipped_chunks": sum(r["status"].startswith("skipped") for r in rows),
             "attempts": {r["chunk"]: r["attempts"] for r in rows},
@@ -252,6 +283,7 @@ class TrainingRun:
             "failures": [{"chunk": r["chunk"], "kinds": r["failure_kinds"]} for r in rows if r["failure_kinds"]],
             "chunks": rows,
             "versioned": self.versioned,
+            "fetched": self.fetched,
             "audit": {k: audit.get(k) for k in ("resumes", "failures", "steps_lost", "nondeterministic")},
             "seconds": round(time.time() - self.t0, 3),
         }

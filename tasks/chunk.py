@@ -28,9 +28,10 @@ from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 from prefect.states import Completed, State
 
-from tasks import handoff, run_records
+from tasks import handoff, remote_checkpoints, run_records
 from tasks.artifacts import publish_failure_note
 from tasks.hooks import chunk_failed, remember_run
+from tasks.remote_index import node_name
 from tasks.repeated import as_repeated, repeated_failure
 from tasks.supervisor import (
     AttemptSpec,
@@ -131,6 +132,7 @@ class ChunkRun:
     def run(self) -> State:
         if handoff.parked_pid(self.run_dir) is None:  # our own parked worker is not stale
             reap_stale_worker(self.run_dir, self.cfg.train.world_size)
+        remote_checkpoints.follow(self.cfg, self.run_dir)  # uploads committed checkpoints (tracking.dvc)
         started = time.time()
         outcome = None
         while outcome is None:
@@ -141,6 +143,8 @@ class ChunkRun:
         """One worker attempt under watch: its outcome, or None when it was preempted and is to be
         re-spawned at once; any other failure is reported and raised (Prefect retries the task)."""
         cfg, rd = self.cfg, self.run_dir
+        if handoff.parked_pid(rd) is None:  # a worker about to restore: the remote may hold a newer checkpoint
+            remote_checkpoints.fetch_before_resume(cfg, rd, lambda m: self.logger.info("chunk %d: %s", self.chunk, m))
         self.resumed_from = newest_verified_step(rd) or 0
         if self.resumed_from < self.start:
             self.logger.warning(
@@ -257,6 +261,7 @@ class ChunkRun:
             "loss": _loss_at(rd, self.end),
             "seconds": round(time.time() - started, 3),
             "worker_seconds": round(outcome.seconds, 3),
+            "node": node_name(),
         }
         append_event(rd, Event.CHUNK_DONE, **record)
         self.logger.info(

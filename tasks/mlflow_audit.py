@@ -49,6 +49,7 @@ TABLE_COLUMNS = [
     "lost_steps",
     "recovery_s",
     "load_s",
+    "fetch_s",
     "checkpoint",
     "checkpoint_digest",
     "replay_verified",

@@ -10,6 +10,7 @@ DVC are imported lazily (~3 s each) and only when enabled in ``tracking``.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +126,25 @@ def collect_versions(futures: list[Any]) -> list[dict[str, Any]]:
             log.warning("DVC: could not version %s: %s", name, exc)
             out.append({"checkpoint": name, "error": str(exc)})
     return out
+
+
+def log_upload_lag(run_dir: Path, step: int, lag: dict[str, float]) -> None:
+    """Record a published checkpoint's upload lag (``upload_lag_steps``, ``upload_lag_s``) in the
+    run's MLflow run at the checkpoint's step; once per published step, so one point per step.
+    Best effort: the checkpoint is in the remote either way."""
+    from training.rundir import load_run_config, run_info
+
+    try:
+        config = load_run_config(run_dir)
+        run_id = (run_info(run_dir) or {}).get("mlflow_run_id")
+        if not config.tracking.mlflow or not run_id:
+            return
+        from mlflow.entities import Metric
+
+        from training.tracking.mlflow_backend import client_for, resolve_tracking_uri
+
+        ts = int(time.time() * 1000)
+        metrics = [Metric(key, float(value), ts, int(step)) for key, value in sorted(lag.items())]
+        client_for(resolve_tracking_uri(config, run_dir)).log_batch(run_id, metrics=metrics, synchronous=True)
+    except Exception as exc:  # noqa: BLE001 - audit only
+        log.warning("MLflow: could not record the upload lag of step %d: %s", step, exc)

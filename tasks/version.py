@@ -5,7 +5,10 @@ After a chunk commits, :func:`version_checkpoint` runs ``dvc add`` on the checkp
 files cost nothing) and ``dvc push``es it to the remote, through the ``dvc.repo.Repo`` API.  A
 committed checkpoint directory is immutable and is hard-linked to a private stage before DVC reads
 it, so retention deleting it meanwhile is harmless: this can run on a background thread while the
-next chunk trains (:func:`version_checkpoint_async`).
+next chunk trains (:func:`version_checkpoint_async`).  Once every object of the checkpoint is
+in the remote, it is added to the run's index there (:mod:`tasks.remote_index`), which is how
+another machine finds it without a git commit (:mod:`tasks.remote_checkpoints` uploads the
+checkpoints between chunk boundaries too, and fetches them).
 :func:`pull_run` restores a run's checkpoints on another machine (``dvc pull`` of the run's
 ``.dvc`` files), after which the worker resumes from the newest one that verifies.
 
@@ -37,10 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks import remote_index
+from training import faults
 from training.checkpointing.store import CheckpointStore, parse_step
 from training.events import Event, append_event
 from training.fsutil import atomic_write_bytes
 from training.paths import RunPaths
+from training.tracking.metrics import read_metric_lines
 
 #: Prefix of the private hard-link stage of a checkpoint being versioned (ignored by the store).
 STAGE_PREFIX = ".stage-"
@@ -246,7 +252,7 @@ def _version_locked(
             manifest = CheckpointStore(run_dir).verify(stage, step=step).manifest  # the store's own check
         except (ValueError, OSError, KeyError) as exc:
             raise VersioningError(f"{ckpt.name} does not verify, not versioning it: {exc}") from None
-        snap = _StagedCheckpoint(ckpt, stage, step, manifest["digest"])
+        snap = _StagedCheckpoint(ckpt, stage, step, manifest["digest"], manifest)
         result = _with_repo(repo_root, ckpt, lambda repo: _add_and_push(repo, snap, remote, push))
     except VersioningError:
         raise
@@ -262,7 +268,40 @@ def _version_locked(
         shutil.rmtree(stage, ignore_errors=True)
         stage.with_name(stage.name + ".dvc").unlink(missing_ok=True)
     append_event(run_dir, Event.CHECKPOINT_VERSIONED, **result)
+    if result["published"]:
+        _record_published(run_dir, result, manifest)
     return result
+
+
+def _record_published(run_dir: Path, result: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """The upload lag of a checkpoint that just became visible in the remote index: how many
+    steps the newest committed checkpoint is ahead of it, and how long after its commit it became
+    visible (``checkpoint_published`` event, ``convoy status``, MLflow metrics)."""
+    latest = parse_step(_read_latest(run_dir)) or result["step"]
+    lag = {
+        "upload_lag_steps": max(0, latest - result["step"]),
+        "upload_lag_s": round(max(0.0, time.time() - float(manifest.get("created") or time.time())), 3),
+    }
+    append_event(
+        run_dir,
+        Event.CHECKPOINT_PUBLISHED,
+        step=result["step"],
+        digest=result["digest"],
+        dvc_md5=result["dvc_md5"],
+        index=result["index"],
+        upload_s=round(result["add_s"] + result["push_s"], 3),
+        **lag,
+    )
+    from tasks.run_records import log_upload_lag
+
+    log_upload_lag(run_dir, result["step"], lag)
+
+
+def _read_latest(run_dir: Path) -> str:
+    try:
+        return RunPaths(run_dir).latest.read_text().strip()
+    except OSError:
+        return ""
 
 
 @dataclass(frozen=True)
@@ -274,6 +313,7 @@ class _StagedCheckpoint:
     stage: Path
     step: int
     digest: str
+    manifest: dict[str, Any]
 
 
 def _add_and_push(repo: Any, snap: _StagedCheckpoint, remote: str | None, push: bool) -> dict[str, Any]:
@@ -285,11 +325,17 @@ def _add_and_push(repo: Any, snap: _StagedCheckpoint, remote: str | None, push: 
     add_s = time.perf_counter() - t0
     out = stages[0].outs[0]
     md5 = out.hash_info.value if out.hash_info else None
-    pushed, push_s = 0, 0.0
+    pushed, push_s, published, index = 0, 0.0, False, None
     if push:
         t1 = time.perf_counter()
         pushed = repo.push(targets=[str(stage.with_name(stage.name + ".dvc"))], remote=remote_name)
         push_s = time.perf_counter() - t1
+        # Every object of the checkpoint is in the remote now: only then may the index name it.
+        faults.upload_stall(snap.step)
+        run = remote_run(repo, remote_name, ckpt.parent.parent)
+        entry = remote_index.entry_for(snap.step, snap.digest, out, snap.manifest)
+        published = remote_index.publish(run, entry, list(read_metric_lines(RunPaths(ckpt.parent.parent).metrics)))
+        index = run.path(remote_index.INDEX_NAME)
     # Only now does checkpoints/step-N.dvc appear (same content hash, naming the real checkpoint):
     # a .dvc file is never there before its data is in the remote, even if this process is killed.
     dvcfile = _move_dvcfile(stage, ckpt)
@@ -303,7 +349,19 @@ def _add_and_push(repo: Any, snap: _StagedCheckpoint, remote: str | None, push: 
         "files_pushed": pushed,
         "add_s": round(add_s, 3),
         "push_s": round(push_s, 3),
+        "published": published,
+        "index": index,
     }
+
+
+def remote_run(repo: Any, remote_name: str | None, run_dir: Path) -> remote_index.RemoteRun:
+    """The run's folder in the remote ``remote_name`` (None: the default remote), named by what a
+    fresh clone computes from the params alone: the run name and the config fingerprint."""
+    from training.rundir import load_run_config
+
+    cfg = load_run_config(run_dir)
+    remote = repo.cloud.get_remote(remote_name)
+    return remote_index.RemoteRun.of(remote, remote_label(repo, remote_name, ""), cfg.run_name, cfg.fingerprint())
 
 
 def version_checkpoint_async(

@@ -19,6 +19,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -37,6 +38,27 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _start_server(
+    cmd: list[str], home: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
+    """Start a server in its own process group (stopped whole), its output in ``home/server.log``."""
+    log = open(home / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+    )
+    return proc, log
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], home: Path, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not _healthy(url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{Path(proc.args[0]).name} server did not start: {(home / 'server.log').read_text()[-2000:]}"
+            )
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Start ``prefect server start`` on 127.0.0.1:<free port>; yield its API URL."""
@@ -53,21 +75,10 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "PREFECT_API_URL": url,
     }
     prefect_bin = Path(sys.executable).parent / "prefect"
-    log = open(home / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(
-        [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
+    cmd = [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    proc, log = _start_server(cmd, home, env=env)
     try:
-        deadline = time.monotonic() + 180
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+        _wait_healthy(proc, home, url, timeout_s=180)
         saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
         os.environ["PREFECT_API_URL"] = url  # for subprocesses (flows started by tests)
         os.environ["PREFECT_HOME"] = str(home)
@@ -116,3 +127,55 @@ def reference_digest(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -
     from tests.flow_util import uninterrupted_digest
 
     return uninterrupted_digest(tmp_path_factory.mktemp("reference"), data_dir, "reference")
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[dict[str, object]]:
+    """A real S3-API HTTP endpoint on 127.0.0.1 with one bucket: moto's standalone server, the
+    stand-in for AWS S3 or MinIO (no client is patched: DVC's s3fs talks HTTP to it).  ``env`` is
+    what a machine using the remote sets: credentials, region and ``AWS_ENDPOINT_URL`` (botocore
+    reads it; for MinIO it is the MinIO URL)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ACCESS_KEY_ID": "convoy-test",
+        "AWS_SECRET_ACCESS_KEY": "convoy-test-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    try:
+        client = boto3.client(
+            "s3",
+            endpoint_url=env["AWS_ENDPOINT_URL"],
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+            region_name=env["AWS_DEFAULT_REGION"],
+        )
+        client.create_bucket(Bucket="convoy-remote")
+        yield {"bucket": "convoy-remote", "env": env}
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real ``mlflow server`` (SQLite backend, artifacts served) on 127.0.0.1, for tests where
+    several "machines" log into one MLflow run.  Slow to start (15-50 s), so one per session; it
+    runs in its own process group (its job consumers included), killed whole at the end."""
+    home = tmp_path_factory.mktemp("mlflow-server")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{home}/mlflow.db"]
+    proc, log = _start_server([*cmd, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"], home, cwd=home)
+    try:
+        _wait_healthy(proc, home, url, timeout_s=240)
+        yield url
+    finally:
+        from tests.flow_util import stop_group
+
+        stop_group(proc, check=False)
+        log.close()

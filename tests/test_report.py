@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.report import PLAIN_EVERY_S, failure_lines, plain_due, progress_line
+from flows.report import PLAIN_EVERY_S, failure_lines, plain_due, progress_line, travel_rows
 from tasks.supervisor import ChunkFailed
 from tests.flow_util import REPO, params
 
@@ -36,6 +36,19 @@ def test_progress_line_and_plain_cadence() -> None:
     )
     assert not plain_due(10.0, 0.0, 20, 0, 400)
     assert plain_due(PLAIN_EVERY_S, 0.0, 20, 0, 400) and plain_due(1.0, 0.0, 40, 0, 400)
+
+
+def test_travel_rows_name_the_fetch_and_the_node_change() -> None:
+    fetch = {"attempt": 2, "step": 30, "node": "node-b", "fetch_s": 0.4}
+    summary = {
+        "fetched": {"step": 25, "fetch_s": 0.3},
+        "chunks": [{"chunk": 1, "nodes": ["node-a"]}, {"chunk": 2, "nodes": ["node-a", "node-b"], "fetched": [fetch]}],
+    }
+    assert travel_rows(summary) == [
+        ("fetched from the remote", "step 25 in 0.30 s"),
+        ("chunk 2 nodes", "node-a → node-b (fetched step 30 on node-b in 0.40 s)"),
+    ]
+    assert travel_rows({"fetched": None, "chunks": [{"chunk": 1}]}) == []
 
 
 def test_classified_failures_log_no_traceback() -> None:

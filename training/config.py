@@ -217,7 +217,9 @@ class TrackingConfig(_Strict):
     #: Tracking URI; empty = $MLFLOW_TRACKING_URI or sqlite:///mlflow.db in the working directory.
     mlflow_uri: str = ""
     experiment: str = "convoy"
-    #: Push each committed chunk checkpoint to the DVC remote.
+    #: Upload committed checkpoints to the DVC remote in the background (each chunk boundary, and
+    #: the newest one whenever the uploader is free) and fetch the remote's newest one before a
+    #: resume: a run continues on any machine (invariant 10; ``tasks/remote_checkpoints.py``).
     dvc: bool = False
     dvc_remote: str = ""
 

@@ -23,12 +23,15 @@ from training.paths import EVENTS_FILE, RunPaths  # noqa: F401 - EVENTS_FILE re-
 class Event(StrEnum):
     """Every kind of audit event, named once (a StrEnum: equal to its string, written as it)."""
 
+    CHECKPOINT_FETCHED = "checkpoint_fetched"
+    CHECKPOINT_PUBLISHED = "checkpoint_published"
     CHECKPOINT_RETIRED = "checkpoint_retired"
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"
     CHECKPOINT_VERSIONED = "checkpoint_versioned"
     CHECKPOINTS_PULLED = "checkpoints_pulled"
     CHUNK_DONE = "chunk_done"
+    CHUNK_FLOW_RUN_FAILED = "chunk_flow_run_failed"
     CONFIG_CHANGED = "config_changed"
     CONFIG_ERROR = "config_error"
     FAILURE = "failure"
@@ -40,6 +43,7 @@ class Event(StrEnum):
     NONDETERMINISTIC_RESUME = "nondeterministic_resume"
     PREEMPTED = "preempted"
     REAP_FAILED = "reap_failed"
+    REMOTE_CHECKPOINT_REFUSED = "remote_checkpoint_refused"
     REPEATED_FAILURE = "repeated_failure"
     REPLAY_AFTER_RESIZE = "replay_after_resize"
     REPLAY_VERIFIED = "replay_verified"
@@ -111,3 +115,25 @@ def read_events(run_dir: str | Path, kind: str | None = None) -> list[dict[str, 
         if kind is None or rec.get("kind") == kind:
             out.append(rec)
     return out
+
+
+def carry_events(run_dir: str | Path, records: list[dict[str, Any]]) -> int:
+    """Append events written elsewhere (a pool node's, brought back with its chunk's outcome) as
+    they are, skipping any this log already holds (a node on shared storage wrote into it
+    directly); one write, so no reader sees half of them.  Returns how many were added."""
+    have = {json.dumps(e, sort_keys=True, default=str) for e in read_events(run_dir)}
+    lines = []
+    for rec in records:
+        line = json.dumps(rec, sort_keys=True, default=str)
+        if line not in have:
+            have.add(line)
+            lines.append(line + "\n")
+    if lines:
+        path = RunPaths(run_dir).events
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, "".join(lines).encode())
+        finally:
+            os.close(fd)
+    return len(lines)

@@ -7,8 +7,9 @@ ENOSPC from a given step on, or once when PATH exists (an injected writer error,
 disk), one stalled training step (``step:seconds``, or the next one once PATH exists), a
 pause before every step, and ``micro_stall=S:K:SECONDS:PATH``: before micro-batch K (1-based)
 of optimizer step S, create PATH and stall, once (not again once PATH exists), so a test can
-kill the worker provably inside a gradient-accumulation window.  Unset in normal runs: every check is one
-dict lookup.
+kill the worker provably inside a gradient-accumulation window; ``upload_stall=S:SECONDS:PATH``
+stalls the checkpoint uploader between the data and the index of step S.  Unset in normal runs:
+every check is one dict lookup.
 """
 
 from __future__ import annotations
@@ -81,4 +82,18 @@ def micro_stall(step: int, micro: int) -> None:
     if step == int(at) and micro == int(k) and not os.path.exists(path):
         with open(path, "w") as fh:
             fh.write(f'{{"step": {step}, "micro": {micro}}}\n')
+        time.sleep(float(seconds))
+
+
+def upload_stall(step: int) -> None:
+    """``upload_stall=S:SECONDS:PATH``: once every object of checkpoint S is in the DVC remote but
+    before the remote index names it, create PATH and stall, once (not again once PATH exists), so
+    a test can kill the uploader provably half-way through an upload."""
+    spec = _faults().get("upload_stall")
+    if not spec:
+        return
+    at, seconds, path = spec.split(":", 2)
+    if step == int(at) and not os.path.exists(path):
+        with open(path, "w") as fh:
+            fh.write(f'{{"step": {step}}}\n')
         time.sleep(float(seconds))

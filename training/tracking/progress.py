@@ -148,6 +148,32 @@ def _audit_fields(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _upload_fields(config: RunConfig, events: list[dict[str, Any]], ck_step: int | None) -> dict[str, Any]:
+    """With ``tracking.dvc``: the newest checkpoint in the remote index (as this machine's
+    ``checkpoint_published``/``checkpoint_fetched`` events say) and how far the newest verified
+    checkpoint here is ahead of it (the upload lag); all None without versioning."""
+    if not config.tracking.dvc:
+        return {"uploaded_step": None, "upload_lag_steps": None, "upload_lag_s": None}
+    published = [e for e in events if e["kind"] in (Event.CHECKPOINT_PUBLISHED, Event.CHECKPOINT_FETCHED)]
+    steps = [int(e["step"]) for e in published if e.get("step") is not None]
+    uploaded = max(steps) if steps else None
+    last = [e.get("upload_lag_s") for e in published if e["kind"] == Event.CHECKPOINT_PUBLISHED]
+    return {
+        "uploaded_step": uploaded,
+        "upload_lag_steps": max(0, (ck_step or 0) - (uploaded or 0)) if ck_step is not None else None,
+        "upload_lag_s": last[-1] if last else None,
+    }
+
+
+def describe_upload(st: dict[str, Any]) -> str | None:
+    """``step 40, 5 steps behind (last upload 1.2 s after its commit)``; None without versioning."""
+    if st.get("upload_lag_steps") is None:
+        return None
+    up = f"step {st['uploaded_step']}" if st["uploaded_step"] is not None else "nothing yet"
+    after = f" (last upload {st['upload_lag_s']:.1f} s after its commit)" if st.get("upload_lag_s") is not None else ""
+    return f"{up}, {st['upload_lag_steps']} steps behind{after}"
+
+
 def _beat_fields(beat: dict[str, Any] | None, now: float) -> dict[str, Any]:
     """What the newest heartbeat says of the worker (all None without one)."""
     return {
@@ -212,5 +238,6 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
         "steps_per_s": round(rate, 3) if rate else None,
         "eta_s": round(eta, 1) if eta is not None and not finished else None,
         **_checkpoint_fields(newest, verify, step),
+        **_upload_fields(config, events, ck_step),
         **_audit_fields(events),
     }

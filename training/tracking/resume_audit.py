@@ -12,7 +12,8 @@ DVC plots and the flow's MLflow audit (:mod:`tasks.mlflow_audit`) all count from
 A *recovery* is a worker start (``started``/``resumed``) that follows a failure: a supervisor
 ``failure`` event, a ``preempted`` event, or a previous worker that never reported
 ``worker_done`` (killed without anyone noticing).  A worker starting the next chunk after a clean
-``worker_done`` is a continuation, not a resume.
+``worker_done`` is a continuation, not a resume.  A ``checkpoint_fetched`` event before the start
+(the checkpoint came from the remote, another machine's upload) gives the row its ``fetch_s``.
 """
 
 from __future__ import annotations
@@ -70,9 +71,12 @@ def analyse_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     current: dict[str, Any] | None = None  # the row of the running (resumed) worker session
     failures = 0
     nondet: list[dict[str, Any]] = []
+    fetch: dict[str, Any] | None = None  # a download from the remote just before the next start
     for ev in events:
         kind = ev.get("kind")
-        if kind == "failure":
+        if kind == "checkpoint_fetched":
+            fetch = ev
+        elif kind == "failure":
             if pending is None or "failure" in pending:
                 failures += 1
                 pending = {}
@@ -90,10 +94,11 @@ def analyse_events(events: list[dict[str, Any]]) -> dict[str, Any]:
                 pending = {"unreported": True}
             if pending is not None:
                 current = _row(ev, pending)
+                current["fetch_s"] = fetch.get("fetch_s") if fetch else None
                 rows.append(current)
             else:
                 current = None
-            pending, session_open = None, True
+            pending, session_open, fetch = None, True, None
         elif kind == "worker_done" and _rank0(ev):
             session_open, current = False, None
         elif kind in ("replay_verified", "replay_mismatch") and current is not None:
@@ -140,6 +145,7 @@ def _row(start: dict[str, Any], pending: dict[str, Any]) -> dict[str, Any]:
         "lost_steps": lost,
         "recovery_s": round(start["time"] - failed_time, 3) if failed_time and start.get("time") else None,
         "load_s": start.get("load_s"),
+        "fetch_s": None,  # T_fetch: the download from the remote before this start, if any
         "checkpoint": start.get("checkpoint"),
         "checkpoint_digest": start.get("digest"),
         "replay_verified": None,  # filled by the session's replay_verified / mismatch events

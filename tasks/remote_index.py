@@ -1,0 +1,185 @@
+"""A run's place in the DVC remote: the index of its uploaded checkpoints, beside DVC's objects.
+
+Why: DVC stores a checkpoint content-addressed (``files/md5/…``; a directory is a ``.dir``
+object listing its files), so the data is findable only through its hash, which lives in a
+``.dvc`` file that someone would have to commit and push with git before another machine could
+pull it.  The index is the missing link: a machine that has only the git repository (the params
+and the code, as committed before training started) computes the run's name and fingerprint,
+reads the index and finds the newest uploaded checkpoint, with no git commit in between.
+
+Layout, under the remote's URL (a directory or ``s3://bucket/prefix``), next to DVC's ``files/``::
+
+    convoy/runs/<run name>/<fingerprint>/index.json
+        {"format": 1, "run": <run name>, "fingerprint": <16 hex>,
+         "checkpoints": [{"step", "digest", "dvc_md5" (<md5>.dir), "bytes", "nfiles",
+                          "fingerprint" (of the manifest), "node", "uploaded" (unix time)}, ...],
+         "metrics": [{"from", "through", "object": "metrics/<through:09d>.jsonl"}, ...]}
+    convoy/runs/<run name>/<fingerprint>/metrics/<through:09d>.jsonl
+        the run's ``metrics.jsonl`` rows of steps (previous through, through]
+
+Consistency: the index is written last, after every object of the checkpoint (its files and
+its ``.dir`` listing) and the metric rows are in the remote, and it is replaced whole: a local
+directory through a temporary file and a rename, an object store with one PUT (atomic there).
+So a reader sees the previous index or the next one, and an upload killed half-way leaves
+objects no index names: never a half-uploaded checkpoint that looks valid.  One writer per run at
+a time (the node training it); entries are only ever added.
+
+The metric rows travel with the checkpoints so that the node that resumes a run has the
+history up to its checkpoint: its MLflow client fills in points the failed node had queued but
+not sent (``MlflowBackend.reconcile``), keeping exactly one point per (metric, step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from training.fsutil import atomic_write_bytes
+
+INDEX_FORMAT = 1
+INDEX_NAME = "index.json"
+#: Where convoy's files live in a DVC remote (DVC's own objects are under ``files/``).
+REMOTE_DIR = "convoy/runs"
+
+
+def node_name() -> str:
+    """This machine as the index and the events name it: ``$CONVOY_NODE``, else the host name."""
+    return os.environ.get("CONVOY_NODE") or os.uname().nodename
+
+
+def empty_index(run_name: str, fingerprint: str) -> dict[str, Any]:
+    return {"format": INDEX_FORMAT, "run": run_name, "fingerprint": fingerprint, "checkpoints": [], "metrics": []}
+
+
+@dataclass
+class RemoteRun:
+    """One run's files in one DVC remote: ``fs`` is the remote's file system (DVC's, so a local
+    directory, S3 or any DVC remote), ``odb`` its content-addressed object store, ``root`` the
+    run's folder (:data:`REMOTE_DIR`), ``label`` how messages name the remote."""
+
+    fs: Any
+    odb: Any
+    root: str
+    label: str
+    run_name: str
+    fingerprint: str
+
+    @classmethod
+    def of(cls, remote: Any, label: str, run_name: str, fingerprint: str) -> RemoteRun:
+        """From DVC's ``Remote`` (``repo.cloud.get_remote(name)``)."""
+        root = remote.fs.join(remote.path, *REMOTE_DIR.split("/"), run_name, fingerprint)
+        return cls(remote.fs, remote.odb, root, label, run_name, fingerprint)
+
+    def path(self, rel: str) -> str:
+        return self.fs.join(self.root, *rel.split("/"))
+
+    def read_index(self) -> dict[str, Any]:
+        """The run's index (an empty one if nothing was uploaded yet).  A damaged index is an
+        error naming it: guessing the newest checkpoint from the objects would be exactly what
+        the index exists to avoid."""
+        path = self.path(INDEX_NAME)
+        try:
+            raw = self.fs.cat_file(path)
+        except FileNotFoundError:
+            return empty_index(self.run_name, self.fingerprint)
+        try:
+            index = json.loads(raw)
+            if not isinstance(index.get("checkpoints"), list):
+                raise ValueError("no 'checkpoints' list")
+        except (ValueError, AttributeError) as exc:
+            raise ValueError(f"{path} in {self.label} is not a convoy index ({exc})") from None
+        index.setdefault("metrics", [])
+        return index
+
+    def put(self, rel: str, data: bytes) -> None:
+        """Write one file of the run's folder whole: a reader sees all of it or the old one."""
+        path = self.path(rel)
+        if self.fs.protocol == "local":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(Path(path), data)  # temp file + fsync + rename
+            return
+        self.fs.makedirs(self.fs.parent(path), exist_ok=True)
+        self.fs.pipe_file(path, data)  # one PUT: atomic on an object store
+
+    def get(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def write_index(self, index: dict[str, Any]) -> None:
+        self.put(INDEX_NAME, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
+
+    def download(self, dvc_md5: str, dest: Path) -> int:
+        """Copy the files of the checkpoint whose DVC directory hash is ``dvc_md5`` into
+        ``dest`` (created), straight from the remote's objects (no DVC cache, so a corrupt object
+        never settles in one); returns the bytes copied.  A missing object is FileNotFoundError."""
+        from dvc_data.hashfile.hash_info import HashInfo
+        from dvc_data.hashfile.tree import Tree
+
+        tree = Tree.load(self.odb, HashInfo("md5", dvc_md5))
+        sources, targets = [], []
+        for key, _meta, hash_info in tree:
+            if any(part in ("", ".", "..") or "/" in part for part in key):
+                raise ValueError(f"{dvc_md5} lists {'/'.join(key)!r}: not a plain path (refused)")
+            target = dest.joinpath(*key)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            sources.append(self.odb.oid_to_path(hash_info.value))
+            targets.append(str(target))
+        dest.mkdir(parents=True, exist_ok=True)
+        if self.fs.protocol == "local":  # a kernel copy: DVC's own goes through Python in 64 MiB reads
+            for source, target in zip(sources, targets, strict=True):
+                shutil.copyfile(source, target)
+        elif sources:
+            self.fs.get(sources, targets)
+        return sum(Path(t).stat().st_size for t in targets)
+
+
+def entry_for(step: int, digest: str, out: Any, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The index entry of a checkpoint DVC just pushed (``out``: the ``.dvc`` file's output)."""
+    meta = getattr(out, "meta", None)
+    return {
+        "step": step,
+        "digest": digest,
+        "dvc_md5": out.hash_info.value,
+        "bytes": int(getattr(meta, "size", 0) or 0),
+        "nfiles": int(getattr(meta, "nfiles", 0) or 0),
+        "fingerprint": manifest.get("fingerprint"),
+        "node": node_name(),
+        "uploaded": round(time.time(), 3),
+    }
+
+
+def publish(run: RemoteRun, entry: dict[str, Any], metric_rows: list[tuple[int, dict[str, float]]]) -> bool:
+    """Add ``entry`` to the run's index, after the metric rows not uploaded yet; False (nothing
+    written) when the index already lists that step with that digest."""
+    index = run.read_index()
+    if any(e.get("step") == entry["step"] and e.get("digest") == entry["digest"] for e in index["checkpoints"]):
+        return False
+    through = max((int(m["through"]) for m in index["metrics"]), default=0)
+    rows = [(s, m) for s, m in metric_rows if through < s <= entry["step"]]
+    if rows:
+        rel = f"metrics/{entry['step']:09d}.jsonl"
+        run.put(rel, "".join(json.dumps({"step": s, "metrics": m}, sort_keys=True) + "\n" for s, m in rows).encode())
+        index["metrics"].append({"from": rows[0][0], "through": entry["step"], "object": rel})
+    index["checkpoints"] = sorted(
+        [e for e in index["checkpoints"] if e.get("step") != entry["step"]] + [entry], key=lambda e: e["step"]
+    )
+    index["updated"] = entry["uploaded"]
+    run.write_index(index)  # last: only now is the checkpoint visible
+    return True
+
+
+def metric_rows_through(run: RemoteRun, index: dict[str, Any], step: int) -> list[tuple[int, dict[str, float]]]:
+    """The uploaded metric rows of steps up to ``step``, in step order (first value of a step wins)."""
+    rows: dict[int, dict[str, float]] = {}
+    for segment in sorted(index.get("metrics", []), key=lambda m: int(m["from"])):
+        if int(segment["from"]) > step:
+            continue
+        for line in run.get(segment["object"]).decode().splitlines():
+            rec = json.loads(line)
+            if int(rec["step"]) <= step:
+                rows.setdefault(int(rec["step"]), {k: float(v) for k, v in rec["metrics"].items()})
+    return sorted(rows.items())
