@@ -148,6 +148,7 @@ def test_a_stream_that_ends_is_a_one_line_data_error(workers: int) -> None:
             next(batches)
     assert str(exc.value).startswith("train_data: the stream of rank 0, loader worker") and "\n" not in str(exc.value)
     assert "endless stream" in str(exc.value)
+    assert batches.it is None  # the loader's workers are stopped with the error, not left for exit
 
 
 def test_streams_convoy_cannot_resume_are_refused_in_one_line() -> None:

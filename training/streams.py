@@ -180,6 +180,7 @@ class StreamBatches:
                     with preserved_host_rngs():
                         batch, wid, state = next(self.it)
             except StreamEnded as exc:  # from a worker: "Caught StreamEnded ... StreamEnded: <line>"
+                self.close()
                 raise ConfigError(str(exc).splitlines()[-1].split("StreamEnded: ", 1)[-1]) from None
             self.held[wid].append((batch, state))
         batch, state = self.held[want].popleft()
@@ -189,6 +190,15 @@ class StreamBatches:
 
     def state_dict(self) -> dict[str, Any]:
         return {"num_workers": self.num_workers, "next_worker": self.next_worker, "workers": list(self.workers)}
+
+    def close(self) -> None:
+        """Stop the loader's worker processes now.  Why explicitly: an iterator still referenced
+        from an exception's traceback keeps its workers until interpreter exit, where joining
+        them can wait forever (seen: a stream that ended left the process hanging at exit)."""
+        it, self.it = self.it, None
+        shutdown = getattr(it, "_shutdown_workers", None)  # torch's multi-process iterator only
+        if shutdown is not None:
+            shutdown()
 
 
 def make_stream_loader(

@@ -684,9 +684,16 @@ class Worker:
         self.attach_tracking(metrics, wait=True)
         metrics.close()
         append_event(self.run_dir, Event.PREEMPTED, rank=self.rank, step=self.state.step)
+        self.close_stream()
         self.hb.stop("done")
         distributed.shutdown()
         return EXIT_PREEMPTED
+
+    def close_stream(self) -> None:
+        """Stop a stream loader's worker processes before exit (they ignore SIGTERM, so the
+        interpreter's exit-time join of a live one would wait forever)."""
+        if self.state.stream is not None:
+            self.state.stream.close()
 
     def finish(self, loss: float | None) -> int:
         self.store.wait()
@@ -694,6 +701,7 @@ class Worker:
         digest = ck.digest if ck else None
         append_event(self.run_dir, Event.WORKER_DONE, rank=self.rank, step=self.state.step, digest=digest, loss=loss)
         self.log(f"{WorkerSays.DONE_AT} {self.state.step} (digest {digest})")
+        self.close_stream()
         self.hb.stop("done")
         distributed.shutdown()
         return 0
