@@ -25,6 +25,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.deployments import run_deployment
 
+from tasks import run_records
 from tasks.chunk import chunk_record, run_chunk, should_retry
 from tasks.supervisor import NOT_RETRYABLE, ChunkFailed
 from training.config import RunConfig
@@ -48,7 +49,8 @@ def train_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> dic
         retry_condition_fn=should_retry,
         tags=["convoy", f"run:{cfg.run_name}", cfg.orchestration.concurrency_tag],
     )
-    return chunk_record(task(run_dir, chunk, start_step, end_step))
+    with run_records.system_metrics(cfg, Path(run_dir)):  # sampled on the node that trains
+        return chunk_record(task(run_dir, chunk, start_step, end_step))
 
 
 def _since(run_dir: Path, kind: str, chunk: int, t0: float) -> list[dict[str, Any]]:

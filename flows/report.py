@@ -18,11 +18,19 @@ ML_VIEW = "workflowType=machine_learning"
 LOG_LINES = 8
 
 
-def mlflow_link(run_dir: str | Path) -> tuple[str | None, str | None]:
-    """(URL of the run in the MLflow UI, hint how to start that UI), from ``run.json``.
+#: Where ``mlflow ui`` serves when given no ``--host``/``--port``.
+MLFLOW_UI_DEFAULT = "http://127.0.0.1:5000"
 
-    A local store (``sqlite:``/a path) has no UI running: the URL is the default ``mlflow ui``
-    address and the hint the command that serves it."""
+
+def mlflow_link(run_dir: str | Path) -> tuple[str | None, str | None]:
+    """(URL of the run in the MLflow UI, hint how to start that UI), from ``run.json``: built
+    from the tracking URI the run actually used.
+
+    A server URI (``http(s)://``) is its own UI.  A local store (``sqlite:``/a path) has no UI
+    running: the URL is where ``tracking.mlflow_ui_url`` says it is served (``mlflow ui``'s
+    default address without it) and the hint the command that serves that store there."""
+    from urllib.parse import urlsplit
+
     from training.rundir import run_info
 
     info = run_info(run_dir) or {}
@@ -32,16 +40,19 @@ def mlflow_link(run_dir: str | Path) -> tuple[str | None, str | None]:
     path = f"#/experiments/{exp_id}/runs/{run_id}?{ML_VIEW}" if exp_id else f"#/runs/{run_id}?{ML_VIEW}"
     if uri.startswith(("http://", "https://")):
         return f"{uri.rstrip('/')}/{path}", None
-    return f"http://127.0.0.1:5000/{path}", f"mlflow ui --backend-store-uri {uri}"
+    ui = (info.get("mlflow_ui") or MLFLOW_UI_DEFAULT).rstrip("/")
+    where = urlsplit(ui)
+    serve = f" --host {where.hostname}" if where.hostname not in (None, "127.0.0.1", "localhost") else ""
+    serve += f" --port {where.port}" if where.port not in (None, 5000) else ""
+    return f"{ui}/{path}", f"mlflow ui --backend-store-uri {uri}{serve}"
 
 
 def prefect_link(flow_run_id: str | None) -> str | None:
-    """The flow run in the Prefect UI, when a server (``PREFECT_API_URL``) was used; an embedded
-    ephemeral API is gone once the command ends, so it gets no link."""
-    from prefect.settings import get_current_settings
+    """The flow run in the Prefect UI (None with an embedded ephemeral API: gone once the command
+    ends)."""
+    from tasks.artifacts import prefect_ui_url
 
-    ui = get_current_settings().ui_url
-    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui and flow_run_id else None
+    return prefect_ui_url(flow_run_id)
 
 
 def final_loss(summary: dict[str, Any]) -> float | None:

@@ -34,6 +34,7 @@ from tasks.failure_kinds import (
     classify_exit,
     config_message,
     diskfull_message,
+    error_line,
     launcher_exit,
     oom_kills,
     signame,
@@ -45,7 +46,7 @@ from training.config import EXIT_CONFIG
 from training.events import Event, FailureKind, append_event
 from training.heartbeat import beat_is_local, heartbeat_path, read_heartbeat
 from training.paths import RunPaths
-from training.tracking.resume_audit import steps_lost, trained_high_water
+from training.tracking.resume_audit import resume_point, steps_lost, trained_high_water
 
 #: Re-exported: callers only need this module.
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "Outcome",
     "classify_exit",
     "newest_verified_step",
+    "resume_point",
     "reap_stale_worker",
     "stop_group",
     "WorkerAttempt",
@@ -65,7 +67,7 @@ __all__ = [
 ]
 
 
-#: Failure kinds whose reason says it all (no "last output" or "first to fail" appended).
+#: Failure kinds whose reason says it all (no "first to fail" node appended).
 _SAYS_WHY = (FailureKind.CONFIG, FailureKind.PREEMPTED, FailureKind.DISKFULL)
 
 
@@ -352,10 +354,12 @@ def _size(path: Path) -> int:
 
 def newest_verified_step(run_dir: Path) -> int | None:
     """Step of the newest *verified* checkpoint (imported lazily: it pulls in torch)."""
-    from training.checkpointing.store import CheckpointStore
+    return resume_point(run_dir)[0]
 
-    ck = CheckpointStore(run_dir).latest_valid(record=False)
-    return ck.step if ck is not None else None
+
+def _clock(t: float) -> str:
+    """A log header's time, as a person reads it (UTC)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
 @dataclass(frozen=True)
@@ -441,7 +445,7 @@ class WorkerAttempt:
             self.proc, offset = self.take_standby() or _spawn(
                 spec.cmd,
                 self.log_path,
-                f"chunk={spec.chunk} attempt={spec.attempt} started={self.started:.3f}",
+                f"chunk={spec.chunk} attempt={spec.attempt} started {_clock(self.started)}",
                 cwd=spec.cwd,
                 env=self.environment(),
             )
@@ -471,7 +475,7 @@ class WorkerAttempt:
         with open(ready.log_path, "ab") as log:
             log.write(
                 f"# convoy chunk={spec.chunk} attempt={spec.attempt} took over standby pid {ready.proc.pid} "
-                f"at {self.started:.3f}\n".encode()
+                f"at {_clock(self.started)}\n".encode()
             )
         append_event(
             self.run_dir,
@@ -484,7 +488,7 @@ class WorkerAttempt:
         return ready.proc, ready.offset
 
     def start_standby(self, standby_cmd: list[str], standby_log: Path) -> tuple[subprocess.Popen, int]:
-        header = f"standby started={time.time():.3f}"
+        header = f"standby started {_clock(time.time())}"
         return _spawn(
             standby_cmd, standby_log, header, cwd=self.spec.cwd, env=self.environment(), stdin=subprocess.PIPE
         )
@@ -600,7 +604,7 @@ class WorkerAttempt:
     def failure_report(self, rc: int, seconds: float) -> ChunkFailed:
         """Audit the failure (one ``failure`` event, steps lost by their one definition) and say it."""
         kind, reason, detected_after = self.classify(rc)
-        committed = newest_verified_step(self.run_dir)
+        committed, passed_over = resume_point(self.run_dir)
         trained_to = trained_high_water(self.run_dir, self.watched.last_step, self.metrics_offset)
         details = {
             "detected_after_s": round(detected_after, 3),
@@ -608,6 +612,7 @@ class WorkerAttempt:
             "trained_to": trained_to,
             "last_committed_step": committed,
             "steps_lost": steps_lost(trained_to, committed),  # the next attempt resumes from `committed`
+            "passed_over": passed_over,  # newer checkpoints that do not verify: why it resumes further back
             "returncode": rc,
             "reason": reason,
             "log": str(self.log_path),
@@ -625,6 +630,7 @@ class WorkerAttempt:
         details.update(tail=list(self.tail)[-10:], seconds=round(seconds, 3))
         where = f"chunk {self.spec.chunk}" if self.spec.chunk is not None else "worker"
         message = f"{where} {kind}: {reason}"
-        if kind not in _SAYS_WHY and self.tail:
-            message += f" | last output: {self.tail[-1][:300]}"
+        said = error_line(self.tail) if kind in (FailureKind.CRASH, FailureKind.OOM) else None
+        if said:  # a process that ended itself said why; a killed or stalled one did not
+            message += f" | last output: {said[:300]}"
         return ChunkFailed(kind, message, details)

@@ -31,7 +31,7 @@ TINY = {
     "on_config_change": "new_run",
     "task_args": {"n_layer": 1, "n_head": 2, "d_model": 32, "dropout": 0.1},
     "data": {"synthetic_chars": 20000, "seq_len": 16},
-    "train": {"total_steps": 20, "chunk_steps": 10, "batch_size": 4, "warmup_steps": 2},
+    "train": {"total_steps": 20, "chunk_steps": 10, "batch_size": 4, "warmup_steps": 2, "lr": 0.003},
     "checkpoint": {"every_steps": 10},
     "heartbeat": {"interval_s": 0.2},
 }

@@ -216,7 +216,17 @@ class TrackingConfig(_Strict):
     mlflow: bool = True
     #: Tracking URI; empty = $MLFLOW_TRACKING_URI or sqlite:///mlflow.db in the working directory.
     mlflow_uri: str = ""
+    #: Where the MLflow UI of a local store (sqlite:/file) is served, for the links convoy prints;
+    #: empty = ``mlflow ui``'s default, http://127.0.0.1:5000.  A server URI is its own UI.
+    mlflow_ui_url: str = ""
     experiment: str = "convoy"
+    #: MLflow's own system metrics (CPU, memory, disk, network, GPU) every this many seconds
+    #: while a chunk trains; 0 = off.
+    system_metrics_s: float = Field(5.0, ge=0)
+    #: Log the final model (safetensors + config, nothing pickled) as an MLflow logged model...
+    log_model: bool = True
+    #: ...and register it as a version of the registered model named after the run.
+    register_model: bool = True
     #: Push each committed chunk checkpoint to the DVC remote.
     dvc: bool = False
     dvc_remote: str = ""

@@ -23,6 +23,7 @@ from training.paths import EVENTS_FILE, RunPaths  # noqa: F401 - EVENTS_FILE re-
 class Event(StrEnum):
     """Every kind of audit event, named once (a StrEnum: equal to its string, written as it)."""
 
+    ATTEMPT_STARTED = "attempt_started"
     CHECKPOINT_RETIRED = "checkpoint_retired"
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"
@@ -35,6 +36,7 @@ class Event(StrEnum):
     FIRST_STEP = "first_step"
     FLOW_DONE = "flow_done"
     FLOW_STARTED = "flow_started"
+    FLOW_TAKEN_OVER = "flow_taken_over"
     FORKED = "forked"
     INTERVAL_CHOSEN = "interval_chosen"
     NONDETERMINISTIC_RESUME = "nondeterministic_resume"
@@ -63,6 +65,8 @@ class FailureKind(StrEnum):
     HANG = "hang"
     KILLED = "killed"
     OOM = "oom"
+    #: The flow run supervising the attempt died (found when the next flow took the run over).
+    ORPHANED = "orphaned"
     PREEMPTED = "preempted"
     TIMEOUT = "timeout"
 

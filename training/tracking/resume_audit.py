@@ -51,6 +51,22 @@ def trained_high_water(run_dir: str | Path, beat_step: int | None, metrics_offse
     return max(steps) if steps else None
 
 
+def resume_point(run_dir: str | Path) -> tuple[int | None, list[dict[str, Any]]]:
+    """(step of the checkpoint a resume takes, the newer ones it passes over): each passed-over
+    one as ``{"checkpoint", "step", "reason"}``, newest first.  The same validation as the
+    resume (imported lazily: it pulls in torch); nothing is recorded."""
+    from training.checkpointing.store import CheckpointStore
+
+    store = CheckpointStore(run_dir)
+    passed: list[dict[str, Any]] = []
+    for step, path in store.step_dirs():
+        try:
+            return store.verify(path).step, passed
+        except (ValueError, OSError) as exc:
+            passed.append({"checkpoint": path.name, "step": step, "reason": str(exc)})
+    return None, passed
+
+
 # ---------------------------------------------------------------------------------- events → rows
 def _rank0(ev: dict[str, Any]) -> bool:
     return int(ev.get("rank", 0) or 0) == 0
@@ -96,6 +112,8 @@ def analyse_events(events: list[dict[str, Any]]) -> dict[str, Any]:
             pending, session_open = None, True
         elif kind == "worker_done" and _rank0(ev):
             session_open, current = False, None
+        elif kind == "checkpoint_skipped" and pending is not None:  # the resume passing one over
+            pending.setdefault("skipped", []).append(ev)
         elif kind in ("replay_verified", "replay_mismatch") and current is not None:
             current["values_compared"] = ev.get("values_compared")
             current["mismatches"] = ev.get("mismatches")
@@ -131,6 +149,7 @@ def _row(start: dict[str, Any], pending: dict[str, Any]) -> dict[str, Any]:
     else:
         lost = steps_lost(failed_at, resumed_from)
     failed_time = fail.get("time", pre.get("time"))
+    skipped = [{"step": _step_of(e.get("checkpoint")), "reason": e.get("reason")} for e in pending.get("skipped", [])]
     return {
         "time": _iso(start.get("time")),
         "kind": fail.get("failure") or ("preempted" if pre else "unreported"),
@@ -145,10 +164,23 @@ def _row(start: dict[str, Any], pending: dict[str, Any]) -> dict[str, Any]:
         "replay_verified": None,  # filled by the session's replay_verified / mismatch events
         "values_compared": None,
         "mismatches": None,
+        "passed_over": describe_passed_over(skipped or fail.get("passed_over") or []),
         "chunk": fail.get("chunk"),
         "attempt": fail.get("attempt"),
         "failure_time": failed_time,  # not a table column: lets `convoy chaos` match its faults
     }
+
+
+def _step_of(name: Any) -> int | str | None:
+    """``step-000000250`` → 250 (a name of another form is shown as it is)."""
+    digits = str(name or "").removeprefix("step-")
+    return int(digits) if digits.isdigit() else name
+
+
+def describe_passed_over(passed: list[dict[str, Any]], limit: int = 200) -> str:
+    """``step 250 (reason); step 240 (reason)``: the checkpoints a resume passed over and why
+    (empty when it took the newest).  Each reason is cut at ``limit`` characters."""
+    return "; ".join(f"step {p.get('step')} ({str(p.get('reason') or 'no reason recorded')[:limit]})" for p in passed)
 
 
 # ---------------------------------------------------------------------------------- timeline
