@@ -77,10 +77,23 @@ def summary_table(summary: dict[str, Any]) -> Table:
         f"{audit.get('failures') or 0} / {audit.get('resumes') or 0}" + (f" ({', '.join(kinds)})" if kinds else ""),
     )
     table.add_row("steps lost", str(audit.get("steps_lost") or 0))
-    loss = final_loss(summary)
-    table.add_row("final loss", f"{loss:.4f}" if loss is not None else "-")
+    for row in summary.get("passed_over") or []:
+        table.add_row("passed over", escape(f"{row['passed_over']}; resumed from step {row['resumed_from_step']}"))
+    if summary.get("taken_over"):
+        table.add_row("took over", escape(f"dead flow run(s) {', '.join(summary['taken_over'])} (now Crashed)"))
+    table.add_row("final loss", loss_text(final_loss(summary), summary.get("entropy_floor")))
     table.add_row("digest", escape(str(summary.get("digest"))))
+    if (summary.get("model") or {}).get("registered"):
+        table.add_row("model", escape(f"MLflow registered model {summary['model']['registered']}"))
     return table
+
+
+def loss_text(loss: float | None, floor: float | None) -> str:
+    """``1.2712 (entropy floor 1.1758, +0.0954)``: how far the loss is from the lowest the
+    corpus allows (no floor for a corpus nobody knows it of)."""
+    if loss is None:
+        return "-"
+    return f"{loss:.4f}" + (f" (entropy floor {floor:.4f}, {loss - floor:+.4f})" if floor is not None else "")
 
 
 def link_lines(summary: dict[str, Any]) -> list[str]:
@@ -135,6 +148,7 @@ def progress_line(st: dict[str, Any], chunk_steps: int) -> str:
     chunks = -(-total // chunk_steps)
     chunk = min(chunks, step // chunk_steps + 1)
     attempt = 1 + sum(1 for c in st.get("failure_chunks", []) if c == chunk)
+    attempt = (st.get("chunk_attempts") or {}).get(chunk, attempt)  # numbered across flow runs when known
     parts = [f"step {step}/{total} ({100 * step / total:.0f}%)", f"chunk {chunk}/{chunks} attempt {attempt}"]
     if st["loss"] is not None:
         parts.append(f"loss {st['loss']:.4f}")

@@ -42,6 +42,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+#: Version of the synthetic corpus generator (``training/corpus.py``), part of the fingerprint of a
+#: synthetic run: a run trained on the old corpus is not resumed on a regenerated, different one.
+SYNTHETIC_GENERATOR = 2
+
+
 class DataConfig(_Strict):
     """Where the corpus comes from and how it is cut into samples."""
 
@@ -290,6 +295,8 @@ class RunConfig(_Strict):
             excluded.add("amp_dtype")
         train = self.train.model_dump(exclude=excluded)
         data = self.data.model_dump(exclude={"num_workers", "prepared_dir"})
+        if self.data.source == "synthetic":  # another generator is another corpus: never resumed on it
+            data["generator"] = SYNTHETIC_GENERATOR
         payload = {"task": self.task, "task_args": self.task_args, "data": data, "train": train}
         if self.init_from is not None:  # absent otherwise: every fingerprint from before stays valid
             payload["init_from"] = {

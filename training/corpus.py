@@ -26,14 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-from training.config import DataConfig, DataMissing
+from training.config import SYNTHETIC_GENERATOR, DataConfig, DataMissing
 from training.fsutil import atomic_write_bytes, atomic_write_json
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz .,;\n!"
 CORPUS_FILE = "corpus.txt"
 META_FILE = "corpus.json"
-#: Bumped when the generator changes, so ``convoy prepare`` rewrites a corpus of an older one.
-GENERATOR = 2
+#: Bumped when the generator changes: ``convoy prepare`` rewrites a corpus of an older one, and
+#: the config fingerprint of a synthetic run includes it.
+GENERATOR = SYNTHETIC_GENERATOR
 #: Sparsity of the bigram rows (smaller: fewer likely successors per character).
 BIGRAM_ALPHA = 0.15
 #: How closely each pair row follows its bigram row (smaller: the pair matters more).
