@@ -272,7 +272,7 @@ class TrainingRun:
                 if r.get("passed_over")
             ],
             "entropy_floor": entropy_floor(self.cfg.data),
-            "taken_over": (self.taken_over or {}).get("previous"),
+            "taken_over": (self.taken_over or {}).get("previous_names") or (self.taken_over or {}).get("previous"),
             "model": self.model,
             "seconds": round(time.time() - self.t0, 3),
         }

@@ -18,8 +18,10 @@ finished run trained again trains nothing and logs nothing).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,20 @@ from training.config import RunConfig
 
 #: Tags on the training run's MLflow run naming its logged model.
 MODEL_ID_TAG, MODEL_DIGEST_TAG = "convoy.model_id", "convoy.model_digest"
+
+
+@contextlib.contextmanager
+def _global_tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow 3.17's SQL model registry looks a ``models:/<id>`` source up through the *global*
+    tracking URI, not the client's (a TODO in its ``create_model_version``): set it meanwhile."""
+    import mlflow
+
+    saved = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved)
 
 
 def registered_name(config: RunConfig) -> str:
@@ -88,8 +104,9 @@ def log_final_model(config: RunConfig, run_dir: Path, client: Any, run_id: str) 
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        version = client.create_model_version(
-            name, source=f"models:/{model.model_id}", run_id=run_id, tags=tags, model_id=model.model_id
-        )
+        with _global_tracking_uri(client.tracking_uri):
+            version = client.create_model_version(
+                name, source=f"models:/{model.model_id}", run_id=run_id, tags=tags, model_id=model.model_id
+            )
         out["registered"] = f"{name} version {version.version}"
     return out
