@@ -405,7 +405,7 @@ def test_preemption_is_resubmitted_at_once(
     summary = run_training(cfg)
     t.join(timeout=5)
     assert sent and summary["final_step"] == TOTAL and summary["digest"] == reference_digest
-    assert summary["attempts"] == {1: 1, 2: 1, 3: 1}  # no Prefect retry, no retry delay
+    assert summary["attempts"] == {1: 1, 2: 2, 3: 1}  # the re-spawn is attempt 2 of chunk 2, but no Prefect retry
     assert [e["failure"] for e in read_events(run_dir, "failure")] == ["preempted"]
     resub = read_events(run_dir, "resubmitted")
     assert len(resub) == 1 and resub[0]["chunk"] == 2

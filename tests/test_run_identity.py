@@ -188,6 +188,12 @@ def test_pull_in_a_fresh_clone_resumes_to_the_same_digest(tmp_path: Path, prefec
     def pull_and_train(clone: Path) -> None:
         pulled = summary_json(run(clone, env, "convoy", "pull", "runs/demo"))
         assert [c["checkpoint"] for c in pulled["checkpoints"]] == ["step-000000010", "step-000000020"]
+        # The README's next commands work on runs/demo: pull linked it to what it pulled.
+        link = clone / "runs" / "demo"
+        assert link.is_symlink() and link.resolve() == (clone / "runs" / run_dir.name).resolve()
+        assert "step-000000020" in run(clone, env, "convoy", "inspect", "runs/demo")
+        pulled_status = json.loads(run(clone, env, "convoy", "status", "runs/demo", "--json"))
+        assert (pulled_status["state"], pulled_status["checkpoint_step"]) == ("stopped", 20), pulled_status
         out = summary_json(run(clone, env, "convoy", "train", "--json"))
         assert out["digest"] == digest and out["trained_chunks"] == 1
         assert json.loads(run(clone, env, "convoy", "status", "runs/demo", "--json"))["checkpoint_step"] == 30
