@@ -129,6 +129,10 @@ def failure_lines(exc: Any) -> list[str]:
         facts.append(f"{d['steps_lost']} step(s) lost")
     if facts:
         lines.append(", ".join(facts))
+    if d.get("passed_over"):
+        from training.tracking.resume_audit import describe_passed_over
+
+        lines.append(f"passed over (do not verify): {describe_passed_over(d['passed_over'])}")
     if d.get("log"):
         lines.append(f"log: {d['log']}")
         lines.extend(f"  | {line}" for line in log_tail(d["log"], LOG_LINES))

@@ -82,10 +82,11 @@ def start_attempt(
     run_dir: str | Path,
     chunk: int,
     attempt: int,
-    steps: tuple[int, int],
+    start_step: int,
+    end_step: int,
     prefect: dict[str, str | None] | None = None,
 ) -> str | None:
-    """Create the nested child run of one chunk attempt (steps ``[start, end)``), named
+    """Create the nested child run of one chunk attempt (steps ``[start_step, end_step)``), named
     ``c<chunk>·a<attempt> running`` until :func:`end_attempt` names its outcome; ``prefect``:
     the flow and task run ids it runs in (tags).  Returns its id (None without MLflow)."""
     if not config.tracking.mlflow:
@@ -100,8 +101,8 @@ def start_attempt(
         "convoy.role": "attempt",
         "convoy.chunk": str(chunk),
         "convoy.attempt": str(attempt),
-        "convoy.start_step": str(steps[0]),
-        "convoy.end_step": str(steps[1]),
+        "convoy.start_step": str(start_step),
+        "convoy.end_step": str(end_step),
         "convoy.fingerprint": config.fingerprint(),
         **{f"convoy.prefect_{k}": v for k, v in (prefect or {}).items() if v},
     }

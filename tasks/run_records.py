@@ -48,7 +48,7 @@ def start_attempt(
         from tasks.mlflow_audit import start_attempt as _start
 
         prefect = {"flow_run_id": flow_run_id, "task_run_id": task_run_id}
-        return _start(config, run_dir, chunk, attempt, (start, end), prefect)
+        return _start(config, run_dir, chunk, attempt, start, end, prefect)
     except Exception as exc:  # noqa: BLE001 - audit only
         log.warning("MLflow: could not start the attempt run of chunk %d: %s", chunk, exc)
         return None

@@ -155,6 +155,13 @@ class _Watch:
     progress: float = 0.0
     #: rank → when we first saw its process gone while the launcher still ran (multi-rank only)
     rank_gone: dict[int, float] = field(default_factory=dict)
+    #: Beats from this time on are the watched worker's: the attempt's start, or 0 for an adopted
+    #: worker (every beat is its own, also those from before this task adopted it).
+    beats_since: float | None = None
+
+    @property
+    def clock_floor(self) -> float:
+        return self.started if self.beats_since is None else self.beats_since
 
 
 def worker_command(
@@ -249,7 +256,7 @@ def _failure_verdict(
         # instead (up to a poll and a beat later) let a worker stopped just after a phase change
         # (e.g. adopted at a chunk boundary) look dead before it looked hung when stall_s equals
         # timeout_s: the stall clock must never start after the last beat.
-        w.phase, w.phase_since = phase, min(now, max(oldest, w.started))
+        w.phase, w.phase_since = phase, min(now, max(oldest, w.clock_floor))
     if step != w.last_step:
         w.last_step = step
     w.last_beat = oldest
@@ -433,6 +440,10 @@ class WorkerAttempt:
         self.oom_before = oom_kills()
         self.metrics_offset = _size(RunPaths(self.run_dir).metrics)  # this attempt's rows start here (steps lost)
         self.started = time.time()
+        # Beats count from this attempt's start, so stale beats of an earlier worker are no sign of
+        # life; an adopted worker's beats are its own however old, so one stopped or wedged before
+        # this task adopted it is judged by its last beat (hang/dead), not as one that never beat.
+        beats_since = 0.0 if live is not None else self.started
         if live is not None:  # its beats are current; the log is the one it was started with
             # Read on from where the previous chunk stopped: what it said in between (a traceback if it
             # died between the tasks, a launcher naming the failed node) is this chunk's to report.
@@ -457,7 +468,9 @@ class WorkerAttempt:
             daemon=True,
         )
         self.follower.start()
-        self.watched = _Watch(started=self.started, phase_since=self.started, progress=self.started)
+        self.watched = _Watch(
+            started=self.started, phase_since=self.started, progress=self.started, beats_since=beats_since
+        )
         self.last_seen_running = self.exit_seen = self.started
         if live is not None:
             self.recall_adopted()
@@ -517,7 +530,7 @@ class WorkerAttempt:
                 break
             self.failure = _failure_verdict(
                 self.watched,
-                _beats(self.run_dir, spec.ranks, self.started),
+                _beats(self.run_dir, spec.ranks, self.watched.clock_floor),
                 spec.ranks,
                 spec.limits,
                 self.last_seen_running,

@@ -67,6 +67,7 @@ def test_failure_lines_name_the_log_and_its_last_lines(tmp_path: Path) -> None:
             "detected_after_s": 0.21,
             "last_committed_step": 40,
             "steps_lost": 7,
+            "passed_over": [{"checkpoint": "step-000000045", "step": 45, "reason": "manifest.json missing"}],
             "log": str(log),
             "tail": [],
         },
@@ -74,7 +75,8 @@ def test_failure_lines_name_the_log_and_its_last_lines(tmp_path: Path) -> None:
     lines = failure_lines(exc)
     assert lines[0] == "killed: signal SIGKILL"
     assert lines[1] == "at step 47, detected after 0.2 s, a retry resumes from step 40, 7 step(s) lost"
-    assert lines[2] == f"log: {log}" and lines[-1] == "  | line 29"
+    assert lines[2] == "passed over (do not verify): step 45 (manifest.json missing)"
+    assert lines[3] == f"log: {log}" and lines[-1] == "  | line 29"
     assert "ChunkFailed" not in repr(exc) and "resumes from step 40" in repr(exc)
 
 
