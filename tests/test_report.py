@@ -201,3 +201,18 @@ def test_timeline_labels_of_close_failures_never_overlap(tmp_path: Path) -> None
     for i, a in enumerate(boxes):
         for b in boxes[i + 1 :]:
             assert not a.overlaps(b), texts
+
+
+def test_retry_delays_are_waited_by_convoy_and_prefect_is_given_one_number() -> None:
+    """Prefect's task page shows ``Retry Delay`` from one number ("NaNs" for a list of delays):
+    the chunk task gets 0, and waits the backoff itself, from the second retry on."""
+    from tasks.chunk import retry_wait, retrying_chunk_task
+    from training.config import load_config
+
+    cfg = load_config(
+        None, ["orchestration.retries=4", "orchestration.retry_delay_seconds=1", "orchestration.jitter=0.1"]
+    )
+    task = retrying_chunk_task(cfg)
+    assert task.retries == 4 and task.retry_delay_seconds == 0
+    assert retry_wait(cfg, 1) == 0.0 and retry_wait(cfg, 2) == 0.0  # the first run, the first retry: at once
+    assert 0.9 <= retry_wait(cfg, 3) <= 1.1 and 1.8 <= retry_wait(cfg, 4) <= 2.2 and 3.6 <= retry_wait(cfg, 5) <= 4.4
