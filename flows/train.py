@@ -129,6 +129,7 @@ class TrainingRun:
         self.cfg, self.run_dir, self.flow_run_id, self.logger = cfg, run_dir, flow_run_id, logger
         self.t0 = time.time()
         self.taken_over: dict[str, Any] | None = None
+        self.flow_run_name: str | None = None
         self.model: dict[str, Any] | None = None
         self.task = retrying_chunk_task(cfg)
         self.rows: list[dict[str, Any]] = []
@@ -153,6 +154,7 @@ class TrainingRun:
         if reap_stale_worker(run_dir, cfg.train.world_size):
             logger.warning("stopped a worker of this run left over from a flow that died")
         run = cls(cfg, run_dir, flow_run_id, logger)
+        run.flow_run_name = flow_run_name
         run.taken_over = take_over(cfg, run_dir, flow_run, logger)
         run.committed = newest_verified_step(run_dir) or 0
         append_event(
@@ -284,6 +286,8 @@ class TrainingRun:
             trained_chunks=summary["trained_chunks"],
             flow_run_id=self.flow_run_id,
         )
+        tags = mlflow_flow_tags(self.run_dir, self.flow_run_id, self.flow_run_name)  # this flow run: finished
+        run_records.link_flow_run(self.cfg, self.run_dir, tags)
         return summary
 
 

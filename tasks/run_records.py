@@ -163,6 +163,7 @@ def system_metrics(config: RunConfig, run_dir: Path) -> Iterator[None]:
 
             run_id = ensure_mlflow_run(config, run_dir)
             uri = resolve_tracking_uri(config, run_dir)
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop chatter
             monitor = SystemMetricsMonitor(
                 run_id, sampling_interval=config.tracking.system_metrics_s, resume_logging=True, tracking_uri=uri
             )

@@ -209,7 +209,7 @@ def mlflow_flow_tags(run_dir: Path, current: str | None, name: str | None) -> di
     done = {e.get("flow_run_id") for e in events if e["kind"] == Event.FLOW_DONE}
 
     def ended(i: str) -> str:
-        return "crashed" if i in taken else "finished" if i in done else "this one" if i == current else "ended"
+        return "crashed" if i in taken else "finished" if i in done else "running" if i == current else "ended"
 
     ids = [i for i in dict.fromkeys(e.get("flow_run_id") for e in events if e["kind"] == Event.FLOW_STARTED) if i]
     tags = {
