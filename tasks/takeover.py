@@ -41,9 +41,10 @@ log = logging.getLogger("convoy.takeover")
 
 
 def unfinished_flow_runs(events: list[dict[str, Any]], current: str | None) -> list[str]:
-    """Ids of the run's earlier flow runs that neither finished (``flow_done``) nor were taken
-    over already, oldest first."""
-    settled = {e.get("flow_run_id") for e in events if e["kind"] == Event.FLOW_DONE}
+    """Ids of the run's earlier flow runs that neither ended in this process (``flow_done``, or
+    a ``flow_failed``/``flow_crashed`` hook) nor were taken over already, oldest first."""
+    ended = (Event.FLOW_DONE, "flow_failed", "flow_crashed")
+    settled = {e.get("flow_run_id") for e in events if e["kind"] in ended}
     settled |= {p for e in events if e["kind"] == Event.FLOW_TAKEN_OVER for p in e.get("previous", [])}
     ids = [e.get("flow_run_id") for e in events if e["kind"] == Event.FLOW_STARTED]
     return list(dict.fromkeys(i for i in ids if i and i != current and i not in settled))

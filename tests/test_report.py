@@ -216,3 +216,21 @@ def test_retry_delays_are_waited_by_convoy_and_prefect_is_given_one_number() -> 
     assert task.retries == 4 and task.retry_delay_seconds == 0
     assert retry_wait(cfg, 1) == 0.0 and retry_wait(cfg, 2) == 0.0  # the first run, the first retry: at once
     assert 0.9 <= retry_wait(cfg, 3) <= 1.1 and 1.8 <= retry_wait(cfg, 4) <= 2.2 and 3.6 <= retry_wait(cfg, 5) <= 4.4
+
+
+def test_only_flow_runs_that_died_unseen_are_taken_over() -> None:
+    """A flow that finished, failed or crashed with its hooks running ended; one SIGKILLed left
+    only its ``flow_started``; one taken over once is not taken over again."""
+    from tasks.takeover import unfinished_flow_runs
+
+    events = [
+        {"kind": "flow_started", "flow_run_id": "done"},
+        {"kind": "flow_done", "flow_run_id": "done"},
+        {"kind": "flow_started", "flow_run_id": "failed"},
+        {"kind": "flow_failed", "flow_run_id": "failed"},
+        {"kind": "flow_started", "flow_run_id": "killed-1"},
+        {"kind": "flow_started", "flow_run_id": "killed-2"},
+        {"kind": "flow_taken_over", "flow_run_id": "killed-2", "previous": ["killed-1"]},
+        {"kind": "flow_started", "flow_run_id": "now"},
+    ]
+    assert unfinished_flow_runs(events, "now") == ["killed-2"]
