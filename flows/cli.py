@@ -337,7 +337,10 @@ def _status_table(st: dict) -> Table:
     table.add_row(
         "heartbeat", f"{_age(st['heartbeat_age_s'])} ago, {who}" if st["heartbeat_age_s"] is not None else "none"
     )
+    floor = st.get("entropy_floor")
     loss = f"{st['loss']:.4f} at step {st['loss_step']}" if st["loss"] is not None else "-"
+    if floor is not None:
+        loss += f" (entropy floor {floor:.4f}" + (f", {st['loss'] - floor:+.4f})" if st["loss"] is not None else ")")
     table.add_row("loss", loss)
     if st.get("val_loss") is not None:
         table.add_row("validation loss", f"{st['val_loss']:.4f} at step {st['val_loss_step']}")
@@ -570,6 +573,9 @@ def pull(
         out = pull_run(None, target, chosen, latest_only, source=source)
     except VersioningError as exc:
         raise fail(str(exc), 1) from None
+    from training.rundir import adopt_pulled_run
+
+    out["linked"] = adopt_pulled_run(cfg, target)  # runs/<name> → the pulled run, as `convoy train` leaves it
     console.print_json(json.dumps(out, default=str))
 
 

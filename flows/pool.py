@@ -33,7 +33,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.deployments import run_deployment
 
-from tasks import remote_checkpoints
+from tasks import remote_checkpoints, run_records
 from tasks.artifacts import artifact_key
 from tasks.chunk import chunk_record, run_chunk, should_retry
 from tasks.remote_index import node_name
@@ -104,7 +104,8 @@ def train_chunk(
             retry_condition_fn=should_retry,
             tags=["convoy", f"run:{config.run_name}", config.orchestration.concurrency_tag],
         )
-        record = chunk_record(task(str(run_dir), chunk, start_step, end_step))
+        with run_records.system_metrics(config, run_dir):  # sampled on the node that trains
+            record = chunk_record(task(str(run_dir), chunk, start_step, end_step))
         outcome.update(ok=True, record=record)
         return record
     except BaseException as exc:

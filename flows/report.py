@@ -18,11 +18,19 @@ ML_VIEW = "workflowType=machine_learning"
 LOG_LINES = 8
 
 
-def mlflow_link(run_dir: str | Path) -> tuple[str | None, str | None]:
-    """(URL of the run in the MLflow UI, hint how to start that UI), from ``run.json``.
+#: Where ``mlflow ui`` serves when given no ``--host``/``--port``.
+MLFLOW_UI_DEFAULT = "http://127.0.0.1:5000"
 
-    A local store (``sqlite:``/a path) has no UI running: the URL is the default ``mlflow ui``
-    address and the hint the command that serves it."""
+
+def mlflow_link(run_dir: str | Path) -> tuple[str | None, str | None]:
+    """(URL of the run in the MLflow UI, hint how to start that UI), from ``run.json``: built
+    from the tracking URI the run actually used.
+
+    A server URI (``http(s)://``) is its own UI.  A local store (``sqlite:``/a path) has no UI
+    running: the URL is where ``tracking.mlflow_ui_url`` says it is served (``mlflow ui``'s
+    default address without it) and the hint the command that serves that store there."""
+    from urllib.parse import urlsplit
+
     from training.rundir import run_info
 
     info = run_info(run_dir) or {}
@@ -32,16 +40,19 @@ def mlflow_link(run_dir: str | Path) -> tuple[str | None, str | None]:
     path = f"#/experiments/{exp_id}/runs/{run_id}?{ML_VIEW}" if exp_id else f"#/runs/{run_id}?{ML_VIEW}"
     if uri.startswith(("http://", "https://")):
         return f"{uri.rstrip('/')}/{path}", None
-    return f"http://127.0.0.1:5000/{path}", f"mlflow ui --backend-store-uri {uri}"
+    ui = (info.get("mlflow_ui") or MLFLOW_UI_DEFAULT).rstrip("/")
+    where = urlsplit(ui)
+    serve = f" --host {where.hostname}" if where.hostname not in (None, "127.0.0.1", "localhost") else ""
+    serve += f" --port {where.port}" if where.port not in (None, 5000) else ""
+    return f"{ui}/{path}", f"mlflow ui --backend-store-uri {uri}{serve}"
 
 
 def prefect_link(flow_run_id: str | None) -> str | None:
-    """The flow run in the Prefect UI, when a server (``PREFECT_API_URL``) was used; an embedded
-    ephemeral API is gone once the command ends, so it gets no link."""
-    from prefect.settings import get_current_settings
+    """The flow run in the Prefect UI (None with an embedded ephemeral API: gone once the command
+    ends)."""
+    from tasks.artifacts import prefect_ui_url
 
-    ui = get_current_settings().ui_url
-    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui and flow_run_id else None
+    return prefect_ui_url(flow_run_id)
 
 
 def final_loss(summary: dict[str, Any]) -> float | None:
@@ -66,11 +77,16 @@ def summary_table(summary: dict[str, Any]) -> Table:
         f"{audit.get('failures') or 0} / {audit.get('resumes') or 0}" + (f" ({', '.join(kinds)})" if kinds else ""),
     )
     table.add_row("steps lost", str(audit.get("steps_lost") or 0))
-    loss = final_loss(summary)
-    table.add_row("final loss", f"{loss:.4f}" if loss is not None else "-")
+    for row in summary.get("passed_over") or []:
+        table.add_row("passed over", escape(f"{row['passed_over']}; resumed from step {row['resumed_from_step']}"))
+    if summary.get("taken_over"):
+        table.add_row("took over", escape(f"dead flow run(s) {', '.join(summary['taken_over'])} (now Crashed)"))
+    table.add_row("final loss", loss_text(final_loss(summary), summary.get("entropy_floor")))
     table.add_row("digest", escape(str(summary.get("digest"))))
     for name, value in travel_rows(summary):
         table.add_row(name, escape(value))
+    if (summary.get("model") or {}).get("registered"):
+        table.add_row("model", escape(f"MLflow registered model {summary['model']['registered']}"))
     return table
 
 
@@ -88,6 +104,14 @@ def travel_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             fetches = ", ".join(f"step {f['step']} on {f['node']} in {f['fetch_s']:.2f} s" for f in fetched)
             rows.append((f"chunk {r['chunk']} nodes", " → ".join(nodes) + (f" (fetched {fetches})" if fetches else "")))
     return rows
+
+
+def loss_text(loss: float | None, floor: float | None) -> str:
+    """``1.2712 (entropy floor 1.1758, +0.0954)``: how far the loss is from the lowest the
+    corpus allows (no floor for a corpus nobody knows it of)."""
+    if loss is None:
+        return "-"
+    return f"{loss:.4f}" + (f" (entropy floor {floor:.4f}, {loss - floor:+.4f})" if floor is not None else "")
 
 
 def link_lines(summary: dict[str, Any]) -> list[str]:
@@ -123,6 +147,10 @@ def failure_lines(exc: Any) -> list[str]:
         facts.append(f"{d['steps_lost']} step(s) lost")
     if facts:
         lines.append(", ".join(facts))
+    if d.get("passed_over"):
+        from training.tracking.resume_audit import describe_passed_over
+
+        lines.append(f"passed over (do not verify): {describe_passed_over(d['passed_over'])}")
     if d.get("log"):
         lines.append(f"log: {d['log']}")
         lines.extend(f"  | {line}" for line in log_tail(d["log"], LOG_LINES))
@@ -142,6 +170,7 @@ def progress_line(st: dict[str, Any], chunk_steps: int) -> str:
     chunks = -(-total // chunk_steps)
     chunk = min(chunks, step // chunk_steps + 1)
     attempt = 1 + sum(1 for c in st.get("failure_chunks", []) if c == chunk)
+    attempt = (st.get("chunk_attempts") or {}).get(chunk, attempt)  # numbered across flow runs when known
     parts = [f"step {step}/{total} ({100 * step / total:.0f}%)", f"chunk {chunk}/{chunks} attempt {attempt}"]
     if st["loss"] is not None:
         parts.append(f"loss {st['loss']:.4f}")

@@ -29,14 +29,17 @@ from prefect.context import FlowRunContext
 from flows.report import mlflow_link
 from tasks import handoff, remote_checkpoints, run_records, standby
 from tasks.artifacts import publish_chunk_table
-from tasks.chunk import chunk_record, retrying_chunk_task
+from tasks.chunk import chunk_record, committed_digest, loss_at, retrying_chunk_task
 from tasks.hooks import flow_crashed, flow_failed, remember_run
 from tasks.supervisor import ChunkFailed, newest_verified_step, reap_stale_worker
+from tasks.takeover import mlflow_flow_tags, take_over
 from tasks.version import VersioningError
 from training import chunk_boundary
 from training.config import ConfigError, RunConfig, load_config
+from training.corpus import entropy_floor
 from training.events import Event, append_event, read_events
 from training.rundir import keyed_config, link_current, open_run
+from training.tracking.attempts import chunk_history
 
 LOCK_FILE = ".lock"
 
@@ -98,14 +101,6 @@ def run_lock(run_dir: Path, run_name: str) -> Iterator[None]:
         lock.release()
 
 
-def _failure_kinds(run_dir: Path, chunk: int, since: float) -> list[str]:
-    return [
-        e["failure"]
-        for e in read_events(run_dir, Event.FAILURE)
-        if e.get("chunk") == chunk and e.get("time", 0) >= since
-    ]
-
-
 def flow_run_name() -> str:
     """``<run name>-<UTC time>`` instead of a random ``shiny-marmot``, so a person finds the flow
     runs of run ``demo`` in the Prefect UI by name."""
@@ -134,6 +129,9 @@ class TrainingRun:
     def __init__(self, cfg: RunConfig, run_dir: Path, flow_run_id: str | None, logger: Any) -> None:
         self.cfg, self.run_dir, self.flow_run_id, self.logger = cfg, run_dir, flow_run_id, logger
         self.t0 = time.time()
+        self.taken_over: dict[str, Any] | None = None
+        self.flow_run_name: str | None = None
+        self.model: dict[str, Any] | None = None
         self.task = retrying_chunk_task(cfg)
         self.rows: list[dict[str, Any]] = []
         self.versioned: list[dict[str, Any]] = []
@@ -144,8 +142,12 @@ class TrainingRun:
         self.fetched: dict[str, Any] | None = None
 
     @classmethod
-    def open(cls, cfg: RunConfig, flow_run_id: str | None, allow_config_change: bool, logger: Any) -> TrainingRun:
-        """Pin the run (fingerprint check), point ``runs/<name>`` at it, start its MLflow run."""
+    def open(
+        cls, cfg: RunConfig, flow_run: tuple[str | None, str | None], allow_config_change: bool, logger: Any
+    ) -> TrainingRun:
+        """Pin the run (fingerprint check), point ``runs/<name>`` at it, start its MLflow run,
+        close what a dead flow before this one left open; ``flow_run``: (id, name)."""
+        flow_run_id, flow_run_name = flow_run
         run_dir = open_run(cfg, allow_config_change=allow_config_change).resolve()
         link_current(cfg)
         if flow_run_id:
@@ -154,10 +156,18 @@ class TrainingRun:
         if reap_stale_worker(run_dir, cfg.train.world_size):
             logger.warning("stopped a worker of this run left over from a flow that died")
         run = cls(cfg, run_dir, flow_run_id, logger)
+        run.flow_run_name = flow_run_name
+        run.taken_over = take_over(cfg, run_dir, flow_run, logger)
         run.committed = run.newest_committed()
         append_event(
-            run_dir, Event.FLOW_STARTED, flow_run_id=flow_run_id, committed_step=run.committed, chunks=len(run.chunks)
+            run_dir,
+            Event.FLOW_STARTED,
+            flow_run_id=flow_run_id,
+            flow_run_name=flow_run_name,
+            committed_step=run.committed,
+            chunks=len(run.chunks),
         )
+        run_records.link_flow_run(cfg, run_dir, mlflow_flow_tags(run_dir, flow_run_id, flow_run_name))
         logger.info(
             "run %s: %d chunk(s) of %d steps (%s mode); newest verified checkpoint: step %d",
             cfg.run_name,
@@ -201,7 +211,9 @@ class TrainingRun:
         }
         self.rows.append(row)
         if self.committed >= end:
-            row["status"] = "skipped (committed)"
+            # What the chunk went through in the flow runs that trained it, and what it committed.
+            row.update(self.history(chunk), status="skipped (committed)")
+            row.update(digest=committed_digest(self.run_dir, end), loss=loss_at(self.run_dir, end))
             # A flow that died after the commit but before versioning left it unversioned
             # (a pipelined worker can commit the last chunk before its flow handles it).
             self.version(end, only_if_missing=True)
@@ -210,21 +222,22 @@ class TrainingRun:
         try:
             rec = self.train_chunk(chunk, start, end)
         except BaseException:
-            kinds = _failure_kinds(self.run_dir, chunk, c0)
-            row.update(status="failed", seconds=time.time() - c0, failure_kinds=kinds, attempts=len(kinds) or 1)
+            row.update(self.history(chunk), status="failed", seconds=time.time() - c0)
             raise
-        row.update(
-            status="trained",
-            attempts=rec["attempt"],
-            seconds=time.time() - c0,
-            digest=rec["digest"],
-            loss=rec["loss"],
-            failure_kinds=rec.get("failure_kinds") or _failure_kinds(self.run_dir, chunk, c0),
-        )
+        row.update(self.history(chunk), status="trained", seconds=time.time() - c0, digest=rec["digest"])
+        row.update(loss=rec["loss"])
+        if rec.get("failure_kinds"):  # pool mode: its chunk flows' failures, which no event may name
+            row.update(failure_kinds=rec["failure_kinds"], attempts=max(row["attempts"], rec["attempt"]))
         for key in ("flow_runs", "nodes", "fetched"):  # pool mode: per attempt, its flow run, node, download
             if key in rec:
                 row[key] = rec[key]
         self.hand_over_boundary(end)
+
+    def history(self, chunk: int) -> dict[str, Any]:
+        """The chunk's attempts and failure kinds in every flow run of this training run (a
+        restarted flow's table must not say "1 attempt, no failures" of a chunk the dead flow
+        tried three times)."""
+        return chunk_history(read_events(self.run_dir), chunk)
 
     def train_chunk(self, chunk: int, start: int, end: int) -> dict[str, Any]:
         if self.cfg.orchestration.mode == "pool":
@@ -250,6 +263,8 @@ class TrainingRun:
         self.versioned.extend(run_records.collect_versions(self.version_futures))
         remote_checkpoints.stop(self.run_dir, drain=True)  # the newest committed checkpoint leaves too
         publish_chunk_table(self.cfg.run_name, self.rows, mlflow_link(self.run_dir)[0])
+        if ok:
+            self.model = run_records.log_model(self.cfg, self.run_dir)
         self.audit = run_records.finish_run(self.cfg, self.run_dir, ok)
 
     def uploaded_final(self) -> tuple[int, str | None]:
@@ -285,6 +300,14 @@ class TrainingRun:
             "versioned": self.versioned,
             "fetched": self.fetched,
             "audit": {k: audit.get(k) for k in ("resumes", "failures", "steps_lost", "nondeterministic")},
+            "passed_over": [
+                {"resumed_from_step": r["resumed_from_step"], "passed_over": r["passed_over"]}
+                for r in audit.get("rows", [])
+                if r.get("passed_over")
+            ],
+            "entropy_floor": entropy_floor(self.cfg.data),
+            "taken_over": (self.taken_over or {}).get("previous_names") or (self.taken_over or {}).get("previous"),
+            "model": self.model,
             "seconds": round(time.time() - self.t0, 3),
         }
         append_event(
@@ -295,6 +318,8 @@ class TrainingRun:
             trained_chunks=summary["trained_chunks"],
             flow_run_id=self.flow_run_id,
         )
+        tags = mlflow_flow_tags(self.run_dir, self.flow_run_id, self.flow_run_name)  # this flow run: finished
+        run_records.link_flow_run(self.cfg, self.run_dir, tags)
         return summary
 
 
@@ -309,13 +334,16 @@ def train(
     quiet_classified_tracebacks()
     cfg = keyed_config(config if config is not None else load_config(params, overrides or []))
     ctx = FlowRunContext.get()
-    flow_run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else None
+    fr = ctx.flow_run if ctx is not None else None
+    flow_run = (str(fr.id), fr.name) if fr is not None else (None, None)
     with run_lock(cfg.run_dir, cfg.run_name):
-        run = TrainingRun.open(cfg, flow_run_id, allow_config_change, get_run_logger())
+        run = TrainingRun.open(cfg, flow_run, allow_config_change, get_run_logger())
         ok = False
         try:
-            for chunk, start, end in run.chunks:
-                run.chunk(chunk, start, end)
+            local = cfg.orchestration.mode == "local"  # in pool mode each chunk's flow samples its machine
+            with run_records.system_metrics(cfg, run.run_dir) if local else contextlib.nullcontext():
+                for chunk, start, end in run.chunks:
+                    run.chunk(chunk, start, end)
             ok = True
         finally:
             run.close(ok)

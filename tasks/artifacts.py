@@ -20,6 +20,15 @@ def artifact_key(run_name: str, what: str) -> str:
     return f"convoy-{slug}-{what}"
 
 
+def prefect_ui_url(flow_run_id: str | None) -> str | None:
+    """The flow run in the Prefect UI, when a server (``PREFECT_API_URL``) is used; an embedded
+    ephemeral API is gone once the command ends, so it gets no link."""
+    from prefect.settings import get_current_settings
+
+    ui = get_current_settings().ui_url
+    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui and flow_run_id else None
+
+
 def publish_chunk_table(run_name: str, rows: list[dict[str, Any]], mlflow_url: str | None = None) -> str | None:
     """Table: chunk, step range, attempts, failure kinds, loss at the boundary, seconds, digest.
 

@@ -1,8 +1,16 @@
 """Prefect task ``run_chunk``: one step range, one supervised worker, retried on its own.
 
-Retry policy comes from ``orchestration.*`` via :func:`retrying_chunk_task` (``with_options``): ``retries``,
-delays ``retry_delay_seconds * backoff**i`` with Prefect's ``retry_jitter_factor = jitter``, and a
-``retry_condition_fn`` that never retries a ``config`` failure (same input, same error).
+Retry policy comes from ``orchestration.*`` via :func:`retrying_chunk_task` (``with_options``):
+``retries`` and a ``retry_condition_fn`` that never retries a ``config`` failure (same input, same
+error).  The delays (the first retry at once, then ``retry_delay_seconds * backoff**i`` with
+``jitter``) are waited here, at the start of a retried task run, not by Prefect: Prefect takes a
+per-retry list of delays, but its UI can show only one number (a list reads "NaNs" on the task
+page), so Prefect is given ``retry_delay_seconds=0`` and shows "0s", which is what it waits.
+
+Attempt numbers count every worker attempt of the chunk in every flow run (Prefect's retries,
+preemption re-spawns, a flow that died and the one that took over):
+:mod:`training.tracking.attempts`.  Prefect's own ``run_count`` still decides whether a failure
+is retried.
 
 Preemption (exit 75) is not a fault of the chunk and must be re-submitted at once.  Prefect picks
 a retry's delay by attempt index only, not by exception, so a per-kind delay is not expressible
@@ -20,6 +28,7 @@ checkpoint is still verified here and is the chunk's artifact.  The protocol, en
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +49,7 @@ from tasks.supervisor import (
     Outcome,
     newest_verified_step,
     reap_stale_worker,
+    resume_point,
     supervise,
     worker_command,
 )
@@ -48,6 +58,7 @@ from training.config import ConfigError, RunConfig
 from training.events import Event, FailureKind, WorkerSays, append_event, read_events
 from training.paths import RunPaths
 from training.rundir import load_run_config
+from training.tracking.attempts import chunk_history, next_attempt
 
 #: Worker output lines echoed to the Prefect log (everything goes to the chunk's log file).
 _ECHO = tuple(m for m in WorkerSays if m != WorkerSays.STANDBY_READY)
@@ -73,12 +84,26 @@ def should_retry(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(exc, ConfigError)
 
 
-def _attempt() -> int:
+def retry_wait(config: RunConfig, try_number: int) -> float:
+    """Seconds a task run waits before its worker starts: 0 for the first run and the first
+    retry, then ``retry_delays`` with ``jitter`` (uniform, ±jitter of the delay)."""
+    delays = retry_delays(config)
+    if try_number < 2:
+        return 0.0
+    delay = delays[min(try_number - 2, len(delays) - 1)]
+    return max(0.0, delay * (1 + random.uniform(-config.orchestration.jitter, config.orchestration.jitter)))
+
+
+def _prefect_ids() -> tuple[int, str | None, str | None]:
+    """(Prefect's run count of this task run, its flow run id, its task run id)."""
     ctx = TaskRunContext.get()
-    return max(1, ctx.task_run.run_count) if ctx is not None else 1
+    if ctx is None:
+        return 1, None, None
+    tr = ctx.task_run
+    return max(1, tr.run_count), str(tr.flow_run_id) if tr.flow_run_id else None, str(tr.id)
 
 
-def _loss_at(run_dir: Path, step: int) -> float | None:
+def loss_at(run_dir: Path, step: int) -> float | None:
     for ev in reversed(read_events(run_dir, Event.WORKER_DONE)):
         if ev.get("step") == step and ev.get("rank", 0) == 0:
             return ev.get("loss")
@@ -88,7 +113,7 @@ def _loss_at(run_dir: Path, step: int) -> float | None:
     return rows[0].get("loss") if rows else None
 
 
-def _committed_digest(run_dir: Path, step: int) -> str | None:
+def committed_digest(run_dir: Path, step: int) -> str | None:
     """Digest of the verified checkpoint at exactly ``step`` (None if missing or invalid)."""
     from training.checkpointing.store import CheckpointStore, checkpoint_name
 
@@ -123,13 +148,20 @@ class ChunkRun:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, chunk: int, start: int, end: int, logger: Any) -> None:
         self.cfg, self.run_dir, self.chunk, self.start, self.end, self.logger = cfg, run_dir, chunk, start, end, logger
-        self.attempt = _attempt()
+        #: Prefect's run count in this flow run (what the retry policy counts); ``attempt``: this
+        #: chunk's attempt number across every flow run, one per worker attempt.
+        self.try_number, self.flow_run_id, self.task_run_id = _prefect_ids()
+        self.attempt = 0
         self.pipelined = cfg.orchestration.pipeline and cfg.orchestration.mode == "local"
         self.standby = cfg.orchestration.standby and cfg.orchestration.mode == "local" and cfg.train.world_size == 1
         self.preemptions = 0
         self.resumed_from = 0
 
     def run(self) -> State:
+        wait = retry_wait(self.cfg, self.try_number)
+        if wait > 0:
+            self.logger.info("chunk %d: retry %d waits %.1f s (backoff)", self.chunk, self.try_number - 1, wait)
+            time.sleep(wait)
         if handoff.parked_pid(self.run_dir) is None:  # our own parked worker is not stale
             reap_stale_worker(self.run_dir, self.cfg.train.world_size)
         remote_checkpoints.follow(self.cfg, self.run_dir)  # uploads committed checkpoints (tracking.dvc)
@@ -139,21 +171,45 @@ class ChunkRun:
             outcome = self.supervised_attempt()
         return self.committed(started, outcome)
 
+    def begin_attempt(self) -> str | None:
+        """Number this worker attempt, open its MLflow run and record it (``attempt_started``);
+        returns the MLflow run id."""
+        rd = self.run_dir
+        self.attempt = next_attempt(read_events(rd), self.chunk)
+        child = run_records.start_attempt(
+            self.cfg, rd, self.chunk, self.attempt, self.start, self.end, self.flow_run_id, self.task_run_id
+        )
+        metrics = RunPaths(rd).metrics
+        append_event(
+            rd,
+            Event.ATTEMPT_STARTED,
+            chunk=self.chunk,
+            attempt=self.attempt,
+            flow_run_id=self.flow_run_id,
+            task_run_id=self.task_run_id,
+            mlflow_run_id=child,
+            resumes_from=self.resumed_from,
+            metrics_offset=metrics.stat().st_size if metrics.exists() else 0,  # where its steps begin
+        )
+        return child
+
     def supervised_attempt(self) -> Outcome | None:
         """One worker attempt under watch: its outcome, or None when it was preempted and is to be
         re-spawned at once; any other failure is reported and raised (Prefect retries the task)."""
         cfg, rd = self.cfg, self.run_dir
         if handoff.parked_pid(rd) is None:  # a worker about to restore: the remote may hold a newer checkpoint
             remote_checkpoints.fetch_before_resume(cfg, rd, lambda m: self.logger.info("chunk %d: %s", self.chunk, m))
-        self.resumed_from = newest_verified_step(rd) or 0
+        step, passed_over = resume_point(rd)
+        self.resumed_from = step or 0
         if self.resumed_from < self.start:
             self.logger.warning(
-                "chunk %d: newest valid checkpoint is step %d, before the chunk start %d",
+                "chunk %d: newest valid checkpoint is step %d, before the chunk start %d%s",
                 self.chunk,
                 self.resumed_from,
                 self.start,
+                passed_over_clause(passed_over),
             )
-        child = run_records.start_attempt(cfg, rd, self.chunk, self.attempt, self.start, self.end)
+        child = self.begin_attempt()
         t_attempt = time.time()
         try:
             outcome = supervise(self.spec())
@@ -166,6 +222,8 @@ class ChunkRun:
                 rd,
                 child,
                 run_records.attempt_outcome(False, exc.kind, trained, time.time() - t_attempt, exc.details),
+                self.chunk,
+                self.attempt,
             )
             if exc.kind == FailureKind.PREEMPTED and self.preemptions < cfg.orchestration.retries:
                 self.preemptions += 1
@@ -181,12 +239,11 @@ class ChunkRun:
                     resume_step=resume_at,
                 )
                 return None
-            _report(self.logger, cfg, exc, self.chunk, self.attempt, resume_at)
+            _report(self.logger, cfg, exc, (self.chunk, self.attempt, self.try_number), resume_at)
             raise exc from None
         outcome_seconds = time.time() - t_attempt
-        run_records.end_attempt(
-            cfg, rd, child, run_records.attempt_outcome(True, None, self.end - self.resumed_from, outcome_seconds)
-        )
+        done = run_records.attempt_outcome(True, None, self.end - self.resumed_from, outcome_seconds, end_step=self.end)
+        run_records.end_attempt(cfg, rd, child, done, self.chunk, self.attempt)
         return outcome
 
     def unless_repeated(self, exc: ChunkFailed) -> ChunkFailed:
@@ -212,8 +269,7 @@ class ChunkRun:
         chunk's boundary; otherwise they stop at the chunk's end."""
         cfg, rd = self.cfg, self.run_dir
         until = cfg.train.total_steps if self.pipelined else self.end
-        sub = f"{self.attempt}" + (f"-{self.preemptions}" if self.preemptions else "")
-        log_path = RunPaths(rd).chunk_log(self.chunk, sub)
+        log_path = RunPaths(rd).chunk_log(self.chunk, self.attempt)
         command = worker_command(
             rd.resolve(),
             until,
@@ -243,7 +299,7 @@ class ChunkRun:
     def committed(self, started: float, outcome: Outcome) -> State:
         """Verify the chunk's end checkpoint and record the chunk (``chunk_done`` event)."""
         rd, chunk = self.run_dir, self.chunk
-        digest = _committed_digest(rd, self.end)
+        digest = committed_digest(rd, self.end)
         if digest is None:
             raise ChunkFailed(
                 FailureKind.CRASH,
@@ -258,7 +314,7 @@ class ChunkRun:
             "preemptions": self.preemptions,
             "resumed_from": self.resumed_from,
             "digest": digest,
-            "loss": _loss_at(rd, self.end),
+            "loss": loss_at(rd, self.end),
             "seconds": round(time.time() - started, 3),
             "worker_seconds": round(outcome.seconds, 3),
             "node": node_name(),
@@ -273,12 +329,19 @@ class ChunkRun:
 
 def _done_message(run_dir: Path, chunk: int, start: int, end: int, attempt: int) -> str:
     """The task run's state message: a retried chunk says so in Prefect's task list, which
-    otherwise shows only "Completed"."""
-    events = read_events(run_dir)
-    since = max((i for i, e in enumerate(events) if e["kind"] == Event.FLOW_STARTED), default=-1)
-    kinds = [e["failure"] for e in events[since + 1 :] if e["kind"] == Event.FAILURE and e.get("chunk") == chunk]
+    otherwise shows only "Completed".  Failures of earlier flow runs count too (the attempt
+    numbers do)."""
+    kinds = chunk_history(read_events(run_dir), chunk)["failure_kinds"]
     after = f" after {', '.join(kinds)}" if kinds else ""
     return f"steps [{start}, {end}) committed on attempt {attempt}{after}"
+
+
+def passed_over_clause(passed_over: list[dict[str, Any]]) -> str:
+    """``; passed over step 250 (reason)``: why a resume goes further back than the newest
+    checkpoint; empty when it does not."""
+    if not passed_over:
+        return ""
+    return "; passed over " + "; ".join(f"step {p['step']} ({p['reason']})" for p in passed_over)
 
 
 def chunk_record(result: Any) -> dict[str, Any]:
@@ -287,27 +350,31 @@ def chunk_record(result: Any) -> dict[str, Any]:
     return result.result() if isinstance(result, State) else result
 
 
-def _report(logger: Any, cfg: RunConfig, exc: ChunkFailed, chunk: int, attempt: int, resume_at: int) -> None:
-    """One log line per recovery, plus a markdown note (the final failure is the hook's job)."""
+def _report(logger: Any, cfg: RunConfig, exc: ChunkFailed, attempt: tuple[int, int, int], resume_at: int) -> None:
+    """One log line per recovery, plus a markdown note (the final failure is the hook's job).
+    ``attempt``: (chunk, its attempt number, Prefect's run count, which decides the retry)."""
+    chunk, number, try_number = attempt
     d = exc.details
     short = d.get("reason", exc.message)
-    will_retry = exc.retryable and attempt <= cfg.orchestration.retries
+    will_retry = exc.retryable and try_number <= cfg.orchestration.retries
+    passed = passed_over_clause(d.get("passed_over") or [])
     if will_retry:
         logger.warning(
-            "chunk %d %s detected after %.1f s (%s); resuming from step %d",
+            "chunk %d %s detected after %.1f s (%s); resuming from step %d%s",
             chunk,
             exc.kind,
             d.get("detected_after_s") or 0.0,
             short,
             resume_at,
+            passed,
         )
         publish_failure_note(
             cfg.run_name,
-            f"chunk {chunk} attempt {attempt}: {exc.kind}",
+            f"chunk {chunk} attempt {number}: {exc.kind}",
             [
                 f"{short}",
                 f"detected after {d.get('detected_after_s')} s; last beat step {d.get('last_beat_step')}",
-                f"retrying; resumes from step {resume_at} (steps lost: {d.get('steps_lost')})",
+                f"retrying; resumes from step {resume_at} (steps lost: {d.get('steps_lost')}){passed}",
             ],
         )
     else:
@@ -321,8 +388,7 @@ def retrying_chunk_task(config: RunConfig) -> Any:
     o = config.orchestration
     return run_chunk.with_options(
         retries=o.retries,
-        retry_delay_seconds=retry_delays(config),
-        retry_jitter_factor=o.jitter or None,
+        retry_delay_seconds=0,  # one number, which Prefect's UI can show; the backoff is retry_wait's
         retry_condition_fn=should_retry,
         tags=["convoy", f"run:{config.run_name}"],
     )

@@ -116,9 +116,28 @@ def signame(returncode: int) -> str:
 def diskfull_message(tail: Sequence[str]) -> str:
     """One line for a full disk: the worker's own line naming ENOSPC, not its traceback."""
     line = next((x for x in reversed(tail) if any(m in x.lower() for m in _DISKFULL_MARKERS)), "")
-    return f"disk full: {line.strip()[:300] or 'No space left on device'}"
+    return f"disk full: {plain_error(line)[:300] or 'No space left on device'}"
 
 
-def error_line(tail: Sequence[str]) -> str:
-    """The worker's last words: for an exception, the traceback's last line (``Type: message``)."""
-    return next((line.strip() for line in reversed(tail) if line.strip()), "")[:300]
+#: ``training.checkpointing.store.CheckpointError: `` at the start of a traceback's last line.
+_CLASS_PATH = re.compile(r"^\s*(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)(?=: )")
+#: Lines a worker prints about its own progress (``[worker rank 0] ...``): never a failure's cause.
+_CHATTER = re.compile(r"^\[(worker )?rank \d+\]")
+
+
+def plain_error(line: str) -> str:
+    """A traceback's last line without the exception's module path:
+    ``training.checkpointing.store.CheckpointError: x`` → ``CheckpointError: x``."""
+    return _CLASS_PATH.sub(r"\1", line.strip())
+
+
+def error_line(tail: Sequence[str]) -> str | None:
+    """The line in a crashed worker's last output that says why it ended (a traceback's last
+    line, a fatal message), without module paths; None when its last words are only its own
+    progress lines, which would name something unrelated."""
+    for line in reversed(tail):
+        text = line.strip()
+        if not text or text.startswith("# convoy"):
+            continue
+        return None if _CHATTER.match(text) else plain_error(text)
+    return None

@@ -71,7 +71,15 @@ def _audit(kind: str, info: dict[str, Any], exc: BaseException | None, state: An
         resume = newest_verified_step(run_dir) or 0
     except Exception:  # noqa: BLE001
         resume = None
-    append_event(run_dir, kind, failure=failure, message=message, chunk=info.get("chunk"), resume_step=resume)
+    append_event(
+        run_dir,
+        kind,
+        failure=failure,
+        message=message,
+        chunk=info.get("chunk"),
+        resume_step=resume,
+        flow_run_id=info.get("flow_run_id"),  # a flow run that ended here was no dead one to take over
+    )
     where = f"chunk {info['chunk']}" if info.get("chunk") is not None else "flow"
     title = f"{where} of run {info['run_name']} {'crashed' if kind == 'flow_crashed' else 'failed'}: {failure}"
     lines = [f"error: `{message}`", f"next attempt resumes from step {resume} (newest verified checkpoint)"]
@@ -105,7 +113,7 @@ def _flow_hook(kind: str, flow_run: Any, state: Any) -> None:
             return
         info = {"run_dir": found[0], "run_name": found[1], "chunk": None}
     try:
-        _audit(kind, {**info, "chunk": None}, _exception(state), state)
+        _audit(kind, {**info, "chunk": None, "flow_run_id": str(flow_run.id)}, _exception(state), state)
     except Exception as exc:  # noqa: BLE001
         log.warning("flow %s hook: %s", kind, exc)
 

@@ -29,7 +29,8 @@ from typing import Any
 from training.config import RunConfig
 from training.events import read_events
 from training.fsutil import atomic_write_json
-from training.tracking.resume_audit import analyse_events, render_timeline
+from training.tracking.attempts import attempt_name, outcome_label
+from training.tracking.resume_audit import analyse_events, describe_passed_over, read_loss, render_timeline
 
 AUDIT_DIR = "audit"
 
@@ -52,6 +53,7 @@ TABLE_COLUMNS = [
     "fetch_s",
     "checkpoint",
     "checkpoint_digest",
+    "passed_over",
     "replay_verified",
     "values_compared",
     "mismatches",
@@ -65,7 +67,7 @@ _child_uris: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------------------------- MLflow side
-def _client_and_parent(config: RunConfig, run_dir: Path) -> tuple[Any, str, str]:
+def client_and_parent(config: RunConfig, run_dir: Path) -> tuple[Any, str, str]:
     """The MLflow client and the training run's MLflow run (imported here: MLflow takes ~3 s, and
     importing this module must not cost that to a flow that tracks nothing)."""
     from tasks.mlflow_runs import ensure_mlflow_run
@@ -77,13 +79,21 @@ def _client_and_parent(config: RunConfig, run_dir: Path) -> tuple[Any, str, str]
 
 
 def start_attempt(
-    config: RunConfig, run_dir: str | Path, chunk: int, attempt: int, start_step: int, end_step: int
+    config: RunConfig,
+    run_dir: str | Path,
+    chunk: int,
+    attempt: int,
+    start_step: int,
+    end_step: int,
+    prefect: dict[str, str | None] | None = None,
 ) -> str | None:
-    """Create the nested child run of one chunk attempt; returns its id (None without MLflow)."""
+    """Create the nested child run of one chunk attempt (steps ``[start_step, end_step)``), named
+    ``c<chunk>·a<attempt> running`` until :func:`end_attempt` names its outcome; ``prefect``:
+    the flow and task run ids it runs in (tags).  Returns its id (None without MLflow)."""
     if not config.tracking.mlflow:
         return None
     run_dir = Path(run_dir)
-    client, parent_id, uri = _client_and_parent(config, run_dir)
+    client, parent_id, uri = client_and_parent(config, run_dir)
     parent = client.get_run(parent_id)
     if parent.info.status != "RUNNING":
         client.update_run(parent_id, status="RUNNING")  # resumed after a FAILED/KILLED flow
@@ -95,8 +105,9 @@ def start_attempt(
         "convoy.start_step": str(start_step),
         "convoy.end_step": str(end_step),
         "convoy.fingerprint": config.fingerprint(),
+        **{f"convoy.prefect_{k}": v for k, v in (prefect or {}).items() if v},
     }
-    child = client.create_run(parent.info.experiment_id, run_name=f"chunk-{chunk:03d}-attempt-{attempt}", tags=tags)
+    child = client.create_run(parent.info.experiment_id, run_name=attempt_name(chunk, attempt), tags=tags)
     _child_uris[child.info.run_id] = uri
     return child.info.run_id
 
@@ -124,14 +135,21 @@ def failure_tags(failure: dict[str, Any]) -> dict[str, str]:
     """The facts of a failed attempt as MLflow tags (static facts are tags, not metric charts)."""
     resumed_from = failure.get("last_committed_step") or 0
     facts = {
-        "failed_at_step": failure.get("trained_to", failure.get("last_beat_step")),
+        "failed_at_step": failed_at_step(failure),
         "resumed_from_step": resumed_from,
         "steps_lost": failure.get("steps_lost"),
         "detected_after_s": failure.get("detected_after_s"),
         "failure_reason": str(failure.get("reason") or "")[:500],
+        "passed_over": describe_passed_over(failure.get("passed_over") or [], limit=300) or None,
         "log": failure.get("log"),
     }
     return {f"convoy.{k}": str(v) for k, v in facts.items() if v is not None}
+
+
+def failed_at_step(failure: dict[str, Any]) -> int | None:
+    """How far the failed attempt trained (its high-water step, else its last beat)."""
+    at = failure.get("trained_to")
+    return at if at is not None else failure.get("last_beat_step")
 
 
 @dataclass(frozen=True)
@@ -140,7 +158,8 @@ class AttemptOutcome:
 
     ``status``: FINISHED, FAILED or KILLED; ``failure_kind``: the supervisor's name for the failure
     (``killed``, ``hang``...); ``steps``: steps the attempt committed; ``seconds``: its duration;
-    ``failure``: the supervisor's details of a failed attempt (see :func:`failure_tags`).
+    ``failure``: the supervisor's details of a failed attempt (see :func:`failure_tags`);
+    ``end_step``: the step a successful attempt committed.
     """
 
     status: str
@@ -148,6 +167,15 @@ class AttemptOutcome:
     steps: int = 0
     seconds: float = 0.0
     failure: dict[str, Any] | None = None
+    end_step: int | None = None
+
+    def label(self) -> str:
+        """The outcome in the attempt's name: ``killed@290→200``, ``done→400``."""
+        if self.failure is None and self.failure_kind is None:
+            return outcome_label(None, resumed_from=self.end_step)
+        failure = self.failure or {}
+        resumed = failure.get("last_committed_step")
+        return outcome_label(self.failure_kind or "failed", failed_at_step(failure), resumed or 0)
 
 
 def _outcome_tags(outcome: AttemptOutcome) -> dict[str, str]:
@@ -161,11 +189,15 @@ def _outcome_tags(outcome: AttemptOutcome) -> dict[str, str]:
         tags["convoy.failure_kind"] = outcome.failure_kind
     if outcome.failure:
         tags.update(failure_tags(outcome.failure))
+        passed = tags.get("convoy.passed_over")
+        detected = tags.get("convoy.detected_after_s")
         tags["mlflow.note.content"] = (
             f"{outcome.failure_kind or 'failure'} at step {tags.get('convoy.failed_at_step', '?')}: "
-            f"{tags.get('convoy.failure_reason', '')}; detected after {tags.get('convoy.detected_after_s', '?')} s; "
-            f"the next attempt resumes from step {tags['convoy.resumed_from_step']} "
+            f"{tags.get('convoy.failure_reason', '')}"
+            + (f"; detected after {detected} s" if detected is not None else "")
+            + f"; the next attempt resumes from step {tags['convoy.resumed_from_step']} "
             f"({tags.get('convoy.steps_lost', '?')} steps lost)"
+            + (f"; newer checkpoints passed over: {passed}" if passed else "")
         )
     return tags
 
@@ -176,11 +208,13 @@ def end_attempt(
     *,
     config: RunConfig | None = None,
     run_dir: str | Path | None = None,
+    name: tuple[int, int] | None = None,
 ) -> None:
-    """End a child run FINISHED or FAILED.  Tags: status, steps committed by the attempt, seconds,
-    and for a failure (``outcome.failure`` = the supervisor's details) its kind, reason, failed-at
-    and resumed-from steps, steps lost and log path, with the log's tail as an artifact and a
-    one-line description, so a failed attempt explains itself in the MLflow UI."""
+    """End a child run FINISHED, FAILED or KILLED.  Tags: status, steps committed by the attempt,
+    seconds, and for a failure (``outcome.failure`` = the supervisor's details) its kind, reason,
+    failed-at and resumed-from steps, steps lost, the checkpoints passed over and the log path,
+    with the log's tail as an artifact and a one-line description, so a failed attempt explains
+    itself in the MLflow UI.  ``name`` (chunk, attempt): renamed ``c2·a3 killed@290→200``."""
     if not child_run_id:
         return
     if outcome.status not in ("FINISHED", "FAILED", "KILLED"):
@@ -193,6 +227,8 @@ def end_attempt(
     client = client_for(uri)
     tags = _outcome_tags(outcome)
     client.log_batch(child_run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
+    if name is not None:
+        client.update_run(child_run_id, name=attempt_name(*name, outcome.label()))
     tail = log_tail((outcome.failure or {}).get("log"))
     if tail:
         with tempfile.TemporaryDirectory() as tmp:
@@ -203,17 +239,43 @@ def end_attempt(
     _child_uris.pop(child_run_id, None)
 
 
+def close_running_attempts(config: RunConfig, run_dir: str | Path, orphans: list[dict[str, Any]]) -> list[str]:
+    """End every RUNNING attempt run of the training run KILLED (the caller holds the run's lock:
+    none of them is alive), each named and described from its ``orphaned`` failure event (matched
+    by chunk and attempt).  Returns the ids it ended."""
+    import time
+
+    client, parent_id, _ = client_and_parent(config, Path(run_dir))
+    experiment = client.get_run(parent_id).info.experiment_id
+    query = f"tags.mlflow.parentRunId = '{parent_id}' and attributes.status = 'RUNNING'"
+    by_attempt = {(str(o.get("chunk")), str(o.get("attempt"))): o for o in orphans}
+    closed = []
+    for child in client.search_runs([experiment], filter_string=query):
+        chunk, attempt = child.data.tags.get("convoy.chunk"), child.data.tags.get("convoy.attempt")
+        failure = by_attempt.get((str(chunk), str(attempt))) or {"reason": "its flow run died while it ran"}
+        seconds = time.time() - child.info.start_time / 1000
+        outcome = AttemptOutcome("KILLED", failure.get("failure", "orphaned"), 0, seconds, failure)
+        name = (int(chunk), int(attempt)) if chunk and attempt else None
+        end_attempt(child.info.run_id, outcome, config=config, run_dir=run_dir, name=name)
+        closed.append(child.info.run_id)
+    return closed
+
+
 def finish_run(config: RunConfig, run_dir: str | Path, status: str = "FINISHED") -> None:
     """Mark the training run's MLflow run terminated (the flow calls it at the very end)."""
     if not config.tracking.mlflow:
         return
-    client, parent_id, _ = _client_and_parent(config, Path(run_dir))
+    client, parent_id, _ = client_and_parent(config, Path(run_dir))
     client.set_terminated(parent_id, status=status)
 
 
 def _table_payload(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON layout of ``MlflowClient.log_table`` (pandas ``orient="split"``)."""
-    return {"columns": TABLE_COLUMNS, "data": [[r.get(c) for c in TABLE_COLUMNS] for r in rows]}
+    """The JSON layout of ``MlflowClient.log_table`` (pandas ``orient="split"``); an unknown
+    value is an empty cell (MLflow shows a JSON null as the word "null")."""
+    return {
+        "columns": TABLE_COLUMNS,
+        "data": [["" if r.get(c) is None else r.get(c) for c in TABLE_COLUMNS] for r in rows],
+    }
 
 
 def refresh_audit(config: RunConfig, run_dir: str | Path) -> dict[str, Any]:
@@ -257,11 +319,47 @@ def describe_audit(summary: dict[str, Any]) -> str:
     return text + " See convoy/resume_events.json and convoy/timeline.png."
 
 
+#: Metrics with a point at each failed step and each resumed-from step, so a failure shows on
+#: MLflow's own charts.  Their value is the loss logged at that step: charted together with
+#: ``loss`` the points sit on its curve.
+FAILURE_METRIC, RESUME_METRIC = "failure", "resume"
+
+
+def recovery_points(run_dir: Path, rows: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """``{metric: {step: loss there}}`` of every failure and resume in the audit ``rows``."""
+    steps, loss = read_loss(run_dir)
+    at = dict(zip(steps, loss, strict=True))
+    points: dict[str, dict[int, float]] = {FAILURE_METRIC: {}, RESUME_METRIC: {}}
+    for row in rows:
+        for key, step in ((FAILURE_METRIC, row.get("failed_at_step")), (RESUME_METRIC, row.get("resumed_from_step"))):
+            value = at.get(step, at.get((step or 0) + 1)) if step is not None else None  # resumed from 0: step 1
+            if value is not None:
+                points[key][int(step)] = value
+    return points
+
+
+def _log_recovery_points(client: Any, run_id: str, run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """Log the points of :func:`recovery_points` MLflow does not hold yet (one per metric and step,
+    invariant 5, however often the audit is refreshed)."""
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    new = []
+    for key, points in recovery_points(run_dir, rows).items():
+        held = {m.step for m in client.get_metric_history(run_id, key)} if points else set()
+        new += [Metric(key, value, now, step) for step, value in sorted(points.items()) if step not in held]
+    if new:
+        client.log_batch(run_id, metrics=new, synchronous=True)
+
+
 def _publish(config: RunConfig, run_dir: Path, summary: dict[str, Any], table: dict[str, Any], png: Path) -> None:
     from mlflow.entities import RunTag
     from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
 
-    client, run_id, _ = _client_and_parent(config, run_dir)
+    client, run_id, _ = client_and_parent(config, run_dir)
+    _log_recovery_points(client, run_id, run_dir, summary["rows"])
     tags = {
         "convoy.resumes": summary["resumes"],
         "convoy.failures": summary["failures"],

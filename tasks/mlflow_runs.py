@@ -55,18 +55,95 @@ def ensure_experiment(client: MlflowClient, name: str, uri: str = "") -> str:
 
 
 def flatten_params(data: Any, prefix: str = "") -> dict[str, str]:
-    """Nested config dict → ``{"train.lr": "0.003", ...}`` (MLflow params are flat strings)."""
+    """Nested config dict → ``{"train.lr": "0.003", ...}`` (MLflow params are flat strings);
+    unset (None) values are left out: "None" is no setting anyone compares."""
     out: dict[str, str] = {}
     if isinstance(data, dict):
         for k, v in data.items():
             key = f"{prefix}.{k}" if prefix else str(k)
             if isinstance(v, dict) and v:
                 out.update(flatten_params(v, key))
-            else:
+            elif v is not None:
                 out[key] = str(v)[:6000]
-    else:
+    elif data is not None:
         out[prefix or "value"] = str(data)[:6000]
     return out
+
+
+def run_params(config: RunConfig) -> dict[str, str]:
+    """The params of the MLflow run: what defines the run, i.e. its trajectory settings (what the
+    fingerprint hashes: task, task_args, data, optimisation).  Chunking, limits, tracking and
+    launch settings are how it is run, not what it is, and may change between flow runs."""
+    return flatten_params(config.trajectory())
+
+
+def git_tags(cwd: Path | None = None) -> dict[str, str]:
+    """MLflow's source tags for the code in ``cwd`` (the project the run is trained from):
+    commit, branch, origin URL; ``convoy.git_dirty`` when tracked files had changes.  Empty
+    outside a git work tree."""
+    import subprocess
+
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return {}
+    tags = {
+        "mlflow.source.git.commit": commit,
+        "mlflow.source.git.branch": git("rev-parse", "--abbrev-ref", "HEAD"),
+        "mlflow.source.git.repoURL": git("config", "--get", "remote.origin.url"),
+        "mlflow.source.type": "LOCAL",
+        "mlflow.source.name": "convoy train",
+        "convoy.git_dirty": "true" if git("status", "--porcelain", "--untracked-files=no") else None,
+    }
+    return {k: v for k, v in tags.items() if v}
+
+
+def log_corpus_input(client: MlflowClient, run_id: str, config: RunConfig) -> bool:
+    """The prepared corpus as the run's training dataset input (``mlflow.log_input``'s record):
+    its path, a digest of its bytes and a profile (bytes, validation fraction, sequence length,
+    entropy floor).  False when the corpus is not on this machine."""
+    import hashlib
+
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    from training.corpus import CORPUS_FILE, entropy_floor
+
+    path = Path(config.data.prepared_dir) / CORPUS_FILE
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return False
+    profile = {
+        "bytes": len(raw),
+        "source": config.data.source,
+        "val_fraction": config.data.val_fraction,
+        "seq_len": config.data.seq_len,
+        "entropy_floor_nats_per_char": entropy_floor(config.data),
+    }
+    dataset = Dataset(
+        name=f"{config.run_name.partition('@')[0]}-corpus",
+        digest=hashlib.sha256(raw).hexdigest()[:16],
+        source_type="local",
+        source=json.dumps({"uri": path.resolve().as_uri()}),
+        profile=json.dumps(profile),
+    )
+    client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "training")])])
+    return True
+
+
+def set_run_tags(config: RunConfig, run_dir: str | Path, tags: dict[str, str]) -> None:
+    """Set tags on the training run's MLflow run."""
+    from mlflow.entities import RunTag
+
+    uri = resolve_tracking_uri(config, run_dir)
+    run_id = ensure_mlflow_run(config, run_dir)
+    client_for(uri).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()], synchronous=True)
 
 
 def _run_exists(client: MlflowClient, run_id: str) -> bool:
@@ -124,9 +201,10 @@ def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> s
     client = client_for(uri)
     info = run_info(run_dir) or {}
     run_id = info.get("mlflow_run_id") or run_id_from_checkpoints(run_dir)
+    ui = config.tracking.mlflow_ui_url or None
     if run_id and info.get("mlflow_tracking_uri", uri) == uri and _run_exists(client, run_id):
-        if info.get("mlflow_run_id") != run_id or info.get("mlflow_tracking_uri") != uri:
-            update_run_info(run_dir, mlflow_run_id=run_id, mlflow_tracking_uri=uri)
+        if info.get("mlflow_run_id") != run_id or info.get("mlflow_tracking_uri") != uri or info.get("mlflow_ui") != ui:
+            update_run_info(run_dir, mlflow_run_id=run_id, mlflow_tracking_uri=uri, mlflow_ui=ui)
         return run_id
     if run_id:
         print(
@@ -146,11 +224,16 @@ def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> s
         f"{TAG_PREFIX}failures": "0",
         f"{TAG_PREFIX}steps_lost": "0",
         **lineage_tags(info.get("parent")),
+        **git_tags(),
     }
     run = client.create_run(exp_id, run_name=config.run_name, tags=tags)
     run_id = run.info.run_id
-    params = [Param(k, v) for k, v in sorted(flatten_params(config.model_dump(mode="json")).items())]
+    params = [Param(k, v) for k, v in sorted(run_params(config).items())]
     for i in range(0, len(params), MAX_BATCH_PARAMS):
         client.log_batch(run_id, params=params[i : i + MAX_BATCH_PARAMS], synchronous=True)
-    update_run_info(run_dir, mlflow_run_id=run_id, mlflow_tracking_uri=uri, mlflow_experiment_id=exp_id)
+    try:
+        log_corpus_input(client, run_id, config)
+    except MlflowException as exc:  # the input is a record, not a reason to stop
+        print(f"WARNING: could not log the corpus as the run's dataset input: {exc}", file=sys.stderr, flush=True)
+    update_run_info(run_dir, mlflow_run_id=run_id, mlflow_tracking_uri=uri, mlflow_experiment_id=exp_id, mlflow_ui=ui)
     return run_id

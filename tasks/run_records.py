@@ -9,8 +9,10 @@ DVC are imported lazily (~3 s each) and only when enabled in ``tracking``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +31,25 @@ def begin_run(config: RunConfig, run_dir: Path) -> str | None:
     return ensure_mlflow_run(config, run_dir)
 
 
-def start_attempt(config: RunConfig, run_dir: Path, chunk: int, attempt: int, start: int, end: int) -> str | None:
-    """Nested MLflow run of one chunk attempt (best effort)."""
+def start_attempt(
+    config: RunConfig,
+    run_dir: Path,
+    chunk: int,
+    attempt: int,
+    start: int,
+    end: int,
+    flow_run_id: str | None = None,
+    task_run_id: str | None = None,
+) -> str | None:
+    """Nested MLflow run of one chunk attempt, tagged with its Prefect flow and task run (best
+    effort)."""
     if not config.tracking.mlflow:
         return None
     try:
         from tasks.mlflow_audit import start_attempt as _start
 
-        return _start(config, run_dir, chunk, attempt, start, end)
+        prefect = {"flow_run_id": flow_run_id, "task_run_id": task_run_id}
+        return _start(config, run_dir, chunk, attempt, start, end, prefect)
     except Exception as exc:  # noqa: BLE001 - audit only
         log.warning("MLflow: could not start the attempt run of chunk %d: %s", chunk, exc)
         return None
@@ -48,10 +61,12 @@ def attempt_outcome(
     steps: int = 0,
     seconds: float = 0.0,
     failure: dict[str, Any] | None = None,
+    end_step: int | None = None,
 ) -> AttemptOutcome:
     """The outcome of a chunk attempt as the chunk task knows it (ok or not, and the supervisor's
-    failure kind and details), in the form :func:`training.tracking.resume_audit.end_attempt` records."""
-    return AttemptOutcome("FINISHED" if ok else "FAILED", kind, steps, seconds, failure)
+    failure kind and details, or the step it committed), in the form
+    :func:`tasks.mlflow_audit.end_attempt` records."""
+    return AttemptOutcome("FINISHED" if ok else "FAILED", kind, steps, seconds, failure, end_step)
 
 
 def end_attempt(
@@ -59,16 +74,62 @@ def end_attempt(
     run_dir: Path,
     child: str | None,
     outcome: AttemptOutcome,
+    chunk: int | None = None,
+    attempt: int | None = None,
 ) -> None:
-    """End the attempt's MLflow run (best effort); ``outcome``: see :func:`attempt_outcome`."""
+    """End the attempt's MLflow run, named after its outcome when ``chunk`` and ``attempt`` are
+    given (best effort); ``outcome``: see :func:`attempt_outcome`."""
     if child is None:
         return
     try:
         from tasks.mlflow_audit import end_attempt as _end
 
-        _end(child, outcome, config=config, run_dir=run_dir)
+        name = (chunk, attempt) if chunk is not None and attempt is not None else None
+        _end(child, outcome, config=config, run_dir=run_dir, name=name)
     except Exception as exc:  # noqa: BLE001
         log.warning("MLflow: could not end attempt run %s: %s", child, exc)
+
+
+def close_orphaned_attempts(config: RunConfig, run_dir: Path, orphans: list[dict[str, Any]]) -> list[str]:
+    """End the MLflow runs of attempts whose flow died KILLED, named and described from their
+    ``orphaned`` failure events (best effort); returns their ids."""
+    if not config.tracking.mlflow:
+        return []
+    try:
+        from tasks.mlflow_audit import close_running_attempts
+
+        return close_running_attempts(config, run_dir, orphans)
+    except Exception as exc:  # noqa: BLE001 - audit only
+        log.warning("MLflow: could not close the attempt runs of a dead flow: %s", exc)
+        return []
+
+
+def link_flow_run(config: RunConfig, run_dir: Path, tags: dict[str, str]) -> None:
+    """Tag the run's MLflow run with its Prefect flow runs (best effort)."""
+    if not config.tracking.mlflow or not tags:
+        return
+    try:
+        from tasks.mlflow_runs import set_run_tags
+
+        set_run_tags(config, run_dir, tags)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("MLflow: could not link the Prefect flow run: %s", exc)
+
+
+def log_model(config: RunConfig, run_dir: Path) -> dict[str, Any] | None:
+    """Log the finished run's model to MLflow and register it (:mod:`tasks.mlflow_model`; best
+    effort: the checkpoint and the DVC export hold it anyway)."""
+    if not config.tracking.mlflow or not config.tracking.log_model:
+        return None
+    try:
+        from tasks.mlflow_audit import client_and_parent
+        from tasks.mlflow_model import log_final_model
+
+        client, run_id, _ = client_and_parent(config, run_dir)
+        return log_final_model(config, run_dir, client, run_id)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("MLflow: could not log the final model: %s", exc)
+        return None
 
 
 def finish_run(config: RunConfig, run_dir: Path, ok: bool) -> dict[str, Any] | None:
@@ -83,6 +144,40 @@ def finish_run(config: RunConfig, run_dir: Path, ok: bool) -> dict[str, Any] | N
     except Exception as exc:  # noqa: BLE001
         log.warning("audit: could not finish the run's audit: %s", exc)
     return summary
+
+
+@contextlib.contextmanager
+def system_metrics(config: RunConfig, run_dir: Path) -> Iterator[None]:
+    """MLflow's own system metrics (``system/cpu_utilization_percentage``, memory, disk, network,
+    GPU where there is one) logged into the run's MLflow run while the flow trains, sampled on
+    the machine whose workers train (the local flow; in pool mode each chunk's flow).  Every
+    ``tracking.system_metrics_s`` seconds (``$MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` wins);
+    0 turns it off.  Their step is MLflow's sample counter, continued across flow runs.  Best
+    effort: monitoring never fails a run."""
+    monitor = None
+    if config.tracking.mlflow and config.tracking.system_metrics_s > 0:
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            from tasks.mlflow_runs import ensure_mlflow_run
+            from training.tracking.mlflow_backend import resolve_tracking_uri
+
+            run_id = ensure_mlflow_run(config, run_dir)
+            uri = resolve_tracking_uri(config, run_dir)
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop chatter
+            monitor = SystemMetricsMonitor(
+                run_id, sampling_interval=config.tracking.system_metrics_s, resume_logging=True, tracking_uri=uri
+            )
+            monitor.start()
+        except Exception as exc:  # noqa: BLE001 - monitoring must never fail a chunk
+            log.warning("MLflow: could not start the system metrics: %s", exc)
+            monitor = None
+    try:
+        yield
+    finally:
+        if monitor is not None:
+            with contextlib.suppress(Exception):
+                monitor.finish()
 
 
 def refresh(config: RunConfig, run_dir: Path) -> None:

@@ -46,7 +46,7 @@ from training.config import EXIT_CONFIG
 from training.events import Event, FailureKind, append_event
 from training.heartbeat import beat_is_local, heartbeat_path, read_heartbeat
 from training.paths import RunPaths
-from training.tracking.resume_audit import steps_lost, trained_high_water
+from training.tracking.resume_audit import resume_point, steps_lost, trained_high_water
 
 #: Re-exported: callers only need this module.
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "Outcome",
     "classify_exit",
     "newest_verified_step",
+    "resume_point",
     "reap_stale_worker",
     "stop_group",
     "WorkerAttempt",
@@ -66,7 +67,7 @@ __all__ = [
 ]
 
 
-#: Failure kinds whose reason says it all (no "last output" or "first to fail" appended).
+#: Failure kinds whose reason says it all (no "first to fail" node appended).
 _SAYS_WHY = (FailureKind.CONFIG, FailureKind.PREEMPTED, FailureKind.DISKFULL)
 
 
@@ -154,6 +155,13 @@ class _Watch:
     progress: float = 0.0
     #: rank → when we first saw its process gone while the launcher still ran (multi-rank only)
     rank_gone: dict[int, float] = field(default_factory=dict)
+    #: Beats from this time on are the watched worker's: the attempt's start, or 0 for an adopted
+    #: worker (every beat is its own, also those from before this task adopted it).
+    beats_since: float | None = None
+
+    @property
+    def clock_floor(self) -> float:
+        return self.started if self.beats_since is None else self.beats_since
 
 
 def worker_command(
@@ -248,7 +256,7 @@ def _failure_verdict(
         # instead (up to a poll and a beat later) let a worker stopped just after a phase change
         # (e.g. adopted at a chunk boundary) look dead before it looked hung when stall_s equals
         # timeout_s: the stall clock must never start after the last beat.
-        w.phase, w.phase_since = phase, min(now, max(oldest, w.started))
+        w.phase, w.phase_since = phase, min(now, max(oldest, w.clock_floor))
     if step != w.last_step:
         w.last_step = step
     w.last_beat = oldest
@@ -353,10 +361,12 @@ def _size(path: Path) -> int:
 
 def newest_verified_step(run_dir: Path) -> int | None:
     """Step of the newest *verified* checkpoint (imported lazily: it pulls in torch)."""
-    from training.checkpointing.store import CheckpointStore
+    return resume_point(run_dir)[0]
 
-    ck = CheckpointStore(run_dir).latest_valid(record=False)
-    return ck.step if ck is not None else None
+
+def _clock(t: float) -> str:
+    """A log header's time, as a person reads it (UTC)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
 @dataclass(frozen=True)
@@ -430,6 +440,10 @@ class WorkerAttempt:
         self.oom_before = oom_kills()
         self.metrics_offset = _size(RunPaths(self.run_dir).metrics)  # this attempt's rows start here (steps lost)
         self.started = time.time()
+        # Beats count from this attempt's start, so stale beats of an earlier worker are no sign of
+        # life; an adopted worker's beats are its own however old, so one stopped or wedged before
+        # this task adopted it is judged by its last beat (hang/dead), not as one that never beat.
+        beats_since = 0.0 if live is not None else self.started
         if live is not None:  # its beats are current; the log is the one it was started with
             # Read on from where the previous chunk stopped: what it said in between (a traceback if it
             # died between the tasks, a launcher naming the failed node) is this chunk's to report.
@@ -442,7 +456,7 @@ class WorkerAttempt:
             self.proc, offset = self.take_standby() or _spawn(
                 spec.cmd,
                 self.log_path,
-                f"chunk={spec.chunk} attempt={spec.attempt} started={self.started:.3f}",
+                f"chunk={spec.chunk} attempt={spec.attempt} started {_clock(self.started)}",
                 cwd=spec.cwd,
                 env=self.environment(),
             )
@@ -454,7 +468,9 @@ class WorkerAttempt:
             daemon=True,
         )
         self.follower.start()
-        self.watched = _Watch(started=self.started, phase_since=self.started, progress=self.started)
+        self.watched = _Watch(
+            started=self.started, phase_since=self.started, progress=self.started, beats_since=beats_since
+        )
         self.last_seen_running = self.exit_seen = self.started
         if live is not None:
             self.recall_adopted()
@@ -472,7 +488,7 @@ class WorkerAttempt:
         with open(ready.log_path, "ab") as log:
             log.write(
                 f"# convoy chunk={spec.chunk} attempt={spec.attempt} took over standby pid {ready.proc.pid} "
-                f"at {self.started:.3f}\n".encode()
+                f"at {_clock(self.started)}\n".encode()
             )
         append_event(
             self.run_dir,
@@ -485,7 +501,7 @@ class WorkerAttempt:
         return ready.proc, ready.offset
 
     def start_standby(self, standby_cmd: list[str], standby_log: Path) -> tuple[subprocess.Popen, int]:
-        header = f"standby started={time.time():.3f}"
+        header = f"standby started {_clock(time.time())}"
         return _spawn(
             standby_cmd, standby_log, header, cwd=self.spec.cwd, env=self.environment(), stdin=subprocess.PIPE
         )
@@ -514,7 +530,7 @@ class WorkerAttempt:
                 break
             self.failure = _failure_verdict(
                 self.watched,
-                _beats(self.run_dir, spec.ranks, self.started),
+                _beats(self.run_dir, spec.ranks, self.watched.clock_floor),
                 spec.ranks,
                 spec.limits,
                 self.last_seen_running,
@@ -601,7 +617,7 @@ class WorkerAttempt:
     def failure_report(self, rc: int, seconds: float) -> ChunkFailed:
         """Audit the failure (one ``failure`` event, steps lost by their one definition) and say it."""
         kind, reason, detected_after = self.classify(rc)
-        committed = newest_verified_step(self.run_dir)
+        committed, passed_over = resume_point(self.run_dir)
         trained_to = trained_high_water(self.run_dir, self.watched.last_step, self.metrics_offset)
         details = {
             "detected_after_s": round(detected_after, 3),
@@ -609,6 +625,7 @@ class WorkerAttempt:
             "trained_to": trained_to,
             "last_committed_step": committed,
             "steps_lost": steps_lost(trained_to, committed),  # the next attempt resumes from `committed`
+            "passed_over": passed_over,  # newer checkpoints that do not verify: why it resumes further back
             "returncode": rc,
             "reason": reason,
             "error": error_line(self.tail),  # tasks/repeated.py compares it between attempts
@@ -627,6 +644,7 @@ class WorkerAttempt:
         details.update(tail=list(self.tail)[-10:], seconds=round(seconds, 3))
         where = f"chunk {self.spec.chunk}" if self.spec.chunk is not None else "worker"
         message = f"{where} {kind}: {reason}"
-        if kind not in _SAYS_WHY and self.tail:
-            message += f" | last output: {self.tail[-1][:300]}"
+        said = error_line(self.tail) if kind in (FailureKind.CRASH, FailureKind.OOM) else None
+        if said:  # a process that ended itself said why; a killed or stalled one did not
+            message += f" | last output: {said[:300]}"
         return ChunkFailed(kind, message, details)

@@ -71,6 +71,8 @@ def test_sigkill_mid_chunk_3_retries_only_chunk_3(
     runs = task_runs(summary["flow_run_id"])
     assert {name: r.run_count for name, r in runs.items()} == {"chunk-1": 1, "chunk-2": 1, "chunk-3": 2}
     assert all(r.state.is_completed() for r in runs.values())
+    policy = runs["chunk-3"].empirical_policy  # one number, which Prefect's UI shows ("NaNs" for a list)
+    assert isinstance(policy.retry_delay, int | float) and policy.retries == 2, policy
     fail = read_events(run_dir, "failure")
     assert [(e["chunk"], e["failure"]) for e in fail] == [(3, "killed")]
     assert fail[0]["last_committed_step"] >= 2 * CHUNK and fail[0]["steps_lost"] >= 0
@@ -159,20 +161,30 @@ def test_config_error_is_not_retried(prefect_api: str, data_dir: Path, tmp_path:
 def test_killed_flow_resumes_and_second_flow_is_refused(
     prefect_api: str, data_dir: Path, tmp_path: Path, reference_digest: str
 ) -> None:
+    """One run, three faults, what a person reads afterwards.  In chunk 1 the newest checkpoint is
+    corrupted and the worker SIGKILLed: the failed attempt's MLflow run and the summary name the
+    passed-over step and why.  In chunk 2 a second flow is refused, then the first flow is
+    SIGKILLed: the next flow crashes the dead flow run (and its task runs) in Prefect, ends its
+    RUNNING MLflow attempt run KILLED, links both flow runs both ways, and numbers attempts per
+    chunk across both flows (no name twice)."""
     from tasks.supervisor import newest_verified_step
 
-    p = params(tmp_path, data_dir, "flowkill", heartbeat={"stall_s": 30})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    p = params(tmp_path, data_dir, "flowkill", heartbeat={"stall_s": 30}, tracking={"mlflow": True, "mlflow_uri": uri})
     pfile = tmp_path / "params.yaml"
     pfile.write_text(yaml.safe_dump(p))
     run_dir = config(p).run_dir.resolve()
     cmd = [sys.executable, "-m", "flows.cli", "train", str(pfile)]  # `convoy train PARAMS`
     # Step 28 (inside chunk 2) takes 15 s in the first flow only, so the second flow and the kill
-    # land while the first one is mid-run however slow this machine is.
-    env = {**os.environ, "CONVOY_FAULTS": "slow_step=28:15"}
+    # land while the first one is mid-run however slow this machine is; the flag stalls one step
+    # of chunk 1 on demand, so the corruption and the kill land before the next save.
+    stall = tmp_path / "stall"
+    env = {**os.environ, "CONVOY_FAULTS": f"step_delay=0.03,slow_step=28:15,slow_flag={stall}:20"}
     first = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
     )
     try:
+        corrupted = corrupt_newest_then_kill(run_dir, stall, at_step=12)
         wait_for_step(run_dir, CHUNK + 7)
         second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert second.returncode == 2, second.stderr
@@ -192,7 +204,9 @@ def test_killed_flow_resumes_and_second_flow_is_refused(
     if before == [1]:  # killed inside the slow step: the orphaned worker got SIGTERM from the
         assert read_events(run_dir, "preempted")  # kernel (PDEATHSIG) and saved an emergency checkpoint
 
-    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "250"}
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     from training.checkpointing.store import CheckpointStore
 
@@ -205,7 +219,76 @@ def test_killed_flow_resumes_and_second_flow_is_refused(
     rerun_started = read_events(run_dir, "flow_started")[-1]["time"]
     first_resume = [e for e in read_events(run_dir, "resumed") if e["time"] > rerun_started]
     assert first_resume[0]["step"] == committed_at_kill  # continued from the newest checkpoint
+    assert "passed over" in again.stdout and f"step {corrupted} (" in again.stdout, again.stdout
+    assert "entropy floor" in again.stdout
+    print(again.stdout)
+    check_takeover(run_dir, uri, before, corrupted)
     assert_no_leftovers(tmp_path)
+
+
+def corrupt_newest_then_kill(run_dir: Path, stall: Path, at_step: int) -> int:
+    """Stall the worker after ``at_step`` (the flag fault), flip a byte in its newest committed
+    checkpoint, SIGKILL it; returns the corrupted checkpoint's step."""
+    beat = wait_for_step(run_dir, at_step)
+    stall.touch()
+    deadline = time.monotonic() + 60
+    while stall.exists() and time.monotonic() < deadline:  # the worker took the flag: it is stalled
+        time.sleep(0.05)
+    time.sleep(1.0)  # an asynchronous save in flight commits meanwhile
+    newest = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir() and "." not in p.name)[-1]
+    target = max(newest.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    with open(target, "r+b") as fh:
+        fh.seek(target.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    os.kill(int(beat["pid"]), signal.SIGKILL)
+    return int(newest.name.removeprefix("step-"))
+
+
+def check_takeover(run_dir: Path, uri: str, before: list[int], corrupted: int) -> None:
+    """Prefect and MLflow after a flow was SIGKILLed and the next one finished the run."""
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+
+    from training.rundir import run_info
+
+    old, new = [e["flow_run_id"] for e in read_events(run_dir, "flow_started")]
+    taken = read_events(run_dir, "flow_taken_over")
+    assert len(taken) == 1 and taken[0]["previous"] == [old] and taken[0]["flow_run_id"] == new
+    with get_client(sync_client=True) as client:
+        dead, live = client.read_flow_run(old), client.read_flow_run(new)
+    assert dead.state.is_crashed() and live.state.is_completed(), (dead.state, live.state)
+    assert all(r.state.is_final() for r in task_runs(old).values())
+    assert f"continued-by:{live.name}" in dead.tags and f"continues:{dead.name}" in live.tags
+    links = artifacts("convoy-flowkill-flow-runs")
+    assert links and dead.name in str(links[-1].data)
+    client = MlflowClient(uri)
+    parent = client.get_run(run_info(run_dir)["mlflow_run_id"])
+    assert parent.info.status == "FINISHED" and old in parent.data.tags["convoy.prefect_flow_runs"]
+    assert parent.data.tags["convoy.prefect_flow_run_id"] == new
+    runs = client.search_runs([parent.info.experiment_id])
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    names = [r.info.run_name for r in children]
+    print("\nattempt runs:", sorted(names))
+    assert len(names) == len(set(names)), names
+    for chunk in (1, 2, 3):  # numbered per chunk across both flows: 1..n, no gap, no repeat
+        numbers = sorted(
+            int(r.data.tags["convoy.attempt"]) for r in children if r.data.tags["convoy.chunk"] == str(chunk)
+        )
+        assert numbers == list(range(1, len(numbers) + 1)), (chunk, names)
+    killed = [r for r in children if r.info.run_name.startswith("c1·a1 killed@")]
+    assert len(killed) == 1 and killed[0].info.status == "FAILED", names
+    tags = killed[0].data.tags
+    assert f"step {corrupted} (" in tags["convoy.passed_over"] and "passed over" in tags["mlflow.note.content"]
+    if before == [1]:  # the dead flow's attempt at chunk 2 was running: closed, named, counted
+        orphan = [r for r in children if r.info.run_name.startswith("c2·a1 orphaned@")]
+        assert len(orphan) == 1 and orphan[0].info.status == "KILLED", names
+        assert any(n.startswith("c2·a2 done→40") for n in names), names
+    table = artifacts("convoy-flowkill-chunks")[-1].data
+    text = table if isinstance(table, str) else json.dumps(table)
+    assert "not committed" not in text and '"failures": "killed"' in text  # chunk 1's failure, from flow 1
 
 
 def test_finished_run_trains_nothing_and_is_tracked_in_mlflow(prefect_api: str, data_dir: Path, tmp_path: Path) -> None:
@@ -219,7 +302,7 @@ def test_finished_run_trains_nothing_and_is_tracked_in_mlflow(prefect_api: str, 
             data_dir,
             "again",
             train={"total_steps": 10, "chunk_steps": 5},
-            tracking={"mlflow": True, "mlflow_uri": uri},
+            tracking={"mlflow": True, "mlflow_uri": uri, "system_metrics_s": 0.2},
         )
     )
     first = run_training(cfg)
@@ -243,7 +326,36 @@ def test_finished_run_trains_nothing_and_is_tracked_in_mlflow(prefect_api: str, 
     assert all(r.info.status == "FINISHED" for r in children)
     losses = client.get_metric_history(parent.info.run_id, "loss")
     assert sorted(m.step for m in losses) == list(range(1, 11))  # the worker logged into this run
+    check_mlflow_run(client, parent.info.run_id, first)
     assert_no_leftovers(cfg.run_dir.resolve())
+
+
+def check_mlflow_run(client: Any, run_id: str, summary: dict[str, Any]) -> None:
+    """What an MLflow user expects of a finished run: only what defines the run as params (no
+    None, no launch string), git source tags, the Prefect flow run, the corpus as a dataset
+    input, MLflow's system metrics, and the final model logged (safetensors) and registered once,
+    however often the flow ran."""
+    import subprocess as sp
+
+    run = client.get_run(run_id)
+    params, tags = run.data.params, run.data.tags
+    assert "None" not in params.values() and not [k for k in params if k.startswith(("orchestration", "tracking"))]
+    assert params["train.lr"] and params["task_args.d_model"] == "32" and "train.chunk_steps" not in params
+    head = sp.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert tags["mlflow.source.git.commit"] == head and tags["mlflow.source.type"] == "LOCAL"
+    assert tags["convoy.prefect_flow_run_url"].endswith(f"/runs/flow-run/{tags['convoy.prefect_flow_run_id']}")
+    assert summary["flow_run_id"] in tags["convoy.prefect_flow_runs"]
+    inputs = run.inputs.dataset_inputs
+    assert [i.dataset.name for i in inputs] == ["again-corpus"]
+    assert [(t.key, t.value) for t in inputs[0].tags] == [("mlflow.data.context", "training")]
+    assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics), sorted(run.data.metrics)
+    models = client.search_logged_models([run.info.experiment_id])
+    assert len(models) == 1 and models[0].source_run_id == run_id, models
+    assert tags["convoy.model_digest"] == summary["digest"] == models[0].tags["convoy.digest"]
+    files = {a.path for a in client.list_logged_model_artifacts(models[0].model_id)}
+    assert files == {"model.safetensors", "config.json", "convoy-model.json"}, files
+    versions = client.search_model_versions("name = 'again'")
+    assert [(v.source, v.run_id) for v in versions] == [(f"models:/{models[0].model_id}", run_id)]
 
 
 def test_two_ranks_a_killed_rank_fails_the_chunk_and_is_retried(
@@ -293,7 +405,7 @@ def test_preemption_is_resubmitted_at_once(
     summary = run_training(cfg)
     t.join(timeout=5)
     assert sent and summary["final_step"] == TOTAL and summary["digest"] == reference_digest
-    assert summary["attempts"] == {1: 1, 2: 1, 3: 1}  # no Prefect retry, no retry delay
+    assert summary["attempts"] == {1: 1, 2: 2, 3: 1}  # the re-spawn is attempt 2 of chunk 2, but no Prefect retry
     assert [e["failure"] for e in read_events(run_dir, "failure")] == ["preempted"]
     resub = read_events(run_dir, "resubmitted")
     assert len(resub) == 1 and resub[0]["chunk"] == 2

@@ -80,6 +80,7 @@ def test_failure_lines_name_the_log_and_its_last_lines(tmp_path: Path) -> None:
             "detected_after_s": 0.21,
             "last_committed_step": 40,
             "steps_lost": 7,
+            "passed_over": [{"checkpoint": "step-000000045", "step": 45, "reason": "manifest.json missing"}],
             "log": str(log),
             "tail": [],
         },
@@ -87,7 +88,8 @@ def test_failure_lines_name_the_log_and_its_last_lines(tmp_path: Path) -> None:
     lines = failure_lines(exc)
     assert lines[0] == "killed: signal SIGKILL"
     assert lines[1] == "at step 47, detected after 0.2 s, a retry resumes from step 40, 7 step(s) lost"
-    assert lines[2] == f"log: {log}" and lines[-1] == "  | line 29"
+    assert lines[2] == "passed over (do not verify): step 45 (manifest.json missing)"
+    assert lines[3] == f"log: {log}" and lines[-1] == "  | line 29"
     assert "ChunkFailed" not in repr(exc) and "resumes from step 40" in repr(exc)
 
 
@@ -140,3 +142,108 @@ def test_train_prints_a_summary_with_the_mlflow_url_and_json_parses(
         key = ArtifactFilterKey(any_=["convoy-summary-chunks"])
         tables = client.read_artifacts(artifact_filter=ArtifactFilter(key=key))
     assert tables and all("?workflowType=machine_learning" in (t.description or "") for t in tables)
+
+
+def test_attempts_are_numbered_per_chunk_across_flow_runs_and_named_by_outcome() -> None:
+    """Numbers come from every event of the chunk (attempts of a dead flow, preemption re-spawns),
+    so a new flow's first attempt of chunk 2 is attempt 4, not a second "attempt 1"."""
+    from training.tracking.attempts import (
+        attempt_name,
+        chunk_history,
+        next_attempt,
+        open_attempts,
+        outcome_label,
+    )
+
+    events = [
+        {"kind": "attempt_started", "chunk": 1, "attempt": 1},
+        {"kind": "chunk_done", "chunk": 1, "attempt": 1},
+        {"kind": "attempt_started", "chunk": 2, "attempt": 1},
+        {"kind": "failure", "chunk": 2, "attempt": 1, "failure": "killed"},
+        {"kind": "attempt_started", "chunk": 2, "attempt": 2},
+        {"kind": "failure", "chunk": 2, "attempt": 2, "failure": "preempted"},
+        {"kind": "attempt_started", "chunk": 2, "attempt": 3},  # its flow was SIGKILLed: never ended
+    ]
+    assert next_attempt(events, 1) == 2 and next_attempt(events, 2) == 4 and next_attempt(events, 3) == 1
+    assert chunk_history(events, 2) == {"attempts": 3, "failure_kinds": ["killed", "preempted"]}
+    assert [(e["chunk"], e["attempt"]) for e in open_attempts(events)] == [(2, 3)]
+    name = attempt_name(2, 3, outcome_label("killed", 290, 200))
+    assert name == "c2·a3 killed@290→200" and name[:16] == "c2·a3 killed@290"  # what MLflow's table shows
+    assert attempt_name(3, 1, outcome_label(None, resumed_from=600)) == "c3·a1 done→600"
+
+
+def test_failure_text_has_no_class_paths_or_unrelated_output() -> None:
+    from tasks.failure_kinds import diskfull_message, error_line
+
+    path = "training.checkpointing.store.CheckpointError: checkpoint save failed: [Errno 28] No space left on device"
+    assert diskfull_message(["[worker rank 0] step 40", path]) == (
+        "disk full: CheckpointError: checkpoint save failed: [Errno 28] No space left on device"
+    )
+    assert error_line(["Traceback (most recent call last):", '  File "x.py"', "torch.OutOfMemoryError: 2 GiB"]) == (
+        "OutOfMemoryError: 2 GiB"
+    )
+    assert error_line(["[worker rank 0] MLflow run abc: copied 20 value(s)"]) is None  # chatter, not a cause
+
+
+def test_timeline_labels_of_close_failures_never_overlap(tmp_path: Path) -> None:
+    """Failures a few steps apart (a corrupt checkpoint found right after a kill) get labels at
+    different heights, or one label, never two drawn over each other."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from training.tracking.resume_audit import _mark_attempts
+
+    rows = [
+        {"failed_at_step": s, "kind": k, "resumed_from_step": r}
+        for s, k, r in [(248, "killed", 200), (250, "corrupt", 200), (252, "hang", 250), (253, "dead", 250)]
+        + [(255, "killed", 250), (255, "oom", 250), (420, "killed", 400)]
+    ]
+    fig, ax = plt.subplots(figsize=(9, 4), dpi=100)
+    try:
+        ax.plot(range(1, 601), [1 / s for s in range(1, 601)])
+        labels = _mark_attempts(ax, rows)
+        fig.tight_layout()
+        fig.canvas.draw()
+        boxes = [t.get_window_extent() for t in labels]
+    finally:
+        plt.close(fig)
+    texts = [t.get_text() for t in labels]
+    assert "killed, oom @ 255" in " ".join(texts) and any("@ 420" in t for t in texts)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), texts
+
+
+def test_retry_delays_are_waited_by_convoy_and_prefect_is_given_one_number() -> None:
+    """Prefect's task page shows ``Retry Delay`` from one number ("NaNs" for a list of delays):
+    the chunk task gets 0, and waits the backoff itself, from the second retry on."""
+    from tasks.chunk import retry_wait, retrying_chunk_task
+    from training.config import load_config
+
+    cfg = load_config(
+        None, ["orchestration.retries=4", "orchestration.retry_delay_seconds=1", "orchestration.jitter=0.1"]
+    )
+    task = retrying_chunk_task(cfg)
+    assert task.retries == 4 and task.retry_delay_seconds == 0
+    assert retry_wait(cfg, 1) == 0.0 and retry_wait(cfg, 2) == 0.0  # the first run, the first retry: at once
+    assert 0.9 <= retry_wait(cfg, 3) <= 1.1 and 1.8 <= retry_wait(cfg, 4) <= 2.2 and 3.6 <= retry_wait(cfg, 5) <= 4.4
+
+
+def test_only_flow_runs_that_died_unseen_are_taken_over() -> None:
+    """A flow that finished, failed or crashed with its hooks running ended; one SIGKILLed left
+    only its ``flow_started``; one taken over once is not taken over again."""
+    from tasks.takeover import unfinished_flow_runs
+
+    events = [
+        {"kind": "flow_started", "flow_run_id": "done"},
+        {"kind": "flow_done", "flow_run_id": "done"},
+        {"kind": "flow_started", "flow_run_id": "failed"},
+        {"kind": "flow_failed", "flow_run_id": "failed"},
+        {"kind": "flow_started", "flow_run_id": "killed-1"},
+        {"kind": "flow_started", "flow_run_id": "killed-2"},
+        {"kind": "flow_taken_over", "flow_run_id": "killed-2", "previous": ["killed-1"]},
+        {"kind": "flow_started", "flow_run_id": "now"},
+    ]
+    assert unfinished_flow_runs(events, "now") == ["killed-2"]

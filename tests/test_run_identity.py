@@ -31,7 +31,7 @@ TINY = {
     "on_config_change": "new_run",
     "task_args": {"n_layer": 1, "n_head": 2, "d_model": 32, "dropout": 0.1},
     "data": {"synthetic_chars": 20000, "seq_len": 16},
-    "train": {"total_steps": 20, "chunk_steps": 10, "batch_size": 4, "warmup_steps": 2},
+    "train": {"total_steps": 20, "chunk_steps": 10, "batch_size": 4, "warmup_steps": 2, "lr": 0.003},
     "checkpoint": {"every_steps": 10},
     "heartbeat": {"interval_s": 0.2},
 }
@@ -188,6 +188,12 @@ def test_pull_in_a_fresh_clone_resumes_to_the_same_digest(tmp_path: Path, prefec
     def pull_and_train(clone: Path) -> None:
         pulled = summary_json(run(clone, env, "convoy", "pull", "runs/demo"))
         assert [c["checkpoint"] for c in pulled["checkpoints"]] == ["step-000000010", "step-000000020"]
+        # The README's next commands work on runs/demo: pull linked it to what it pulled.
+        link = clone / "runs" / "demo"
+        assert link.is_symlink() and link.resolve() == (clone / "runs" / run_dir.name).resolve()
+        assert "step-000000020" in run(clone, env, "convoy", "inspect", "runs/demo")
+        pulled_status = json.loads(run(clone, env, "convoy", "status", "runs/demo", "--json"))
+        assert (pulled_status["state"], pulled_status["checkpoint_step"]) == ("stopped", 20), pulled_status
         out = summary_json(run(clone, env, "convoy", "train", "--json"))
         # The remote's index names step 30 (uploaded, though its .dvc file never reached git): fetched.
         assert out["digest"] == digest and out["trained_chunks"] == 0 and out["fetched"]["step"] == 30

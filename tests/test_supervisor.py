@@ -19,6 +19,7 @@ import pytest
 
 from tasks.supervisor import AttemptSpec, ChunkFailed, DetectionLimits, classify_exit, supervise
 from training.events import read_events
+from training.heartbeat import read_heartbeat
 
 STANDIN = textwrap.dedent(
     r'''
@@ -315,6 +316,28 @@ def test_a_worker_that_dies_between_chunk_tasks_is_reported_with_its_last_words(
             AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, attempt=1, boundary_step=20)
         )
     assert info.value.kind == "crash" and "boom between the two chunk tasks" in str(info.value), info.value
+    assert not leftovers(run_dir)
+
+
+def test_a_worker_stopped_between_chunk_tasks_is_a_hang_not_a_worker_that_never_beat(
+    tmp_path: Path, run_dir: Path
+) -> None:
+    """Pipelined: the parked worker is SIGSTOPped before chunk 2 adopts it (a fast worker is a few
+    steps into the next chunk by then).  Its beats are older than chunk 2's start but its own:
+    chunk 2 reports a hang within stall_s, not "no heartbeat" after init_timeout_s."""
+    script = tmp_path / "dies_after_boundary.py"
+    script.write_text(DIES_AFTER_BOUNDARY)
+    cmd = [sys.executable, str(script), str(run_dir)]
+    out = supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c1.log", chunk=1, attempt=1, boundary_step=10))
+    assert out.returncode == 0
+    beat = read_heartbeat(run_dir, 0)
+    os.kill(int(beat["pid"]), signal.SIGSTOP)
+    time.sleep(0.5)  # stopped while no task watches it
+    t0 = time.monotonic()
+    with pytest.raises(ChunkFailed) as info:
+        supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c2.log", chunk=2, attempt=1, boundary_step=20))
+    assert info.value.kind == "hang", info.value
+    assert time.monotonic() - t0 < FAST.init_timeout_s + FAST.grace_s, "judged as a worker that never beat"
     assert not leftovers(run_dir)
 
 

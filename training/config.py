@@ -42,6 +42,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+#: Version of the synthetic corpus generator (``training/corpus.py``), part of the fingerprint of a
+#: synthetic run: a run trained on the old corpus is not resumed on a regenerated, different one.
+SYNTHETIC_GENERATOR = 2
+
+
 class DataConfig(_Strict):
     """Where the corpus comes from and how it is cut into samples."""
 
@@ -216,7 +221,17 @@ class TrackingConfig(_Strict):
     mlflow: bool = True
     #: Tracking URI; empty = $MLFLOW_TRACKING_URI or sqlite:///mlflow.db in the working directory.
     mlflow_uri: str = ""
+    #: Where the MLflow UI of a local store (sqlite:/file) is served, for the links convoy prints;
+    #: empty = ``mlflow ui``'s default, http://127.0.0.1:5000.  A server URI is its own UI.
+    mlflow_ui_url: str = ""
     experiment: str = "convoy"
+    #: MLflow's own system metrics (CPU, memory, disk, network, GPU) every this many seconds
+    #: while a chunk trains; 0 = off.
+    system_metrics_s: float = Field(5.0, ge=0)
+    #: Log the final model (safetensors + config, nothing pickled) as an MLflow logged model...
+    log_model: bool = True
+    #: ...and register it as a version of the registered model named after the run.
+    register_model: bool = True
     #: Upload committed checkpoints to the DVC remote in the background (each chunk boundary, and
     #: the newest one whenever the uploader is free) and fetch the remote's newest one before a
     #: resume: a run continues on any machine (invariant 10; ``tasks/remote_checkpoints.py``).
@@ -282,6 +297,8 @@ class RunConfig(_Strict):
             excluded.add("amp_dtype")
         train = self.train.model_dump(exclude=excluded)
         data = self.data.model_dump(exclude={"num_workers", "prepared_dir"})
+        if self.data.source == "synthetic":  # another generator is another corpus: never resumed on it
+            data["generator"] = SYNTHETIC_GENERATOR
         payload = {"task": self.task, "task_args": self.task_args, "data": data, "train": train}
         if self.init_from is not None:  # absent otherwise: every fingerprint from before stays valid
             payload["init_from"] = {

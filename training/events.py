@@ -23,6 +23,7 @@ from training.paths import EVENTS_FILE, RunPaths  # noqa: F401 - EVENTS_FILE re-
 class Event(StrEnum):
     """Every kind of audit event, named once (a StrEnum: equal to its string, written as it)."""
 
+    ATTEMPT_STARTED = "attempt_started"
     CHECKPOINT_FETCHED = "checkpoint_fetched"
     CHECKPOINT_PUBLISHED = "checkpoint_published"
     CHECKPOINT_RETIRED = "checkpoint_retired"
@@ -38,6 +39,7 @@ class Event(StrEnum):
     FIRST_STEP = "first_step"
     FLOW_DONE = "flow_done"
     FLOW_STARTED = "flow_started"
+    FLOW_TAKEN_OVER = "flow_taken_over"
     FORKED = "forked"
     INTERVAL_CHOSEN = "interval_chosen"
     NONDETERMINISTIC_RESUME = "nondeterministic_resume"
@@ -68,6 +70,8 @@ class FailureKind(StrEnum):
     HANG = "hang"
     KILLED = "killed"
     OOM = "oom"
+    #: The flow run supervising the attempt died (found when the next flow took the run over).
+    ORPHANED = "orphaned"
     PREEMPTED = "preempted"
     REPEATED = "repeated"
     TIMEOUT = "timeout"

@@ -91,6 +91,21 @@ def link_current(config: RunConfig) -> Path | None:
     return link
 
 
+def adopt_pulled_run(config: RunConfig | None, run_dir: Path) -> Path | None:
+    """After ``convoy pull`` into the run directory of ``config`` (its fingerprint-named one):
+    write its identity (``run.json``, ``config.json``: git holds only the ``.dvc`` files) and
+    point ``runs/<name>`` at it, so ``convoy inspect``, ``status`` and ``train`` work on
+    ``runs/<name>`` in a fresh clone.  Returns the link (None: not these params' run, or no link
+    to make)."""
+    if config is None:
+        return None
+    keyed = keyed_config(config)
+    if keyed.run_dir.resolve() != Path(run_dir).resolve():
+        return None
+    open_run(keyed)
+    return link_current(keyed)
+
+
 def _split_from(spec: str) -> tuple[Path, int | None]:
     """``runs/demo`` or ``runs/demo@600`` (also ``runs/demo@1a2b3c4d@600``: a keyed directory's
     name holds an ``@`` too, so ``@step`` is split off only when the whole path is no directory)."""

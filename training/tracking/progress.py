@@ -28,9 +28,11 @@ import psutil
 
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
+from training.corpus import entropy_floor
 from training.events import Event, read_events
 from training.heartbeat import HOST, read_heartbeat
 from training.paths import RunPaths
+from training.tracking.attempts import latest_attempts
 from training.tracking.metrics import read_metric_lines
 from training.tracking.resume_audit import analyse_events
 
@@ -144,7 +146,8 @@ def _audit_fields(events: list[dict[str, Any]]) -> dict[str, Any]:
         "resumes": audit["resumes"],
         "steps_lost": audit["steps_lost"],
         "failure_kinds": [r["kind"] for r in audit["rows"]],
-        "failure_chunks": [e.get("chunk") for e in events if e["kind"] == Event.FAILURE],  # attempt numbers
+        "failure_chunks": [e.get("chunk") for e in events if e["kind"] == Event.FAILURE],
+        "chunk_attempts": latest_attempts(events),  # the attempt number each chunk is at
     }
 
 
@@ -230,6 +233,7 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
         "flow_pid": flow_pid,
         "loss": last.get("loss"),
         "loss_step": metric_step,
+        "entropy_floor": entropy_floor(config.data),
         "val_loss": val[1] if val else None,
         "val_loss_step": val[0] if val else None,
         "tokens_per_s": last.get("tokens_per_s"),

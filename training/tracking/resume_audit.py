@@ -52,6 +52,22 @@ def trained_high_water(run_dir: str | Path, beat_step: int | None, metrics_offse
     return max(steps) if steps else None
 
 
+def resume_point(run_dir: str | Path) -> tuple[int | None, list[dict[str, Any]]]:
+    """(step of the checkpoint a resume takes, the newer ones it passes over): each passed-over
+    one as ``{"checkpoint", "step", "reason"}``, newest first.  The same validation as the
+    resume (imported lazily: it pulls in torch); nothing is recorded."""
+    from training.checkpointing.store import CheckpointStore
+
+    store = CheckpointStore(run_dir)
+    passed: list[dict[str, Any]] = []
+    for step, path in store.step_dirs():
+        try:
+            return store.verify(path).step, passed
+        except (ValueError, OSError) as exc:
+            passed.append({"checkpoint": path.name, "step": step, "reason": str(exc)})
+    return None, passed
+
+
 # ---------------------------------------------------------------------------------- events → rows
 def _rank0(ev: dict[str, Any]) -> bool:
     return int(ev.get("rank", 0) or 0) == 0
@@ -101,6 +117,8 @@ def analyse_events(events: list[dict[str, Any]]) -> dict[str, Any]:
             pending, session_open, fetch = None, True, None
         elif kind == "worker_done" and _rank0(ev):
             session_open, current = False, None
+        elif kind == "checkpoint_skipped" and pending is not None:  # the resume passing one over
+            pending.setdefault("skipped", []).append(ev)
         elif kind in ("replay_verified", "replay_mismatch") and current is not None:
             current["values_compared"] = ev.get("values_compared")
             current["mismatches"] = ev.get("mismatches")
@@ -135,7 +153,9 @@ def _row(start: dict[str, Any], pending: dict[str, Any]) -> dict[str, Any]:
         lost: int | None = 0  # an emergency checkpoint was saved at the preemption step
     else:
         lost = steps_lost(failed_at, resumed_from)
-    failed_time = fail.get("time", pre.get("time"))
+    # An orphaned attempt's failure is recorded when the next flow finds it: it failed at its last sign of life.
+    failed_time = fail.get("last_seen") or fail.get("time", pre.get("time"))
+    skipped = [{"step": _step_of(e.get("checkpoint")), "reason": e.get("reason")} for e in pending.get("skipped", [])]
     return {
         "time": _iso(start.get("time")),
         "kind": fail.get("failure") or ("preempted" if pre else "unreported"),
@@ -151,10 +171,23 @@ def _row(start: dict[str, Any], pending: dict[str, Any]) -> dict[str, Any]:
         "replay_verified": None,  # filled by the session's replay_verified / mismatch events
         "values_compared": None,
         "mismatches": None,
+        "passed_over": describe_passed_over(skipped or fail.get("passed_over") or []),
         "chunk": fail.get("chunk"),
         "attempt": fail.get("attempt"),
         "failure_time": failed_time,  # not a table column: lets `convoy chaos` match its faults
     }
+
+
+def _step_of(name: Any) -> int | str | None:
+    """``step-000000250`` → 250 (a name of another form is shown as it is)."""
+    digits = str(name or "").removeprefix("step-")
+    return int(digits) if digits.isdigit() else name
+
+
+def describe_passed_over(passed: list[dict[str, Any]], limit: int = 200) -> str:
+    """``step 250 (reason); step 240 (reason)``: the checkpoints a resume passed over and why
+    (empty when it took the newest).  Each reason is cut at ``limit`` characters."""
+    return "; ".join(f"step {p.get('step')} ({str(p.get('reason') or 'no reason recorded')[:limit]})" for p in passed)
 
 
 # ---------------------------------------------------------------------------------- timeline
@@ -180,42 +213,63 @@ def _readable_y_range(ax: Any, loss: list[float]) -> None:
         ax.set_ylim(low - pad, high + pad)
 
 
-def _mark_attempts(ax: Any, rows: list[dict[str, Any]]) -> None:
-    """A red line (labelled with its kind) at each failure and a dotted green one at each resume;
-    each legend entry once, however many recoveries there were."""
-    first_fail = first_resume = True
+#: Heights (axes fraction, text hanging down from there) of the failure labels: a label close to
+#: another on the step axis goes one level down, so rotated labels never overlap.
+LABEL_LEVELS = (0.97, 0.64, 0.31)
+#: Width of one rotated label on the step axis, in pixels (a 7-point line and some air).
+LABEL_WIDTH_PX = 12.0
+
+
+def _failure_labels(rows: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """``[(step, "killed, corrupt @ 250")]``: one label per failed step, kinds joined."""
+    kinds: dict[int, list[str]] = {}
     for row in rows:
         if row["failed_at_step"] is not None:
-            ax.axvline(
-                row["failed_at_step"],
-                color="tab:red",
-                ls="-",
-                lw=1.2,
-                alpha=0.8,
-                label="failure" if first_fail else None,
-            )
-            first_fail = False
-            # The kind beside the failure line, inside the axes (never clipped at the top).
-            ax.annotate(
-                f"{row['kind']} @ {row['failed_at_step']}",
-                (row["failed_at_step"], 0.97),
-                xycoords=("data", "axes fraction"),
-                xytext=(3, 0),
-                textcoords="offset points",
-                rotation=90,
-                va="top",
-                ha="left",
-                fontsize=7,
-                color="tab:red",
-            )
-        ax.axvline(
-            row["resumed_from_step"],
-            color="tab:green",
-            ls=":",
-            lw=1.5,
-            label="resumed from" if first_resume else None,
+            kinds.setdefault(int(row["failed_at_step"]), []).append(str(row["kind"]))
+    return [(step, f"{', '.join(dict.fromkeys(k))} @ {step}") for step, k in sorted(kinds.items())]
+
+
+def place_labels(labels: list[tuple[int, str]], min_gap: float) -> list[tuple[int, str, int]]:
+    """``(step, text, level)`` for each label: the first level whose previous label is at least
+    ``min_gap`` steps away.  When all levels are taken nearby, the label joins the nearest one
+    placed (``killed @ 250, hang @ 252``), so no two ever overlap."""
+    placed: list[list[Any]] = []
+    last_at: dict[int, int] = {}  # level -> index in placed
+    for step, text in labels:
+        free = [lv for lv in range(len(LABEL_LEVELS)) if lv not in last_at or step - placed[last_at[lv]][0] >= min_gap]
+        if free:
+            last_at[free[0]] = len(placed)
+            placed.append([step, text, free[0]])
+        else:
+            placed[-1][1] += f", {text}"
+    return [(int(p[0]), str(p[1]), int(p[2])) for p in placed]
+
+
+def _mark_attempts(ax: Any, rows: list[dict[str, Any]]) -> list[Any]:
+    """A red line at each failure, labelled with its kind and step, and a dotted green one at each
+    resume; each legend entry once, however many recoveries there were.  Returns the labels."""
+    failed = sorted({int(r["failed_at_step"]) for r in rows if r["failed_at_step"] is not None})
+    for i, step in enumerate(failed):
+        ax.axvline(step, color="tab:red", ls="-", lw=1.2, alpha=0.8, label="failure" if i == 0 else None)
+    for i, step in enumerate(sorted({int(r["resumed_from_step"]) for r in rows})):
+        ax.axvline(step, color="tab:green", ls=":", lw=1.5, label="resumed from" if i == 0 else None)
+    x0, x1 = ax.get_xlim()
+    min_gap = (x1 - x0) * LABEL_WIDTH_PX / max(ax.bbox.width, 1.0)
+    return [
+        ax.annotate(  # beside its line, inside the axes (never clipped at the top)
+            text,
+            (step, LABEL_LEVELS[level]),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, 0),
+            textcoords="offset points",
+            rotation=90,
+            va="top",
+            ha="left",
+            fontsize=7,
+            color="tab:red",
         )
-        first_resume = False
+        for step, text, level in place_labels(_failure_labels(rows), min_gap)
+    ]
 
 
 def _label_axes(ax: Any, summary: dict[str, Any], loss: list[float], title: str) -> None:

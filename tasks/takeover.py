@@ -1,0 +1,222 @@
+"""A flow that starts on a run whose previous flow died closes what that flow left open.
+
+Why: a SIGKILLed flow process runs no hook, so its Prefect flow run stays "Running" (its chunk
+task "Running" or "Retrying") and its MLflow attempt run RUNNING for good, and nothing says
+which flow run finished the training.  The next flow on the run holds the run's lock
+(invariant 8): nothing else trains it, so whatever the earlier flow runs left open is stale.
+:func:`take_over` (called by the flow once it holds the lock and has stopped a left-over
+worker) closes it:
+
+* the run's events: each attempt that never ended (``attempt_started`` without ``failure`` or
+  ``chunk_done``) gets a ``failure`` of kind ``orphaned`` with how far it trained, where the
+  next attempt resumes and which checkpoints that passes over, so the audit, the attempt
+  names and the chunks table count it like any failure;
+* MLflow: each RUNNING attempt run of the training run ends KILLED, named and described like a
+  failed attempt (``c2·a4 orphaned@290→250``);
+* Prefect: each earlier flow run of the run that never finished and is not in a final state is
+  set Crashed, with its task runs that are not final;
+* links both ways: the old flow run is tagged ``continued-by:<new>``, the new one
+  ``continues:<old>``, each gets a markdown artifact naming the other, and the MLflow run lists
+  every flow run of the training run (``convoy.prefect_flow_runs``, :func:`mlflow_flow_tags`).
+
+Best effort throughout: cleaning up after a dead flow never stops the new one from training.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from tasks import run_records
+from tasks.artifacts import artifact_key, prefect_ui_url
+from training.config import RunConfig
+from training.events import Event, FailureKind, append_event, read_events
+from training.heartbeat import read_heartbeat
+from training.tracking.attempts import open_attempts
+from training.tracking.resume_audit import resume_point, steps_lost, trained_high_water
+
+log = logging.getLogger("convoy.takeover")
+
+
+def unfinished_flow_runs(events: list[dict[str, Any]], current: str | None) -> list[str]:
+    """Ids of the run's earlier flow runs that neither ended in this process (``flow_done``, or
+    a ``flow_failed``/``flow_crashed`` hook) nor were taken over already, oldest first."""
+    ended = (Event.FLOW_DONE, "flow_failed", "flow_crashed")
+    settled = {e.get("flow_run_id") for e in events if e["kind"] in ended}
+    settled |= {p for e in events if e["kind"] == Event.FLOW_TAKEN_OVER for p in e.get("previous", [])}
+    ids = [e.get("flow_run_id") for e in events if e["kind"] == Event.FLOW_STARTED]
+    return list(dict.fromkeys(i for i in ids if i and i != current and i not in settled))
+
+
+def record_orphans(run_dir: Path, current: str | None) -> list[dict[str, Any]]:
+    """A ``failure`` event (kind ``orphaned``) for each attempt whose flow died under it."""
+    orphans = open_attempts(read_events(run_dir))
+    if not orphans:
+        return []
+    resumes, passed = resume_point(run_dir)
+    beat = read_heartbeat(run_dir, 0) or {}
+    out = []
+    for att in orphans:
+        trained_to = trained_high_water(run_dir, beat.get("step"), int(att.get("metrics_offset") or 0))
+        out.append(
+            append_event(
+                run_dir,
+                Event.FAILURE,
+                failure=FailureKind.ORPHANED,
+                chunk=att.get("chunk"),
+                attempt=att.get("attempt"),
+                reason=f"its flow run died while it ran (no hook ran: the flow process was killed); "
+                f"found by flow run {current}",
+                flow_run_id=att.get("flow_run_id"),
+                mlflow_run_id=att.get("mlflow_run_id"),
+                last_seen=beat.get("time"),
+                last_beat_step=beat.get("step"),
+                trained_to=trained_to,
+                last_committed_step=resumes,
+                steps_lost=steps_lost(trained_to, resumes),
+                passed_over=passed,
+            )
+        )
+    return out
+
+
+def take_over(
+    config: RunConfig, run_dir: Path, flow_run: tuple[str | None, str | None], logger: Any
+) -> dict[str, Any] | None:
+    """Close what the run's earlier, dead flow runs left open (see the module docstring);
+    ``flow_run``: (id, name) of this flow run.  Returns the ``flow_taken_over`` event, or None
+    when there was nothing to close."""
+    current, name = flow_run
+    previous = unfinished_flow_runs(read_events(run_dir), current)
+    orphans = record_orphans(run_dir, current)
+    if not previous and not orphans:
+        return None
+    closed = run_records.close_orphaned_attempts(config, run_dir, orphans)
+    crashed = _crash_in_prefect(previous, (current, name)) if previous else []
+    event = append_event(
+        run_dir,
+        Event.FLOW_TAKEN_OVER,
+        flow_run_id=current,
+        previous=previous,
+        previous_names=[c["name"] for c in crashed],
+        orphaned=[{"chunk": o["chunk"], "attempt": o["attempt"], "trained_to": o["trained_to"]} for o in orphans],
+        mlflow_runs_closed=closed,
+        crashed_task_runs=[t for c in crashed for t in c["crashed_task_runs"]],
+    )
+    _publish_links(config.run_name, crashed, (current, name), orphans)
+    for o in orphans:
+        logger.warning(
+            "chunk %s attempt %s was orphaned by a flow run that died (trained to step %s); it resumes from step %s",
+            o["chunk"],
+            o["attempt"],
+            o["trained_to"],
+            o["last_committed_step"] or 0,
+        )
+    if crashed:
+        logger.warning("marked the dead flow run(s) %s Crashed", ", ".join(c["name"] for c in crashed))
+    return event
+
+
+def _crash_in_prefect(ids: list[str], current: tuple[str | None, str | None]) -> list[dict[str, Any]]:
+    """Set each flow run of ``ids`` that is not final (and its task runs that are not) Crashed,
+    and tag it ``continued-by:<current name>``; returns what each was and what was crashed."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.states import Crashed
+
+    new_id, new_name = current
+    message = f"the flow process died (no hook ran); flow run {new_name} ({new_id}) took the training run over"
+    out = []
+    try:
+        with get_client(sync_client=True) as client:
+            wanted = FlowRunFilter(id=FlowRunFilterId(any_=[UUID(i) for i in ids]))
+            for fr in client.read_flow_runs(flow_run_filter=wanted):
+                was = fr.state.name if fr.state is not None else "unknown"
+                if fr.state is not None and not fr.state.is_final():
+                    client.set_flow_run_state(fr.id, Crashed(message=message), force=True)
+                tasks = []
+                own = FlowRunFilter(id=FlowRunFilterId(any_=[fr.id]))
+                for tr in client.read_task_runs(flow_run_filter=own):
+                    if tr.state is not None and not tr.state.is_final():
+                        client.set_task_run_state(tr.id, Crashed(message=message), force=True)
+                        tasks.append(f"{tr.name} ({tr.state.name})")
+                client.update_flow_run(fr.id, tags=sorted({*fr.tags, f"continued-by:{new_name}"}))
+                out.append({"id": str(fr.id), "name": fr.name, "state": was, "crashed_task_runs": tasks})
+            if new_id and out:
+                mine = client.read_flow_run(UUID(new_id))
+                links = {f"continues:{c['name']}" for c in out}
+                client.update_flow_run(mine.id, tags=sorted({*mine.tags, *links}))
+    except Exception as exc:  # noqa: BLE001 - best effort (another API, a server gone)
+        log.warning("Prefect: could not close the dead flow run(s) %s: %s", ", ".join(ids), exc)
+    return out
+
+
+def _link(flow_run_id: str | None, name: str | None) -> str:
+    url = prefect_ui_url(flow_run_id)
+    shown = f"`{name or flow_run_id}`"
+    return f"[{name or flow_run_id}]({url})" if url else shown
+
+
+def _publish_links(
+    run_name: str, crashed: list[dict[str, Any]], current: tuple[str | None, str | None], orphans: list[dict[str, Any]]
+) -> None:
+    """A markdown artifact on the new flow run naming the dead ones, and one on each dead flow
+    run naming the one that continued it."""
+    from prefect.artifacts import create_markdown_artifact
+
+    lines = [
+        f"- attempt {o['attempt']} of chunk {o['chunk']}: orphaned after step {o['trained_to']}; "
+        f"resumes from step {o['last_committed_step'] or 0}"
+        for o in orphans
+    ]
+    took = ", ".join(f"{_link(c['id'], c['name'])} (was {c['state']}, now Crashed)" for c in crashed) or "none found"
+    body = f"### Run {run_name} taken over\n\nThis flow run continues the dead flow run(s) {took}.\n\n" + "\n".join(
+        lines
+    )
+    try:
+        create_markdown_artifact(
+            markdown=body, key=artifact_key(run_name, "flow-runs"), description=f"convoy run {run_name}: taken over"
+        )
+        _note_on_dead_runs(run_name, crashed, current)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("Prefect: could not publish the take-over artifacts: %s", exc)
+
+
+def _note_on_dead_runs(run_name: str, crashed: list[dict[str, Any]], current: tuple[str | None, str | None]) -> None:
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactCreate
+
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    body = f"### Continued\n\nThis flow run died; run {run_name} was continued by flow run {_link(*current)} ({stamp})."
+    with get_client(sync_client=True) as client:
+        for c in crashed:
+            client.create_artifact(
+                ArtifactCreate(type="markdown", data=body, description="continued by", flow_run_id=UUID(c["id"]))
+            )
+
+
+def mlflow_flow_tags(run_dir: Path, current: str | None, name: str | None) -> dict[str, str]:
+    """Tags linking the MLflow run to its Prefect flow runs: the current one (id, name, UI link
+    when a server is used) and every flow run of the training run, oldest first, with how it
+    ended (``crashed`` when another took it over)."""
+    events = read_events(run_dir)
+    taken = {p for e in events if e["kind"] == Event.FLOW_TAKEN_OVER for p in e.get("previous", [])}
+    done = {e.get("flow_run_id") for e in events if e["kind"] == Event.FLOW_DONE}
+
+    def ended(i: str) -> str:
+        return "crashed" if i in taken else "finished" if i in done else "running" if i == current else "ended"
+
+    ids = [i for i in dict.fromkeys(e.get("flow_run_id") for e in events if e["kind"] == Event.FLOW_STARTED) if i]
+    tags = {
+        "convoy.prefect_flow_run_id": current,
+        "convoy.prefect_flow_run": name,
+        "convoy.prefect_flow_runs": " → ".join(f"{i} ({ended(i)})" for i in ids)[:5000],
+        "convoy.prefect_flow_run_url": prefect_ui_url(current),
+    }
+    return {k: v for k, v in tags.items() if v}

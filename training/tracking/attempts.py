@@ -1,0 +1,61 @@
+"""A chunk's attempts across Prefect retries, preemptions and flow runs, read from the run's events.
+
+Why from the events: Prefect numbers a task's runs per flow run (``run_count`` starts again at 1
+when a new flow takes a run over), and a preempted worker re-spawned inside one task run is no
+Prefect retry at all.  Only the run directory sees every attempt.  The chunk task records each
+worker attempt as an ``attempt_started`` event; its number is one more than the highest the
+chunk has used (in any event), so no two attempts of a chunk share a number, a log file or an
+MLflow run name, whichever flow ran them.
+
+Names: :func:`attempt_name` puts the outcome in the first characters (``c2·a3 killed@290→200``),
+because MLflow's runs table shows about sixteen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from training.events import Event
+
+#: Events that name a chunk attempt (``chunk`` and ``attempt`` fields).
+_NUMBERED = (Event.ATTEMPT_STARTED, Event.FAILURE, Event.CHUNK_DONE)
+
+
+def next_attempt(events: list[dict[str, Any]], chunk: int) -> int:
+    """The number the chunk's next worker attempt gets: one more than any it used before."""
+    numbered = (e for e in events if e["kind"] in _NUMBERED and e.get("chunk") == chunk)
+    return max((int(e["attempt"]) for e in numbered if e.get("attempt")), default=0) + 1
+
+
+def chunk_history(events: list[dict[str, Any]], chunk: int) -> dict[str, Any]:
+    """What a chunk went through in every flow run so far: its attempts (the highest number
+    used) and the kinds of its failures, oldest first."""
+    kinds = [str(e["failure"]) for e in events if e["kind"] == Event.FAILURE and e.get("chunk") == chunk]
+    return {"attempts": next_attempt(events, chunk) - 1, "failure_kinds": kinds}
+
+
+def open_attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``attempt_started`` events whose attempt never ended (no ``failure`` and no ``chunk_done``
+    names it): under the run's lock, attempts of a flow that died."""
+    ended = {(e.get("chunk"), e.get("attempt")) for e in events if e["kind"] in (Event.FAILURE, Event.CHUNK_DONE)}
+    return [e for e in events if e["kind"] == Event.ATTEMPT_STARTED and (e.get("chunk"), e.get("attempt")) not in ended]
+
+
+def latest_attempts(events: list[dict[str, Any]]) -> dict[int, int]:
+    """``{chunk: number of its newest attempt}`` (what the live line shows as "attempt")."""
+    return {int(e["chunk"]): int(e["attempt"]) for e in events if e["kind"] == Event.ATTEMPT_STARTED}
+
+
+def outcome_label(kind: str | None, failed_at: int | None = None, resumed_from: int | None = None) -> str:
+    """``killed@290→200``: the failure, the step it hit and the step the next attempt resumes
+    from; ``done→400`` for an attempt that committed its chunk's end."""
+    if kind is None:
+        return f"done→{resumed_from}" if resumed_from is not None else "done"
+    at = f"@{failed_at}" if failed_at is not None else ""
+    to = f"→{resumed_from}" if resumed_from is not None else ""
+    return f"{kind}{at}{to}"
+
+
+def attempt_name(chunk: int, attempt: int, outcome: str = "running") -> str:
+    """The MLflow run name of one attempt: ``c2·a3 killed@290→200``."""
+    return f"c{chunk}·a{attempt} {outcome}"
