@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from training.checkpointing.store import CheckpointStore
-from training.config import load_config
+from training.config import SYNTHETIC_GENERATOR, load_config
 from training.state import TrainState, capture_rng, fallback_cuda_seed, restore_rng, select_cuda_rng
 from training.task import TaskParts
 from training.worker import amp_dtype
@@ -144,6 +144,8 @@ def _legacy_fingerprint(overrides: list[str]) -> str:
     newer = {"amp_dtype", "eval_samples", "grad_accum_steps"}  # settings added since (at their defaults here)
     train = cfg.train.model_dump(exclude={"chunk_steps", "eval_every", "ranks", "nnodes", "hosts", *newer})
     data = cfg.data.model_dump(exclude={"num_workers", "prepared_dir"})
+    if cfg.data.source == "synthetic":  # a regenerated corpus is another run on purpose (SYNTHETIC_GENERATOR)
+        data["generator"] = SYNTHETIC_GENERATOR
     payload = {"task": cfg.task, "task_args": cfg.task_args, "data": data, "train": train}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
