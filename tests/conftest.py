@@ -5,7 +5,9 @@ server (12–28 s each, migrations may outlast the default start-up timeout, and
 process orphans it).  Against one running ``prefect server`` a flow starts in about 2 s.
 
 The server runs in its own process group with a throw-away ``PREFECT_HOME``; the session ends by
-killing that group.  The fixture is lazy: only tests that ask for ``prefect_api`` pay for it.
+killing that group.  It starts only when a selected test asks for ``prefect_api``, at the end of
+collection, and the tests that need no server run first, while it comes up (the same for the
+MLflow server of ``mlflow_server``).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -59,12 +63,22 @@ def _wait_healthy(proc: subprocess.Popen[bytes], home: Path, url: str, timeout_s
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="session")
-def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Start ``prefect server start`` on 127.0.0.1:<free port>; yield its API URL."""
-    import prefect.context
+@dataclass
+class _Server:
+    """A server process started in its own process group, its home and health URL."""
 
-    home = tmp_path_factory.mktemp("prefect-home")
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]
+    home: Path
+    url: str
+
+
+#: Servers started while the quick tests run (pytest_collection_finish), taken by their fixtures.
+_EARLY: dict[str, _Server] = {}
+_SERVER_FIXTURES = ("prefect_api", "mlflow_server")
+
+
+def _launch_prefect(home: Path) -> _Server:
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {
@@ -76,7 +90,65 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     }
     prefect_bin = Path(sys.executable).parent / "prefect"
     cmd = [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    proc, log = _start_server(cmd, home, env=env)
+    return _Server(*_start_server(cmd, home, env=env), home, url)
+
+
+def _launch_mlflow(home: Path) -> _Server:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{home}/mlflow.db"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    return _Server(*_start_server(cmd, home, cwd=home), home, url)
+
+
+_LAUNCHERS = {"prefect_api": _launch_prefect, "mlflow_server": _launch_mlflow}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules without a server first, then those on the Prefect server, then those on the MLflow
+    server too: the servers (10-50 s to start) come up in the background meanwhile.  Whole
+    modules move, so a module-scoped fixture (a trained reference run) is built once."""
+
+    def needs(item: pytest.Item) -> tuple[bool, ...]:
+        return tuple(name in getattr(item, "fixturenames", ()) for name in reversed(_SERVER_FIXTURES))
+
+    rank: dict[str, tuple[bool, ...]] = {}
+    for item in items:
+        rank[item.nodeid.split("::")[0]] = max(rank.get(item.nodeid.split("::")[0], ()), needs(item))
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the servers the selected tests will need now, so their start overlaps other tests."""
+    if session.config.option.collectonly:
+        return
+    for name in _SERVER_FIXTURES:
+        if any(name in getattr(item, "fixturenames", ()) for item in session.items):
+            _EARLY[name] = _LAUNCHERS[name](Path(tempfile.mkdtemp(prefix=f"convoy-{name}-")))
+
+
+def pytest_sessionfinish() -> None:
+    """Stop servers that no fixture took (an interrupted or deselected session)."""
+    from tests.flow_util import stop_group
+
+    for server in _EARLY.values():
+        stop_group(server.proc, check=False)
+        server.log.close()
+    _EARLY.clear()
+
+
+def _server(name: str, home: Path) -> _Server:
+    """The early-started server of ``name``, or one started now (a fixture used outside the hooks)."""
+    return _EARLY.pop(name, None) or _LAUNCHERS[name](home)
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``prefect server start`` on 127.0.0.1:<free port>; yield its API URL."""
+    import prefect.context
+
+    server = _server("prefect_api", tmp_path_factory.mktemp("prefect-home"))
+    proc, log, home, url = server.proc, server.log, server.home, server.url
     try:
         _wait_healthy(proc, home, url, timeout_s=180)
         saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
@@ -164,18 +236,15 @@ def s3_endpoint() -> Iterator[dict[str, object]]:
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real ``mlflow server`` (SQLite backend, artifacts served) on 127.0.0.1, for tests where
-    several "machines" log into one MLflow run.  Slow to start (15-50 s), so one per session; it
-    runs in its own process group (its job consumers included), killed whole at the end."""
-    home = tmp_path_factory.mktemp("mlflow-server")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{home}/mlflow.db"]
-    proc, log = _start_server([*cmd, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"], home, cwd=home)
+    several "machines" log into one MLflow run.  Slow to start (15-50 s), so one per session,
+    started early (pytest_collection_finish); it runs in its own process group (its job consumers
+    included), killed whole at the end."""
+    server = _server("mlflow_server", tmp_path_factory.mktemp("mlflow-server"))
     try:
-        _wait_healthy(proc, home, url, timeout_s=240)
-        yield url
+        _wait_healthy(server.proc, server.home, server.url, timeout_s=240)
+        yield server.url
     finally:
         from tests.flow_util import stop_group
 
-        stop_group(proc, check=False)
-        log.close()
+        stop_group(server.proc, check=False)
+        server.log.close()

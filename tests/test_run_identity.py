@@ -163,8 +163,8 @@ def commit_all(repo: Path) -> None:
 def test_pull_in_a_fresh_clone_resumes_to_the_same_digest(tmp_path: Path, prefect_api: str) -> None:
     """Versioning on, remote from params.yaml; two of three chunks reach git (the third .dvc file is
     dropped: the first machine "stopped" there).  A fresh clone (no runs/, empty DVC cache) pulls
-    `runs/demo` and resumes to the uninterrupted run's digest; the same with the remote only as
-    the repository's committed default remote; a wrong remote is named in the error."""
+    `runs/demo` and resumes to the uninterrupted run's digest; another pulls with the remote only
+    as the repository's committed default remote; a wrong remote is named in the error."""
     remote = tmp_path / "remote"
     origin, env = clone_project(tmp_path, dvc=True, dvc_remote=str(remote))
     params = yaml.safe_load((origin / "params.yaml").read_text())
@@ -221,7 +221,9 @@ def test_pull_in_a_fresh_clone_resumes_to_the_same_digest(tmp_path: Path, prefec
     assert proc.returncode == 1 and str(empty) in proc.stderr and "step-000000020" in proc.stderr, proc.stderr
     run(b, env, sys.executable, "-m", "dvc", "remote", "remove", "convoy", "--local")
     run(b, env, sys.executable, "-m", "dvc", "remote", "add", "-d", "store", str(remote))
-    pull_and_train(b)
+    pulled = summary_json(run(b, env, "convoy", "pull", "runs/demo"))  # machine a showed the rest
+    assert [c["checkpoint"] for c in pulled["checkpoints"]] == ["step-000000010", "step-000000020"]
+    assert pulled["remote"].startswith("remote 'store'"), pulled["remote"]
 
 
 def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_path: Path) -> None:
