@@ -31,10 +31,11 @@ from tasks import handoff, remote_checkpoints, run_records, standby
 from tasks.artifacts import publish_chunk_table
 from tasks.chunk import chunk_record, committed_digest, loss_at, retrying_chunk_task
 from tasks.hooks import flow_crashed, flow_failed, remember_run
-from tasks.supervisor import ChunkFailed, newest_verified_step, reap_stale_worker
+from tasks.supervisor import ChunkFailed, reap_stale_worker
 from tasks.takeover import mlflow_flow_tags, take_over
 from tasks.version import VersioningError
 from training import chunk_boundary
+from training.checkpointing.store import newest_verified_step
 from training.config import ConfigError, RunConfig, load_config
 from training.corpus import entropy_floor
 from training.events import Event, append_event, read_events

@@ -47,12 +47,12 @@ from tasks.supervisor import (
     ChunkFailed,
     DetectionLimits,
     Outcome,
-    newest_verified_step,
     reap_stale_worker,
     resume_point,
     supervise,
     worker_command,
 )
+from training.checkpointing.store import newest_verified_step
 from training.chunk_boundary import boundary_step
 from training.config import ConfigError, RunConfig
 from training.events import Event, FailureKind, WorkerSays, append_event, read_events

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from tasks.artifacts import publish_failure_note
-from tasks.supervisor import ChunkFailed, newest_verified_step
+from tasks.supervisor import ChunkFailed
+from training.checkpointing.store import newest_verified_step
 from training.events import append_event
 
 log = logging.getLogger("convoy.hooks")

@@ -57,7 +57,6 @@ __all__ = [
     "AttemptSpec",
     "Outcome",
     "classify_exit",
-    "newest_verified_step",
     "resume_point",
     "reap_stale_worker",
     "stop_group",
@@ -357,11 +356,6 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def newest_verified_step(run_dir: Path) -> int | None:
-    """Step of the newest *verified* checkpoint (imported lazily: it pulls in torch)."""
-    return resume_point(run_dir)[0]
 
 
 def _clock(t: float) -> str:

@@ -167,7 +167,7 @@ def test_killed_flow_resumes_and_second_flow_is_refused(
     SIGKILLed: the next flow crashes the dead flow run (and its task runs) in Prefect, ends its
     RUNNING MLflow attempt run KILLED, links both flow runs both ways, and numbers attempts per
     chunk across both flows (no name twice)."""
-    from tasks.supervisor import newest_verified_step
+    from training.checkpointing.store import newest_verified_step
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     p = params(tmp_path, data_dir, "flowkill", heartbeat={"stall_s": 30}, tracking={"mlflow": True, "mlflow_uri": uri})

@@ -4,8 +4,9 @@ One JSON object per line, appended with O_APPEND in a single write so concurrent
 (worker, supervisor, hooks) never interleave inside a line.
 
 The vocabulary the worker and the processes watching it share is named here, once: the event
-kinds (:class:`Event`), the failure kinds a ``failure`` event carries (:class:`FailureKind`) and
-the openings of the worker's output lines that others read (:class:`WorkerSays`).
+kinds (:class:`Event`), the heartbeat phases (:class:`Phase`), the failure kinds a ``failure``
+event carries (:class:`FailureKind`) and the openings of the worker's output lines that others
+read (:class:`WorkerSays`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,18 @@ class Event(StrEnum):
     STARTED = "started"
     WORKER_DONE = "worker_done"
     WORLD_SIZE_CHANGED = "world_size_changed"
+
+
+class Phase(StrEnum):
+    """What a worker is doing, as its heartbeat says (``phase`` in ``heartbeat-rank<r>.json``);
+    each phase has its own liveness limit in the supervisor."""
+
+    INIT = "init"
+    LOAD = "load"
+    TRAIN = "train"
+    EVAL = "eval"
+    SAVE = "save"
+    DONE = "done"
 
 
 class FailureKind(StrEnum):

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from training.events import Phase
 from training.fsutil import atomic_write_json, read_json
 from training.paths import RunPaths
 
@@ -47,12 +48,12 @@ class Heartbeat:
         self.rank = rank
         self.interval_s = interval_s
         self.step = 0
-        self.phase = "init"
+        self.phase = Phase.INIT
         self.progress_time = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="convoy-heartbeat", daemon=True)
 
-    def set(self, phase: str | None = None, step: int | None = None) -> None:
+    def set(self, phase: Phase | None = None, step: int | None = None) -> None:
         if phase is not None:
             self.phase = phase
         if step is not None and step != self.step:
@@ -87,7 +88,7 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def stop(self, final_phase: str = "done") -> None:
+    def stop(self, final_phase: Phase = Phase.DONE) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
         self.phase = final_phase

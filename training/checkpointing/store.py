@@ -561,6 +561,12 @@ class CheckpointStore:
                 shutil.rmtree(p, ignore_errors=True)
 
 
+def newest_verified_step(run_dir: str | Path) -> int | None:
+    """Step of the newest checkpoint that verifies (nothing recorded): the one a resume takes."""
+    newest = CheckpointStore(run_dir).latest_valid(record=False)
+    return newest.step if newest is not None else None
+
+
 def info_size(info: Any) -> int:
     if not isinstance(info, dict) or not isinstance(info.get("size"), int):
         raise ValueError(f"manifest file entry {info!r}: no integer size")
