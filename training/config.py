@@ -6,8 +6,10 @@ applies ``-S section.key=value`` overrides and returns a validated model or rais
 :class:`ConfigError` whose message is one line naming the key, the value and what is allowed.
 
 The *fingerprint* covers only the settings that change the training trajectory (task, data,
-model arguments, optimisation hyper-parameters, seed, global batch).  Chunking, checkpoint
-cadence, heartbeat limits, retries and tracking do not, so they may change between resumes.
+model arguments, optimisation hyper-parameters, seed, global batch), each marked
+``Annotated[<type>, Trajectory(...)]`` where it is declared (:mod:`training.trajectory`: opt-in, so a
+new setting never changes an existing run's fingerprint unless it is marked).  Chunking, checkpoint
+cadence, heartbeat limits, retries and tracking are not marked, so they may change between resumes.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import hashlib
 import importlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from training.trajectory import Trajectory, trajectory_of
 
 #: Exit code of a training process for a configuration or data error (EX_CONFIG, not retryable).
 EXIT_CONFIG = 78
@@ -50,19 +54,25 @@ SYNTHETIC_GENERATOR = 2
 class DataConfig(_Strict):
     """Where the corpus comes from and how it is cut into samples."""
 
-    source: Literal["synthetic", "file"] = "synthetic"
-    #: With ``source: file``: the local text file to train on (must exist).
-    path: str | None = None
+    source: Annotated[Literal["synthetic", "file"], Trajectory()] = "synthetic"
+    #: With ``source: file``: the local text file to train on (must exist); hashed as written.
+    path: Annotated[str | None, Trajectory()] = None
     #: Where ``convoy prepare`` writes the prepared corpus (relative to the working directory).
     prepared_dir: str = "data"
     #: Characters of synthetic text to generate.
-    synthetic_chars: int = Field(400_000, gt=1000)
+    synthetic_chars: Annotated[int, Trajectory()] = Field(400_000, gt=1000)
     #: Fraction of the corpus held out for validation.
-    val_fraction: float = Field(0.05, gt=0, lt=0.5)
+    val_fraction: Annotated[float, Trajectory()] = Field(0.05, gt=0, lt=0.5)
     #: Tokens per training sample (the model sees seq_len inputs and predicts seq_len targets).
-    seq_len: int = Field(64, gt=1)
-    #: DataLoader worker processes (0 = load in the training process).
+    seq_len: Annotated[int, Trajectory()] = Field(64, gt=1)
+    #: DataLoader worker processes (0 = load in the training process).  Not in the trajectory:
+    #: every sample is seeded by its position (invariant 9).
     num_workers: int = Field(0, ge=0, le=32)
+
+    def derived_trajectory(self) -> dict[str, Any]:
+        """The synthetic corpus's generator version: another generator is another corpus, and a
+        run is never resumed on it."""
+        return {"generator": SYNTHETIC_GENERATOR} if self.source == "synthetic" else {}
 
     @model_validator(mode="after")
     def _file_needs_path(self) -> DataConfig:
@@ -75,26 +85,30 @@ class DataConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    """Optimisation settings; most of them are part of the run's fingerprint."""
+    """Optimisation settings; those marked ``Trajectory`` are part of the run's fingerprint.
 
-    total_steps: int = Field(600, gt=0)
+    Not marked: chunking, evaluation and the world size's layout (``ranks``, ``nnodes``, ``hosts``:
+    the global batch and the per-sample seeding make the trajectory independent of them)."""
+
+    total_steps: Annotated[int, Trajectory()] = Field(600, gt=0)
     #: Steps per Prefect chunk task; a failure re-runs only the chunk it happened in.
     chunk_steps: int = Field(200, gt=0)
     #: Global batch in samples, split evenly over ranks.
-    batch_size: int = Field(16, gt=0)
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
-    warmup_steps: int = Field(20, ge=0)
-    grad_clip: float = Field(1.0, ge=0)
-    seed: int = Field(1234, ge=0)
-    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    batch_size: Annotated[int, Trajectory()] = Field(16, gt=0)
+    lr: Annotated[float, Trajectory()] = Field(3e-3, gt=0)
+    weight_decay: Annotated[float, Trajectory()] = Field(0.01, ge=0)
+    warmup_steps: Annotated[int, Trajectory()] = Field(20, ge=0)
+    grad_clip: Annotated[float, Trajectory()] = Field(1.0, ge=0)
+    seed: Annotated[int, Trajectory()] = Field(1234, ge=0)
+    device: Annotated[Literal["cpu", "cuda", "auto"], Trajectory()] = "cpu"
     #: Mixed precision (CUDA only; a GradScaler is part of the saved state).
-    amp: bool = False
+    amp: Annotated[bool, Trajectory()] = False
     #: Autocast dtype with ``amp``: ``auto`` = bfloat16 where the GPU supports it, else float16.
     #: float16 uses the GradScaler's dynamic loss scale; bfloat16 needs none (the scaler still runs).
-    amp_dtype: Literal["auto", "float16", "bfloat16"] = "auto"
+    #: Hashed only with AMP on and a dtype chosen: every fingerprint from before it existed stays valid.
+    amp_dtype: Annotated[Literal["auto", "float16", "bfloat16"], Trajectory(omit_at="auto", only_with="amp")] = "auto"
     #: torch.use_deterministic_algorithms + cuDNN deterministic (needed for bitwise CUDA resume).
-    deterministic: bool = True
+    deterministic: Annotated[bool, Trajectory()] = True
     #: Ranks per node (>1, or ``nnodes`` > 1, launches torchrun).
     ranks: int = Field(1, ge=1, le=64)
     #: Nodes per chunk; the world size is ``ranks * nnodes``.  More than one needs ``hosts``.
@@ -107,7 +121,8 @@ class TrainConfig(_Strict):
     #: micro-batch (split over ranks), so one optimizer step sees ``batch_size * grad_accum_steps``
     #: samples = micro-batch per rank x accumulation x world size.  Each micro-batch's loss is
     #: scaled by 1/grad_accum_steps; checkpoints fall only on optimizer-step boundaries.
-    grad_accum_steps: int = Field(1, ge=1, le=4096)
+    #: Left out of the fingerprint at 1, so every fingerprint from before it existed stays valid.
+    grad_accum_steps: Annotated[int, Trajectory(omit_at=1)] = Field(1, ge=1, le=4096)
     #: Evaluate on the validation split every this many optimizer steps (0 = never); ``val_loss``
     #: is logged at that step.  Does not change the trajectory (own data order, RNG untouched).
     eval_every: int = Field(0, ge=0)
@@ -242,11 +257,11 @@ class TrackingConfig(_Strict):
 class InitFrom(_Strict):
     """The parent checkpoint a run starts from (``convoy train --from runs/<parent>[@step]``)."""
 
-    #: The parent's run directory.
-    run: str
-    step: int = Field(ge=0)
+    #: The parent's run directory; only its name is hashed, so moving ``runs_dir`` keeps the child.
+    run: Annotated[str, Trajectory(hashed_as=lambda run: Path(run).name)]
+    step: Annotated[int, Trajectory()] = Field(ge=0)
     #: The parent checkpoint's whole-state digest: the child's identity names the exact state.
-    digest: str
+    digest: Annotated[str, Trajectory()]
 
 
 class RunConfig(_Strict):
@@ -264,13 +279,14 @@ class RunConfig(_Strict):
     #: directory; the project's ``params.yaml`` (what ``dvc repro`` reads) sets ``new_run``.
     on_config_change: Literal["refuse", "new_run"] = "refuse"
     #: Start from this checkpoint of another run instead of from scratch (set by ``--from``).
-    init_from: InitFrom | None = None
+    #: Absent from the fingerprint of a run from scratch: every fingerprint from before stays valid.
+    init_from: Annotated[InitFrom | None, Trajectory(omit_at=None)] = None
     #: ``package.module:factory`` returning a :class:`training.task.TaskParts`.
-    task: str = Field("training.examples.char_gpt:build", pattern=r"^[\w.]+:\w+$")
+    task: Annotated[str, Trajectory()] = Field("training.examples.char_gpt:build", pattern=r"^[\w.]+:\w+$")
     #: Keyword arguments for the task factory (validated by the task itself).
-    task_args: dict[str, Any] = Field(default_factory=dict)
-    data: DataConfig = Field(default_factory=DataConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
+    task_args: Annotated[dict[str, Any], Trajectory()] = Field(default_factory=dict)
+    data: Annotated[DataConfig, Trajectory()] = Field(default_factory=DataConfig)
+    train: Annotated[TrainConfig, Trajectory()] = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     heartbeat: HeartbeatConfig = Field(default_factory=HeartbeatConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
@@ -286,68 +302,14 @@ class RunConfig(_Strict):
         return Path(self.runs_dir) / self.run_name
 
     def trajectory(self) -> dict[str, Any]:
-        """The settings that change the trajectory (what :meth:`fingerprint` hashes), as plain
-        JSON values: kept in ``run.json`` so a refusal can name the keys that changed."""
-        excluded = {"chunk_steps", "eval_every", "eval_samples", "ranks", "nnodes", "hosts"}
-        if self.train.grad_accum_steps == 1:
-            excluded.add("grad_accum_steps")  # left out at its default: older fingerprints stay valid
-        if not self.train.amp or self.train.amp_dtype == "auto":
-            # The dtype changes the trajectory only with AMP on; left out at its default so every
-            # fingerprint from before the setting existed stays valid.
-            excluded.add("amp_dtype")
-        train = self.train.model_dump(exclude=excluded)
-        data = self.data.model_dump(exclude={"num_workers", "prepared_dir"})
-        if self.data.source == "synthetic":  # another generator is another corpus: never resumed on it
-            data["generator"] = SYNTHETIC_GENERATOR
-        payload = {"task": self.task, "task_args": self.task_args, "data": data, "train": train}
-        if self.init_from is not None:  # absent otherwise: every fingerprint from before stays valid
-            payload["init_from"] = {
-                "run": Path(self.init_from.run).name,
-                "step": self.init_from.step,
-                "digest": self.init_from.digest,
-            }
-        return json.loads(json.dumps(payload, sort_keys=True, default=str))
+        """The settings marked ``Trajectory`` (what :meth:`fingerprint` hashes), as plain JSON
+        values: kept in ``run.json`` so a refusal can name the keys that changed."""
+        return trajectory_of(self)
 
     def fingerprint(self) -> str:
         """Hash of the settings that change the trajectory; see the module docstring."""
         blob = json.dumps(self.trajectory(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"train": {"lr": 1}}`` → ``{"train.lr": 1}`` (lists and scalars are leaves)."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):  # an empty section has no keys to name
-            flat.update(_flatten(value, f"{name}."))
-        else:
-            flat[name] = value
-    return flat
-
-
-def _shown(value: Any) -> str:
-    """A value as a user would type it in ``-S``: ``0.003``, ``'file'``, ``[a, b]``; ``(unset)``
-    for a key one side does not have."""
-    if value is _UNSET:
-        return "(unset)"
-    return repr(value) if isinstance(value, str) else json.dumps(value)
-
-
-_UNSET = object()
-
-
-def trajectory_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """``["train.lr 0.003 → 0.002", ...]``: each trajectory key whose value differs, sorted.
-
-    Why: a refusal that names fingerprints tells the user nothing they can act on; the keys and
-    both values say at once whether the change was meant (and what to undo otherwise)."""
-    a, b = _flatten(old), _flatten(new)
-    return [
-        f"{key} {_shown(a.get(key, _UNSET))} → {_shown(b.get(key, _UNSET))}"
-        for key in sorted(a.keys() | b.keys())
-        if a.get(key, _UNSET) != b.get(key, _UNSET)
-    ]
 
 
 def resolve_task_factory(spec: str) -> Any:

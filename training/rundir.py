@@ -14,10 +14,11 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from training.config import ConfigError, InitFrom, RunConfig, config_from_dict, trajectory_changes
+from training.config import ConfigError, InitFrom, RunConfig, config_from_dict
 from training.events import Event, append_event
 from training.fsutil import atomic_replace, atomic_write_bytes, atomic_write_json, read_json
 from training.paths import CONFIG_FILE, WORKER_LEASE, RunPaths
+from training.trajectory import trajectory_changes
 
 
 class RunBusy(ConfigError):
