@@ -7,7 +7,8 @@ flow that died, or a re-run of a finished run, repeats nothing (a finished run t
 
 One writer per run (invariant 8): the flow holds a non-blocking file lock on
 ``runs/<name>/.lock`` for its whole life; a second flow on the same run is refused at once.  The
-OS drops the lock when the holder dies, however it dies.
+OS drops the lock when the holder dies, however it dies (``training/locks.py``, the one helper
+behind this lock and the worker's lease).
 
 Entry points: :func:`run_training` (what ``convoy train`` calls) and ``python -m flows.train``.
 """
@@ -18,11 +19,9 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock, Timeout
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
@@ -39,10 +38,10 @@ from training.checkpointing.store import newest_verified_step
 from training.config import ConfigError, RunConfig, load_config
 from training.corpus import entropy_floor
 from training.events import Event, append_event, read_events
+from training.locks import holding
+from training.paths import RunPaths
 from training.rundir import keyed_config, link_current, open_run
 from training.tracking.attempts import chunk_history
-
-LOCK_FILE = ".lock"
 
 
 class RunLocked(ConfigError):
@@ -79,27 +78,17 @@ def plan_chunks(total_steps: int, chunk_steps: int) -> list[tuple[int, int, int]
     return [(i + 1, s, min(s + chunk_steps, total_steps)) for i, s in enumerate(range(0, total_steps, chunk_steps))]
 
 
-@contextlib.contextmanager
-def run_lock(run_dir: Path, run_name: str) -> Iterator[None]:
-    """Hold ``run_dir/.lock`` (non-blocking) and note the holder's pid for the refusal message."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(run_dir / LOCK_FILE), timeout=0)
-    owner = run_dir / f"{LOCK_FILE}.owner"
-    try:
-        lock.acquire()
-    except Timeout:
-        holder = owner.read_text().strip() if owner.exists() else "unknown"
-        raise RunLocked(
-            f"run {run_name!r} is already being trained by another flow (lock {run_dir / LOCK_FILE} held by "
-            f"{holder}); wait for it to finish or stop it first"
-        ) from None
-    try:
-        owner.write_text(f"pid {os.getpid()} on {os.uname().nodename}\n")
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            owner.unlink()
-        lock.release()
+def run_lock(run_dir: Path, run_name: str) -> contextlib.AbstractContextManager[Any]:
+    """Hold ``run_dir/.lock`` (non-blocking) for a ``with`` block; a second flow is refused at once."""
+    lock = RunPaths(run_dir).flow_lock
+
+    def refuse(holder: str) -> RunLocked:
+        return RunLocked(
+            f"run {run_name!r} is already being trained by another flow (lock {lock} held by {holder}); "
+            "wait for it to finish or stop it first"
+        )
+
+    return holding(lock, refuse)
 
 
 def flow_run_name() -> str:

@@ -99,6 +99,31 @@ def test_keyed_config_and_link(tmp_path: Path) -> None:
     assert (tmp_path / "demo").resolve() == kb.run_dir.resolve()
 
 
+def test_one_writer_locks_refuse_a_second_holder_by_name(tmp_path: Path) -> None:
+    """The flow's ``.lock`` and the worker's lease (invariant 8): one helper, two refusals; the
+    holder's note names it while it holds the lock, and a cleanly left flow lock leaves no note."""
+    from flows.train import RunLocked, run_lock
+    from training.paths import RunPaths, owner_note
+    from training.rundir import RunBusy, take_worker_lease
+    from training.tracking.progress import flow_holder
+
+    run_dir = tmp_path / "runs" / "demo"  # the flow lock creates the directory
+    paths = RunPaths(run_dir)
+    with run_lock(run_dir, "demo"):
+        assert paths.flow_lock == run_dir / ".lock" and flow_holder(run_dir) == os.getpid()
+        refused = rf"already being trained by another flow \(lock .* held by pid {os.getpid()} on"
+        with pytest.raises(RunLocked, match=refused), run_lock(run_dir, "demo"):
+            pass
+        lease = take_worker_lease(run_dir, wait_s=0.1)  # the worker's lease is another lock
+        assert owner_note(paths.worker_lease).read_text().startswith(f"pid {os.getpid()} on ")
+        with pytest.raises(RunBusy, match=rf"being trained by another worker \(pid {os.getpid()} on .* since "):
+            take_worker_lease(run_dir, wait_s=0.1)
+        lease.release()
+    assert not owner_note(paths.flow_lock).exists() and flow_holder(run_dir) is None
+    with run_lock(run_dir, "demo"):  # free again
+        pass
+
+
 @pytest.mark.slow
 def test_param_change_under_dvc_repro_trains_a_new_run(tmp_path: Path, prefect_api: str) -> None:
     clone, env = clone_project(tmp_path)

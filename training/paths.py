@@ -23,13 +23,22 @@ EVENTS_FILE = "events.jsonl"
 METRICS_FILE = "metrics.jsonl"
 LOGS_DIR = "logs"
 ACK_FILE = "chunk-ack.json"
+#: Held by the flow training the run for its whole life (invariant 8; ``training/locks.py``).
+FLOW_LOCK = ".lock"
 #: Held by the training process of a run (rank 0) for its whole life (invariant 8).
 WORKER_LEASE = ".worker.lock"
+#: Beside a lock, its holder's note (``pid N on HOST since TIME``): ``.lock.owner``.
+OWNER_SUFFIX = ".owner"
 
 
 def checkpoint_name(step: int) -> str:
     """``step-000001200``: zero-padded so that names sort in step order."""
     return f"step-{step:09d}"
+
+
+def owner_note(lock: Path) -> Path:
+    """The owner note beside the lock file ``lock``."""
+    return lock.with_name(lock.name + OWNER_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -92,3 +101,7 @@ class RunPaths:
     @property
     def worker_lease(self) -> Path:
         return self.root / WORKER_LEASE
+
+    @property
+    def flow_lock(self) -> Path:
+        return self.root / FLOW_LOCK

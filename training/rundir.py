@@ -12,12 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock, Timeout
+from filelock import FileLock
 
 from training.config import ConfigError, InitFrom, RunConfig, config_from_dict
 from training.events import Event, append_event
 from training.fsutil import atomic_replace, atomic_write_bytes, atomic_write_json, read_json
-from training.paths import CONFIG_FILE, WORKER_LEASE, RunPaths
+from training.locks import take_lock
+from training.paths import CONFIG_FILE, RunPaths
 from training.trajectory import trajectory_changes
 
 
@@ -29,22 +30,17 @@ def take_worker_lease(run_dir: Path, wait_s: float = 5.0) -> FileLock:
     """Hold ``run_dir/.worker.lock`` so exactly one worker trains a run at a time
     (docs/architecture.md, invariant 8): a second ``convoy worker`` next to a flow would write
     the same heartbeat, metrics and checkpoints, and its start-up cleanup could remove the first
-    one's in-flight temp save.  The OS drops the lock when the holder dies however it dies; a
-    retry waits ``wait_s`` for a predecessor that is still being reaped.  A pipelined chunk
-    adopts the running worker, and with it the lease."""
-    lock = FileLock(str(RunPaths(run_dir).worker_lease), timeout=wait_s)
-    owner = run_dir / f"{WORKER_LEASE}.owner"
-    try:
-        lock.acquire()
-    except Timeout:
-        holder = owner.read_text().strip() if owner.exists() else "a process that did not say who it is"
-        raise RunBusy(
+    one's in-flight temp save.  A retry waits ``wait_s`` for a predecessor that is still being
+    reaped.  A pipelined chunk adopts the running worker, and with it the lease; the lease lives
+    as long as the worker process (no owner note is removed: the next holder replaces it)."""
+
+    def refuse(holder: str) -> RunBusy:
+        return RunBusy(
             f"{run_dir} is being trained by another worker ({holder}); stop that worker first "
             f"(a second one would overwrite its checkpoints and metrics)"
-        ) from None
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
-    atomic_write_bytes(owner, f"pid {os.getpid()} on {os.uname().nodename} since {since}\n".encode(), durable=False)
-    return lock
+        )
+
+    return take_lock(RunPaths(run_dir).worker_lease, wait_s, refuse)
 
 
 def run_info(run_dir: str | Path) -> dict[str, Any] | None:

@@ -31,7 +31,7 @@ from training.config import RunConfig
 from training.corpus import entropy_floor
 from training.events import Event, read_events
 from training.heartbeat import HOST, read_heartbeat
-from training.paths import RunPaths
+from training.paths import RunPaths, owner_note
 from training.tracking.attempts import latest_attempts
 from training.tracking.metrics import read_metric_lines
 from training.tracking.resume_audit import analyse_events
@@ -54,7 +54,7 @@ def flow_holder(run_dir: Path) -> int | None:
     """Pid of the live flow on this host holding ``.lock`` (its ``.lock.owner`` says
     ``pid N on HOST``); None when there is none or it is gone."""
     try:
-        words = (run_dir / ".lock.owner").read_text().split()
+        words = owner_note(RunPaths(run_dir).flow_lock).read_text().split()
     except OSError:
         return None
     if len(words) < 4 or words[0] != "pid" or words[3] != HOST or not words[1].isdigit():
