@@ -269,12 +269,24 @@ class TrainingRun:
             return 0, None
         return (entry["step"], entry["digest"]) if entry else (0, None)
 
-    def summary(self) -> dict[str, Any]:
+    def final_checkpoint(self) -> tuple[int, str | None]:
+        """(step, digest) of the run's newest checkpoint, verified once.
+
+        Verifying hashes every file of the checkpoint, so it is not done twice: the last chunk's
+        row already holds the digest its chunk task (or the skip) verified at the final step.  Only
+        a row without one (a skipped chunk whose checkpoint is not on this machine: pool mode
+        without shared storage) asks the store, then the remote index."""
         from training.checkpointing.store import CheckpointStore
 
-        rows, audit = self.rows, self.audit or {}
+        last = self.rows[-1] if self.rows else None
+        if last is not None and last["digest"] is not None:
+            return last["end_step"], last["digest"]
         latest = CheckpointStore(self.run_dir).latest_valid(record=False)
-        final_step, digest = (latest.step, latest.digest) if latest is not None else self.uploaded_final()
+        return (latest.step, latest.digest) if latest is not None else self.uploaded_final()
+
+    def summary(self) -> dict[str, Any]:
+        rows, audit = self.rows, self.audit or {}
+        final_step, digest = self.final_checkpoint()
         summary = {
             "run_name": self.cfg.run_name,
             "run_dir": str(self.run_dir),

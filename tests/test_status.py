@@ -113,3 +113,32 @@ def test_state_rules() -> None:
     assert _state(False, False, [{"kind": "started"}, {"kind": "failure"}], True) == "dead"
     assert _state(False, False, [], False) == "never started"
     assert _state(False, False, [{"kind": "resumed"}], True, clean_end=True) == "stopped"  # e.g. a pulled clone
+
+
+def test_flow_summary_verifies_the_newest_checkpoint_once(tmp_path: Path, monkeypatch: Any) -> None:
+    """The summary's final step and digest come from the last chunk's row, which already verified
+    that checkpoint (verifying hashes every file); the store is asked only when the row has none."""
+    import logging
+
+    from flows.train import TrainingRun
+    from training.checkpointing.store import CheckpointStore
+
+    run_dir = make_run(tmp_path, "done", ["train.total_steps=20", "train.chunk_steps=20"])
+    assert run_worker(run_dir, 20)[0] == 0
+    newest = CheckpointStore(run_dir).latest_valid(record=False)
+    assert newest is not None and newest.step == 20
+    loaded: list[Path] = []
+    load = CheckpointStore.load
+
+    def counting_load(store: CheckpointStore, path: Path, step: int | None = None) -> Any:
+        loaded.append(Path(path))
+        return load(store, path, step)
+
+    monkeypatch.setattr(CheckpointStore, "load", counting_load)  # the real load, counted
+    run = TrainingRun(load_run_config(run_dir), run_dir, None, logging.getLogger(__name__))
+    run.committed = 20
+    run.chunk(1, 0, 20)  # committed already: skipped, its checkpoint verified for the row
+    assert run.final_checkpoint() == (20, newest.digest)
+    assert loaded == [run_dir / "checkpoints" / "step-000000020"]
+    run.rows[-1]["digest"] = None  # a row without a digest: the store is asked
+    assert run.final_checkpoint() == (20, newest.digest) and len(loaded) == 2
