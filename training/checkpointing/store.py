@@ -186,8 +186,8 @@ class CheckpointStore:
         for step, path in self.step_dirs():
             row: dict[str, Any] = {"step": step, "name": path.name, "quarantined": False}
             try:
-                ck = self.verify(path)
-                row.update(valid=True, bytes=ck.bytes, digest=ck.digest, reason="")
+                checkpoint = self.verify(path)
+                row.update(valid=True, bytes=checkpoint.bytes, digest=checkpoint.digest, reason="")
             except CheckpointRejected as exc:
                 row.update(valid=False, bytes=dir_bytes(path), digest=None, reason=str(exc))
             rows.append(row)
