@@ -180,7 +180,7 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     manifest is a new file naming the child's fingerprint and ``forked_from``, without the
     parent's MLflow run id (the child logs to its own run).  Built in a temporary sibling and
     renamed, then ``LATEST`` (invariant 1).  The worker restores it like any checkpoint and then
-    takes the optimisation settings of the child's config (:mod:`training.worker`)."""
+    takes the optimisation settings of the child's config (:mod:`training.restore`)."""
     from training.checkpointing.store import MANIFEST, CheckpointRejected, CheckpointStore
 
     src = config.init_from
