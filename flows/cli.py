@@ -221,6 +221,8 @@ def inspect(run_dir: Path, as_json: bool = typer.Option(False, "--json", help="m
 @app.command()
 def verify(run_dir: Path) -> None:
     """Exit non-zero if the newest checkpoint does not verify."""
+    from training.checkpointing.errors import CheckpointRejected
+
     store = _store(run_dir)
     dirs = store.step_dirs()
     if not dirs:
@@ -228,7 +230,7 @@ def verify(run_dir: Path) -> None:
     step, path = dirs[0]
     try:
         ck = store.verify(path)
-    except (ValueError, OSError) as exc:
+    except CheckpointRejected as exc:
         raise fail(f"newest checkpoint {path.name} is NOT valid: {exc}", 1) from None
     console.print(f"ok: {path.name} verified (step {step}, {ck.bytes:,} bytes, digest {ck.digest})")
 

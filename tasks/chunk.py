@@ -115,12 +115,12 @@ def loss_at(run_dir: Path, step: int) -> float | None:
 
 def committed_digest(run_dir: Path, step: int) -> str | None:
     """Digest of the verified checkpoint at exactly ``step`` (None if missing or invalid)."""
-    from training.checkpointing.store import CheckpointStore, checkpoint_name
+    from training.checkpointing.store import CheckpointRejected, CheckpointStore, checkpoint_name
 
     store = CheckpointStore(run_dir)
     try:
         return store.verify(store.root / checkpoint_name(step)).digest
-    except (ValueError, OSError):
+    except CheckpointRejected:
         return None
 
 

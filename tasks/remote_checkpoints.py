@@ -41,6 +41,7 @@ from typing import Any
 
 from tasks.remote_index import RemoteRun, metric_rows_through, node_name
 from tasks.version import VersioningError, _with_repo, remote_run, resolve_remote, version_checkpoint
+from training.checkpointing.errors import CheckpointRejected
 from training.config import ConfigError, RunConfig
 from training.events import Event, append_event
 from training.fsutil import atomic_write_bytes, fsync_dir
@@ -99,7 +100,7 @@ def _install(stage: Path, final: Path, run_dir: Path) -> None:
         os.rename(final, aside)
         append_event(
             run_dir,
-            "checkpoint_invalid",
+            Event.CHECKPOINT_INVALID,
             checkpoint=final.name,
             moved_to=aside.name,
             reason="did not verify; replaced by the remote copy",
@@ -165,7 +166,7 @@ def _newer_entries(remote: RemoteRun, run_dir: Path) -> tuple[dict[str, Any], li
 def _manifest_reads(store: Any, path: Path) -> bool:
     try:
         store.read_manifest(path)
-    except (ValueError, OSError):
+    except CheckpointRejected:
         return False
     return True
 

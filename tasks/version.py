@@ -42,7 +42,7 @@ from typing import Any
 
 from tasks import remote_index
 from training import faults
-from training.checkpointing.store import CheckpointStore, parse_step
+from training.checkpointing.store import CheckpointRejected, CheckpointStore, parse_step
 from training.events import Event, append_event
 from training.fsutil import atomic_write_bytes
 from training.paths import RunPaths
@@ -250,7 +250,7 @@ def _version_locked(
     try:
         try:
             manifest = CheckpointStore(run_dir).verify(stage, step=step).manifest  # the store's own check
-        except (ValueError, OSError, KeyError) as exc:
+        except CheckpointRejected as exc:
             raise VersioningError(f"{ckpt.name} does not verify, not versioning it: {exc}") from None
         snap = _StagedCheckpoint(ckpt, stage, step, manifest["digest"], manifest)
         result = _with_repo(repo_root, ckpt, lambda repo: _add_and_push(repo, snap, remote, push))
@@ -453,7 +453,7 @@ def pull_run(
         path = p.with_suffix("")
         try:
             verified.append({"checkpoint": path.name, "digest": store.verify(path).digest})
-        except (ValueError, OSError) as exc:
+        except CheckpointRejected as exc:
             raise VersioningError(f"{path.name} pulled from {label} does not verify: {exc}") from None
     result = {
         "run_dir": str(run_dir),

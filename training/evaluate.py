@@ -62,22 +62,22 @@ def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -
     loaded = CheckpointStore(run_dir).load_latest()
     if loaded is None:
         raise ConfigError(f"{run_dir}: no valid checkpoint to export; train first (`convoy train`)")
-    ck, parts = loaded
+    checkpoint, parts = loaded
     model = parts["state"]["model"]
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in sorted(model.items())}
     meta = {
-        "step": str(ck.step),
-        "digest": ck.digest,
-        "fingerprint": str(ck.manifest.get("fingerprint", "")),
-        "checkpoint": ck.path.name,
+        "step": str(checkpoint.step),
+        "digest": checkpoint.digest,
+        "fingerprint": str(checkpoint.manifest.get("fingerprint", "")),
+        "checkpoint": checkpoint.path.name,
         "format": "convoy-model-1",
     }
     with atomic_replace(Path(out_path)) as tmp:
         write_file(tmp, tensors, meta)
     return {
         "path": str(out_path),
-        "step": ck.step,
-        "digest": ck.digest,
+        "step": checkpoint.step,
+        "digest": checkpoint.digest,
         "fingerprint": meta["fingerprint"],
         "tensors": len(tensors),
         "parameters": sum(t.numel() for t in tensors.values()),

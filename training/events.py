@@ -26,7 +26,9 @@ class Event(StrEnum):
 
     ATTEMPT_STARTED = "attempt_started"
     CHECKPOINT_FETCHED = "checkpoint_fetched"
+    CHECKPOINT_INVALID = "checkpoint_invalid"
     CHECKPOINT_PUBLISHED = "checkpoint_published"
+    CHECKPOINT_REPLACED = "checkpoint_replaced"
     CHECKPOINT_RETIRED = "checkpoint_retired"
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"

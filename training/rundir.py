@@ -117,7 +117,7 @@ def resolve_parent(spec: str) -> InitFrom:
     """``--from runs/<parent>[@step]`` → the exact parent checkpoint: its run directory (links
     resolved: the child must name the run, not whatever ``runs/<name>`` points at later), the
     step (default: the newest verified one) and its digest.  A ConfigError says what is wrong."""
-    from training.checkpointing.store import CheckpointStore
+    from training.checkpointing.store import CheckpointRejected, CheckpointStore
 
     path, step = _split_from(spec)
     if not RunPaths(path).checkpoints.is_dir():
@@ -125,7 +125,7 @@ def resolve_parent(spec: str) -> InitFrom:
     store = CheckpointStore(path.resolve())
     try:
         ck = store.latest_valid(record=False) if step is None else store.verify(RunPaths(path).checkpoint(step))
-    except (ValueError, OSError) as exc:
+    except CheckpointRejected as exc:
         steps = ", ".join(str(s) for s, _ in store.step_dirs()) or "none"
         raise ConfigError(
             f"--from {spec}: checkpoint of step {step} not usable ({exc}); steps there: {steps}"
@@ -177,8 +177,8 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     manifest is a new file naming the child's fingerprint and ``forked_from``, without the
     parent's MLflow run id (the child logs to its own run).  Built in a temporary sibling and
     renamed, then ``LATEST`` (invariant 1).  The worker restores it like any checkpoint and then
-    takes the optimisation settings of the child's config (:mod:`training.worker`)."""
-    from training.checkpointing.store import MANIFEST, CheckpointStore
+    takes the optimisation settings of the child's config (:mod:`training.restore`)."""
+    from training.checkpointing.store import MANIFEST, CheckpointRejected, CheckpointStore
 
     src = config.init_from
     assert src is not None
@@ -186,7 +186,7 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     ckpt = RunPaths(parent).checkpoint(src.step)
     try:
         ck = CheckpointStore(parent).verify(ckpt)
-    except (ValueError, OSError) as exc:
+    except CheckpointRejected as exc:
         raise ConfigError(f"--from {src.run}@{src.step}: the parent checkpoint does not verify ({exc})") from None
     if ck.digest != src.digest:
         raise ConfigError(f"--from {src.run}@{src.step}: that checkpoint's digest is {ck.digest}, not {src.digest}")

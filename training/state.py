@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from training.checkpointing import sharded
+from training.checkpointing.errors import CheckpointRejected
 from training.data import Cursor
 from training.task import TaskParts
 
@@ -182,16 +183,20 @@ class TrainState:
         self, loaded: dict[str, Any], rank: int = 0, restore_rng_state: bool = True, checkpoint_dir: Path | None = None
     ) -> None:
         """``loaded`` is ``CheckpointStore.load``'s parts.  A sharded checkpoint (its parts carry the
-        shard skeleton) is read collectively from ``checkpoint_dir``: every rank must call this."""
-        s = loaded["state"]
+        shard skeleton) is read collectively from ``checkpoint_dir``: every rank must call this.
+
+        ``loaded`` passed :func:`checkpoint_validator` (the store does not hand out parts that did
+        not): the checks below restate its promises, so one failing here is a bug and raises as
+        such (a crash of the worker), never a reason to pass the checkpoint over."""
+        saved = loaded["state"]
         p = self.parts
         if sharded.LAYOUT in loaded:
             if checkpoint_dir is None:
                 raise ValueError("sharded checkpoint: restore needs the checkpoint directory")
             sharded.load_shards(checkpoint_dir, loaded[sharded.LAYOUT], p.model, p.optimizer)
         else:
-            p.model.load_state_dict(s["model"])
-            p.optimizer.load_state_dict(s["optimizer"])
+            p.model.load_state_dict(saved["model"])
+            p.optimizer.load_state_dict(saved["optimizer"])
         # The loaded tensors are views of a private mapping of the checkpoint file; model weights
         # were copied by load_state_dict, optimizer state was not.  Own it, so the mapping is
         # released now (retention may delete that file; an in-place rewrite must not reach us).
@@ -200,18 +205,18 @@ class TrainState:
                 if isinstance(value, torch.Tensor) and value.device.type == "cpu":
                     param_state[key] = value.clone()
         if p.scheduler is not None:
-            if s["scheduler"] is None:
+            if saved["scheduler"] is None:
                 raise ValueError("checkpoint has no LR scheduler state but the task has a scheduler")
-            p.scheduler.load_state_dict(s["scheduler"])
-            if p.scheduler.last_epoch != s["step"]:
-                raise ValueError(f"LR scheduler position {p.scheduler.last_epoch} != global step {s['step']}")
+            p.scheduler.load_state_dict(saved["scheduler"])
+            if p.scheduler.last_epoch != saved["step"]:
+                raise ValueError(f"LR scheduler position {p.scheduler.last_epoch} != global step {saved['step']}")
         # An empty scaler state was saved with AMP off (``device: auto`` on a CPU machine disables
         # AMP); resumed on CUDA with AMP on, GradScaler would refuse it: keep the fresh scale.
-        if s["scaler"] or not self.scaler.is_enabled():
-            self.scaler.load_state_dict(s["scaler"])  # a no-op when this scaler is disabled
-        self.step = int(s["step"])
-        self.tokens_seen = int(s["tokens_seen"])
-        self.cursor = Cursor.from_dict(s["cursor"])
+        if saved["scaler"] or not self.scaler.is_enabled():
+            self.scaler.load_state_dict(saved["scaler"])  # a no-op when this scaler is disabled
+        self.step = int(saved["step"])
+        self.tokens_seen = int(saved["tokens_seen"])
+        self.cursor = Cursor.from_dict(saved["cursor"])
         if restore_rng_state:
             mine = loaded.get(f"rank-{rank}")
             if mine is None:
@@ -249,22 +254,27 @@ class ExpectedState:
 def checkpoint_validator(expected: ExpectedState | None = None) -> Callable[[dict[str, Any], dict[str, Any]], None]:
     """The store's validator for train-state checkpoints (see ``CheckpointStore.load``): the parts
     make a complete train state of the manifest's step and world size and, when ``expected`` is
-    given, fit the task's model and optimizer.  Raises ValueError with the first mismatch."""
+    given, fit the task's model and optimizer.  Raises CheckpointRejected with the first mismatch
+    (and nothing else for any checkpoint: what :meth:`TrainState.restore` would stumble over is
+    checked here, so an error there is a bug, never a reason to pass a checkpoint over)."""
 
     def validate(manifest: dict[str, Any], parts: dict[str, Any]) -> None:
         step, world = manifest["step"], manifest.get("world_size", 1)
         if not isinstance(world, int) or world < 1:
-            raise ValueError(f"manifest world_size {world!r} is not a positive integer")
+            raise CheckpointRejected(f"manifest world_size {world!r} is not a positive integer")
         missing = [p for p in ("state", *(f"rank-{r}" for r in range(world))) if p not in parts]
         if missing:
-            raise ValueError(f"parts {missing} missing (a {world}-rank checkpoint needs state and rank-0..{world - 1})")
+            raise CheckpointRejected(
+                f"parts {missing} missing (a {world}-rank checkpoint needs state and rank-0..{world - 1})"
+            )
         _check_state(parts["state"], step, sharded_layout=sharded.LAYOUT in parts)
         for r in range(world):
             mine = parts[f"rank-{r}"]
             if not isinstance(mine, dict) or mine.get("step") != step or not isinstance(mine.get("rng"), dict):
-                raise ValueError(f"rank-{r}: not an RNG state of step {step}")
+                raise CheckpointRejected(f"rank-{r}: not an RNG state of step {step}")
             if not {"python", "numpy", "torch"} <= set(mine["rng"]):
-                raise ValueError(f"rank-{r}: RNG state lacks python/numpy/torch streams")
+                raise CheckpointRejected(f"rank-{r}: RNG state lacks python/numpy/torch streams")
+            _check_cuda_rng(mine["rng"].get("cuda") or [], r)
         if expected is not None:
             _check_fits(parts["state"], expected, sharded_layout=sharded.LAYOUT in parts)
 
@@ -275,27 +285,32 @@ def _check_state(s: Any, step: int, sharded_layout: bool) -> None:
     keys = (*_STATE_KEYS, *(() if sharded_layout else ("model", "optimizer")))
     if not isinstance(s, dict) or not set(keys) <= set(s):
         have = sorted(s) if isinstance(s, dict) else type(s).__name__
-        raise ValueError(f"state: not a convoy train state (needs {list(keys)}, has {have})")
+        raise CheckpointRejected(f"state: not a convoy train state (needs {list(keys)}, has {have})")
     if s["step"] != step:
-        raise ValueError(f"state: step {s['step']!r} != manifest step {step}")
+        raise CheckpointRejected(f"state: step {s['step']!r} != manifest step {step}")
     cursor = s["cursor"]
     if not (isinstance(cursor, dict) and all(isinstance(cursor.get(k), int) for k in ("epoch", "offset"))):
-        raise ValueError(f"state: data cursor {cursor!r} is not {{epoch, offset}}")
+        raise CheckpointRejected(f"state: data cursor {cursor!r} is not {{epoch, offset}}")
     if not isinstance(s["tokens_seen"], int) or not isinstance(s["scaler"], dict):
-        raise ValueError("state: tokens_seen or scaler state malformed")
+        raise CheckpointRejected("state: tokens_seen or scaler state malformed")
+    scheduler = s["scheduler"]
+    if scheduler is not None and not isinstance(scheduler, dict):
+        raise CheckpointRejected("state: LR scheduler state is not a mapping")
+    if scheduler is not None and scheduler.get("last_epoch", step) != step:
+        raise CheckpointRejected(f"state: LR scheduler position {scheduler['last_epoch']!r} != step {step}")
     if not sharded_layout:
         opt = s["optimizer"]
         if not (
             isinstance(opt, dict) and isinstance(opt.get("state"), dict) and isinstance(opt.get("param_groups"), list)
         ):
-            raise ValueError("state: optimizer state is not {state, param_groups}")
+            raise CheckpointRejected("state: optimizer state is not {state, param_groups}")
         if not isinstance(s["model"], dict) or not all(isinstance(v, torch.Tensor) for v in s["model"].values()):
-            raise ValueError("state: model is not a mapping of tensors")
+            raise CheckpointRejected("state: model is not a mapping of tensors")
 
 
 def _check_fits(s: dict[str, Any], want: ExpectedState, sharded_layout: bool) -> None:
     if (s["scheduler"] is not None) != want.has_scheduler:
-        raise ValueError(
+        raise CheckpointRejected(
             f"state: LR scheduler state {'absent' if want.has_scheduler else 'present'}, "
             f"the task {'has' if want.has_scheduler else 'has no'} scheduler"
         )
@@ -304,26 +319,38 @@ def _check_fits(s: dict[str, Any], want: ExpectedState, sharded_layout: bool) ->
     model = s["model"]
     if set(model) != set(want.model):
         missing, extra = sorted(set(want.model) - set(model))[:3], sorted(set(model) - set(want.model))[:3]
-        raise ValueError(f"model does not match the task: missing {missing}, unexpected {extra}")
+        raise CheckpointRejected(f"model does not match the task: missing {missing}, unexpected {extra}")
     for key, (shape, dtype) in want.model.items():
         got = (tuple(model[key].shape), str(model[key].dtype))
         if got != (shape, dtype):
-            raise ValueError(f"model.{key}: checkpoint has {list(got[0])} {got[1]}, the task {list(shape)} {dtype}")
+            raise CheckpointRejected(
+                f"model.{key}: checkpoint has {list(got[0])} {got[1]}, the task {list(shape)} {dtype}"
+            )
     groups = s["optimizer"]["param_groups"]
     sizes = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in groups]
     if sizes != [len(g) for g in want.group_shapes]:
-        raise ValueError(
+        raise CheckpointRejected(
             f"optimizer: parameter groups of sizes {sizes}, the task has {[len(g) for g in want.group_shapes]}"
         )
     shapes = [shape for g in want.group_shapes for shape in g]
     position = {pid: j for j, pid in enumerate(pid for g in groups for pid in g["params"])}
     for pid, buffers in s["optimizer"]["state"].items():
         if pid not in position or not isinstance(buffers, dict):
-            raise ValueError(f"optimizer: state for unknown parameter {pid!r}")
+            raise CheckpointRejected(f"optimizer: state for unknown parameter {pid!r}")
         for name in _PARAM_SHAPED_BUFFERS:
             t = buffers.get(name)
             if isinstance(t, torch.Tensor) and tuple(t.shape) != shapes[position[pid]]:
-                raise ValueError(
+                raise CheckpointRejected(
                     f"optimizer: {name} of parameter {pid} has shape {list(t.shape)}, "
                     f"the parameter {list(shapes[position[pid]])}"
                 )
+
+
+def _check_cuda_rng(saved: Any, rank: int) -> None:
+    """The device streams are in a format :func:`select_cuda_rng` reads (either format)."""
+    if not isinstance(saved, list):
+        raise CheckpointRejected(f"rank-{rank}: RNG 'cuda' entry is not a list")
+    try:
+        select_cuda_rng(saved, 0)
+    except ValueError as exc:  # select_cuda_rng names what is malformed
+        raise CheckpointRejected(f"rank-{rank}: {exc}") from None

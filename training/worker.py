@@ -10,146 +10,93 @@ then wait on stdin for one JSON line ``{"until_step": N, "pipelined": bool}`` fr
 supervisor that hands it a failed worker's place; only then take the run's lease, beat, restore
 and train, exactly as a freshly started worker would.  End of input without an order (the
 supervisor released it, or died) ends the standby quietly.  See :mod:`tasks.standby`.
+
+What the worker trains with is :mod:`training.runtime`; one step's math is :mod:`training.step`;
+the resume is :mod:`training.restore`.  This module holds the lifecycle (:class:`Worker`): the
+lease, the heartbeat, preemption, the training loop and its saves.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import default_collate
+from filelock import FileLock
 
 from training import distributed, faults
-from training.batch import to_device
 from training.checkpointing import sharded
-from training.checkpointing.adaptive import AdaptiveInterval, estimate_mtbf_s
-from training.checkpointing.store import CheckpointStore, WriterGroup
+from training.checkpointing.schedule import SaveSchedule
 from training.chunk_boundary import wait_for_previous_boundary
-from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError, RunConfig
-from training.data import LoaderSpec, mix_seed, validation_keys
-from training.events import Event, WorkerSays, append_event
-from training.heartbeat import Heartbeat, read_heartbeat
+from training.claim import Claim, claim_run
+from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError
+from training.events import Event, Phase, WorkerSays, append_event
+from training.heartbeat import Heartbeat
 from training.paths import RunPaths
-from training.rundir import (
-    RunBusy,
-    describe_change,
-    load_run_config,
-    recorded_trajectories,
-    run_info,
-    take_worker_lease,
-)
-from training.sample_rng import SeededSamples
-from training.state import (
-    ExpectedState,
-    TrainState,
-    capture_rng,
-    checkpoint_validator,
-    configure_determinism,
-    restore_rng,
-    seed_everything,
-)
-from training.streams import is_stream, train_batches
-from training.task import build_task
-from training.tracking.metrics import DETERMINISTIC_KEYS, JsonlBackend, MetricBackend, StepMetricLogger
+from training.restore import Restored, restore_newest
+from training.rundir import RunBusy, load_run_config, run_info
+from training.runtime import Runtime, amp_dtype, build_runtime, pick_device, start_device
+from training.state import TrainState
+from training.step import micro_batches, train_step, validation_enabled, validation_loss
+from training.streams import is_stream
+from training.task import TaskParts
+from training.tracking.deferred import DeferredTracking, tracking_backends
+from training.tracking.metrics import JsonlBackend, MetricBackend, StepMetricLogger
+
+#: Re-exported: tests and benchmarks import them from here.
+__all__ = ["Worker", "amp_dtype", "main", "pick_device"]
+
+T = TypeVar("T")
 
 
-class _Preempt:
-    """SIGTERM sets a flag; the loop saves at the next step boundary (never mid-update)."""
+@dataclass(frozen=True)
+class Session:
+    """What :meth:`Worker.setup` decided for this attempt, beyond the runtime."""
 
-    def __init__(self) -> None:
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._handler)
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        self.requested = True
-
-
-def pick_device(config: RunConfig) -> torch.device:
-    """``cuda``/``auto`` with CUDA: the GPU ``LOCAL_RANK`` of those visible (torchrun's layout)."""
-    want = config.train.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device = 'cuda' but no CUDA device is visible; use cpu or auto")
-        index = int(os.environ.get("LOCAL_RANK", "0"))
-        if index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"local rank {index} needs CUDA device {index} but {torch.cuda.device_count()} "
-                "are visible; use at most that many ranks per node"
-            )
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+    #: Rank 0's remote metric backends, built off the critical path (None on other ranks).
+    tracking: DeferredTracking | None
+    #: Recorded in each checkpoint's manifest (a clone without ``run.json`` finds the MLflow run).
+    mlflow_run_id: str | None
+    #: When the loop saves (the adaptive interval, with ``every_steps: auto``, learns as it goes).
+    schedule: SaveSchedule
 
 
-def amp_dtype(config: RunConfig, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None when AMP is off (CPU runs ignore ``train.amp``)."""
-    if not config.train.amp or device.type != "cuda":
-        return None
-    choice = config.train.amp_dtype
-    if choice == "auto":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if choice == "bfloat16" else torch.float16
-
-
-def tracking_backends(config: RunConfig, run_dir: Path) -> list[MetricBackend]:
-    """The remote metric backends (MLflow), slow to import and connect; ``metrics.jsonl`` is
-    always there, built at once (the replay check reads it)."""
-    backends: list[MetricBackend] = []
-    if config.tracking.mlflow:
-        from training.tracking.mlflow_backend import MlflowBackend  # imported lazily: ~3 s
-
-        run_id = (run_info(run_dir) or {}).get("mlflow_run_id")
-        if run_id:
-            backends.append(MlflowBackend(config, run_id, run_dir=run_dir))
-    return backends
-
-
-class TrackingWarmup:
-    """Tracking backends built and their history read on a thread, off the recovery's path.
-
-    Why: importing MLflow and reading back what the run logged so far took 2-3 s after the
-    restore, before the first step.  The history is stable once this worker holds the run's
-    lease (the previous writer is gone), so it is read while the checkpoint loads and the first
-    steps train; the metric logger keeps those steps' rows and hands them over when the backends
-    are ready (:meth:`StepMetricLogger.attach`).  A standby passes backends it built while waiting.
-    """
-
-    def __init__(self, backends: Callable[[], list[MetricBackend]]) -> None:
-        self._result: tuple[list[MetricBackend], list[dict[str, dict[int, float]]]] | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(backends,), name="convoy-tracking", daemon=True)
-        self._thread.start()
-
-    def _run(self, backends: Callable[[], list[MetricBackend]]) -> None:
-        try:
-            built = backends()
-            self._result = built, [b.history(DETERMINISTIC_KEYS) for b in built]
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread by result()
-            self._error = exc
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def result(self) -> tuple[list[MetricBackend], list[dict[str, dict[int, float]]]]:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
+def _reached(result: T | None, stage: str) -> T:
+    """A stage's result, or an error naming the stage that has not run yet."""
+    if result is None:
+        raise RuntimeError(f"the worker has not reached this yet: {stage}() first")
+    return result
 
 
 class Worker:
+    """One worker process's life with one run, in stages that are separate methods because they
+    happen at different times:
+
+    1. ``__init__``: read the run's config, check ``until``; then :meth:`claim` unless standing by.
+    2. :meth:`claim` — take the run (:mod:`training.claim`): the lease first (a second worker on
+       this run must change nothing), then beat and catch SIGTERM (from here on a stop is a
+       preemption with an emergency save).  A standby claims only when ordered (:meth:`stand_by`).
+    3. :meth:`prepare` — build the :class:`~training.runtime.Runtime` (device, task, model,
+       scaler, empty train state, checkpoint store).  Touches nothing of the run's state, so a
+       standby does it *before* it is called, and a called one skips it.
+    4. :meth:`setup` — what needs the claim: stale temp dirs removed, tracking set to start off
+       the critical path, the save schedule (:class:`Session`).
+    5. :meth:`restore` — the newest checkpoint that verifies and restores
+       (:mod:`training.restore`); the runtime may be replaced by a fresh one (a fallback).
+    6. :meth:`run` — train to ``until``, saving on the policy's schedule; the final save.
+    7. :meth:`finish` (or :meth:`emergency_exit` on SIGTERM) — report, stop beating, leave.
+
+    Each stage's result is held in one object (:class:`Claim`, :class:`Runtime`,
+    :class:`Session`, :class:`~training.restore.Restored`), None until the stage ran; reading one
+    too early is an error that names the stage."""
+
     def __init__(
         self,
         run_dir: Path,
@@ -160,14 +107,55 @@ class Worker:
         standby: bool = False,
     ) -> None:
         self.run_dir, self.rank, self.world = run_dir, rank, world_size
+        #: Train through chunk boundaries, each after the flow acknowledged the previous one.
         self.pipelined = pipelined
         self.config = load_run_config(run_dir)
+        #: The step this worker trains to (a standby learns it from its order).
         self.until = self.check_until(until_step if until_step is not None else self.config.train.total_steps)
-        self.lease: Any = None
+        #: Backends a standby built while it waited (rank 0), handed to the session.
         self.standby_backends: list[MetricBackend] | None = None
+        self._claim: Claim | None = None
+        self._runtime: Runtime | None = None
+        self._session: Session | None = None
+        self._restored: Restored | None = None
         if not standby:
             self.claim()
 
+    # ------------------------------------------------------------------ stage results
+    @property
+    def claimed(self) -> Claim:
+        return _reached(self._claim, "claim")
+
+    @property
+    def runtime(self) -> Runtime:
+        return _reached(self._runtime, "prepare")
+
+    @property
+    def session(self) -> Session:
+        return _reached(self._session, "setup")
+
+    @property
+    def restored(self) -> Restored:
+        return _reached(self._restored, "restore")
+
+    @property
+    def lease(self) -> FileLock | None:
+        """The run's worker lease while this worker holds it (None before the claim, or rank > 0)."""
+        return self._claim.lease if self._claim is not None else None
+
+    @property
+    def hb(self) -> Heartbeat:
+        return self.claimed.heartbeat
+
+    @property
+    def parts(self) -> TaskParts:
+        return self.runtime.parts
+
+    @property
+    def state(self) -> TrainState:
+        return self.runtime.state
+
+    # ------------------------------------------------------------------ stages
     def check_until(self, until_step: int) -> int:
         if until_step < 1 or until_step > self.config.train.total_steps:
             raise ConfigError(
@@ -176,14 +164,8 @@ class Worker:
         return until_step
 
     def claim(self) -> None:
-        """Take the run: the lease first (a second worker on this run must change nothing), then
-        beat and catch SIGTERM (from here on a stop is a preemption with an emergency save)."""
-        self.lease = take_worker_lease(self.run_dir) if self.rank == 0 else None
-        # How far a predecessor that vanished unreported (no supervisor saw it die) got: its
-        # last beat, before ours replaces it (the audit's steps lost; training/tracking/resume_audit.py).
-        self.previous_beat_step = (read_heartbeat(self.run_dir, self.rank) or {}).get("step")
-        self.hb = Heartbeat(self.run_dir, self.rank, self.config.heartbeat.interval_s).start()
-        self.preempt = _Preempt()
+        """Take the run (:func:`training.claim.claim_run`: lease, last beat, beat, SIGTERM)."""
+        self._claim = claim_run(self.run_dir, self.rank, self.config)
 
     def stand_by(self, order: Callable[[], str]) -> bool:
         """Standby: build everything a restart would (task, tracking clients), then wait for the
@@ -214,366 +196,152 @@ class Worker:
     def log(self, msg: str) -> None:
         print(f"[worker rank {self.rank}] {msg}", flush=True)
 
-    def prepare(self) -> None:
-        """Everything a worker needs before it may touch the run: device, task, checkpoint store."""
-        if getattr(self, "parts", None) is not None:
-            return  # a standby prepared before it took over
-        cfg = self.config
-        self.device = pick_device(cfg)
-        configure_determinism(cfg.train.deterministic, self.device)  # before the first CUDA work
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # a bare "cuda" (and the CUDA RNG calls) mean this device
-        distributed.init(self.world, self.device)
-        self.build()
-        self.log(
-            f"training on {self.device}"
-            + (f" with AMP {str(self.autocast_dtype).removeprefix('torch.')}" if self.amp else "")
-        )
-        self.store = CheckpointStore(
-            self.run_dir,
-            cfg.checkpoint,
-            cfg.fingerprint(),
-            writers=WriterGroup(self.world, self.rank, gather_timeout_s=cfg.heartbeat.save_timeout_s),
-            boundary_every=cfg.train.chunk_steps,
-            validator=checkpoint_validator(ExpectedState.of(self.parts)),
-        )
+    def prepare(self) -> Runtime:
+        """Build the runtime (once: a standby prepared before it took over)."""
+        if self._runtime is None:
+            device = start_device(self.config, self.world)
+            self._runtime = build_runtime(self.config, device, self.rank, self.world, run_dir=self.run_dir)
+            amp = self._runtime.autocast
+            self.log(f"training on {device}" + (f" with AMP {str(amp).removeprefix('torch.')}" if amp else ""))
+        return self._runtime
 
-    def setup(self) -> None:
-        """Prepare (unless a standby did), start tracking off the critical path, clean up."""
-        self.prepare()
+    def setup(self) -> Session:
+        """Prepare (unless a standby did), clean up, and decide the session (see :class:`Session`)."""
+        runtime = self.prepare()
         cfg = self.config
-        self.tracking: TrackingWarmup | None = None
-        self.tracking_factory: Callable[[], list[MetricBackend]] | None = None
+        tracking = None
         if self.rank == 0:
             prebuilt = self.standby_backends
             if prebuilt is not None:  # a standby built them while waiting: ready at once
-                self.tracking = TrackingWarmup(lambda: prebuilt)
-            else:  # built after the first step (start_tracking): its imports would slow that step
-                self.tracking_factory = lambda: tracking_backends(cfg, self.run_dir)
-        if self.rank == 0:
-            self.store.cleanup_stale_temp()
-        self.mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")  # recorded in each manifest
+                tracking = DeferredTracking(lambda: prebuilt, start_now=True)
+            else:  # built after the first step: its imports would slow that step
+                tracking = DeferredTracking(lambda: tracking_backends(cfg, self.run_dir), start_now=False)
+            runtime.store.cleanup_stale_temp()
+        mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")
         distributed.barrier()  # no rank starts saving before rank 0 cleaned up
-        ck = cfg.checkpoint
-        self.adaptive = None
-        self.world_changed = False
-        if ck.every_steps == "auto":
-            mtbf = estimate_mtbf_s(self.run_dir, ck.mtbf_hours * 3600)
-            self.adaptive = AdaptiveInterval(mtbf, ck.max_overhead)
+        schedule = SaveSchedule.for_run(cfg.checkpoint, cfg.train.chunk_steps, self.run_dir)
+        self._session = Session(tracking, mlflow_run_id, schedule)
+        return self._session
 
-    def build(self) -> None:
-        """Seeded task parts, DDP wrapper, AMP scaler and an empty train state (also after a
-        checkpoint that could not be restored: nothing of it may leak into the fallback)."""
-        cfg = self.config
-        seed_everything(cfg.train.seed)  # identical model init on every rank
-        self.parts = build_task(cfg, self.device)
-        # The settings this config asks for, before a restore overwrites them (a forked child, see
-        # adopt_child_settings).
-        self.fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.parts.optimizer.param_groups]
-        self.fresh_base_lrs = list(getattr(self.parts.scheduler, "base_lrs", []))
-        if self.rank > 0:  # rank 0 keeps the single-process stream; others get their own (dropout)
-            seed_everything(mix_seed(cfg.train.seed, self.rank))
-        self.model = self.parts.model
-        if self.world > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.model = DistributedDataParallel(
-                self.parts.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
-            )
-        dtype = amp_dtype(cfg, self.device)
-        self.amp = dtype is not None
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp)
-        self.autocast_dtype = dtype or torch.float16  # unused when AMP is off
-        if self.amp and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-            raise ConfigError("train.amp_dtype = 'bfloat16' but this GPU does not support bfloat16; use float16")
-        self.state = TrainState(self.parts, self.scaler, device=self.device)
-
-    def restore(self) -> None:
-        """Newest checkpoint that verifies, fits the task and restores; each one passed over is
-        recorded and its reason printed.  No checkpoint at all: start from step 0."""
-        self.hb.set(phase="load")
-        t0 = time.perf_counter()
-        for _step, path, reason, loaded in self.store.candidates():
-            if loaded is None:
-                self.log(f"skipping checkpoint {path.name}: {reason}")
-                continue
-            ck, parts = loaded
-            self.check_fingerprint(ck)
-            try:
-                self.apply(ck, parts)
-            except (ValueError, RuntimeError, KeyError, TypeError) as exc:
-                if self.world > 1:
-                    raise  # every rank must fall back together; a crash makes the retry do it
-                self.store.refuse(ck.path, f"restore failed: {exc}")
-                self.log(f"skipping checkpoint {ck.path.name}: restore failed: {exc}")
-                self.build()
-                continue
-            if ck.manifest.get("forked_from"):
-                self.adopt_child_settings(ck.manifest["forked_from"])
-            dt = time.perf_counter() - t0
-            self.log(f"{WorkerSays.RESUMED_FROM} step {ck.step} (checkpoint {ck.path.name}, verified in {dt:.2f} s)")
-            append_event(
-                self.run_dir,
-                Event.RESUMED,
-                rank=self.rank,
-                step=ck.step,
-                checkpoint=ck.path.name,
-                digest=ck.digest,
-                load_s=round(dt, 4),
-                until_step=self.until,
-                previous_beat_step=self.previous_beat_step,
-                intraop_threads=torch.get_num_threads(),  # another count sums in another order
-            )
-            return
-        parent = (run_info(self.run_dir) or {}).get("parent")
-        if parent:  # a child trained from scratch would be another run under the child's name
-            raise ConfigError(
-                f"run {self.config.run_name} starts from {parent['run']} step {parent['step']}, but no "
-                "checkpoint here restores (see the skipped checkpoints above); fork it again"
-            )
-        self.log(f"{WorkerSays.NO_CHECKPOINT}: starting from step 0")
+    def restore(self) -> Restored:
+        """Newest checkpoint that verifies, fits the task and restores (:mod:`training.restore`);
+        each one passed over is recorded and its reason printed.  None at all: step 0."""
+        claimed = self.claimed
+        claimed.heartbeat.set(phase=Phase.LOAD)
+        restored = restore_newest(self.runtime, self.run_dir, self.log)
+        self._runtime, self._restored = restored.runtime, restored
+        checkpoint = restored.checkpoint
+        said: dict[str, Any] = {
+            "rank": self.rank,
+            "until_step": self.until,
+            "previous_beat_step": claimed.previous_beat_step,
+            "intraop_threads": torch.get_num_threads(),  # another count sums in another order
+        }
+        if checkpoint is None:
+            self.log(f"{WorkerSays.NO_CHECKPOINT}: starting from step 0")
+            append_event(self.run_dir, Event.STARTED, **said)
+            return restored
+        dt = restored.load_s
+        where = f"checkpoint {checkpoint.path.name}, verified in {dt:.2f} s"
+        self.log(f"{WorkerSays.RESUMED_FROM} step {checkpoint.step} ({where})")
         append_event(
             self.run_dir,
-            Event.STARTED,
-            rank=self.rank,
-            until_step=self.until,
-            previous_beat_step=self.previous_beat_step,
-            intraop_threads=torch.get_num_threads(),
+            Event.RESUMED,
+            step=checkpoint.step,
+            checkpoint=checkpoint.path.name,
+            digest=checkpoint.digest,
+            load_s=round(dt, 4),
+            **said,
         )
-
-    def adopt_child_settings(self, parent: dict[str, Any]) -> None:
-        """Restoring the parent checkpoint a child run was forked from (``--from``) brought the
-        parent's optimisation settings with its state: take the child's instead (optimizer
-        hyper-parameters, and for a LambdaLR the base LR, then the LR at the restored step from
-        the child's schedule).  Model, optimizer moments, RNG, data cursor and step stay the
-        parent's.  Deterministic, so a resumed child (restoring its own checkpoints, which
-        already hold these settings) stays bitwise equal to an uninterrupted one."""
-        opt, sched = self.parts.optimizer, self.parts.scheduler
-        for group, fresh in zip(opt.param_groups, self.fresh_groups, strict=True):
-            group.update(fresh)
-        if isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
-            sched.base_lrs = list(self.fresh_base_lrs)
-            lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
-            for group, lr in zip(opt.param_groups, lrs, strict=True):
-                group["lr"] = lr
-            sched._last_lr = lrs  # what get_last_lr() reports
-        elif sched is not None:
-            self.log(f"scheduler {type(sched).__name__}: the parent's schedule state continues unchanged")
-        self.log(f"forked from {parent.get('run')} step {parent.get('step')}: this run's optimizer settings apply")
-
-    def check_fingerprint(self, ck: Any) -> None:
-        """Refuse a checkpoint of another trajectory, naming the keys that differ (old → new)
-        from what ``run.json`` recorded for the checkpoint's fingerprint."""
-        info = run_info(self.run_dir) or {}
-        saved = ck.manifest.get("fingerprint")
-        if saved in (self.config.fingerprint(), *info.get("accepted_fingerprints", [])):
-            return
-        old = recorded_trajectories(self.run_dir, info).get(saved)
-        raise ConfigError(
-            f"checkpoint {ck.path.name} was saved with other trajectory settings: "
-            f"{describe_change(old, self.config)}; refusing to resume it under this config; resume with the "
-            f"config that saved it, train a new run (`convoy train -S run_name=<new name>`), or accept the "
-            f"change (`convoy train --allow-config-change`)"
-        )
-
-    def apply(self, ck: Any, parts: dict[str, Any]) -> None:
-        """Restore the train state from a loaded checkpoint (every rank, same step)."""
-        saved_world = int(ck.manifest.get("world_size", 1))
-        has_rng = f"rank-{self.rank}" in parts
-        self.state.restore(parts, self.rank, restore_rng_state=has_rng, checkpoint_dir=ck.path)
-        if has_rng and self.device.type == "cuda":
-            self.log(self.state.rng_note)
-        if not has_rng:  # more ranks than when saved: a fresh, deterministic stream for this rank
-            seed_everything(mix_seed(self.config.train.seed, self.rank, ck.step))
-        distributed.check_same_step(self.state.step)
-        self.world_changed = saved_world != self.world
-        if self.world_changed and self.rank == 0:
-            self.log(f"world size changed {saved_world} -> {self.world}: same global batch and sample position")
-            append_event(self.run_dir, Event.WORLD_SIZE_CHANGED, step=ck.step, old=saved_world, new=self.world)
-
-    def train_step(self, micro_batches: list[Any]) -> dict[str, float]:
-        """One optimizer step over ``grad_accum_steps`` micro-batches (invariant 4: a kill anywhere
-        inside it leaves the last checkpoint, at an optimizer-step boundary, as the resume point).
-
-        Each micro-batch's loss is scaled by 1/accum so the gradient is the mean over the whole
-        optimizer batch; DDP skips its all-reduce (``no_sync``) on all but the last micro-batch;
-        the AMP scaler unscales, steps and updates once per optimizer step."""
-        p, cfg = self.parts, self.config.train
-        self.model.train()
-        p.optimizer.zero_grad(set_to_none=True)
-        if p.train_step is not None:  # the task's own update: convoy keeps state, LR and metrics
-            out = self.custom_step(micro_batches[0])
-        else:
-            out = self.accumulate(micro_batches, cfg.grad_clip)
-        out.update(self.learning_rates())
-        if p.scheduler is not None:
-            p.scheduler.step()
-        return out
-
-    def accumulate(self, micro_batches: list[Any], grad_clip: float) -> dict[str, float]:
-        p, n = self.parts, len(micro_batches)
-        total: torch.Tensor | None = None
-        for i, batch in enumerate(micro_batches):
-            faults.micro_stall(self.state.step + 1, i + 1)
-            batch = to_device(batch, self.device)
-            last = i == n - 1
-            sync = self.model.no_sync() if self.world > 1 and not last else contextlib.nullcontext()
-            with sync:
-                with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
-                    loss = p.loss_fn(self.model, batch)
-                # n == 1 keeps the unscaled loss: bit for bit the update of runs without accumulation
-                self.scaler.scale(loss if n == 1 else loss / n).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        assert total is not None
-        self.scaler.unscale_(p.optimizer)
-        params = [q for q in p.model.parameters() if q.grad is not None]
-        max_norm = grad_clip if grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        self.scaler.step(p.optimizer)
-        self.scaler.update()
-        mean_loss = float(total) if n == 1 else float(total / n)
-        return {"loss": distributed.mean(mean_loss), "grad_norm": float(grad_norm)}
-
-    def custom_step(self, batch: Any) -> dict[str, float]:
-        """``TaskParts.train_step``: the task's update for one batch (accumulation is refused)."""
-        p = self.parts
-        batch = to_device(batch, self.device)
-        out = {k: float(v) for k, v in p.train_step(self.model, batch, p.optimizer, self.scaler).items()}
-        if "loss" not in out:
-            raise ConfigError(f"task = {self.config.task!r}: train_step must return a dict with 'loss'")
-        out["loss"] = distributed.mean(out["loss"])
-        return out
-
-    def learning_rates(self) -> dict[str, float]:
-        """``lr`` (group 0, as always) and, with several parameter groups, ``lr/group-k`` each."""
-        groups = self.parts.optimizer.param_groups
-        out = {"lr": float(groups[0]["lr"])}
-        if len(groups) > 1:
-            out.update({f"lr/group-{k}": float(g["lr"]) for k, g in enumerate(groups)})
-        return out
-
-    def evaluate(self) -> float:
-        """Mean validation loss over the first ``train.eval_samples`` samples, in order.
-
-        Why it leaves the trajectory alone: model.eval() + no_grad (no dropout, no gradients, no
-        running-stat updates), its own index order (no sampler, no DataLoader, whose start-up
-        draws from the global RNG), every RNG stream saved before and restored after (a loss_fn
-        may draw), each sample seeded by its index (augmentation in val_data is the same at every
-        eval and on every rank), the training cursor untouched.  Each rank takes every world-th sample of each
-        batch; the sums are all-reduced."""
-        p, cfg = self.parts, self.config.train
-        self.hb.set(phase="eval")
-        rng = capture_rng(self.device)
-        was_training = p.model.training
-        p.model.eval()
-        collate = p.collate_fn or default_collate
-        total = torch.zeros(2, dtype=torch.float64)
-        n = min(cfg.eval_samples, len(p.val_data))  # type: ignore[arg-type]
-        try:
-            with torch.no_grad():
-                for lo in range(0, n, cfg.batch_size):
-                    idx = list(range(lo, min(lo + cfg.batch_size, n)))[self.rank :: self.world]
-                    if not idx:
-                        continue
-                    keys = validation_keys(self.config.train.seed, idx)
-                    batch = to_device(collate(SeededSamples(p.val_data, p.sample_rngs).__getitems__(keys)), self.device)
-                    with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.amp):
-                        loss = p.loss_fn(p.model, batch)
-                    total += torch.tensor([float(loss) * len(idx), len(idx)], dtype=torch.float64)
-        finally:
-            p.model.train(was_training)
-            restore_rng(rng, self.device)
-            self.hb.set(phase="train")
-        total = distributed.sum_tensor(total)
-        return float(total[0] / total[1])
-
-    def save_due(self, step: int, last_save_step: int, last_save_time: float) -> bool:
-        ck = self.config.checkpoint
-        if step % self.config.train.chunk_steps == 0:
-            return True  # a chunk boundary: a pipelined worker's chunk task waits for this commit
-        if self.adaptive is not None:
-            if step - last_save_step >= self.adaptive.interval_steps():
-                return True
-        elif ck.every_steps and step % ck.every_steps == 0:
-            return True
-        return bool(ck.every_seconds and time.time() - last_save_time >= ck.every_seconds)
-
-    def save(self, blocking: bool) -> float:
-        self.hb.set(phase="save")
-        shard = self.config.checkpoint.format == "sharded"
-        parts = self.state.checkpoint_parts(self.rank, include_replicated=self.rank == 0, sharded=shard)
-        extra = {"mlflow_run_id": self.mlflow_run_id} if self.rank == 0 else None
-        writer = (
-            (lambda tmp: sharded.save_shards(tmp, self.parts.model, self.parts.optimizer, self.rank)) if shard else None
-        )
-        stall = self.store.save(
-            self.state.step, parts, blocking=blocking, extra_manifest=extra, collective_write=writer
-        )
-        self.hb.set(phase="train")
-        if self.rank == 0:
-            append_event(
-                self.run_dir,
-                Event.CHECKPOINT_SAVED,
-                step=self.state.step,
-                stall_s=round(stall, 5),
-                blocking=blocking,
-                persist_s=round(self.store.last_persist_s, 5),
-            )
-        return stall
-
-    def tune_interval(self, stall: float, metrics: StepMetricLogger) -> None:
-        """Feed the adaptive interval; record each new choice (event + metric)."""
-        if self.adaptive is None:
-            return
-        old = self.adaptive.interval_steps()
-        self.adaptive.observe_save(stall)
-        new = self.adaptive.interval_steps()
-        if new != old:
-            append_event(
-                self.run_dir,
-                Event.INTERVAL_CHOSEN,
-                step=self.state.step,
-                interval_steps=new,
-                interval_s=self.adaptive.interval_seconds(),
-                cost_s=self.adaptive.cost_s,
-                step_s=self.adaptive.step_s,
-                mtbf_s=self.adaptive.mtbf_s,
-            )
-            metrics.log_extra(self.state.step, {"ckpt_interval_steps": float(new)})
+        return restored
 
     def run(self) -> int:
         """Set up, restore, train to ``until`` (saving on the policy's schedule), save, finish."""
         self.setup()
-        self.restore()
-        st = self.state
-        self.resumed_step = st.step
-        if st.step >= self.until:
-            self.log(f"{WorkerSays.ALREADY_AT} {st.step} >= {self.until}: nothing to train")
+        state = self.restore().runtime.state
+        if state.step >= self.until:
+            self.log(f"{WorkerSays.ALREADY_AT} {state.step} >= {self.until}: nothing to train")
             return self.finish(loss=None)
         metrics = self.open_metrics()
         batches = self.batches()
         evaluating = self.evaluating()
-        self.hb.set(phase="train", step=st.step)
-        last_save, last_save_step = time.time(), st.step
+        self.hb.set(phase=Phase.TRAIN, step=state.step)
+        schedule = self.session.schedule
+        schedule.start(state.step)
         loss = None
-        while st.step < self.until:
-            (stop,) = distributed.agree_any(self.preempt.requested)
+        while state.step < self.until:
+            (stop,) = distributed.agree_any(self.claimed.preempt.requested)
             if stop:
                 return self.emergency_exit(metrics)
             loss = self.take_step(batches, metrics, evaluating)
-            (due,) = distributed.agree_any(st.step < self.until and self.save_due(st.step, last_save_step, last_save))
+            (due,) = distributed.agree_any(state.step < self.until and schedule.due(state.step))
             if due:
-                if st.step % self.config.train.chunk_steps == 0:
+                if state.step % self.config.train.chunk_steps == 0:
                     self.await_previous_boundary()
-                metrics.flush()  # metrics up to a committed step are durable before the commit
-                self.tune_interval(self.save(blocking=False), metrics)
-                last_save, last_save_step = time.time(), st.step
+                self.tune_interval(self.checkpoint_now(metrics, blocking=False), metrics)
+                schedule.saved(state.step)
         self.await_previous_boundary()  # the final save retires older checkpoints too
+        self.final_save(metrics)
+        return self.finish(loss=loss)
+
+    # ------------------------------------------------------------------ the loop's parts
+    def train_step(self, micro_batches: list[Any]) -> dict[str, float]:
+        """One optimizer step (:func:`training.step.train_step`)."""
+        return train_step(self.runtime, micro_batches)
+
+    def evaluate(self) -> float:
+        """In-loop validation (:func:`training.step.validation_loss`) under the ``eval`` phase, whose
+        own time limit applies."""
+        self.hb.set(phase=Phase.EVAL)
+        try:
+            return validation_loss(self.runtime)
+        finally:
+            self.hb.set(phase=Phase.TRAIN)
+
+    def save(self, blocking: bool) -> float:
+        """Snapshot the train state into the store (persisted in the background unless ``blocking``);
+        returns the stall: how long the loop was held up."""
+        runtime, rank = self.runtime, self.rank
+        self.hb.set(phase=Phase.SAVE)
+        shard = self.config.checkpoint.format == "sharded"
+        parts = runtime.state.checkpoint_parts(rank, include_replicated=rank == 0, sharded=shard)
+        extra = {"mlflow_run_id": self.session.mlflow_run_id} if rank == 0 else None
+        model, optimizer = runtime.parts.model, runtime.parts.optimizer
+        writer = (lambda tmp: sharded.save_shards(tmp, model, optimizer, rank)) if shard else None
+        store = runtime.store
+        stall = store.save(runtime.state.step, parts, blocking=blocking, extra_manifest=extra, collective_write=writer)
+        self.hb.set(phase=Phase.TRAIN)
+        if rank == 0:
+            append_event(
+                self.run_dir,
+                Event.CHECKPOINT_SAVED,
+                step=runtime.state.step,
+                stall_s=round(stall, 5),
+                blocking=blocking,
+                persist_s=round(store.last_persist_s, 5),
+            )
+        return stall
+
+    def checkpoint_now(self, metrics: StepMetricLogger, blocking: bool) -> float:
+        """Metrics up to the step made durable, then the save: a committed step's metrics are never
+        behind it.  Returns the save's stall."""
         metrics.flush()
-        self.save(blocking=True)
+        return self.save(blocking=blocking)
+
+    def final_save(self, metrics: StepMetricLogger) -> None:
+        """The last save of this worker (end of its range, or preemption): blocking, then every
+        metric row handed to the tracking backends and the logger closed."""
+        self.checkpoint_now(metrics, blocking=True)
         self.attach_tracking(metrics, wait=True)
         metrics.close()
-        return self.finish(loss=loss)
+
+    def tune_interval(self, stall: float, metrics: StepMetricLogger) -> None:
+        """Feed the save schedule; record each new adaptive interval (event + metric)."""
+        chosen = self.session.schedule.observe_save(stall)
+        if chosen is not None:
+            step = self.runtime.state.step
+            append_event(self.run_dir, Event.INTERVAL_CHOSEN, step=step, **chosen)
+            metrics.log_extra(step, {"ckpt_interval_steps": float(chosen["interval_steps"])})
 
     def open_metrics(self) -> StepMetricLogger:
         """Step metrics: ``metrics.jsonl`` at once (rank 0), MLflow once its thread has built it.
@@ -585,126 +353,105 @@ class Worker:
             local,
             self.run_dir,
             flush_every=1,
-            exact=not self.world_changed,
-            deferred=self.tracking is not None or self.tracking_factory is not None,
+            exact=not self.restored.world_changed,
+            deferred=self.session.tracking is not None,
         )
+
+    def resumed_step(self) -> int:
+        """The step this worker restored (0 from scratch)."""
+        checkpoint = self.restored.checkpoint
+        return checkpoint.step if checkpoint is not None else 0
 
     def batches(self) -> Iterator[Any]:
-        """This rank's micro-batches from the restored cursor on."""
-        cfg = self.config
-        spec = LoaderSpec(
-            cfg.train.batch_size, cfg.train.seed, self.state.cursor, self.rank, self.world, cfg.train.grad_accum_steps
-        )
-        batches = train_batches(
-            self.parts.train_data,
-            spec,
-            num_workers=cfg.data.num_workers,
-            collate_fn=self.parts.collate_fn,
-            saved_stream=self.state.stream_saved,
-            resumed=self.resumed_step > 0,
-            sample_rngs=self.parts.sample_rngs,
-        )
-        if is_stream(self.parts.train_data):
-            self.state.stream = batches  # its position goes into this rank's checkpoint part
-        return batches
+        """This rank's micro-batches from the restored cursor on (:func:`training.step.micro_batches`)."""
+        return micro_batches(self.runtime, resumed=self.resumed_step() > 0)
 
     def evaluating(self) -> bool:
-        """Whether in-loop validation runs (``train.eval_every`` and a task with validation data)."""
-        every, val = self.config.train.eval_every, self.parts.val_data
-        if every > 0 and (val is None or len(val) == 0):  # type: ignore[arg-type]
-            self.log(
-                f"train.eval_every = {every} but task {self.config.task!r} has no validation data: "
-                "no in-loop validation"
-            )
-            return False
-        return every > 0
+        """Whether in-loop validation runs (:func:`training.step.validation_enabled`)."""
+        return validation_enabled(self.runtime, self.log)
 
     def take_step(self, batches: Iterator[Any], metrics: StepMetricLogger, evaluating: bool) -> float:
         """One optimizer step (with its micro-batches), its metrics and beat; returns the loss."""
-        st, cfg = self.state, self.config
+        cfg, runtime = self.config, self.runtime
+        state, parts = runtime.state, runtime.parts
         step_samples = cfg.train.batch_size * cfg.train.grad_accum_steps  # one optimizer step, all ranks
-        self.store.check()
+        runtime.store.check()
         t0 = time.perf_counter()
-        faults.slow_step(st.step + 1)
-        out = self.train_step([next(batches) for _ in range(cfg.train.grad_accum_steps)])
-        st.step += 1
-        data = self.parts.train_data
-        size = None if is_stream(data) else len(data)  # type: ignore[arg-type]
-        st.cursor = st.cursor.advance(step_samples, size)
-        st.tokens_seen += step_samples * self.parts.tokens_per_sample
+        faults.slow_step(state.step + 1)
+        out = train_step(runtime, [next(batches) for _ in range(cfg.train.grad_accum_steps)])
+        state.step += 1
+        size = None if is_stream(parts.train_data) else len(parts.train_data)  # type: ignore[arg-type]
+        state.cursor = state.cursor.advance(step_samples, size)
+        state.tokens_seen += step_samples * parts.tokens_per_sample
         dt = time.perf_counter() - t0
-        out.update(step_time_s=dt, tokens_per_s=step_samples * self.parts.tokens_per_sample / dt)
-        out.update({"data/epoch": st.cursor.epoch, "data/samples": st.cursor.samples_consumed(step_samples, size)})
-        if evaluating and st.step % cfg.train.eval_every == 0:
+        out.update(step_time_s=dt, tokens_per_s=step_samples * parts.tokens_per_sample / dt)
+        out.update(
+            {"data/epoch": state.cursor.epoch, "data/samples": state.cursor.samples_consumed(step_samples, size)}
+        )
+        if evaluating and state.step % cfg.train.eval_every == 0:
             t1 = time.perf_counter()
             out.update(val_loss=self.evaluate(), eval_time_s=time.perf_counter() - t1)
-        metrics.log(st.step, out)
+        metrics.log(state.step, out)
         self.attach_tracking(metrics, wait=False)
-        self.hb.set(step=st.step)
-        if st.step == self.resumed_step + 1 and self.rank == 0:  # recovery ends here (MTTR)
-            append_event(self.run_dir, Event.FIRST_STEP, step=st.step, step_s=round(dt, 4))
+        self.hb.set(step=state.step)
+        if state.step == self.resumed_step() + 1 and self.rank == 0:  # recovery ends here (MTTR)
+            append_event(self.run_dir, Event.FIRST_STEP, step=state.step, step_s=round(dt, 4))
             self.start_tracking()
-        if self.adaptive is not None:
-            self.adaptive.observe_step(dt, self.store.in_flight)
+        self.session.schedule.observe_step(dt, runtime.store.in_flight)
         return out["loss"]
 
     def start_tracking(self) -> None:
-        """Build the tracking backends on their thread (once).  Called after the first step: the
-        MLflow import holds the GIL for ~1.5 s and, started earlier, doubled the restart's first step."""
-        if self.tracking_factory is not None:
-            self.tracking = TrackingWarmup(self.tracking_factory)
-            self.tracking_factory = None
+        """Build the tracking backends on their thread (once), after the first step."""
+        if self.session.tracking is not None:
+            self.session.tracking.start()
 
     def attach_tracking(self, metrics: StepMetricLogger, wait: bool) -> None:
         """Hand the tracking backends to the logger once they are ready (``wait``: block for it)."""
-        if wait:
-            self.start_tracking()  # a run that ends before its first step still logs
-        if self.tracking is not None and (wait or self.tracking.done()):
-            metrics.attach(*self.tracking.result())
-            self.tracking = None
+        if self.session.tracking is not None:
+            self.session.tracking.attach(metrics, wait)
 
     def await_previous_boundary(self) -> None:
         """Pipelined: before committing the next chunk boundary (or the last step), wait until the
         flow acknowledged the previous boundary (rule 1 of :mod:`training.chunk_boundary`)."""
         if not self.pipelined:
             return
-        self.hb.set(phase="save")  # the boundary save starts with the wait (save limits apply)
+        self.hb.set(phase=Phase.SAVE)  # the boundary save starts with the wait (save limits apply)
+        preempt = self.claimed.preempt
         wait_for_previous_boundary(
             self.run_dir,
-            self.state.step,
+            self.runtime.state.step,
             self.config.train.chunk_steps,
-            self.resumed_step,
-            stop=lambda: self.preempt.requested,
+            self.resumed_step(),
+            stop=lambda: preempt.requested,
         )
 
+    # ------------------------------------------------------------------ endings
     def emergency_exit(self, metrics: StepMetricLogger) -> int:
-        self.log(f"{WorkerSays.SIGTERM}: saving an emergency checkpoint at step {self.state.step}")
-        metrics.flush()
-        self.save(blocking=True)
-        self.attach_tracking(metrics, wait=True)
-        metrics.close()
-        append_event(self.run_dir, Event.PREEMPTED, rank=self.rank, step=self.state.step)
-        self.close_stream()
-        self.hb.stop("done")
-        distributed.shutdown()
+        step = self.runtime.state.step
+        self.log(f"{WorkerSays.SIGTERM}: saving an emergency checkpoint at step {step}")
+        self.final_save(metrics)
+        append_event(self.run_dir, Event.PREEMPTED, rank=self.rank, step=step)
+        self.leave()
         return EXIT_PREEMPTED
 
-    def close_stream(self) -> None:
-        """Stop a stream loader's worker processes before exit (they ignore SIGTERM, so the
-        interpreter's exit-time join of a live one would wait forever)."""
-        if self.state.stream is not None:
-            self.state.stream.close()
-
     def finish(self, loss: float | None) -> int:
-        self.store.wait()
-        ck = (self.store.last_committed or self.store.latest_valid(record=False)) if self.rank == 0 else None
-        digest = ck.digest if ck else None
-        append_event(self.run_dir, Event.WORKER_DONE, rank=self.rank, step=self.state.step, digest=digest, loss=loss)
-        self.log(f"{WorkerSays.DONE_AT} {self.state.step} (digest {digest})")
-        self.close_stream()
-        self.hb.stop("done")
-        distributed.shutdown()
+        store, step = self.runtime.store, self.runtime.state.step
+        store.wait()
+        committed = (store.last_committed or store.latest_valid(record=False)) if self.rank == 0 else None
+        digest = committed.digest if committed else None
+        append_event(self.run_dir, Event.WORKER_DONE, rank=self.rank, step=step, digest=digest, loss=loss)
+        self.log(f"{WorkerSays.DONE_AT} {step} (digest {digest})")
+        self.leave()
         return 0
+
+    def leave(self) -> None:
+        """Stop a stream loader's worker processes (they ignore SIGTERM, so the interpreter's
+        exit-time join of a live one would wait forever), the last beat, the process group."""
+        stream = self.runtime.state.stream
+        if stream is not None:
+            stream.close()
+        self.hb.stop(Phase.DONE)
+        distributed.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import xxhash
 
+from training.checkpointing.errors import CheckpointRejected
+
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -100,7 +102,8 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
 
 
 def read_verified(path: Path, expected_size: int, expected_hash: str) -> mmap.mmap | bytes:
-    """Map the file privately (copy-on-write), check size and hash; ValueError on any mismatch.
+    """Map the file privately (copy-on-write), check size and hash; CheckpointRejected on any
+    mismatch (the file is a checkpoint's: it is the store's verification).
 
     A private mapping is read straight from the page cache with no first-touch of fresh memory
     (which runs at ~1 GB/s here), and tensors built over it may be written (optimizer moments
@@ -108,7 +111,7 @@ def read_verified(path: Path, expected_size: int, expected_hash: str) -> mmap.mm
     """
     size = path.stat().st_size
     if size != expected_size:
-        raise ValueError(f"{path.name}: size {size} != manifest {expected_size} (truncated or replaced)")
+        raise CheckpointRejected(f"{path.name}: size {size} != manifest {expected_size} (truncated or replaced)")
     if size == 0:
         buf: mmap.mmap | bytes = b""
     else:
@@ -116,7 +119,9 @@ def read_verified(path: Path, expected_size: int, expected_hash: str) -> mmap.mm
             buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
     digest = xxhash.xxh3_128(buf).hexdigest()
     if digest != expected_hash:
-        raise ValueError(f"{path.name}: content hash {digest[:12]}… != manifest {expected_hash[:12]}… (corrupt)")
+        raise CheckpointRejected(
+            f"{path.name}: content hash {digest[:12]}… != manifest {expected_hash[:12]}… (corrupt)"
+        )
     return buf
 
 

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from training.checkpointing import safetensors_io as st
+from training.checkpointing import safetensors_io as safetensors
 from training.checkpointing.codec import join_tree, split_tree, tensor_refs
+from training.checkpointing.errors import CheckpointRejected
 from training.fsutil import atomic_write_bytes, fsync_dir
 
 SHARD_DIR = "dcp"
@@ -100,40 +101,45 @@ def save_shards(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
             os.fsync(fd)
         finally:
             os.close(fd)
-        size, digest, content = st.hash_file_and_content(path)
+        size, digest, content = safetensors.hash_file_and_content(path)
         files[f"{SHARD_DIR}/{path.name}"] = {"size": size, "xxh3_128": digest, "content": content}
     fsync_dir(out)
     if rank == 0:
         blob = (json.dumps(skeleton, sort_keys=True, indent=1) + "\n").encode()
         atomic_write_bytes(tmp / SKELETON, blob, durable=True)
-        files[SKELETON] = {"size": len(blob), "xxh3_128": st.hash_bytes(blob)}
+        files[SKELETON] = {"size": len(blob), "xxh3_128": safetensors.hash_bytes(blob)}
     return files
 
 
 def verify_shards(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """Check every ``dcp/`` file against the manifest (size + xxh3-128) and return the skeleton.
-    Raises ValueError, like the rest of the store's verification."""
+    Raises CheckpointRejected, like the rest of the store's verification."""
     files = manifest["files"]
     if SKELETON not in files:
-        raise ValueError(f"{SKELETON}: not in manifest (sharded checkpoint without its skeleton)")
+        raise CheckpointRejected(f"{SKELETON}: not in manifest (sharded checkpoint without its skeleton)")
     on_disk = {f"{SHARD_DIR}/{p.name}" for p in (path / SHARD_DIR).glob("*.safetensors")}
     listed = {n for n in files if n.startswith(f"{SHARD_DIR}/")}
     if on_disk != listed:
-        raise ValueError(f"{SHARD_DIR}/: files {sorted(on_disk ^ listed)} differ from the manifest")
+        raise CheckpointRejected(f"{SHARD_DIR}/: files {sorted(on_disk ^ listed)} differ from the manifest")
     for name in sorted(listed):
         try:  # the header is parsed too: a file that hashes right but is no safetensors is refused
-            size, digest, _content = st.hash_file_and_content(path / name)
-        except (ValueError, struct.error) as exc:
-            raise ValueError(f"{name}: not a safetensors file ({exc})") from None
+            size, digest, _content = safetensors.hash_file_and_content(path / name)
+        except (ValueError, struct.error) as exc:  # the header parse of a file that is no safetensors
+            raise CheckpointRejected(f"{name}: not a safetensors file ({exc})") from None
         if size != files[name]["size"] or digest != files[name]["xxh3_128"]:
-            raise ValueError(f"{name}: size or content hash does not match the manifest (corrupt)")
+            raise CheckpointRejected(f"{name}: size or content hash does not match the manifest (corrupt)")
     info = files[SKELETON]
-    return json.loads(bytes(st.read_verified(path / SKELETON, info["size"], info["xxh3_128"])))
+    blob = safetensors.read_verified(path / SKELETON, info["size"], info["xxh3_128"])
+    try:
+        return json.loads(bytes(blob))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointRejected(f"{SKELETON}: not JSON") from None
 
 
 def load_shards(path: Path, skeleton: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Collective: read the shards this rank needs (re-sharding to the current world size) into the
-    live model and optimizer.  The tensor keys must match exactly; a mismatch is an error."""
+    live model and optimizer.  The tensor keys must match exactly; a mismatch is a checkpoint that
+    does not fit the task (CheckpointRejected: only here are the shard keys compared with the model's)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -142,7 +148,7 @@ def load_shards(path: Path, skeleton: Any, model: torch.nn.Module, optimizer: to
     saved = tensor_refs(skeleton)
     if saved != set(flat):
         missing, extra = sorted(saved - set(flat))[:5], sorted(set(flat) - saved)[:5]
-        raise ValueError(
+        raise CheckpointRejected(
             f"sharded checkpoint does not match the model/optimizer: only in checkpoint {missing}, "
             f"only in model {extra}"
         )

@@ -1,17 +1,15 @@
 """Checkpoint store: atomic commit, verified restore, retention, async two-phase save.
 
-Layout of one checkpoint (``checkpoints/step-000001200/``): for each *part* (``state`` — the
-replicated train state written by rank 0 — and ``rank-<r>`` — that rank's RNG) a
-``<part>.safetensors`` with the tensors and a ``<part>.json`` with the JSON skeleton, plus
-``manifest.json`` (step, per-file size + xxh3-128, whole-state digest, fingerprint, world size,
-versions).  A directory without a valid manifest is not a checkpoint.
+What a checkpoint directory holds and how one is judged is :mod:`training.checkpointing.verify`;
+this module walks a run's checkpoints, writes new ones and retires old ones.
 
 Commit protocol (docs/architecture.md, invariant 1), modelled on torch.distributed.checkpoint, where the
 metadata file written last is the commit record: write into ``.tmp-step-…`` → fsync every file
 → write + fsync ``manifest.json`` → fsync the dir → rename into place → fsync ``checkpoints/`` →
 move ``LATEST`` → apply retention.  Restore (invariant 2) walks checkpoints newest first and takes
-the first whose manifest and hashes verify; every skipped one is recorded in ``events.jsonl`` and
-left on disk untouched.  Retention (invariant 3) never deletes the newest verified checkpoint.
+the first whose manifest and hashes verify; every one rejected (:class:`CheckpointRejected`, and
+only that: any other error is a bug and propagates) is recorded in ``events.jsonl`` and left on
+disk untouched.  Retention (invariant 3) never deletes the newest verified checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import shutil
 import threading
 import time
@@ -31,9 +28,22 @@ from typing import Any
 import torch
 
 from training import faults
-from training.checkpointing import safetensors_io as st
+from training.checkpointing import safetensors_io as safetensors
 from training.checkpointing import sharded
-from training.checkpointing.codec import join_tree, split_tree, tensor_refs
+from training.checkpointing.codec import split_tree
+from training.checkpointing.errors import CheckpointError, CheckpointRejected
+from training.checkpointing.verify import (
+    FORMAT_VERSION,
+    MANIFEST,
+    Checkpoint,
+    Validator,
+    dir_bytes,
+    load_checkpoint,
+    member_path,
+    parse_step,
+    read_manifest,
+    state_digest,
+)
 from training.chunk_boundary import boundary_to_keep
 from training.config import CheckpointConfig
 from training.events import Event, append_event, read_events
@@ -41,71 +51,34 @@ from training.fsutil import atomic_write_bytes, atomic_write_json, fsync_dir, re
 from training.paths import LATEST_FILE as LATEST
 from training.paths import RunPaths, checkpoint_name
 
-MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
-#: What a manifest may name: a plain file of the checkpoint directory, or one in its ``dcp/``
-#: sub-directory.  No leading dot, so no ``..``, no hidden temp files, no absolute paths.
-_MEMBER_NAME = re.compile(rf"(?:{sharded.SHARD_DIR}/)?[A-Za-z0-9_][A-Za-z0-9_.-]*")
-#: Parts convoy writes: ``state`` (replicated train state) and ``rank-<r>`` (that rank's RNG).
-_PART_NAME = re.compile(r"state|rank-\d+")
-
-#: ``validator(manifest, parts)`` raises ValueError when loaded parts do not make a train state
-#: that fits (see :func:`training.state.checkpoint_validator`).
-Validator = Callable[[dict[str, Any], dict[str, Any]], None]
-
-
-class CheckpointError(RuntimeError):
-    """A save failed (e.g. ENOSPC); raised in the training loop, never swallowed."""
-
-
-def parse_step(name: str) -> int | None:
-    if not name.startswith("step-"):
-        return None
-    digits = name[5:]
-    return int(digits) if digits.isdigit() else None
+#: Names other modules import from the store (it was the one module before ``verify`` split off).
+__all__ = [
+    "MANIFEST",
+    "Candidate",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointRejected",
+    "CheckpointStore",
+    "WriterGroup",
+    "checkpoint_name",
+    "member_path",
+    "newest_verified_step",
+    "parse_step",
+    "state_digest",
+]
 
 
-def member_path(checkpoint_dir: Path, name: Any) -> Path:
-    """The path of a file the manifest names, confined to ``checkpoint_dir``.
+@dataclass(frozen=True)
+class Candidate:
+    """One checkpoint directory as the resume meets it, newest first (:meth:`CheckpointStore.candidates`).
 
-    Manifest names are data read from disk: a doctored manifest could name ``../../x`` or
-    ``/etc/passwd`` with a matching hash.  Anything but a plain relative name, or a symbolic link,
-    is refused before it is opened (ValueError with a one-line reason)."""
-    if not isinstance(name, str) or not _MEMBER_NAME.fullmatch(name):
-        raise ValueError(f"manifest names {name!r}: not a plain file name inside the checkpoint (refused, not opened)")
-    path = checkpoint_dir / name
-    for p in (path, path.parent):
-        if p.is_symlink():
-            raise ValueError(f"{name}: a symbolic link (refused, not opened)")
-    return path
+    ``loaded`` is the verified checkpoint and its parts, or None when it was rejected: then
+    ``reason`` says why (already recorded as ``checkpoint_skipped``)."""
 
-
-@dataclass
-class Checkpoint:
     step: int
     path: Path
-    manifest: dict[str, Any]
-
-    @property
-    def digest(self) -> str:
-        return self.manifest["digest"]
-
-    @property
-    def bytes(self) -> int:
-        return sum(f["size"] for f in self.manifest["files"].values())
-
-
-def state_digest(files: dict[str, dict[str, Any]]) -> str:
-    """Whole-state digest: a hash over every file's content hash, in name order.
-
-    convoy's files are deterministic functions of the state (sorted headers, no timestamps); for
-    shard files written by DCP the entry's ``content`` hash (canonical header + data) is used.  So
-    two runs that reach the same state at the same step have the same digest.
-    """
-    h = st.new_hasher()
-    for name in sorted(files):
-        h.update(f"{name}:{files[name].get('content', files[name]['xxh3_128'])}\n".encode())
-    return h.hexdigest()
+    reason: str
+    loaded: tuple[Checkpoint, dict[str, Any]] | None
 
 
 def _versions() -> dict[str, str]:
@@ -180,26 +153,12 @@ class CheckpointStore:
 
     def read_manifest(self, path: Path, step: int | None = None) -> dict[str, Any]:
         """``path``'s manifest, checked against its file list and the step in the directory name
-        (or ``step``, for a copy under another name, e.g. a DVC stage)."""
-        mpath = path / MANIFEST
-        if not mpath.exists():
-            raise ValueError("no manifest.json (incomplete checkpoint)")
-        try:
-            manifest = read_json(mpath)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ValueError(f"manifest.json unreadable ({exc})") from None
-        for key in ("step", "files", "digest"):
-            if key not in manifest:
-                raise ValueError(f"manifest.json lacks {key!r}")
-        if manifest["step"] != (parse_step(path.name) if step is None else step):
-            raise ValueError(f"manifest step {manifest['step']} does not match directory {path.name}")
-        if state_digest(manifest["files"]) != manifest["digest"]:
-            raise ValueError("manifest digest does not match its file list")
-        return manifest
+        (or ``step``, for a copy under another name, e.g. a DVC stage).  CheckpointRejected if not."""
+        return read_manifest(path, step)
 
     def verify(self, path: Path, step: int | None = None) -> Checkpoint:
         """The one validation (``convoy verify``/``inspect``, the flow, versioning, the resume):
-        :meth:`load` without keeping the tensors.  Raises ValueError (or OSError) with the reason."""
+        :meth:`load` without keeping the tensors.  Raises CheckpointRejected with the reason."""
         return self.load(path, step)[0]
 
     def refuse(self, path: Path, reason: str) -> None:
@@ -214,7 +173,7 @@ class CheckpointStore:
         for _step, path in self.step_dirs():
             try:
                 return self.verify(path)
-            except (ValueError, OSError) as exc:
+            except CheckpointRejected as exc:
                 if record:
                     self.refuse(path, str(exc))
         return None
@@ -227,10 +186,10 @@ class CheckpointStore:
         for step, path in self.step_dirs():
             row: dict[str, Any] = {"step": step, "name": path.name, "quarantined": False}
             try:
-                ck = self.verify(path)
-                row.update(valid=True, bytes=ck.bytes, digest=ck.digest, reason="")
-            except (ValueError, OSError) as exc:
-                row.update(valid=False, bytes=_dir_bytes(path), digest=None, reason=str(exc))
+                checkpoint = self.verify(path)
+                row.update(valid=True, bytes=checkpoint.bytes, digest=checkpoint.digest, reason="")
+            except CheckpointRejected as exc:
+                row.update(valid=False, bytes=dir_bytes(path), digest=None, reason=str(exc))
             rows.append(row)
         moved = {e.get("moved_to"): e for e in read_events(self.run_dir) if e.get("moved_to")}
         for path in sorted(self.root.glob("step-*.*-*")):
@@ -248,7 +207,7 @@ class CheckpointStore:
                     "name": path.name,
                     "quarantined": True,
                     "valid": False,
-                    "bytes": _dir_bytes(path),
+                    "bytes": dir_bytes(path),
                     "digest": event.get("old_digest"),
                     "reason": reason,
                 }
@@ -257,76 +216,34 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ loading
     def load(self, path: Path, step: int | None = None) -> tuple[Checkpoint, dict[str, Any]]:
-        """Verify and load every part, reading each file exactly once.  Never unpickles.
-
-        Checks, in order, each failure a ValueError naming the file and what is wrong: the
-        manifest; every name it lists confined to ``path`` (before anything is opened); only
-        files convoy writes (``<part>.safetensors`` + ``<part>.json`` pairs, sharded ``dcp/``
-        files); sizes and hashes; safetensors headers; skeletons that name exactly the tensors
-        their file holds; then ``self.validator`` (the train state's structure and, where the
-        model is known, its shapes and dtypes)."""
-        if path.is_symlink():
-            raise ValueError(f"{path.name}: the checkpoint directory is a symbolic link (refused, not opened)")
-        manifest = self.read_manifest(path, step)
-        files = manifest["files"]
-        if not isinstance(files, dict):
-            raise ValueError("manifest.json: 'files' is not a mapping")
-        for name in files:
-            member_path(path, name)
-        layout_sharded = manifest.get("layout") == sharded.LAYOUT
-        part_names = _part_names(files, layout_sharded)
-        parts: dict[str, Any] = {}
-        if layout_sharded:
-            parts[sharded.LAYOUT] = sharded.verify_shards(path, manifest)  # the skeleton; tensors load later
-        for part in part_names:
-            parts[part] = self._load_part(path, files, part)
-        if self.validator is not None:
-            self.validator(manifest, parts)
-        return Checkpoint(manifest["step"], path, manifest), parts
-
-    def _load_part(self, path: Path, files: dict[str, Any], part: str) -> Any:
-        name, skel_name = f"{part}.safetensors", f"{part}.json"
-        info, skel_info = files[name], files[skel_name]
-        skel_buf = st.read_verified(path / skel_name, info_size(skel_info), info_hash(skel_info))
-        buf = st.read_verified(path / name, info_size(info), info_hash(info))
-        try:
-            tensors, _ = st.parse(buf)
-        except st.SafetensorsFormatError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-        try:
-            skeleton = json.loads(bytes(skel_buf))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise ValueError(f"{skel_name}: not JSON") from None
-        named = tensor_refs(skeleton)
-        if named != set(tensors):
-            missing, unused = sorted(named - set(tensors))[:3], sorted(set(tensors) - named)[:3]
-            raise ValueError(
-                f"{skel_name} does not match {name}: names tensors it lacks {missing}, leaves tensors unnamed {unused}"
-            )
-        return join_tree(skeleton, tensors)
+        """Verify and load every part (:func:`training.checkpointing.verify.load_checkpoint`, with
+        this store's validator).  Never unpickles; CheckpointRejected with the reason."""
+        return load_checkpoint(path, step, self.validator)
 
     def load_latest(
         self, on_skip: Callable[[Path, str], None] | None = None
     ) -> tuple[Checkpoint, dict[str, Any]] | None:
         """Newest checkpoint that verifies *and* parses; skipped ones are recorded (and reported
         to ``on_skip(path, reason)``)."""
-        for _step, path, reason, loaded in self.candidates():
-            if loaded is not None:
-                return loaded
+        for candidate in self.candidates():
+            if candidate.loaded is not None:
+                return candidate.loaded
             if on_skip is not None:
-                on_skip(path, reason)
+                on_skip(candidate.path, candidate.reason)
         return None
 
-    def candidates(self) -> Iterator[tuple[int, Path, str, tuple[Checkpoint, dict[str, Any]] | None]]:
-        """Every checkpoint newest first as ``(step, path, reason, loaded)``: ``loaded`` is None and
-        ``reason`` says why (already recorded) when it does not load.  The resume walks this so
-        a checkpoint that loads but cannot be restored still falls back to an older one."""
+    def candidates(self) -> Iterator[Candidate]:
+        """Every checkpoint newest first; a rejected one comes with its reason (already recorded).
+        The resume walks this so a checkpoint that loads but cannot be restored still falls back
+        to an older one.  Only a rejection is passed over: any other error propagates."""
         for step, path in self.step_dirs():
             try:
-                yield step, path, "", self.load(path)
-            except (ValueError, OSError) as exc:
+                loaded = self.load(path)
+            except CheckpointRejected as exc:
                 self.refuse(path, str(exc))
-                yield step, path, str(exc), None
+                yield Candidate(step, path, str(exc), None)
+            else:
+                yield Candidate(step, path, "", loaded)
 
     # ------------------------------------------------------------------ saving
     def check(self) -> None:
@@ -423,8 +340,8 @@ class CheckpointStore:
                 skel = (json.dumps(snap.skeletons[part], sort_keys=True, indent=1) + "\n").encode()
                 skel_path = tmp / f"{part}.json"
                 atomic_write_bytes(skel_path, skel, durable=True)
-                files[skel_path.name] = {"size": len(skel), "xxh3_128": st.hash_bytes(skel)}
-                size, digest = st.write_file(tmp / f"{part}.safetensors", snap.tensors[part])
+                files[skel_path.name] = {"size": len(skel), "xxh3_128": safetensors.hash_bytes(skel)}
+                size, digest = safetensors.write_file(tmp / f"{part}.safetensors", snap.tensors[part])
                 files[f"{part}.safetensors"] = {"size": size, "xxh3_128": digest}
             if self.world_size > 1:
                 atomic_write_json(tmp / f".rank-{self.rank}.files.json", files)
@@ -480,27 +397,26 @@ class CheckpointStore:
         """A directory already holds this step (a resumed run re-reaching it).
 
         Valid with the same digest: keep it, the new copy is redundant.  Otherwise move it aside
-        (never delete): an invalid one is quarantined, a valid one with another digest is kept
-        as evidence of a non-deterministic replay."""
+        (never delete): an invalid one, or one this process refused to restore, is quarantined; a
+        valid one with another digest is kept as evidence of a non-deterministic replay."""
+        old: str | None = None
         try:
             existing = self.verify(final)
-            if final.name in self.refused:  # it loads, but the resume could not use it
-                raise ValueError(self.refused[final.name])
-        except (ValueError, OSError) as exc:
-            kind, reason, old = "invalid", str(exc), None
+        except CheckpointRejected as exc:
+            event, reason = Event.CHECKPOINT_INVALID, str(exc)
         else:
-            if existing.digest == new_digest:
+            if final.name in self.refused:  # it loads, but the resume could not use it
+                event, reason = Event.CHECKPOINT_INVALID, self.refused[final.name]
+            elif existing.digest == new_digest:
                 return True
-            kind, reason, old = (
-                "replaced",
-                "same step, different state digest (non-deterministic replay)",
-                existing.digest,
-            )
-        aside = final.with_name(f"{final.name}.{kind}-{int(time.time() * 1000)}")
+            else:
+                event, old = Event.CHECKPOINT_REPLACED, existing.digest
+                reason = "same step, different state digest (non-deterministic replay)"
+        aside = final.with_name(f"{final.name}.{event.removeprefix('checkpoint_')}-{int(time.time() * 1000)}")
         os.rename(final, aside)
         append_event(
             self.run_dir,
-            f"checkpoint_{kind}",
+            event,
             checkpoint=final.name,
             moved_to=aside.name,
             reason=reason,
@@ -520,7 +436,7 @@ class CheckpointStore:
                 continue
             try:
                 manifest = self.read_manifest(path)
-            except (ValueError, OSError):
+            except CheckpointRejected:
                 continue
             candidates.append((step, path, sum(f["size"] for f in manifest["files"].values())))
         keep_recent = {p for _, p, _ in candidates[: max(pol.keep_last - 1, 0)]}
@@ -565,37 +481,3 @@ def newest_verified_step(run_dir: str | Path) -> int | None:
     """Step of the newest checkpoint that verifies (nothing recorded): the one a resume takes."""
     newest = CheckpointStore(run_dir).latest_valid(record=False)
     return newest.step if newest is not None else None
-
-
-def info_size(info: Any) -> int:
-    if not isinstance(info, dict) or not isinstance(info.get("size"), int):
-        raise ValueError(f"manifest file entry {info!r}: no integer size")
-    return info["size"]
-
-
-def info_hash(info: Any) -> str:
-    if not isinstance(info.get("xxh3_128"), str):
-        raise ValueError(f"manifest file entry {info!r}: no xxh3_128 hash")
-    return info["xxh3_128"]
-
-
-def _part_names(files: dict[str, Any], layout_sharded: bool) -> list[str]:
-    """The parts a manifest lists; any file convoy does not write is refused (e.g. a torch-saved
-    ``model.pt``: convoy would never load it, and its presence means the directory was altered)."""
-    parts: set[str] = set()
-    for name in files:
-        if layout_sharded and (name == sharded.SKELETON or name.startswith(f"{sharded.SHARD_DIR}/")):
-            continue
-        stem, _, ext = name.rpartition(".")
-        if ext not in ("safetensors", "json") or not _PART_NAME.fullmatch(stem):
-            raise ValueError(f"{name}: not a file convoy writes (refused, not opened)")
-        parts.add(stem)
-    for part in sorted(parts):
-        for ext in ("safetensors", "json"):
-            if f"{part}.{ext}" not in files:
-                raise ValueError(f"{part}.{ext}: not in manifest (part {part!r} is incomplete)")
-    return sorted(parts)
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())

@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from training.checkpointing.store import CheckpointStore
+from training.checkpointing.store import CheckpointRejected, CheckpointStore
 from training.config import RunConfig
 from training.corpus import entropy_floor
 from training.events import Event, read_events
@@ -111,7 +111,7 @@ def newest_checkpoint(run_dir: Path, verify: bool = True) -> tuple[int, str, str
             if key not in _verified:
                 _verified[key] = store.verify(path).digest
             return step, path.name, _verified[key]
-        except (ValueError, OSError):
+        except (CheckpointRejected, OSError):  # rejected, or its manifest cannot be stat'ed (retired)
             continue
     return None
 

@@ -56,14 +56,14 @@ def resume_point(run_dir: str | Path) -> tuple[int | None, list[dict[str, Any]]]
     """(step of the checkpoint a resume takes, the newer ones it passes over): each passed-over
     one as ``{"checkpoint", "step", "reason"}``, newest first.  The same validation as the
     resume (imported lazily: it pulls in torch); nothing is recorded."""
-    from training.checkpointing.store import CheckpointStore
+    from training.checkpointing.store import CheckpointRejected, CheckpointStore
 
     store = CheckpointStore(run_dir)
     passed: list[dict[str, Any]] = []
     for step, path in store.step_dirs():
         try:
             return store.verify(path).step, passed
-        except (ValueError, OSError) as exc:
+        except CheckpointRejected as exc:
             passed.append({"checkpoint": path.name, "step": step, "reason": str(exc)})
     return None, passed
 

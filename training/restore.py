@@ -1,0 +1,139 @@
+"""The resume: the newest checkpoint that verifies, belongs to this trajectory and restores.
+
+Three outcomes for each checkpoint the store offers, newest first
+(:meth:`~training.checkpointing.store.CheckpointStore.candidates`):
+
+* **rejected** (:class:`~training.checkpointing.errors.CheckpointRejected`, by the store while
+  loading it, or by the shard reader while restoring it): recorded as ``checkpoint_skipped``, and
+  the next older one is tried on a fresh runtime (a partial restore must not leak into it);
+* **another trajectory** (its fingerprint is neither this config's nor one ``run.json``
+  accepted): a :class:`~training.config.ConfigError` naming each changed key — never a fallback;
+* **restored**: the train state now holds it.
+
+Anything else raised on the way is a bug: it propagates, the worker crashes with the traceback
+in its log (and the supervisor's ``failure`` event), and the checkpoint is neither recorded as
+refused nor, when the run reaches its step again, quarantined.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training import distributed
+from training.checkpointing.errors import CheckpointRejected
+from training.checkpointing.store import Checkpoint
+from training.config import ConfigError
+from training.data import mix_seed
+from training.events import Event, append_event
+from training.rundir import describe_change, recorded_trajectories, run_info
+from training.runtime import Runtime
+from training.state import seed_everything
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What the restore left: the runtime that holds the state to train on (a rebuilt one when an
+    earlier checkpoint was refused) and the checkpoint it came from (None: step 0)."""
+
+    runtime: Runtime
+    checkpoint: Checkpoint | None
+    #: The world size differs from the checkpoint's (the metric logger then compares replayed
+    #: steps loosely: another all-reduce order).
+    world_changed: bool
+    #: Seconds from the first candidate to the restored state.
+    load_s: float
+
+
+def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) -> Restored:
+    """Walk the candidates newest first; see the module docstring for what happens to each."""
+    t0 = time.perf_counter()
+    for candidate in runtime.store.candidates():
+        if candidate.loaded is None:
+            log(f"skipping checkpoint {candidate.path.name}: {candidate.reason}")
+            continue
+        checkpoint, parts = candidate.loaded
+        check_fingerprint(runtime, run_dir, checkpoint)
+        try:
+            world_changed = apply(runtime, checkpoint, parts, run_dir, log)
+        except CheckpointRejected as exc:
+            if runtime.world_size > 1:
+                raise  # every rank must fall back together; a crash makes the retry do it
+            runtime.store.refuse(checkpoint.path, f"restore failed: {exc}")
+            log(f"skipping checkpoint {checkpoint.path.name}: restore failed: {exc}")
+            runtime = runtime.rebuilt()
+            continue
+        if checkpoint.manifest.get("forked_from"):
+            adopt_child_settings(runtime, checkpoint.manifest["forked_from"], log)
+        return Restored(runtime, checkpoint, world_changed, time.perf_counter() - t0)
+    parent = (run_info(run_dir) or {}).get("parent")
+    if parent:  # a child trained from scratch would be another run under the child's name
+        raise ConfigError(
+            f"run {runtime.config.run_name} starts from {parent['run']} step {parent['step']}, but no "
+            "checkpoint here restores (see the skipped checkpoints above); fork it again"
+        )
+    return Restored(runtime, None, False, time.perf_counter() - t0)
+
+
+def check_fingerprint(runtime: Runtime, run_dir: Path, checkpoint: Checkpoint) -> None:
+    """Refuse a checkpoint of another trajectory, naming the keys that differ (old → new)
+    from what ``run.json`` recorded for the checkpoint's fingerprint."""
+    config = runtime.config
+    info = run_info(run_dir) or {}
+    saved = checkpoint.manifest.get("fingerprint")
+    if saved in (config.fingerprint(), *info.get("accepted_fingerprints", [])):
+        return
+    old = recorded_trajectories(run_dir, info).get(saved)
+    raise ConfigError(
+        f"checkpoint {checkpoint.path.name} was saved with other trajectory settings: "
+        f"{describe_change(old, config)}; refusing to resume it under this config; resume with the "
+        f"config that saved it, train a new run (`convoy train -S run_name=<new name>`), or accept the "
+        f"change (`convoy train --allow-config-change`)"
+    )
+
+
+def apply(
+    runtime: Runtime, checkpoint: Checkpoint, parts: dict[str, Any], run_dir: Path, log: Callable[[str], None]
+) -> bool:
+    """Restore the train state from a loaded checkpoint (every rank, same step); True when the
+    world size changed since it was saved."""
+    rank, world = runtime.rank, runtime.world_size
+    saved_world = int(checkpoint.manifest.get("world_size", 1))
+    has_rng = f"rank-{rank}" in parts
+    runtime.state.restore(parts, rank, restore_rng_state=has_rng, checkpoint_dir=checkpoint.path)
+    if has_rng and runtime.device.type == "cuda":
+        log(runtime.state.rng_note)
+    if not has_rng:  # more ranks than when saved: a fresh, deterministic stream for this rank
+        seed_everything(mix_seed(runtime.config.train.seed, rank, checkpoint.step))
+    distributed.check_same_step(runtime.state.step)
+    world_changed = saved_world != world
+    if world_changed and rank == 0:
+        log(f"world size changed {saved_world} -> {world}: same global batch and sample position")
+        append_event(run_dir, Event.WORLD_SIZE_CHANGED, step=checkpoint.step, old=saved_world, new=world)
+    return world_changed
+
+
+def adopt_child_settings(runtime: Runtime, parent: dict[str, Any], log: Callable[[str], None]) -> None:
+    """Restoring the parent checkpoint a child run was forked from (``--from``) brought the
+    parent's optimisation settings with its state: take the child's instead (optimizer
+    hyper-parameters, and for a LambdaLR the base LR, then the LR at the restored step from
+    the child's schedule).  Model, optimizer moments, RNG, data cursor and step stay the
+    parent's.  Deterministic, so a resumed child (restoring its own checkpoints, which
+    already hold these settings) stays bitwise equal to an uninterrupted one."""
+    opt, sched = runtime.parts.optimizer, runtime.parts.scheduler
+    for group, fresh in zip(opt.param_groups, runtime.fresh.groups, strict=True):
+        group.update(fresh)
+    if isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+        sched.base_lrs = list(runtime.fresh.base_lrs)
+        lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+        for group, lr in zip(opt.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        sched._last_lr = lrs  # what get_last_lr() reports
+    elif sched is not None:
+        log(f"scheduler {type(sched).__name__}: the parent's schedule state continues unchanged")
+    log(f"forked from {parent.get('run')} step {parent.get('step')}: this run's optimizer settings apply")

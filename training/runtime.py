@@ -1,0 +1,174 @@
+"""What a worker trains with: device, task parts, model, AMP scaler, train state, checkpoint store.
+
+Built in two steps, each once per process, because they have different lifetimes:
+
+* :func:`start_device` picks this rank's device, sets the determinism flags before the first
+  CUDA work and joins the process group.  Once: torch allows one process group per process.
+* :func:`build_runtime` seeds every RNG, builds the task's parts, wraps the model (DDP), makes the
+  AMP scaler and an empty :class:`~training.state.TrainState`.  The result, a frozen
+  :class:`Runtime`, is what the restore fills and the loop trains.  A checkpoint that loads but
+  cannot be restored may have overwritten part of that state, so the restore falls back with a
+  *fresh* runtime (:meth:`Runtime.rebuilt`): nothing of the refused checkpoint leaks into the
+  next one.  The checkpoint store is carried over: it remembers what it refused.
+
+A standby worker (``--standby``) builds its runtime while it waits for its order, so the
+expensive part of a restart (imports, task build) is done before a failure happens.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training import distributed
+from training.checkpointing.store import CheckpointStore, WriterGroup
+from training.config import ConfigError, RunConfig
+from training.data import mix_seed
+from training.state import ExpectedState, TrainState, checkpoint_validator, configure_determinism, seed_everything
+from training.task import TaskParts, build_task
+
+
+def pick_device(config: RunConfig) -> torch.device:
+    """``cuda``/``auto`` with CUDA: the GPU ``LOCAL_RANK`` of those visible (torchrun's layout)."""
+    want = config.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device = 'cuda' but no CUDA device is visible; use cpu or auto")
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"local rank {index} needs CUDA device {index} but {torch.cuda.device_count()} "
+                "are visible; use at most that many ranks per node"
+            )
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def amp_dtype(config: RunConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None when AMP is off (CPU runs ignore ``train.amp``)."""
+    if not config.train.amp or device.type != "cuda":
+        return None
+    choice = config.train.amp_dtype
+    if choice == "auto":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if choice == "bfloat16" else torch.float16
+
+
+def start_device(config: RunConfig, world_size: int) -> torch.device:
+    """This rank's device, made ready: determinism flags (before the first CUDA work), the
+    current CUDA device (a bare ``cuda`` and the CUDA RNG calls then mean it), the process group."""
+    device = pick_device(config)
+    configure_determinism(config.train.deterministic, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    distributed.init(world_size, device)
+    return device
+
+
+@dataclass(frozen=True)
+class FreshSettings:
+    """The optimisation settings the config asks for, taken before a restore overwrites them
+    with the checkpoint's: a forked child run applies its own (:func:`training.restore.adopt_child_settings`)."""
+
+    #: Each optimizer parameter group's hyper-parameters (everything but ``params``).
+    groups: list[dict[str, Any]]
+    #: The LR scheduler's base learning rates (empty when it has none).
+    base_lrs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Everything one rank trains with, built once (see the module docstring).  Frozen: a stage
+    that needs another (the restore's fallback) builds a new one instead of patching this."""
+
+    config: RunConfig
+    device: torch.device
+    rank: int
+    world_size: int
+    parts: TaskParts
+    #: The module the loop calls: ``parts.model``, or its DDP wrapper with more than one rank.
+    model: torch.nn.Module
+    scaler: torch.amp.GradScaler
+    #: The autocast dtype; None when AMP is off.
+    autocast: torch.dtype | None
+    #: Step, cursor, RNG: mutable by design (the loop advances it); the object stays this one.
+    state: TrainState
+    store: CheckpointStore
+    fresh: FreshSettings
+
+    @property
+    def amp(self) -> bool:
+        return self.autocast is not None
+
+    @property
+    def autocast_dtype(self) -> torch.dtype:
+        """What ``torch.autocast`` is given (unused when AMP is off, but it must be a dtype)."""
+        return self.autocast or torch.float16
+
+    def rebuilt(self) -> Runtime:
+        """A fresh runtime on the same device with the same store (the restore's fallback)."""
+        return build_runtime(self.config, self.device, self.rank, self.world_size, store=self.store)
+
+
+def build_runtime(
+    config: RunConfig,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    *,
+    run_dir: Path | None = None,
+    store: CheckpointStore | None = None,
+) -> Runtime:
+    """Seeded task parts, DDP wrapper, AMP scaler, an empty train state and the checkpoint store
+    (``store``: the one to keep, else a new one for ``run_dir``, validating against these parts)."""
+    seed_everything(config.train.seed)  # identical model init on every rank
+    parts = build_task(config, device)
+    fresh = FreshSettings(
+        groups=[{k: v for k, v in g.items() if k != "params"} for g in parts.optimizer.param_groups],
+        base_lrs=list(getattr(parts.scheduler, "base_lrs", [])),
+    )
+    if rank > 0:  # rank 0 keeps the single-process stream; others get their own (dropout)
+        seed_everything(mix_seed(config.train.seed, rank))
+    model = parts.model
+    if world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(parts.model, device_ids=[device.index] if device.type == "cuda" else None)
+    dtype = amp_dtype(config, device)
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ConfigError("train.amp_dtype = 'bfloat16' but this GPU does not support bfloat16; use float16")
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype is not None)
+    if store is None:
+        assert run_dir is not None, "a new store needs the run directory"
+        store = open_store(config, run_dir, parts, rank, world_size)
+    return Runtime(
+        config=config,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        parts=parts,
+        model=model,
+        scaler=scaler,
+        autocast=dtype,
+        state=TrainState(parts, scaler, device=device),
+        store=store,
+        fresh=fresh,
+    )
+
+
+def open_store(config: RunConfig, run_dir: Path, parts: TaskParts, rank: int, world_size: int) -> CheckpointStore:
+    """The run's checkpoint store, as this rank writes and the resume validates (against ``parts``)."""
+    return CheckpointStore(
+        run_dir,
+        config.checkpoint,
+        config.fingerprint(),
+        writers=WriterGroup(world_size, rank, gather_timeout_s=config.heartbeat.save_timeout_s),
+        boundary_every=config.train.chunk_steps,
+        validator=checkpoint_validator(ExpectedState.of(parts)),
+    )
