@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tasks.remote_index import RemoteRun, metric_rows_through, node_name
+from tasks.remote_index import RemoteCopyRefused, RemoteRun, metric_rows_through, node_name
 from tasks.version import VersioningError, _with_repo, remote_run, resolve_remote, version_checkpoint
 from training.checkpointing.errors import CheckpointRejected
 from training.config import ConfigError, RunConfig
@@ -112,8 +112,8 @@ def _install(stage: Path, final: Path, run_dir: Path) -> None:
 
 def _download_verified(remote: RemoteRun, entry: dict[str, Any], store: Any) -> dict[str, Any]:
     """Download one indexed checkpoint, verify it, install it; returns its bytes and the seconds
-    of each part.  ValueError (does not verify) or FileNotFoundError (objects missing) when the
-    remote copy is unusable."""
+    of each part.  CheckpointRejected (does not verify), RemoteCopyRefused (unsafe listing, not
+    the indexed digest) or FileNotFoundError (objects missing) when the remote copy is unusable."""
     step = int(entry["step"])
     root = store.root
     stage = root / f"{FETCH_PREFIX}{checkpoint_name(step)}"
@@ -124,7 +124,7 @@ def _download_verified(remote: RemoteRun, entry: dict[str, Any], store: Any) -> 
         t1 = time.perf_counter()
         ck = store.verify(stage, step=step)  # the resume's own validation
         if ck.digest != entry.get("digest"):
-            raise ValueError(f"its digest {ck.digest} is not the {entry.get('digest')} the index recorded")
+            raise RemoteCopyRefused(f"its digest {ck.digest} is not the {entry.get('digest')} the index recorded")
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -189,7 +189,7 @@ def fetch_newest(config: RunConfig, run_dir: Path, say: Callable[[str], None] = 
     for entry in newer:
         try:
             got = _download_verified(remote, entry, store)
-        except (ValueError, FileNotFoundError) as exc:
+        except (CheckpointRejected, RemoteCopyRefused, FileNotFoundError) as exc:
             refused.append(_refuse(run_dir, remote, entry["step"], str(exc) or type(exc).__name__, say))
             continue
         result = {

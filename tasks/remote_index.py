@@ -47,6 +47,12 @@ INDEX_NAME = "index.json"
 REMOTE_DIR = "convoy/runs"
 
 
+class RemoteCopyRefused(Exception):
+    """A remote copy of a checkpoint that must not be installed (an unsafe listing, a digest that is
+    not the one the index recorded).  Its own type so that only this, a rejection by the store and
+    missing objects make a fetch try the next older copy; a bug is not mistaken for a bad copy."""
+
+
 def node_name() -> str:
     """This machine as the index and the events name it: ``$CONVOY_NODE``, else the host name."""
     return os.environ.get("CONVOY_NODE") or os.uname().nodename
@@ -123,7 +129,7 @@ class RemoteRun:
         sources, targets = [], []
         for key, _meta, hash_info in tree:
             if any(part in ("", ".", "..") or "/" in part for part in key):
-                raise ValueError(f"{dvc_md5} lists {'/'.join(key)!r}: not a plain path (refused)")
+                raise RemoteCopyRefused(f"{dvc_md5} lists {'/'.join(key)!r}: not a plain path (refused)")
             target = dest.joinpath(*key)
             target.parent.mkdir(parents=True, exist_ok=True)
             sources.append(self.odb.oid_to_path(hash_info.value))
