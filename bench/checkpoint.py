@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -210,10 +211,10 @@ def check_restore_hazards(tmp: Path) -> dict[str, Any]:
     model, opt, _ = build_state(2e6, seed=1)
     store = CheckpointStore(tmp / "hazards", CheckpointConfig(keep_last=1))
     store.save(1, make_parts(model, opt, 1), blocking=True)
-    _ck, loaded = store.load(store.last_committed.path)
+    _checkpoint, loaded = store.load(store.last_committed.path)
     model.load_state_dict(loaded["state"]["model"])
     opt.load_state_dict(loaded["state"]["optimizer"])
-    del loaded, _ck
+    del loaded, _checkpoint
     gc.collect()
     store.save(2, make_parts(model, opt, 2), blocking=True)  # keep_last=1: retention deletes step 1
     pinned = [
@@ -221,7 +222,7 @@ def check_restore_hazards(tmp: Path) -> dict[str, Any]:
         for ln in Path("/proc/self/maps").read_text().splitlines()
         if ln.endswith("(deleted)") and str(tmp / "hazards") in ln
     ]
-    _ck, loaded = store.load(store.last_committed.path)
+    _checkpoint, loaded = store.load(store.last_committed.path)
     t = loaded["state"]["optimizer"]["state"][0]["exp_avg"]
     before = t.reshape(-1)[0].item()
     f = store.last_committed.path / "state.safetensors"
@@ -229,7 +230,7 @@ def check_restore_hazards(tmp: Path) -> dict[str, Any]:
         fh.write(b"\0" * f.stat().st_size)
     after = t.reshape(-1)[0].item()
     opt.state.clear()
-    del loaded, _ck, t
+    del loaded, _checkpoint, t
     gc.collect()
     return {
         "deleted_files_still_mapped": pinned,
@@ -270,18 +271,32 @@ def interleave(i: int, items: list[Any]) -> list[Any]:
     return items if i % 2 == 0 else items[::-1]
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    R = args.repeats
-    tmp = Path(args.tmp)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    T = Timings()
-    res: dict[str, Any] = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+@dataclass
+class Bench:
+    """What every section measures and records into: the model and optimizer, their flat tensors
+    (``nbytes`` in all), the store under test, the timings and the step of the newest save."""
 
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    tensors: list[torch.Tensor]
+    nbytes: int
+    store: CheckpointStore
+    timings: Timings
+    repeats: int
+    step: int = 1
+
+    def retire_all(self) -> None:
+        """Delete every checkpoint, so each save writes as much as the one before (timed apart:
+        retention's own cost stays out of the save figures)."""
+        for _step, p in self.store.step_dirs():
+            self.timings.add("retention_rmtree", timed(lambda p=p: shutil.rmtree(p))[0])
+
+
+def build_bench(args: argparse.Namespace, tmp: Path, res: dict[str, Any]) -> Bench:
+    """The model after one AdamW step, its state's tensors and an empty store; the sizes go to ``res``."""
     t_build, (model, opt, width) = timed(lambda: build_state(args.params))
     n_params = sum(p.numel() for p in model.parameters())
-    parts = make_parts(model, opt, 0)
-    tensors = flat_tensors(parts)
+    tensors = flat_tensors(make_parts(model, opt, 0))
     nb = sum(t.numel() * t.element_size() for t in tensors)
     res.update(
         params=n_params,
@@ -290,7 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tensor_count=len(tensors),
         tensor_bytes=nb,
         build_s=t_build,
-        repeats=R,
+        repeats=args.repeats,
         torch_threads=torch.get_num_threads(),
     )
     print(
@@ -299,298 +314,366 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"torch threads {torch.get_num_threads()}",
         flush=True,
     )
-
     store = CheckpointStore(tmp / "run", CheckpointConfig(keep_last=10**6))
+    return Bench(model, opt, tensors, nb, store, Timings(), args.repeats)
 
-    def retire_all() -> None:
-        for _step, p in store.step_dirs():
-            T.add("retention_rmtree", timed(lambda p=p: shutil.rmtree(p))[0])
 
-    # ---- 1. async stall vs plain copy into preallocated buffers -----------------------------
-    T.load["async"] = os.getloadavg()[0]
+def measure_async_stall(b: Bench, res: dict[str, Any]) -> None:
+    """Section 1: the steady-state stall of ``save(blocking=False)`` vs ``copy_`` of the same
+    tensors into preallocated buffers (the first save allocates the store's buffers: apart)."""
+    timings = b.timings
+    timings.load["async"] = os.getloadavg()[0]
     print("[1/4] async save stall vs copy_ into preallocated buffers ...", flush=True)
-    first_stall = store.save(1, make_parts(model, opt, 1), blocking=False)  # allocates the buffers
-    store.wait()
-    res["first_async"] = dict(stall_s=first_stall, persist_s=store.last_persist_s)
-    bufs = [torch.empty_like(t) for t in tensors]
-    copy_all(bufs, tensors)  # first touch outside the timing
-    step = 1
-    for i in range(R):
-        retire_all()
+    first_stall = b.store.save(1, make_parts(b.model, b.opt, 1), blocking=False)  # allocates the buffers
+    b.store.wait()
+    res["first_async"] = dict(stall_s=first_stall, persist_s=b.store.last_persist_s)
+    bufs = [torch.empty_like(t) for t in b.tensors]
+    copy_all(bufs, b.tensors)  # first touch outside the timing
+    for i in range(b.repeats):
+        b.retire_all()
         os.sync()
         for kind in interleave(i, ["copy", "save"]):
             if kind == "copy":
-                T.add("copy", timed(copy_all, bufs, tensors)[0], nb, cpu=True)
+                timings.add("copy", timed(copy_all, bufs, b.tensors)[0], b.nbytes, cpu=True)
                 continue
-            step += 1
-            dt, p = timed(make_parts, model, opt, step)
-            T.add("parts_build", dt)
-            T.add("stall", timed(store.save, step, p, False)[1], cpu=True)
-            store.wait()
-            T.add("persist", store.last_persist_s, store.last_committed.bytes)
+            b.step += 1
+            dt, p = timed(make_parts, b.model, b.opt, b.step)
+            timings.add("parts_build", dt)
+            timings.add("stall", timed(b.store.save, b.step, p, False)[1], cpu=True)
+            b.store.wait()
+            timings.add("persist", b.store.last_persist_s, b.store.last_committed.bytes)
     del bufs
     gc.collect()
 
-    # ---- 2. sync save vs raw write + fsync ---------------------------------------------------
-    T.load["sync"] = os.getloadavg()[0]
+
+def measure_sync_save(b: Bench, tmp: Path, res: dict[str, Any]) -> Path:
+    """Section 2: ``save(blocking=True)`` vs one raw write + fsync of the same bytes.  Returns the
+    path of the checkpoint saved last, the one the restore and verify sections read."""
+    b.timings.load["sync"] = os.getloadavg()[0]
     print("[2/4] sync save vs raw write+fsync ...", flush=True)
-    views = raw_views(tensors)
+    views = raw_views(b.tensors)
     raw_path = tmp / "raw.bin"
-    for i in range(R):
+    for i in range(b.repeats):
         for kind in interleave(i, ["raw", "save"]):
-            retire_all()
+            b.retire_all()
             raw_path.unlink(missing_ok=True)
             os.sync()
             if kind == "raw":
-                T.add("raw_write", timed(raw_write, raw_path, views)[0], nb, cpu=True)
+                b.timings.add("raw_write", timed(raw_write, raw_path, views)[0], b.nbytes, cpu=True)
                 continue
-            step += 1
-            p = make_parts(model, opt, step)
-            dt, _ = timed(store.save, step, p, True)
-            T.add(f"sync_{kind}", dt, store.last_committed.bytes, cpu=True)
+            b.step += 1
+            p = make_parts(b.model, b.opt, b.step)
+            dt, _ = timed(b.store.save, b.step, p, True)
+            b.timings.add(f"sync_{kind}", dt, b.store.last_committed.bytes, cpu=True)
     raw_path.unlink(missing_ok=True)
-    retire_all()
-    step += 1
-    store.save(step, make_parts(model, opt, step), blocking=True)  # the checkpoint the restore reads
-    ck = store.last_committed
-    res["checkpoint_bytes"] = ck.bytes
+    b.retire_all()
+    b.step += 1
+    b.store.save(b.step, make_parts(b.model, b.opt, b.step), blocking=True)  # the checkpoint the restore reads
+    checkpoint = b.store.last_committed
+    res["checkpoint_bytes"] = checkpoint.bytes
     del views
+    return checkpoint.path
 
-    # ---- 3. restore vs raw read ---------------------------------------------------------------
-    print("[3/4] restore vs raw read ...", flush=True)
-    files = sorted(ck.path.iterdir())
-    sizes = {f: f.stat().st_size for f in files}
-    data_files = [f for f in files if f.name != "manifest.json"]  # what load() reads
-    data_bytes = sum(sizes[f] for f in data_files)
-    pre = torch.empty(max(sizes.values()), dtype=torch.uint8)
-    pre.fill_(0)  # first touch outside the timing
-    pre_view = memoryview(pre.numpy()).cast("B")
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # so one optimizer step after the restore touches all its state
 
-    def raw_read_pre() -> int:
-        return sum(raw_readinto(f, pre_view[: sizes[f]]) for f in data_files)
+class CheckpointFiles:
+    """The files of the checkpoint the restore and verify sections read, and the raw baseline's
+    reads of them: into one preallocated buffer, or into fresh uninitialised ones."""
 
-    def raw_read_fresh() -> int:  # uninitialised memory: the allocation floor any fresh restore pays
+    def __init__(self, path: Path) -> None:
+        self.files = sorted(path.iterdir())
+        self.sizes = {f: f.stat().st_size for f in self.files}
+        self.data_files = [f for f in self.files if f.name != "manifest.json"]  # what load() reads
+        self.data_bytes = sum(self.sizes[f] for f in self.data_files)
+        self.pre = torch.empty(max(self.sizes.values()), dtype=torch.uint8)
+        self.pre.fill_(0)  # first touch outside the timing
+        self.pre_view = memoryview(self.pre.numpy()).cast("B")
+
+    def read_pre(self) -> int:
+        return sum(raw_readinto(f, self.pre_view[: self.sizes[f]]) for f in self.data_files)
+
+    def read_fresh(self) -> int:
+        """Into uninitialised memory: the allocation floor any fresh restore pays."""
         return sum(
-            raw_readinto(f, memoryview(torch.empty(sizes[f], dtype=torch.uint8).numpy()).cast("B")) for f in data_files
+            raw_readinto(f, memoryview(torch.empty(self.sizes[f], dtype=torch.uint8).numpy()).cast("B"))
+            for f in self.data_files
         )
 
+
+def measure_restore(
+    b: Bench, path: Path, files: CheckpointFiles, args: argparse.Namespace, res: dict[str, Any]
+) -> bool:
+    """Section 3: ``load()`` and the rest of a resume vs raw reads of the same files, warm page
+    cache and, where ``drop_caches`` is allowed, cold.  Returns whether cold was measured."""
+    print("[3/4] restore vs raw read ...", flush=True)
+    timings = b.timings
+    for p in b.model.parameters():
+        p.grad = torch.zeros_like(p)  # so one optimizer step after the restore touches all its state
     cold_ok = not args.no_cold and drop_caches()
     res["cold_available"] = cold_ok
     res["cold_skipped"] = args.no_cold
     for mode in ["warm", "cold"] if cold_ok else ["warm"]:
-        T.load[mode] = os.getloadavg()[0]
-        raw_read_pre()  # warm: everything cached; cold: dropped again before each measurement
-        for i in range(R):
+        timings.load[mode] = os.getloadavg()[0]
+        files.read_pre()  # warm: everything cached; cold: dropped again before each measurement
+        for i in range(b.repeats):
             for kind in interleave(i, ["raw_pre", "raw_fresh", "load"]):
                 gc.collect()
                 if mode == "cold":
                     drop_caches()
                 if kind == "raw_pre":
-                    T.add(f"{mode}_raw_pre", timed(raw_read_pre)[0], data_bytes, cpu=True)
-                    continue
-                if kind == "raw_fresh":
-                    T.add(f"{mode}_raw_fresh", timed(raw_read_fresh)[0], data_bytes, cpu=True)
-                    continue
-                dt, (_c, loaded) = timed(store.load, ck.path)
-                T.add(f"{mode}_{kind}", dt, data_bytes, cpu=True)
-                s = loaded["state"]
-                lm = timed(model.load_state_dict, s["model"])[0]
-                lo = timed(opt.load_state_dict, s["optimizer"])[0]
-                ls = timed(opt.step)[0]
-                T.add(f"{mode}_{kind}_lsd_model", lm)
-                T.add(f"{mode}_{kind}_lsd_opt", lo)
-                T.add(f"{mode}_{kind}_first_step", ls)
-                T.add(f"{mode}_{kind}_resume", dt + lm + lo + ls)
-                del loaded, s, _c
-                opt.state.clear()  # drop every reference to the loaded buffer (a mapping would pin the cache)
-    for p in model.parameters():
+                    timings.add(f"{mode}_raw_pre", timed(files.read_pre)[0], files.data_bytes, cpu=True)
+                elif kind == "raw_fresh":
+                    timings.add(f"{mode}_raw_fresh", timed(files.read_fresh)[0], files.data_bytes, cpu=True)
+                else:
+                    time_resume(b, path, f"{mode}_{kind}", files.data_bytes)
+    for p in b.model.parameters():
         p.grad = None
     gc.collect()
+    return cold_ok
 
-    if args.fresh_process:
-        print("[3b] resume in a fresh process ...", flush=True)
-        fresh_process_resumes(T, args, ck.path, cold_ok)
 
-    # ---- 4. verify vs raw xxh3_128 -----------------------------------------------------------
-    T.load["verify"] = os.getloadavg()[0]
+def time_resume(b: Bench, path: Path, name: str, data_bytes: int) -> None:
+    """One resume in this process: ``load()``, both ``load_state_dict`` and the first optimizer step."""
+    timings = b.timings
+    dt, (_c, loaded) = timed(b.store.load, path)
+    timings.add(name, dt, data_bytes, cpu=True)
+    s = loaded["state"]
+    lm = timed(b.model.load_state_dict, s["model"])[0]
+    lo = timed(b.opt.load_state_dict, s["optimizer"])[0]
+    ls = timed(b.opt.step)[0]
+    timings.add(f"{name}_lsd_model", lm)
+    timings.add(f"{name}_lsd_opt", lo)
+    timings.add(f"{name}_first_step", ls)
+    timings.add(f"{name}_resume", dt + lm + lo + ls)
+    del loaded, s, _c
+    b.opt.state.clear()  # drop every reference to the loaded buffer (a mapping would pin the cache)
+
+
+def measure_verify(b: Bench, path: Path, files: CheckpointFiles) -> None:
+    """Section 4: ``verify()`` vs ``xxh3_128`` over the largest file already in memory."""
+    b.timings.load["verify"] = os.getloadavg()[0]
     print("[4/4] verify vs xxh3_128 over an in-memory buffer ...", flush=True)
-    big = max(data_files, key=lambda f: sizes[f])
-    raw_readinto(big, pre_view[: sizes[big]])
-    hv = pre_view[: sizes[big]]
-    verify_bytes = sum(sizes.values())
-    raw_read_pre()  # warm
-    for i in range(R):
+    big = max(files.data_files, key=lambda f: files.sizes[f])
+    raw_readinto(big, files.pre_view[: files.sizes[big]])
+    hv = files.pre_view[: files.sizes[big]]
+    verify_bytes = sum(files.sizes.values())
+    files.read_pre()  # warm
+    for i in range(b.repeats):
         for kind in interleave(i, ["xxh3", "verify"]):
             if kind == "xxh3":
-                T.add("xxh3", timed(lambda: xxhash.xxh3_128(hv).hexdigest())[0], sizes[big])
+                b.timings.add("xxh3", timed(lambda: xxhash.xxh3_128(hv).hexdigest())[0], files.sizes[big])
             else:
-                T.add("verify", timed(lambda: store.verify(ck.path))[0], verify_bytes)
+                b.timings.add("verify", timed(lambda: b.store.verify(path))[0], verify_bytes)
 
-    if args.hazards:
-        res["hazards"] = check_restore_hazards(tmp)
-    res["t"], res["nbytes"], res["loadavg"], res["cpu"] = T.t, T.nbytes, T.load, T.cpu
-    res["machine"] = dict(
+
+def machine_info() -> dict[str, Any]:
+    return dict(
         cpus=os.cpu_count(),
         platform=platform.platform(),
         python=platform.python_version(),
         torch=torch.__version__,
         xxhash=xxhash.VERSION,
     )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(args.tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    res: dict[str, Any] = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    b = build_bench(args, tmp, res)
+    measure_async_stall(b, res)
+    path = measure_sync_save(b, tmp, res)
+    files = CheckpointFiles(path)
+    cold_ok = measure_restore(b, path, files, args, res)
+    if args.fresh_process:
+        print("[3b] resume in a fresh process ...", flush=True)
+        fresh_process_resumes(b.timings, args, path, cold_ok)
+    measure_verify(b, path, files)
+    if args.hazards:
+        res["hazards"] = check_restore_hazards(tmp)
+    timings = b.timings
+    res["t"], res["nbytes"], res["loadavg"], res["cpu"] = timings.t, timings.nbytes, timings.load, timings.cpu
+    res["machine"] = machine_info()
     if not args.keep:
         shutil.rmtree(tmp, ignore_errors=True)
     return res
 
 
-def report(res: dict[str, Any]) -> str:
-    T = Timings()
-    T.t, T.nbytes = res["t"], res["nbytes"]
-    lines: list[str] = []
-    add = lines.append
-    add(
-        f"{res['date_utc']}; {res['machine']['cpus']} CPUs, {res['machine']['platform']}, torch "
-        f"{res['machine']['torch']} ({res['torch_threads']} intra-op threads), xxhash {res['machine']['xxhash']}"
-    )
-    add(
-        f"{res['params'] / 1e6:.1f}M params ({res['layers']} x Linear {res['width']}) + AdamW state = "
-        f"{res['tensor_bytes'] / GB:.3f} GB in {res['tensor_count']} tensors; checkpoint "
-        f"{res['checkpoint_bytes'] / GB:.3f} GB; {res['repeats']} interleaved repeats; "
-        f"1-min load average at each section: " + ", ".join(f"{k} {v:.1f}" for k, v in res["loadavg"].items())
-    )
-    add("")
-    add(
-        "| measurement | convoy store (median / best) | same-run baseline (median / best) | ratio median (best) "
-        "| goal |"
-    )
-    add("|---|---|---|---|---|")
+class Report:
+    """The Markdown report of one run's ``res``: its lines, and the cell formats they share."""
 
-    def ms(name: str) -> str:
-        return f"{T.med(name) * 1e3:.0f} / {T.best(name) * 1e3:.0f} ms"
+    def __init__(self, res: dict[str, Any]) -> None:
+        self.res = res
+        self.timings = Timings()
+        self.timings.t, self.timings.nbytes = res["t"], res["nbytes"]
+        self.lines: list[str] = []
 
-    def bw(name: str) -> str:
-        return f"{T.gbps(name):.2f} / {T.gbps(name, best=True):.2f} GB/s"
+    def add(self, line: str) -> None:
+        self.lines.append(line)
 
-    def row(name: str, subj: str, base: str, r_med: float, r_best: float, goal: str, ok: bool | None) -> None:
+    def ms(self, name: str) -> str:
+        return f"{self.timings.med(name) * 1e3:.0f} / {self.timings.best(name) * 1e3:.0f} ms"
+
+    def bw(self, name: str) -> str:
+        return f"{self.timings.gbps(name):.2f} / {self.timings.gbps(name, best=True):.2f} GB/s"
+
+    def row(self, name: str, subj: str, base: str, r_med: float, r_best: float, goal: str, ok: bool | None) -> None:
         mark = "" if ok is None else (" met" if ok else " **missed**")
-        add(f"| {name} | {subj} | {base} | {r_med:.2f}x ({r_best:.2f}x) | {goal}{mark} |")
+        self.add(f"| {name} | {subj} | {base} | {r_med:.2f}x ({r_best:.2f}x) | {goal}{mark} |")
 
-    r = T.med("stall") / T.med("copy")
-    row(
-        "async save stall, steady state",
-        ms("stall"),
-        f"copy_ into preallocated: {ms('copy')}",
-        r,
-        T.best("stall") / T.best("copy"),
-        "<= 1.2x",
-        r <= 1.2,
-    )
-    r = T.gbps("sync_save") / T.gbps("raw_write")
-    row(
-        "sync save (snapshot+write+hash+fsync+manifest+rename)",
-        bw("sync_save"),
-        f"raw write+fsync: {bw('raw_write')}",
-        r,
-        T.gbps("sync_save", True) / T.gbps("raw_write", True),
-        ">= 0.8x",
-        r >= 0.8,
-    )
-    for mode in ("warm", "cold"):
-        if f"{mode}_load" not in T.t:
-            continue
-        base, name = f"{mode}_raw_pre", f"{mode}_load"
-        r = T.gbps(name) / T.gbps(base)
-        row(
-            f"restore `load()` ({mode} cache)",
-            bw(name),
-            f"raw readinto preallocated: {bw(base)}",
+    def gbps_row(self, name: str, subj: str, base: str, label: str, goal: str, at_least: float | None) -> None:
+        """A row comparing the GB/s of timing ``subj`` with baseline ``base``; ``at_least``: the goal ratio."""
+        T = self.timings
+        r = T.gbps(subj) / T.gbps(base)
+        ok = None if at_least is None else r >= at_least
+        self.row(name, self.bw(subj), f"{label}: {self.bw(base)}", r, T.gbps(subj, True) / T.gbps(base, True), goal, ok)
+
+    def header(self) -> None:
+        res = self.res
+        self.add(
+            f"{res['date_utc']}; {res['machine']['cpus']} CPUs, {res['machine']['platform']}, torch "
+            f"{res['machine']['torch']} ({res['torch_threads']} intra-op threads), xxhash {res['machine']['xxhash']}"
+        )
+        self.add(
+            f"{res['params'] / 1e6:.1f}M params ({res['layers']} x Linear {res['width']}) + AdamW state = "
+            f"{res['tensor_bytes'] / GB:.3f} GB in {res['tensor_count']} tensors; checkpoint "
+            f"{res['checkpoint_bytes'] / GB:.3f} GB; {res['repeats']} interleaved repeats; "
+            f"1-min load average at each section: " + ", ".join(f"{k} {v:.1f}" for k, v in res["loadavg"].items())
+        )
+        self.add("")
+
+    def ratio_table(self) -> None:
+        """Each figure against its same-run baseline, with the goal met or missed."""
+        T = self.timings
+        self.add(
+            "| measurement | convoy store (median / best) | same-run baseline (median / best) | ratio median (best) "
+            "| goal |"
+        )
+        self.add("|---|---|---|---|---|")
+        r = T.med("stall") / T.med("copy")
+        self.row(
+            "async save stall, steady state",
+            self.ms("stall"),
+            f"copy_ into preallocated: {self.ms('copy')}",
             r,
-            T.gbps(name, True) / T.gbps(base, True),
+            T.best("stall") / T.best("copy"),
+            "<= 1.2x",
+            r <= 1.2,
+        )
+        self.gbps_row(
+            "sync save (snapshot+write+hash+fsync+manifest+rename)",
+            "sync_save",
+            "raw_write",
+            "raw write+fsync",
             ">= 0.8x",
-            r >= 0.8,
+            0.8,
         )
-        fresh = f"{mode}_raw_fresh"
-        r = T.gbps(f"{mode}_load") / T.gbps(fresh)
-        row(
-            f"restore `load()` ({mode}) vs fresh buffer",
-            bw(f"{mode}_load"),
-            f"raw read into new torch.empty: {bw(fresh)}",
-            r,
-            T.gbps(f"{mode}_load", True) / T.gbps(fresh, True),
-            "(info)",
-            None,
-        )
-    r = T.gbps("verify") / T.gbps("xxh3")
-    row(
-        "`verify()` (warm cache)",
-        bw("verify"),
-        f"xxh3_128 in memory: {bw('xxh3')}",
-        r,
-        T.gbps("verify", True) / T.gbps("xxh3", True),
-        "(info)",
-        None,
-    )
-    add("")
-    cpu = res.get("cpu", {})
-    if cpu:
-        add("Process CPU seconds (all threads, median) - less sensitive than wall time to other load on the box:")
-        add("")
-        add("| operation | CPU s | wall s |")
-        add("|---|---|---|")
-        for name in cpu:
-            add(f"| {name} | {med(cpu[name]):.2f} | {T.med(name):.2f} |")
-        add("")
-    fa = res["first_async"]
-    add(
-        f"- first async save (allocates the snapshot buffers): stall {fa['stall_s']:.2f} s, persist "
-        f"{fa['persist_s']:.2f} s"
-    )
-    add(
-        f"- steady async: background persist {ms('persist')} ({bw('persist')}); caller-side parts build "
-        f"(state_dict + RNG capture) {T.med('parts_build') * 1e3:.1f} ms"
-    )
-    if "retention_rmtree" in T.t:
-        add(f"- retention delete (rmtree) of one checkpoint: {ms('retention_rmtree')} (outside the save timings)")
-    for mode in ("warm", "cold"):
-        n = f"{mode}_load"
-        if n in T.t:
-            add(
-                f"- resume ({mode}, load): load {ms(n)}, model.load_state_dict {ms(n + '_lsd_model')}, "
-                f"optimizer.load_state_dict {ms(n + '_lsd_opt')}, first optimizer.step {ms(n + '_first_step')}; "
-                f"total {ms(n + '_resume')}"
+        for mode in ("warm", "cold"):
+            if f"{mode}_load" not in T.t:
+                continue
+            self.gbps_row(
+                f"restore `load()` ({mode} cache)",
+                f"{mode}_load",
+                f"{mode}_raw_pre",
+                "raw readinto preallocated",
+                ">= 0.8x",
+                0.8,
             )
-    fp = [n for n in T.t if n.startswith("fp_") and n.endswith("_total")]
-    if fp:
-        add("")
-        add("Resume in a fresh process (model built, optimizer without state; median / best):")
-        add("")
-        add(
+            self.gbps_row(
+                f"restore `load()` ({mode}) vs fresh buffer",
+                f"{mode}_load",
+                f"{mode}_raw_fresh",
+                "raw read into new torch.empty",
+                "(info)",
+                None,
+            )
+        self.gbps_row("`verify()` (warm cache)", "verify", "xxh3", "xxh3_128 in memory", "(info)", None)
+        self.add("")
+
+    def cpu_table(self) -> None:
+        cpu = self.res.get("cpu", {})
+        if not cpu:
+            return
+        self.add("Process CPU seconds (all threads, median) - less sensitive than wall time to other load on the box:")
+        self.add("")
+        self.add("| operation | CPU s | wall s |")
+        self.add("|---|---|---|")
+        for name in cpu:
+            self.add(f"| {name} | {med(cpu[name]):.2f} | {self.timings.med(name):.2f} |")
+        self.add("")
+
+    def save_and_resume_notes(self) -> None:
+        T, ms = self.timings, self.ms
+        fa = self.res["first_async"]
+        self.add(
+            f"- first async save (allocates the snapshot buffers): stall {fa['stall_s']:.2f} s, persist "
+            f"{fa['persist_s']:.2f} s"
+        )
+        self.add(
+            f"- steady async: background persist {ms('persist')} ({self.bw('persist')}); caller-side parts build "
+            f"(state_dict + RNG capture) {T.med('parts_build') * 1e3:.1f} ms"
+        )
+        if "retention_rmtree" in T.t:
+            self.add(
+                f"- retention delete (rmtree) of one checkpoint: {ms('retention_rmtree')} (outside the save timings)"
+            )
+        for mode in ("warm", "cold"):
+            n = f"{mode}_load"
+            if n in T.t:
+                self.add(
+                    f"- resume ({mode}, load): load {ms(n)}, model.load_state_dict {ms(n + '_lsd_model')}, "
+                    f"optimizer.load_state_dict {ms(n + '_lsd_opt')}, first optimizer.step {ms(n + '_first_step')}; "
+                    f"total {ms(n + '_resume')}"
+                )
+
+    def fresh_process_table(self) -> None:
+        T, ms = self.timings, self.ms
+        fp = [n for n in T.t if n.startswith("fp_") and n.endswith("_total")]
+        if not fp:
+            return
+        self.add("")
+        self.add("Resume in a fresh process (model built, optimizer without state; median / best):")
+        self.add("")
+        self.add(
             "| cache, variant | load() | load CPU s | model.load_state_dict | first optimizer.step | total "
             "| RSS after | files still mapped |"
         )
-        add("|---|---|---|---|---|---|---|---|")
+        self.add("|---|---|---|---|---|---|---|---|")
         for n in fp:
             b = n.removesuffix("_total")
-            add(
+            self.add(
                 f"| {b.removeprefix('fp_').replace('_', ' ', 1)} | {ms(b + '_load')} | "
                 f"{T.med(b + '_load_cpu'):.2f} | {ms(b + '_lsd_model')} | {ms(b + '_first_step')} | {ms(n)} | "
                 f"{T.med(b + '_rss_gb'):.2f} GB | {T.med(b + '_files_still_mapped'):.0f} |"
             )
-    hz = res.get("hazards")
-    if hz:
-        add("")
-        add(
-            f"- restore hazards (2M-param check): files deleted by retention but still mapped by the restored "
-            f"state: {len(hz['deleted_files_still_mapped'])} {hz['deleted_files_still_mapped']}; in-place "
-            f"overwrite of the file after load() visible in the restored optimizer state: "
-            f"{hz['inplace_write_visible']} (exp_avg[0] {hz['exp_avg0_before']:.3g} -> {hz['exp_avg0_after']:.3g})"
-        )
-    if not res["cold_available"]:
-        add(
-            "- cold-cache restore not measured: "
-            + ("--no-cold" if res.get("cold_skipped") else "/proc/sys/vm/drop_caches is not writable")
-        )
-    return "\n".join(lines)
+
+    def hazard_and_cold_notes(self) -> None:
+        res = self.res
+        hz = res.get("hazards")
+        if hz:
+            self.add("")
+            self.add(
+                f"- restore hazards (2M-param check): files deleted by retention but still mapped by the restored "
+                f"state: {len(hz['deleted_files_still_mapped'])} {hz['deleted_files_still_mapped']}; in-place "
+                f"overwrite of the file after load() visible in the restored optimizer state: "
+                f"{hz['inplace_write_visible']} (exp_avg[0] {hz['exp_avg0_before']:.3g} -> {hz['exp_avg0_after']:.3g})"
+            )
+        if not res["cold_available"]:
+            self.add(
+                "- cold-cache restore not measured: "
+                + ("--no-cold" if res.get("cold_skipped") else "/proc/sys/vm/drop_caches is not writable")
+            )
+
+
+def report(res: dict[str, Any]) -> str:
+    out = Report(res)
+    out.header()
+    out.ratio_table()
+    out.cpu_table()
+    out.save_and_resume_notes()
+    out.fresh_process_table()
+    out.hazard_and_cold_notes()
+    return "\n".join(out.lines)
 
 
 def main() -> None:

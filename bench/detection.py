@@ -110,9 +110,9 @@ def one(root: Path, kind: str, i: int, ranks: int, nnodes: int = 1) -> dict:
     resumed = [e for e in read_events(run_dir, "resumed") if e.get("rank", 0) == 0][-1]
     t_load = resumed["load_s"]
     t_rebuild = resumed["time"] - t0 - t_load
-    ck = CheckpointStore(run_dir).latest_valid(record=False)
+    newest = CheckpointStore(run_dir).latest_valid(record=False)
     v0 = time.perf_counter()
-    CheckpointStore(run_dir).verify(ck.path)
+    CheckpointStore(run_dir).verify(newest.path)
     t_verify = time.perf_counter() - v0
     limit = {"crash": limits.poll_s, "hang": stall, "dead": timeout}[kind]
     return {

@@ -70,8 +70,8 @@ def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: fl
             p.wait()
             append_event(run_dir, "failure", failure="killed", chunk=0, attempt=0, detected_after_s=0)
     wall = time.time() - t0
-    ck = CheckpointStore(run_dir).latest_valid(record=False)
-    committed = ck.step if ck else 0
+    newest = CheckpointStore(run_dir).latest_valid(record=False)
+    committed = newest.step if newest else 0
     mpath = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in mpath.read_text().splitlines()] if mpath.exists() else []
     step_s = statistics.median(r["metrics"]["step_time_s"] for r in rows) if rows else float("nan")

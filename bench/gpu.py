@@ -33,6 +33,8 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -94,22 +96,30 @@ def build(params: float, dev: torch.device, batch: int) -> tuple[torch.nn.Module
     return model, opt, step
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")  # cpu: --cpu-smoke
+@dataclass
+class GpuBench:
+    """What every section measures and records into: the model on the device, its train step,
+    its state's flat tensors, the store under test, the timings and the step of the newest save."""
+
+    dev: torch.device
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    train_step: Callable[[], None]
+    tensors: list[torch.Tensor]
+    store: CheckpointStore
+    repeats: int
+    t: dict[str, list[float]] = field(default_factory=dict)
+    step: int = 1
+
+    def add(self, name: str, value: float) -> None:
+        self.t.setdefault(name, []).append(value)
+
+
+def build_bench(args: argparse.Namespace, dev: torch.device, tmp: Path) -> tuple[GpuBench, dict[str, Any]]:
+    """The model on ``dev`` and an empty store, and ``res`` with what was built (printed too)."""
     gpu = dev.type == "cuda"
-    torch.backends.cuda.matmul.allow_tf32 = False  # what train.deterministic sets
-    R = args.repeats
-    tmp = Path(args.tmp)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    t: dict[str, list[float]] = {}
-
-    def add(name: str, value: float) -> None:
-        t.setdefault(name, []).append(value)
-
     model, opt, train_step = build(args.params, dev, args.batch)
-    parts = make_parts(model, opt, 0)
-    tensors = flat_tensors(parts)
+    tensors = flat_tensors(make_parts(model, opt, 0))
     nb = sum(x.numel() * x.element_size() for x in tensors)
     n_params = sum(p.numel() for p in model.parameters())
     res: dict[str, Any] = {
@@ -123,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "layers": len(model),
         "tensor_bytes": nb,
         "tensor_count": len(tensors),
-        "repeats": R,
+        "repeats": args.repeats,
         "device_bytes": sum(x.numel() * x.element_size() for x in tensors if x.is_cuda),
     }
     print(
@@ -133,56 +143,65 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flush=True,
     )
     store = CheckpointStore(tmp / "run", CheckpointConfig(keep_last=1))
+    return GpuBench(dev, model, opt, train_step, tensors, store, args.repeats), res
 
-    # ---- 1. async save stall vs raw copy_ into pinned buffers --------------------------------
+
+def measure_async_stall(b: GpuBench, res: dict[str, Any]) -> list[torch.Tensor]:
+    """Section 1: ``save(blocking=False)`` until the device is free vs a raw ``copy_`` into
+    preallocated pinned buffers.  Returns those buffers (section 2 writes them)."""
     print("[1/4] async save stall vs copy_ into pinned buffers ...", flush=True)
-    store.save(1, make_parts(model, opt, 1), blocking=False)  # allocates the store's pinned buffers
-    store.wait()
-    pinned = [torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda) for x in tensors]
+    b.store.save(1, make_parts(b.model, b.opt, 1), blocking=False)  # allocates the store's pinned buffers
+    b.store.wait()
+    pinned = [torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda) for x in b.tensors]
 
     def raw_copy() -> None:
-        for d, s in zip(pinned, tensors, strict=True):
+        for d, s in zip(pinned, b.tensors, strict=True):
             d.copy_(s, non_blocking=s.is_cuda)
 
     raw_copy()  # first touch outside the timing
-    step = 1
-    for i in range(R):
+    for i in range(b.repeats):
         for kind in interleave(i, ["copy", "save"]):
             if kind == "copy":
-                add("copy", sync_timed(raw_copy))
+                b.add("copy", sync_timed(raw_copy))
                 continue
-            step += 1
-            p = make_parts(model, opt, step)
+            b.step += 1
+            p = make_parts(b.model, b.opt, b.step)
             sync()
             t0 = time.perf_counter()
-            store.save(step, p, blocking=False)
-            add("save_call", time.perf_counter() - t0)
+            b.store.save(b.step, p, blocking=False)
+            b.add("save_call", time.perf_counter() - t0)
             sync()
-            add("stall", time.perf_counter() - t0)
-            store.wait()
-            add("persist", store.last_persist_s)
-            res["checkpoint_bytes"] = store.last_committed.bytes
+            b.add("stall", time.perf_counter() - t0)
+            b.store.wait()
+            b.add("persist", b.store.last_persist_s)
+            res["checkpoint_bytes"] = b.store.last_committed.bytes
+    return pinned
 
-    # ---- 2. persist vs raw write + fsync from pinned memory ----------------------------------
+
+def measure_raw_write(b: GpuBench, pinned: list[torch.Tensor], tmp: Path) -> None:
+    """Section 2: the baseline of the background persist, a raw write + fsync from pinned memory."""
     print("[2/4] raw write+fsync of the same bytes ...", flush=True)
     views = raw_views(pinned)
     raw_path = tmp / "raw.bin"
-    for _ in range(R):
+    for _ in range(b.repeats):
         raw_path.unlink(missing_ok=True)
         os.sync()
         t0 = time.perf_counter()
         raw_write(raw_path, views)
-        add("raw_write", time.perf_counter() - t0)
+        b.add("raw_write", time.perf_counter() - t0)
     raw_path.unlink(missing_ok=True)
     del views
 
-    # ---- 3. restore onto the device vs raw read + H2D ----------------------------------------
+
+def measure_restore(b: GpuBench, cold: bool, res: dict[str, Any]) -> None:
+    """Section 3: ``load()`` + ``load_state_dict`` onto the device vs a raw read of the same files
+    + one H2D copy, warm page cache and, with ``cold`` where allowed, cold."""
     print("[3/4] restore onto the device vs raw read + H2D copy ...", flush=True)
-    ck = store.last_committed
-    files = [ck.path / name for name in sorted(ck.manifest["files"])]
+    checkpoint = b.store.last_committed
+    files = [checkpoint.path / name for name in sorted(checkpoint.manifest["files"])]
     total = sum(f.stat().st_size for f in files)
-    host = torch.empty(total, dtype=torch.uint8, pin_memory=gpu)
-    device_buf = torch.empty(total, dtype=torch.uint8, device=dev)
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=b.dev.type == "cuda")
+    device_buf = torch.empty(total, dtype=torch.uint8, device=b.dev)
     view = memoryview(host.numpy()).cast("B")
 
     def raw_restore() -> None:
@@ -194,41 +213,57 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         device_buf.copy_(host, non_blocking=True)
 
     def convoy_restore() -> None:
-        _, loaded = store.load(ck.path)
-        model.load_state_dict(loaded["state"]["model"])
-        opt.load_state_dict(loaded["state"]["optimizer"])
+        _, loaded = b.store.load(checkpoint.path)
+        b.model.load_state_dict(loaded["state"]["model"])
+        b.opt.load_state_dict(loaded["state"]["optimizer"])
 
-    modes = ["warm"] + (["cold"] if args.cold and drop_caches() else [])
+    modes = ["warm"] + (["cold"] if cold and drop_caches() else [])
     res["cold_measured"] = "cold" in modes
     for mode in modes:
         raw_restore()  # warm the page cache and the allocator once
         convoy_restore()
-        for i in range(R):
+        for i in range(b.repeats):
             for kind in interleave(i, ["raw", "convoy"]):
                 if mode == "cold":
                     drop_caches()
-                add(f"{mode}_{kind}_restore", sync_timed(raw_restore if kind == "raw" else convoy_restore))
+                b.add(f"{mode}_{kind}_restore", sync_timed(raw_restore if kind == "raw" else convoy_restore))
 
-    # ---- 4. step time while a persist runs vs no persist -------------------------------------
+
+def measure_step_slowdown(b: GpuBench, idle_steps: int) -> None:
+    """Section 4: training steps while a persist runs in the background vs ``idle_steps`` steps
+    with none, interleaved."""
     print("[4/4] step time during a background persist vs no persist ...", flush=True)
     for _ in range(3):
-        train_step()
-    for i in range(R):
+        b.train_step()
+    for i in range(b.repeats):
         for kind in interleave(i, ["idle", "persist"]):
             if kind == "idle":
-                for _ in range(args.steps):
-                    add("step_idle", sync_timed(train_step))
+                for _ in range(idle_steps):
+                    b.add("step_idle", sync_timed(b.train_step))
                 continue
-            step += 1
-            store.save(step, make_parts(model, opt, step), blocking=False)
+            b.step += 1
+            b.store.save(b.step, make_parts(b.model, b.opt, b.step), blocking=False)
             sync()  # the snapshot (the stall, measured above) is not a step
             n = 0
-            while store.in_flight or n == 0:  # at least one step, however fast the persist
-                add("step_persist", sync_timed(train_step))
+            while b.store.in_flight or n == 0:  # at least one step, however fast the persist
+                b.add("step_persist", sync_timed(b.train_step))
                 n += 1
-            add("steps_per_persist", n)
-            store.wait()
-    res["t"] = t
+            b.add("steps_per_persist", n)
+            b.store.wait()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")  # cpu: --cpu-smoke
+    torch.backends.cuda.matmul.allow_tf32 = False  # what train.deterministic sets
+    tmp = Path(args.tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    b, res = build_bench(args, dev, tmp)
+    pinned = measure_async_stall(b, res)
+    measure_raw_write(b, pinned, tmp)
+    measure_restore(b, args.cold, res)
+    measure_step_slowdown(b, args.steps)
+    res["t"] = b.t
     shutil.rmtree(tmp, ignore_errors=True)
     return res
 
@@ -239,11 +274,11 @@ def report(res: dict[str, Any]) -> tuple[str, list[str]]:
     def med(name: str) -> float:
         return statistics.median(t[name])
 
-    ck = res["checkpoint_bytes"]
+    checkpoint_bytes = res["checkpoint_bytes"]
     lines = [
         f"{res['date_utc']}; {res['gpu']}; torch {res['torch']} CUDA {res['cuda']}; {res['cpus']} CPUs; "
         f"{res['params'] / 1e6:.1f}M params + AdamW = {res['tensor_bytes'] / GB:.3f} GB state "
-        f"({res['device_bytes'] / GB:.3f} GB on the device), checkpoint {ck / GB:.3f} GB; "
+        f"({res['device_bytes'] / GB:.3f} GB on the device), checkpoint {checkpoint_bytes / GB:.3f} GB; "
         f"{res['repeats']} interleaved repeats, medians",
         "",
         "| measurement | convoy | same-run baseline | convoy vs baseline | goal |",
@@ -260,7 +295,7 @@ def report(res: dict[str, Any]) -> tuple[str, list[str]]:
         f"GOAL async save stall <= {STALL_GOAL}x raw D2H copy: {stall:.2f}x -> "
         + ("MET" if stall <= STALL_GOAL else "MISSED")
     )
-    persist_gbps, raw_gbps = ck / med("persist"), res["tensor_bytes"] / med("raw_write")
+    persist_gbps, raw_gbps = checkpoint_bytes / med("persist"), res["tensor_bytes"] / med("raw_write")
     lines.append(
         f"| background persist | {persist_gbps / GB:.2f} GB/s | raw write+fsync: {raw_gbps / GB:.2f} GB/s | "
         f"{persist_gbps / raw_gbps:.2f}x the GB/s | - |"
@@ -270,8 +305,8 @@ def report(res: dict[str, Any]) -> tuple[str, list[str]]:
             c, r = med(f"{mode}_convoy_restore"), med(f"{mode}_raw_restore")
             lines.append(
                 f"| restore onto the device, {mode} cache (load + verify + load_state_dict) | "
-                f"{c * 1e3:.0f} ms ({ck / c / GB:.2f} GB/s) | raw read + H2D: {r * 1e3:.0f} ms "
-                f"({ck / r / GB:.2f} GB/s) | {r / c:.2f}x the GB/s | - |"
+                f"{c * 1e3:.0f} ms ({checkpoint_bytes / c / GB:.2f} GB/s) | raw read + H2D: {r * 1e3:.0f} ms "
+                f"({checkpoint_bytes / r / GB:.2f} GB/s) | {r / c:.2f}x the GB/s | - |"
             )
     slow = med("step_persist") / med("step_idle") - 1
     lines.append(

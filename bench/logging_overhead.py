@@ -27,29 +27,27 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300, help="steps per variant")
-    ap.add_argument("--block", type=int, default=50, help="steps per interleaved block")
-    ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
-    args = ap.parse_args()
+VARIANTS = ("async", "async/1", "sync")
 
+
+def setup(args: argparse.Namespace) -> tuple[Any, str, Any, Callable[[], dict[str, float]]]:
+    """The config (a scratch run dir and MLflow store), the task, and one training step as the
+    worker takes it, returning its metrics."""
     import torch
 
-    from tasks.mlflow_runs import ensure_mlflow_run
     from training.config import load_config
     from training.corpus import prepare
     from training.data import Cursor, LoaderSpec, make_loader
-    from training.rundir import open_run
     from training.state import configure_determinism, seed_everything
     from training.task import build_task
-    from training.tracking.metrics import JsonlBackend, StepMetricLogger
-    from training.tracking.mlflow_backend import MlflowBackend, MlflowDelivery, client_for
+    from training.tracking.mlflow_backend import client_for
 
     tmp = Path(tempfile.mkdtemp(prefix="convoy-bench-log-"))
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
@@ -89,6 +87,16 @@ def main() -> int:
         parts.scheduler.step()
         return {"loss": float(loss.detach()), "grad_norm": float(gn), "lr": float(lr)}
 
+    return cfg, uri, parts, step
+
+
+def make_loggers(cfg: Any, uri: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per variant, a run of its own with the worker's logger, and that logger's MLflow backend."""
+    from tasks.mlflow_runs import ensure_mlflow_run
+    from training.rundir import open_run
+    from training.tracking.metrics import JsonlBackend, StepMetricLogger
+    from training.tracking.mlflow_backend import MlflowBackend, MlflowDelivery
+
     loggers = {}
     backends = {}
     for variant, asynchronous, flush_every in (("async", True, 50), ("async/1", True, 1), ("sync", False, 50)):
@@ -101,11 +109,17 @@ def main() -> int:
         loggers[variant] = StepMetricLogger(
             [JsonlBackend(run_dir / "metrics.jsonl"), backends[variant]], run_dir, flush_every=flush_every
         )
+    return loggers, backends
 
+
+def measure(
+    args: argparse.Namespace, cfg: Any, parts: Any, step: Callable[[], dict[str, float]], loggers: dict[str, Any]
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Step times per variant (``none`` first) in interleaved blocks, and the seconds each
+    variant spent inside its logger's calls, its closing ``close()`` included."""
     for _ in range(10):  # warm-up (first Adam step imports dynamo, allocations)
         step()
-    variants = ("async", "async/1", "sync")
-    times: dict[str, list[float]] = {v: [] for v in ("none", *variants)}
+    times: dict[str, list[float]] = {v: [] for v in ("none", *VARIANTS)}
     in_log: dict[str, float] = {v: 0.0 for v in times}
     counters = {v: 0 for v in times}
     done = 0
@@ -124,11 +138,24 @@ def main() -> int:
                     in_log[variant] += time.perf_counter() - t1
                 times[variant].append(time.perf_counter() - t0)
         done += n
-    for variant in variants:
+    for variant in VARIANTS:
         t1 = time.perf_counter()
         loggers[variant].close()
         in_log[variant] += time.perf_counter() - t1  # the worker's close() at chunk end waits too
+    return times, in_log
 
+
+def print_table(
+    args: argparse.Namespace,
+    cfg: Any,
+    parts: Any,
+    uri: str,
+    measured: tuple[dict[str, list[float]], dict[str, float]],
+    backends: dict[str, Any],
+) -> None:
+    import torch
+
+    times, in_log = measured
     base = statistics.median(times["none"])
     mean_base = statistics.fmean(times["none"])
     print(
@@ -144,7 +171,7 @@ def main() -> int:
         f"{'variant':8} {'in-loop ms/step':>16} {'% of step':>10} {'log_batch ms/step':>18} {'% of step':>10} "
         f"{'calls':>6} {'wall Δ ms/step':>15}"
     )
-    for variant in variants:
+    for variant in VARIANTS:
         per = in_log[variant] / args.steps
         bg = backends[variant].write_s / args.steps
         wall = statistics.fmean(times[variant]) - mean_base
@@ -156,6 +183,18 @@ def main() -> int:
         "in-loop = time the training loop spends in StepMetricLogger.log/close (the overhead the goal "
         "< 1% refers to); log_batch = MLflow write time (background thread for async)."
     )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300, help="steps per variant")
+    ap.add_argument("--block", type=int, default=50, help="steps per interleaved block")
+    ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
+    args = ap.parse_args()
+    cfg, uri, parts, step = setup(args)
+    loggers, backends = make_loggers(cfg, uri)
+    measured = measure(args, cfg, parts, step, loggers)
+    print_table(args, cfg, parts, uri, measured, backends)
     return 0
 
 

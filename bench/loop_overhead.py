@@ -143,7 +143,7 @@ def summary(times: list[float]) -> tuple[float, float]:
     return statistics.fmean(times), statistics.median(times)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200, help="timed steps per side and variant")
     ap.add_argument("--block", type=int, default=25, help="steps per interleaved block")
@@ -156,12 +156,46 @@ def main() -> int:
         "machine more than one thread per process makes step times swing by tens of %%",
     )
     ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def measure_blocks(args: argparse.Namespace, base: list[str], blocks: int) -> dict[str, dict[str, list[float]]]:
+    """Per variant (no eval, eval): bare and convoy step times over ``blocks`` interleaved blocks."""
+    from training.config import load_config
+    from training.corpus import prepare
+    from training.rundir import open_run
+
+    variants = {"no eval": 0, "eval": args.eval_every}
+    results: dict[str, dict[str, list[float]]] = {}
+    for name, every in variants.items():
+        cfg = load_config(None, [*base, f"run_name=loop-{every}", f"train.eval_every={every}"])
+        prepare(cfg.data, cfg.train.seed)
+        run_dir = open_run(cfg)
+        parts, batches, _ = bare_setup(cfg)
+        bare_steps(cfg, parts, batches, 5, 0, 0)  # warm-up: the first Adam step imports dynamo
+        bare: list[float] = []
+        convoy: list[float] = []
+        for b in range(blocks):
+            bare += bare_steps(cfg, parts, batches, args.block, b * args.block, every)[2:]
+            convoy += convoy_steps(run_dir, (b + 1) * args.block)
+        results[name] = {"bare": bare, "convoy": convoy}
+    return results
+
+
+def print_row(name: str, bare: list[float], convoy: list[float], note: str = "") -> None:
+    (bm, bmed), (cm, cmed) = summary(bare), summary(convoy)
+    print(
+        f"{name:8} {bm * 1e3:13.2f} {cm * 1e3:15.2f} {cm / bm:13.3f} {bmed * 1e3:15.2f} {cmed * 1e3:17.2f} "
+        f"{cmed / bmed:15.3f}{note}"
+    )
+
+
+def main() -> int:
+    args = parse_args()
 
     import torch
 
     from training.config import load_config
-    from training.corpus import prepare
     from training.rundir import open_run
 
     if args.threads:
@@ -179,20 +213,7 @@ def main() -> int:
         "checkpoint.async_save=false",
         *args.overrides,
     ]
-    variants = {"no eval": 0, "eval": args.eval_every}
-    results: dict[str, dict[str, list[float]]] = {}
-    for name, every in variants.items():
-        cfg = load_config(None, [*base, f"run_name=loop-{every}", f"train.eval_every={every}"])
-        prepare(cfg.data, cfg.train.seed)
-        run_dir = open_run(cfg)
-        parts, batches, _ = bare_setup(cfg)
-        bare_steps(cfg, parts, batches, 5, 0, 0)  # warm-up: the first Adam step imports dynamo
-        bare: list[float] = []
-        convoy: list[float] = []
-        for b in range(blocks):
-            bare += bare_steps(cfg, parts, batches, args.block, b * args.block, every)[2:]
-            convoy += convoy_steps(run_dir, (b + 1) * args.block)
-        results[name] = {"bare": bare, "convoy": convoy}
+    results = measure_blocks(args, base, blocks)
 
     cfg = load_config(None, base)
     print(
@@ -206,18 +227,10 @@ def main() -> int:
         f"{'bare median ms':>15} {'convoy median ms':>17} {'ratio (median)':>15}"
     )
     for name, r in results.items():
-        (bm, bmed), (cm, cmed) = summary(r["bare"]), summary(r["convoy"])
-        print(
-            f"{name:8} {bm * 1e3:13.2f} {cm * 1e3:15.2f} {cm / bm:13.3f} {bmed * 1e3:15.2f} {cmed * 1e3:17.2f} "
-            f"{cmed / bmed:15.3f}"
-        )
+        print_row(name, r["bare"], r["convoy"])
     cfg = load_config(None, [*base, "run_name=alternating"])
     bare, convoy = alternating_steps(cfg, open_run(cfg), args.steps)
-    (bm, bmed), (cm, cmed) = summary(bare), summary(convoy)
-    print(
-        f"{'step only':8} {bm * 1e3:13.2f} {cm * 1e3:15.2f} {cm / bm:13.3f} {bmed * 1e3:15.2f} {cmed * 1e3:17.2f} "
-        f"{cmed / bmed:15.3f}   (train_step vs bare step, alternated one by one)"
-    )
+    print_row("step only", bare, convoy, "   (train_step vs bare step, alternated one by one)")
     ratio = statistics.fmean(results["no eval"]["convoy"]) / statistics.fmean(results["no eval"]["bare"])
     print(
         f"VERDICT loop overhead without saves: {100 * (ratio - 1):+.1f} % (goal <= 3 %): "

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from training.config import load_config
 from training.corpus import prepare
@@ -48,7 +49,24 @@ def main() -> None:
         f"train.total_steps={total}",
         f"train.chunk_steps={args.chunk_steps}",
     ]
-    # The bare worker gets no chunk boundaries (chunk_steps = total): boundary saves count as overhead.
+    bare = run_bare_worker(common, total)
+    (root / "none.yaml").write_text("{}\n")
+    chunk_s = bare["steps"] / args.chunks
+    print(f"chunk length ≈ {chunk_s:.0f} s of training steps")
+    variants = [("pipelined", "true")] + ([("restart per chunk", "false")] if args.unpipelined else [])
+    for label, pipe in variants:
+        flow, summary, flow_cpu = run_flow(root, common, f"flow-{pipe}", pipe)
+        api = "PREFECT_API_URL" if os.environ.get("PREFECT_API_URL") else "ephemeral API (start-up included)"
+        print(
+            f"\nflow, {label} ({args.chunks} chunks of {args.chunk_steps}, {api}): {flow['wall']:.1f} s, "
+            f"steps {flow['steps']:.1f} s (final step {summary['final_step']})"
+        )
+        print_overhead(flow, bare, args.chunks, flow_cpu)
+
+
+def run_bare_worker(common: list[str], total: int) -> dict[str, float]:
+    """``python -m training.worker`` straight to ``total`` steps: the baseline's :func:`breakdown`.
+    It gets no chunk boundaries (chunk_steps = total): boundary saves count as overhead."""
     cfg = load_config(None, [*common, "run_name=bare", f"train.chunk_steps={total}"])
     prepare(cfg.data, cfg.train.seed)
     run_dir = open_run(cfg)
@@ -64,48 +82,48 @@ def main() -> None:
         f"{bare['one_off']:.1f} s)",
         flush=True,
     )
-    (root / "none.yaml").write_text("{}\n")
-    chunk_s = bare["steps"] / args.chunks
-    print(f"chunk length ≈ {chunk_s:.0f} s of training steps")
-    variants = [("pipelined", "true")] + ([("restart per chunk", "false")] if args.unpipelined else [])
-    for label, pipe in variants:
-        name = f"flow-{pipe}"
-        cmd = [sys.executable, "-m", "flows.cli", "train", str(root / "none.yaml")]
-        for o in [*common, f"run_name={name}", f"orchestration.pipeline={pipe}"]:
-            cmd += ["-S", o]
-        t0 = time.time()
-        # CPU of the flow process itself: Prefect, its embedded API, the supervisor (not the worker).
-        rc, out, err, flow_cpu = run_sampled(cmd, {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING"})
-        if rc != 0:
-            sys.exit(f"flow failed: {err[-2000:]}")
-        flow = breakdown(root / "runs" / name, t0, time.time())
-        summary = json.loads(out[out.index("{") :])
-        # Step time is the work; everything else is overhead.  Compared with the bare worker's:
-        # inside the worker span (first step .. last step) the extra is what recurs per chunk
-        # (boundary checkpoints, task hand-over, worker restarts); outside it, process + Prefect
-        # API start-up and the flow's wrap-up happen once per flow run.
-        per_chunk = (flow["inside"] - bare["inside"]) / args.chunks
-        one_off = flow["one_off"] - bare["one_off"]
-        total_overhead = (flow["wall"] - flow["steps"]) - (bare["wall"] - bare["steps"])
-        api = "PREFECT_API_URL" if os.environ.get("PREFECT_API_URL") else "ephemeral API (start-up included)"
-        print(
-            f"\nflow, {label} ({args.chunks} chunks of {args.chunk_steps}, {api}): {flow['wall']:.1f} s, "
-            f"steps {flow['steps']:.1f} s (final step {summary['final_step']})"
-        )
-        print(
-            f"  overhead vs bare worker, whole run: {total_overhead:+.1f} s = "
-            f"{total_overhead / bare['steps']:+.2%} of the training time"
-        )
-        print(
-            f"  recurring, per chunk: {per_chunk:+.2f} s = {per_chunk / chunk_s:+.2%} of a {chunk_s:.0f} s chunk "
-            "(goal <= 3%)"
-        )
-        print(f"  one-off per flow run (start-up + wrap-up beyond the bare worker's): {one_off:+.1f} s")
-        print(f"  projected for a 24 h run of {chunk_s:.0f} s chunks: {per_chunk / chunk_s + one_off / 86400:+.2%}")
-        print(
-            f"  step time vs bare worker: {flow['steps'] / bare['steps'] - 1:+.2%}; the flow process used "
-            f"{flow_cpu:.1f} CPU s ({flow_cpu / flow['wall']:.1%} of one core) beside the worker"
-        )
+    return bare
+
+
+def run_flow(root: Path, common: list[str], name: str, pipe: str) -> tuple[dict[str, float], dict[str, Any], float]:
+    """``convoy train`` of run ``name`` (``orchestration.pipeline={pipe}``): its :func:`breakdown`,
+    its JSON summary and the CPU seconds of the flow process."""
+    cmd = [sys.executable, "-m", "flows.cli", "train", str(root / "none.yaml"), "--json"]  # the summary to parse
+    for o in [*common, f"run_name={name}", f"orchestration.pipeline={pipe}"]:
+        cmd += ["-S", o]
+    t0 = time.time()
+    # CPU of the flow process itself: Prefect, its embedded API, the supervisor (not the worker).
+    rc, out, err, flow_cpu = run_sampled(cmd, {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING"})
+    if rc != 0:
+        sys.exit(f"flow failed: {err[-2000:]}")
+    flow = breakdown(root / "runs" / name, t0, time.time())
+    return flow, json.loads(out[out.index("{") :]), flow_cpu
+
+
+def print_overhead(flow: dict[str, float], bare: dict[str, float], chunks: int, flow_cpu: float) -> None:
+    """The flow's overhead against the bare worker: whole run, per chunk, once per flow run."""
+    chunk_s = bare["steps"] / chunks
+    # Step time is the work; everything else is overhead.  Compared with the bare worker's:
+    # inside the worker span (first step .. last step) the extra is what recurs per chunk
+    # (boundary checkpoints, task hand-over, worker restarts); outside it, process + Prefect
+    # API start-up and the flow's wrap-up happen once per flow run.
+    per_chunk = (flow["inside"] - bare["inside"]) / chunks
+    one_off = flow["one_off"] - bare["one_off"]
+    total_overhead = (flow["wall"] - flow["steps"]) - (bare["wall"] - bare["steps"])
+    print(
+        f"  overhead vs bare worker, whole run: {total_overhead:+.1f} s = "
+        f"{total_overhead / bare['steps']:+.2%} of the training time"
+    )
+    print(
+        f"  recurring, per chunk: {per_chunk:+.2f} s = {per_chunk / chunk_s:+.2%} of a {chunk_s:.0f} s chunk "
+        "(goal <= 3%)"
+    )
+    print(f"  one-off per flow run (start-up + wrap-up beyond the bare worker's): {one_off:+.1f} s")
+    print(f"  projected for a 24 h run of {chunk_s:.0f} s chunks: {per_chunk / chunk_s + one_off / 86400:+.2%}")
+    print(
+        f"  step time vs bare worker: {flow['steps'] / bare['steps'] - 1:+.2%}; the flow process used "
+        f"{flow_cpu:.1f} CPU s ({flow_cpu / flow['wall']:.1%} of one core) beside the worker"
+    )
 
 
 def run_sampled(cmd: list[str], env: dict[str, str]) -> tuple[int, str, str, float]:

@@ -69,11 +69,11 @@ def one(root: Path, ranks: int, fmt: str, args: argparse.Namespace) -> dict:
     final = [e for e in read_events(run_dir, "checkpoint_saved") if e.get("blocking")]
     launch(run_dir, total, ranks)  # resume from step args.steps
     resumed = [e for e in read_events(run_dir, "resumed") if e.get("step") == args.steps]
-    ck = CheckpointStore(run_dir).latest_valid(record=False)
+    newest = CheckpointStore(run_dir).latest_valid(record=False)
     return {
         "ranks": ranks,
         "format": fmt,
-        "checkpoint_mb": ck.bytes / 1e6 if ck else float("nan"),
+        "checkpoint_mb": newest.bytes / 1e6 if newest else float("nan"),
         "stall_ms": 1000 * statistics.median(e["stall_s"] for e in saves[1:] or saves),
         "persist_ms": 1000 * statistics.median(e["persist_s"] for e in saves[1:] or saves),
         "blocking_ms": 1000 * final[0]["stall_s"] if final else float("nan"),

@@ -2,7 +2,8 @@
 
 Every command that takes params accepts ``[PARAMS]`` (default ``params.yaml``; built-in defaults
 if it does not exist) and repeated ``-S section.key=value`` overrides.  A bad input prints one
-line saying what is wrong and how to fix it, exits 2, and writes nothing.
+line saying what is wrong and how to fix it, exits 2, and writes nothing (:mod:`flows.cli_common`).
+``convoy status`` is in :mod:`flows.cli_status`, ``convoy chaos`` in :mod:`flows.cli_chaos`.
 """
 
 from __future__ import annotations
@@ -10,49 +11,20 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from training.config import ConfigError, RunConfig, load_config
+from flows.cli_chaos import chaos
+from flows.cli_common import ParamsArg, SetOpt, config_or_exit, console, err, fail
+from flows.cli_status import status
+from training.config import ConfigError, RunConfig
 from training.events import Event, FailureKind
 from training.paths import RunPaths
 
-if TYPE_CHECKING:
-    from flows.chaos_drill import ChaosReport
-
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fault-tolerant, exactly-resumable training.")
-console = Console()
-err = Console(stderr=True)
-
-ParamsArg = Annotated[Path, typer.Argument(help="params.yaml (built-in defaults if the default file is absent)")]
-SetOpt = Annotated[
-    list[str] | None,
-    typer.Option("-S", "--set", metavar="KEY=VALUE", help="override (repeatable), e.g. -S train.lr=3e-4"),
-]
-EXIT_USAGE = 2
-
-
-def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    return typer.Exit(code)
-
-
-def config_or_exit(params: Path, overrides: list[str] | None, build_task: bool = False) -> RunConfig:
-    """The validated config, or one line and exit 2.  ``build_task``: also build the task (on the
-    meta device) so bad ``task_args`` fail here, before anything is created."""
-    try:
-        cfg = load_config(params, overrides or [])
-        if build_task:
-            from training.task import check_task
-
-            check_task(cfg, fetch=True)
-        return cfg
-    except ConfigError as exc:
-        raise fail(str(exc)) from None
 
 
 @app.command()
@@ -315,203 +287,10 @@ def _measured_from_run(run_dir: Path, values: dict) -> dict:
     return out
 
 
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
-
-
-def _status_table(st: dict) -> Table:
-    """``convoy status`` for a person: one row per fact, the state coloured."""
-    from training.tracking.progress import describe_upload
-
-    colour = {"running": "green", "finished": "bold green", "failed": "red", "dead": "red"}.get(st["state"], "yellow")
-    total = st["total_steps"]
-    table = Table(title=f"run {escape(st['run_name'])}", show_header=False, highlight=False)
-    table.add_column("", style="bold")
-    table.add_column("")
-    table.add_row("state", f"[{colour}]{st['state']}[/]")
-    table.add_row(
-        "step",
-        f"{st['step']}/{total} ({100 * st['step'] / total:.0f}%)" + (f", phase {st['phase']}" if st["phase"] else ""),
-    )
-    who = f"pid {st['pid']} on {escape(str(st['host']))}" if st["pid"] else "-"
-    table.add_row(
-        "heartbeat", f"{_age(st['heartbeat_age_s'])} ago, {who}" if st["heartbeat_age_s"] is not None else "none"
-    )
-    floor = st.get("entropy_floor")
-    loss = f"{st['loss']:.4f} at step {st['loss_step']}" if st["loss"] is not None else "-"
-    if floor is not None:
-        loss += f" (entropy floor {floor:.4f}" + (f", {st['loss'] - floor:+.4f})" if st["loss"] is not None else ")")
-    table.add_row("loss", loss)
-    if st.get("val_loss") is not None:
-        table.add_row("validation loss", f"{st['val_loss']:.4f} at step {st['val_loss_step']}")
-    if st.get("data_samples") is not None:
-        table.add_row("data", f"{int(st['data_samples']):,} samples trained (epoch {int(st['data_epoch'])})")
-    speed = f"{st['steps_per_s']:.2f} steps/s" if st["steps_per_s"] else "-"
-    if st["tokens_per_s"]:
-        speed += f", {st['tokens_per_s']:,.0f} tokens/s"
-    table.add_row("speed", speed)
-    table.add_row("ETA", _age(st["eta_s"]) if st["eta_s"] is not None else "-")
-    ck = (
-        (
-            f"step {st['checkpoint_step']} ({escape(st['checkpoint_digest'])}), "
-            f"{st['steps_since_checkpoint']} steps since"
-        )
-        if st["checkpoint"]
-        else "none yet"
-    )
-    table.add_row("newest verified checkpoint", ck)
-    if (uploaded := describe_upload(st)) is not None:
-        table.add_row("uploaded to the remote", uploaded)
-    kinds = f" ({', '.join(st['failure_kinds'])})" if st["failure_kinds"] else ""
-    table.add_row("failures / resumes", f"{st['failures']} / {st['resumes']}{kinds}")
-    table.add_row("steps lost", str(st["steps_lost"]))
-    return table
-
-
-@app.command()
-def status(
-    run_dir: Annotated[Path, typer.Argument(help="run directory, e.g. runs/demo")],
-    follow: bool = typer.Option(
-        False, "--follow", "-f", metavar="", help="refresh every --every seconds until it stops running"
-    ),
-    every: float = typer.Option(2.0, help="refresh period of --follow, in seconds"),
-    as_json: bool = typer.Option(
-        False, "--json", metavar="", help="machine-readable output (one JSON object; with --follow one per line)"
-    ),
-) -> None:
-    """Where a run stands now, read from its run directory alone.
-
-    State (running / finished / failed / dead / stopped / never started), the worker's step from
-    its heartbeat, heartbeat age, pid and host, loss, speed, ETA, the newest verified checkpoint,
-    failures, resumes and steps lost.
-
-    Example: convoy status runs/demo --follow
-    """
-    import time
-
-    from rich.live import Live
-
-    from training.rundir import load_run_config
-    from training.tracking.progress import run_status
-
-    try:
-        cfg = load_run_config(run_dir)
-    except ConfigError as exc:
-        raise fail(str(exc)) from None
-    if as_json:
-        while True:
-            st = run_status(cfg, run_dir)
-            sys.stdout.write(json.dumps(st, separators=(",", ":") if follow else (", ", ": ")) + "\n")
-            sys.stdout.flush()
-            if not follow or st["state"] != "running":
-                return
-            time.sleep(every)
-    st = run_status(cfg, run_dir)
-    if not follow:
-        console.print(_status_table(st))
-        return
-    with Live(_status_table(st), console=console, refresh_per_second=4) as live:
-        while st["state"] == "running":
-            time.sleep(every)
-            st = run_status(cfg, run_dir)
-            live.update(_status_table(st))
-
-
-@app.command()
-def chaos(
-    params: ParamsArg = Path("params.yaml"),
-    set_: SetOpt = None,
-    faults: str = typer.Option(
-        "kill,term,hang,slow,corrupt,delete,diskfull,flowkill",
-        help="comma-separated faults, or all: kill (SIGKILL the worker), term (SIGTERM: preemption), "
-        "hang (SIGSTOP), slow (one slow step, must not be called a hang), corrupt (flip a byte in "
-        "the newest checkpoint, then kill), delete (remove the newest checkpoint, then kill), "
-        "diskfull (the next save fails with ENOSPC), flowkill (SIGKILL the flow, then train again)",
-    ),
-    seed: int = typer.Option(0, help="seed for the moments of injection"),
-    timeout_s: float = typer.Option(1800, help="give up on the chaos run after this long"),
-    as_json: bool = typer.Option(
-        False, "--json", metavar="", help="print the report as JSON on stdout (progress stays on stderr)"
-    ),
-) -> None:
-    """Train through the real flow while injecting real faults; compare with a fault-free run.
-
-    Prints per fault: the step it hit, what it was detected as and after how long, steps lost
-    and recovery time; then the final digest against the reference run's. Exit 0 if every
-    fault was survived.
-
-    Example: convoy chaos params.yaml --faults kill,hang --seed 1
-    """
-    from flows.chaos_drill import ChaosRunner, parse_faults
-
-    config_or_exit(params, set_)
-    try:
-        kinds = parse_faults(faults)
-    except ValueError as exc:
-        raise fail(str(exc)) from None
-    runner = ChaosRunner(
-        params,
-        set_ or [],
-        kinds,
-        seed,
-        timeout_s=timeout_s,
-        log=lambda m: err.print(f"[chaos] {m}", highlight=False, markup=False),
-    )
-    report = runner.run()
-    if as_json:
-        sys.stdout.write(json.dumps(report.to_dict(), indent=1) + "\n")
-    else:
-        _print_chaos_report(report, runner.cfg.run_name)
-    raise typer.Exit(0 if report.survived else 1)
-
-
-def _dash(value: object) -> str:
-    """A table cell: ``-`` for an unmeasured (None) value, so the columns stay readable."""
-    return str(value if value is not None else "-")
-
-
-def _chaos_table(report: ChaosReport, run_name: str) -> Table:
-    """One row per injected fault: what hit, how it was seen, what it cost."""
-    table = Table(title=f"convoy chaos: {run_name}")
-    for col in (
-        "fault",
-        "at step",
-        "detected as",
-        "detected after s",
-        "steps lost",
-        "recovery s",
-        "survived",
-        "note",
-    ):
-        table.add_column(col)
-    for f in report.faults:
-        table.add_row(
-            f.kind,
-            _dash(f.injected_step),
-            str(f.detected_as or "-"),
-            _dash(f.detected_after_s),
-            _dash(f.steps_lost),
-            _dash(f.recovery_s),
-            "yes" if f.survived else "[red]NO[/]",
-            f.note,
-        )
-    return table
-
-
-def _print_chaos_report(report: ChaosReport, run_name: str) -> None:
-    """The human form of the chaos report: the table on stdout, the diagnosis on stderr."""
-    console.print(_chaos_table(report, run_name))
-    same = report.final_digest == report.reference_digest
-    console.print(f"final digest {report.final_digest} {'==' if same else '!='} reference {report.reference_digest}")
-    console.print(
-        f"metrics logged exactly once per step: {report.metrics_exactly_once}; "
-        f"goodput {report.goodput}; wall {report.wall_s} s; flow exit {report.exit_code}"
-    )
-    for line in report.diagnosis:
-        err.print(line, highlight=False, markup=False)
-    console.print("[bold green]SURVIVED[/]" if report.survived else "[bold red]NOT SURVIVED[/]")
+# `convoy status` and `convoy chaos` live in modules of their own; registered here, between plan and
+# pull, because `convoy --help` lists the commands in the order they are registered.
+app.command()(status)
+app.command()(chaos)
 
 
 def _pull_target(run_dir: Path, cfg: RunConfig | None) -> Path:

@@ -127,6 +127,15 @@ def analyse_events(events: list[dict[str, Any]]) -> dict[str, Any]:
             nondet.append(ev)
             if current is not None:
                 current["replay_verified"] = False
+    return _summary(rows, failures, pending, nondet)
+
+
+def _summary(
+    rows: list[dict[str, Any]], failures: int, pending: dict[str, Any] | None, nondet: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The audit summary over the resume rows.  ``pending`` is a failure no worker start has
+    followed yet: its steps lost count too (the run failed and has not resumed), and without
+    its own count the total is not known."""
     lost = [r["lost_steps"] for r in rows if r["lost_steps"] is not None]
     if pending and "failure" in pending and pending["failure"].get("steps_lost") is not None:
         lost.append(int(pending["failure"]["steps_lost"]))  # failed, not resumed (yet)

@@ -1,0 +1,50 @@
+"""The shape rules of the code base that a reviewer would otherwise count by hand, and the
+``convoy`` command list, which spans several modules (flows/cli*.py) but is shown in one order."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from flows.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(folders: tuple[str, ...]) -> list[str]:
+    """``path:line name (n lines)`` for each function or method longer than the limit."""
+    found = []
+    for folder in folders:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_product_function_is_over_60_lines() -> None:
+    assert long_functions(("training", "tasks", "flows", "bench")) == []
+
+
+def test_convoy_help_lists_every_command_once_in_the_order_they_are_registered() -> None:
+    out = CliRunner().invoke(app, ["--help"], terminal_width=120).output
+    expected = [
+        "validate",
+        "prepare",
+        "train",
+        "worker",
+        "inspect",
+        "verify",
+        "plan",
+        "status",
+        "chaos",
+        "pull",
+        "prefect-setup",
+    ]
+    listed = [line.split()[1] for line in out.splitlines() if line.startswith("│ ") and len(line.split()) > 2]
+    assert [name for name in listed if name in expected] == expected, out
