@@ -201,10 +201,10 @@ def verify(run_dir: Path) -> None:
         raise fail(f"{run_dir}: no checkpoints", 1)
     step, path = dirs[0]
     try:
-        ck = store.verify(path)
+        checkpoint = store.verify(path)
     except CheckpointRejected as exc:
         raise fail(f"newest checkpoint {path.name} is NOT valid: {exc}", 1) from None
-    console.print(f"ok: {path.name} verified (step {step}, {ck.bytes:,} bytes, digest {ck.digest})")
+    console.print(f"ok: {path.name} verified (step {step}, {checkpoint.bytes:,} bytes, digest {checkpoint.digest})")
 
 
 @app.command()

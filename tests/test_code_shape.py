@@ -31,6 +31,20 @@ def test_no_product_function_is_over_60_lines() -> None:
     assert long_functions(("training", "tasks", "flows", "bench")) == []
 
 
+MAX_FILE_LINES = 500
+
+
+def test_no_file_in_the_product_rooms_is_over_500_lines() -> None:
+    """training/, tasks/ and flows/ stay in modules a reader can hold in mind at once."""
+    long_files = [
+        f"{path.relative_to(REPO)} ({n} lines)"
+        for folder in ("training", "tasks", "flows")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_FILE_LINES
+    ]
+    assert long_files == []
+
+
 def test_convoy_help_lists_every_command_once_in_the_order_they_are_registered() -> None:
     out = CliRunner().invoke(app, ["--help"], terminal_width=120).output
     expected = [
