@@ -26,7 +26,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tasks import worker_source
 from tasks.failure_details import FailureDetails
 from tasks.failure_kinds import (
     NOT_RETRYABLE,
@@ -42,7 +41,7 @@ from tasks.failure_kinds import (
 from tasks.liveness import DetectionLimits, Watch, failure_verdict, fresh_beats
 from tasks.multinode import failed_node, launcher_command
 from tasks.worker_log import LogFollower
-from tasks.worker_source import Launch, Source
+from tasks.worker_source import Launch, Source, WorkerSource, clock
 from training import chunk_boundary
 from training.config import EXIT_CONFIG
 from training.events import Event, FailureKind, Phase, append_event
@@ -181,16 +180,18 @@ class WorkerAttempt:
         self.failure: Verdict | None = None
         self.handed_off = False
         self.leftover: list[int] = []
-        self.launch = Launch(
-            spec.cmd,
-            spec.run_dir,
-            spec.log_path,
-            spec.ranks,
-            spec.chunk,
-            spec.attempt,
-            spec.cwd,
-            spec.env,
-            spec.standby_order,
+        self.source = WorkerSource(
+            Launch(
+                spec.cmd,
+                spec.run_dir,
+                spec.log_path,
+                spec.ranks,
+                spec.chunk,
+                spec.attempt,
+                spec.cwd,
+                spec.env,
+                spec.standby_order,
+            )
         )
 
     def run(self) -> Outcome:
@@ -207,7 +208,7 @@ class WorkerAttempt:
         self.oom_before = oom_kills()
         self.metrics_offset = _size(RunPaths(self.run_dir).metrics)  # this attempt's rows start here (steps lost)
         self.started = time.time()
-        acquired = worker_source.acquire(self.launch, self.started)
+        acquired = self.source.acquire(self.started)
         self.worker, adopted = acquired.worker, acquired.source == Source.ADOPTED
         self.log_path = self.worker.log_path
         # An adopted worker's last words so far (read by the chunk that parked it) are not echoed
@@ -232,12 +233,16 @@ class WorkerAttempt:
         beats = [b for b in (read_heartbeat(self.run_dir, r) for r in range(self.spec.ranks)) if b]
         if beats:
             self.watched.last_step = min(int(b.get("step", 0)) for b in beats)
+        if self.worker.poll() is None:
+            return
+        # It died between the tasks: last known alive at its last beat; detected when the registry's
+        # watcher saw it go (at once, on its pidfd), which the failure reports as its detection.
         died_at = self.worker.died_at
-        if died_at is not None:  # died while parked: the registry's watcher saw it go, at once
-            self.last_seen_running = died_at
-            self.note(f"worker pid {self.worker.pid} ended at {worker_source.clock(died_at)}, while parked")
-        elif beats and self.worker.poll() is not None:  # unwatched death: last alive at its last beat
+        if beats:
             self.last_seen_running = max(float(b.get("time", self.started)) for b in beats)
+        if died_at is not None:
+            self.last_seen_running = min(self.last_seen_running, died_at)
+            self.note(f"worker pid {self.worker.pid} ended at {clock(died_at)}, while parked")
 
     # ------------------------------------------------------------------ watch
     def boundary_committed(self) -> bool:
@@ -248,7 +253,6 @@ class WorkerAttempt:
         """Until the worker exits, a limit is crossed, or (pipelined) the boundary is committed:
         judge its beats every ``poll_s`` and, in between, wait for its death."""
         spec = self.spec
-        standby_checked = False
         while self.worker.poll() is None:
             self.last_seen_running = time.time()
             # The boundary first: whatever happens after it is committed is the next chunk's.
@@ -258,9 +262,8 @@ class WorkerAttempt:
             self.failure = failure_verdict(self.watched, beats, spec.ranks, spec.limits, self.last_seen_running)
             if self.failure is not None:
                 break
-            if not standby_checked and self.watched.phase == Phase.TRAIN:
-                standby_checked = True  # once per attempt: a standby that cannot start is not retried
-                worker_source.keep_standby_ready(self.launch)
+            if self.watched.phase == Phase.TRAIN:
+                self.source.worker_trains()
             if self.worker.wait_exit(spec.limits.poll_s):  # it died: the wait woke as it did
                 self.last_seen_running = self.worker.died_at or self.last_seen_running
         # Running, or died just after the commit (between two looks): either way this chunk is
@@ -283,7 +286,7 @@ class WorkerAttempt:
         position = self.follower.stop()
         if self.handed_off:  # the next chunk reads on from here, knowing what was read
             self.worker.offset, self.worker.said = position, list(self.tail)
-            worker_source.park(self.launch, self.worker)
+            self.source.park(self.worker)
 
     # ------------------------------------------------------------------ report
     def note(self, text: str) -> None:

@@ -12,8 +12,10 @@ Three sources, tried in this order, each giving the supervisor the same
 
 Every source is watched equally well: the handle waits on the process's pidfd, so the death of
 a worker this task did not start is seen as fast as that of one it did.  The supervisor
-(:mod:`tasks.supervisor`) only asks :func:`acquire` for a worker, :func:`park` to leave it to the
-next chunk and :func:`keep_standby_ready` once it trains.
+(:mod:`tasks.supervisor`) holds one :class:`WorkerSource` per attempt and only asks it for the
+worker (:meth:`~WorkerSource.acquire`), tells it once the worker trains (then a new standby is
+started behind it) and, at a committed boundary, leaves the worker to the next chunk
+(:meth:`~WorkerSource.park`).
 """
 
 from __future__ import annotations
@@ -72,57 +74,66 @@ def clock(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
-def acquire(launch: Launch, started: float) -> Acquired:
-    """This attempt's worker: the parked one, else the standby, else a fresh spawn."""
-    parked = handoff.adopt(launch.run_dir, list(launch.cmd))  # None unless the previous chunk parked it
-    if parked is not None:
-        return Acquired(parked, Source.ADOPTED)
-    for r in range(launch.ranks):  # stale beats of an earlier attempt must not count as liveness
-        with contextlib.suppress(FileNotFoundError):
-            heartbeat_path(launch.run_dir, r).unlink()
-    called = _call_standby(launch, started)
-    if called is not None:
-        return Acquired(called, Source.STANDBY)
-    header = f"chunk={launch.chunk} attempt={launch.attempt} started {clock(started)}"
-    fresh = spawn(launch.cmd, launch.log_path, header, cwd=launch.cwd, env=launch.environment())
-    return Acquired(fresh, Source.SPAWNED)
+class WorkerSource:
+    """Where one attempt's worker comes from and goes to (see the module docstring)."""
 
+    def __init__(self, launch: Launch) -> None:
+        self.launch = launch
+        self.standby_checked = False
 
-def _call_standby(launch: Launch, started: float) -> WorkerHandle | None:
-    """Give the run's warm standby this attempt's order; None when there is none."""
-    if launch.standby_order is None:
-        return None
-    ready = standby.take(launch.run_dir, **launch.standby_order)
-    if ready is None:
-        return None
-    with open(ready.log_path, "ab") as log:
-        log.write(
-            f"# convoy chunk={launch.chunk} attempt={launch.attempt} took over standby pid {ready.pid} "
-            f"at {clock(started)}\n".encode()
+    def acquire(self, started: float) -> Acquired:
+        """This attempt's worker: the parked one, else the standby, else a fresh spawn."""
+        launch = self.launch
+        parked = handoff.adopt(launch.run_dir, list(launch.cmd))  # None unless the previous chunk parked it
+        if parked is not None:
+            return Acquired(parked, Source.ADOPTED)
+        for r in range(launch.ranks):  # stale beats of an earlier attempt must not count as liveness
+            with contextlib.suppress(FileNotFoundError):
+                heartbeat_path(launch.run_dir, r).unlink()
+        called = self._call_standby(started)
+        if called is not None:
+            return Acquired(called, Source.STANDBY)
+        header = f"chunk={launch.chunk} attempt={launch.attempt} started {clock(started)}"
+        fresh = spawn(launch.cmd, launch.log_path, header, cwd=launch.cwd, env=launch.environment())
+        return Acquired(fresh, Source.SPAWNED)
+
+    def _call_standby(self, started: float) -> WorkerHandle | None:
+        """Give the run's warm standby this attempt's order; None when there is none."""
+        launch = self.launch
+        if launch.standby_order is None:
+            return None
+        ready = standby.take(launch.run_dir, **launch.standby_order)
+        if ready is None:
+            return None
+        with open(ready.log_path, "ab") as log:
+            log.write(
+                f"# convoy chunk={launch.chunk} attempt={launch.attempt} took over standby pid {ready.pid} "
+                f"at {clock(started)}\n".encode()
+            )
+        append_event(
+            launch.run_dir,
+            Event.STANDBY_CALLED,
+            chunk=launch.chunk,
+            attempt=launch.attempt,
+            pid=ready.pid,
+            ready_s=round(started - ready.started, 3),
         )
-    append_event(
-        launch.run_dir,
-        Event.STANDBY_CALLED,
-        chunk=launch.chunk,
-        attempt=launch.attempt,
-        pid=ready.pid,
-        ready_s=round(started - ready.started, 3),
-    )
-    return ready
+        return ready
 
+    def worker_trains(self) -> None:
+        """The worker is past its start-up: keep the run's standby ready behind it (once per
+        attempt: a standby that cannot start is not retried)."""
+        if self.standby_checked or self.launch.standby_order is None:
+            return
+        self.standby_checked = True
+        launch = self.launch
 
-def keep_standby_ready(launch: Launch) -> None:
-    """Start the run's standby behind the worker (once it trains, not during its start-up)."""
-    if launch.standby_order is None:
-        return
+        def start(cmd: list[str], log_path: Path) -> WorkerHandle:
+            header = f"standby started {clock(time.time())}"
+            return spawn(cmd, log_path, header, cwd=launch.cwd, env=launch.environment(), stdin=subprocess.PIPE)
 
-    def start(cmd: list[str], log_path: Path) -> WorkerHandle:
-        header = f"standby started {clock(time.time())}"
-        return spawn(cmd, log_path, header, cwd=launch.cwd, env=launch.environment(), stdin=subprocess.PIPE)
+        standby.ensure(launch.run_dir, start)
 
-    standby.ensure(launch.run_dir, start)
-
-
-def park(launch: Launch, worker: WorkerHandle) -> None:
-    """Leave the worker, alive or not, to the next chunk's attempt (which judges it)."""
-    handoff.park(launch.run_dir, worker, list(launch.cmd))
+    def park(self, worker: WorkerHandle) -> None:
+        """Leave the worker, alive or not, to the next chunk's attempt (which judges it)."""
+        handoff.park(self.launch.run_dir, worker, list(self.launch.cmd))

@@ -458,3 +458,29 @@ def test_failure_details_read_back_as_they_were_written() -> None:
     assert written["trained_to"] is None and "tail" not in written and "flow_runs" not in written
     assert FailureDetails.from_dict({**written, "added_by_a_newer_node": 1}) == details
     assert details.resume_step == 40 and FailureDetails().resume_step is None
+
+
+@pytest.mark.parametrize("pidfd", [True, False])
+def test_the_death_of_a_process_that_is_not_our_child_wakes_its_watch(
+    pidfd: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker adopted or called from the standby may not be this thread's child: its death is
+    seen through a pidfd as soon as it happens (or by polling where the kernel has no pidfd)."""
+    import subprocess
+
+    from tasks.worker_handle import DeathWatch
+
+    if not pidfd:
+        monkeypatch.delattr(os, "pidfd_open", raising=False)
+    shell = subprocess.run(
+        ["sh", "-c", "sleep 30 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True
+    )
+    orphan = int(shell.stdout.strip())  # its parent (the shell) is gone: not our child
+    watch = DeathWatch(orphan)
+    assert (watch.fd is not None) == pidfd, "this kernel has no pidfd: only the fallback is tested"
+    assert not watch.wait(0.1)
+    os.kill(orphan, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert watch.wait(5.0)
+    assert time.monotonic() - t0 < 0.5
+    watch.close()
