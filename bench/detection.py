@@ -28,7 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-from tasks.supervisor import AttemptSpec, ChunkFailed, DetectionLimits, supervise, worker_command
+from tasks.liveness import DetectionLimits
+from tasks.supervisor import AttemptSpec, ChunkFailed, supervise, worker_command
 from training.checkpointing.store import CheckpointStore
 from training.config import load_config
 from training.corpus import prepare

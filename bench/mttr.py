@@ -1,8 +1,20 @@
-"""MTTR of a SIGKILLed worker under ``convoy train``, with and without a warm standby, and the floor.
+"""MTTR of a SIGKILLed worker under ``convoy train`` for each place a worker comes from, and the floor.
 
 Each repeat is a real run of flow ``train`` (embedded Prefect API, MLflow on a SQLite file, the
-example model) whose worker gets SIGKILL once it trains past ``--kill-step`` (with a standby: once
-the standby is ready too).  The timeline comes from the run's audit events:
+example model, pipelined as by default) whose worker gets SIGKILL once it trains past a step.
+Three paths, one per source of the worker the supervisor watches (:mod:`tasks.worker_source`):
+
+* ``spawned``  the kill lands in chunk 0, whose task spawned the worker (``--kill-step``);
+* ``adopted``  the kill lands in chunk 1, whose task adopted the worker chunk 0 parked at the
+               boundary (``--adopted-kill-step``; on a fast machine the kill may still fall
+               between the two chunk tasks: ``unwatched`` says how often it did);
+* ``parked``   the kill lands between the two chunk tasks, as soon as chunk 0's task is done and
+               its worker is parked (nobody's task watches it until chunk 1's adopts it);
+* ``standby``  ``orchestration.standby: true``, the kill in chunk 0 once the standby is ready.
+
+(Chunks are counted from 0 here; the flow names them from 1.)
+
+The timeline comes from the run's audit events:
 
 * detect    = the supervisor's detection time − the moment the signal was sent
 * hand-over = detection → the restore begins (Prefect's retry, then a new process that starts
@@ -15,7 +27,8 @@ Floor, measured in the same run: a bare ``python -c "import torch"`` plus readin
 checkpoint's bytes (what any restart must pay), and for the standby the goal
 detect + read of the state + one step + 0.5 s.
 
-    .venv/bin/python bench/mttr.py [--repeats 3] [--kill-step 45]
+    .venv/bin/python bench/mttr.py [--repeats 3] [--kill-step 45] [--adopted-kill-step 75]
+                                   [--interval-s 0.2] [--paths spawned,adopted,parked,standby]
 """
 
 from __future__ import annotations
@@ -41,25 +54,30 @@ sys.path.insert(0, str(REPO))
 from training.checkpointing.store import CheckpointStore  # noqa: E402
 from training.config import load_config  # noqa: E402
 from training.corpus import prepare  # noqa: E402
-from training.events import WorkerSays, read_events  # noqa: E402
+from training.events import Event, WorkerSays, read_events  # noqa: E402
 from training.heartbeat import read_heartbeat  # noqa: E402
 
 SETTINGS = [
     "train.total_steps=120",
     "train.chunk_steps=60",
     "checkpoint.every_steps=10",
-    "heartbeat.interval_s=0.2",
     "heartbeat.stall_s=30",
     "orchestration.retries=2",
 ]
+PATHS = ("spawned", "adopted", "parked", "standby")
+KEYS = ("detect", "handover", "restore", "first_step", "mttr")
 
 
-def kill_when(run_dir: Path, step: int, standby: bool, out: dict[str, Any]) -> None:
-    """SIGKILL the worker at ``step`` or later (with a standby: once it is ready as well)."""
+def kill_when(run_dir: Path, step: int, path: str, out: dict[str, Any]) -> None:
+    """SIGKILL the worker at ``step`` or later (with a standby: once it is ready as well; parked:
+    as soon as the first chunk's task is done)."""
+    standby = path == "standby"
     while True:
         beat = read_heartbeat(run_dir, 0)
         log = run_dir / "logs" / "standby-1.log"
         ready = not standby or (log.exists() and WorkerSays.STANDBY_READY in log.read_text(errors="replace"))
+        if path == "parked":
+            ready, step = bool(read_events(run_dir, Event.CHUNK_DONE)), 0
         if ready and beat and beat.get("phase") == "train" and int(beat["step"]) >= step:
             if standby:
                 out.update(memory_mb(int(beat["pid"])))
@@ -82,39 +100,49 @@ def memory_mb(worker_pid: int) -> dict[str, float]:
     }
 
 
-def one(root: Path, standby: bool, i: int, kill_step: int) -> dict[str, float]:
+def one(root: Path, path: str, i: int, kill_step: int, interval_s: float) -> dict[str, Any]:
+    """One flow run whose worker is killed on ``path``; its timeline from the audit events."""
     from flows.train import run_training
 
-    name = f"{'standby' if standby else 'restart'}-{i}"
+    standby = path == "standby"
     cfg = load_config(
         None,
         [
             *SETTINGS,
+            f"heartbeat.interval_s={interval_s}",
             f"runs_dir={root / 'runs'}",
             f"data.prepared_dir={root / 'data'}",
-            f"run_name={name}",
+            f"run_name={path}-{i}",
             f"orchestration.standby={str(standby).lower()}",
         ],
     )
     prepare(cfg.data, cfg.train.seed)
     run_dir = cfg.run_dir.resolve()
     shot: dict[str, Any] = {}
-    threading.Thread(target=kill_when, args=(run_dir, kill_step, standby, shot), daemon=True).start()
+    threading.Thread(target=kill_when, args=(run_dir, kill_step, path, shot), daemon=True).start()
     summary = run_training(cfg)
     assert summary["final_step"] == cfg.train.total_steps and shot, (summary, shot)
-    fail = read_events(run_dir, "failure")[-1]
-    resumed = [e for e in read_events(run_dir, "resumed") if e["time"] > fail["time"]][0]
-    first = [e for e in read_events(run_dir, "first_step") if e["time"] > resumed["time"]][0]
+    return {**timeline(run_dir, shot["t"]), **{k: v for k, v in shot.items() if k.endswith("_mb")}}
+
+
+def timeline(run_dir: Path, shot_t: float) -> dict[str, Any]:
+    """Detection, hand-over, restore, first step and MTTR of the one kill, from the events."""
+    fail = read_events(run_dir, Event.FAILURE)[-1]
+    resumed = [e for e in read_events(run_dir, Event.RESUMED) if e["time"] > fail["time"]][0]
+    first = [e for e in read_events(run_dir, Event.FIRST_STEP) if e["time"] > resumed["time"]][0]
     restore_start = resumed["time"] - resumed["load_s"]
+    started = [e for e in read_events(run_dir, Event.ATTEMPT_STARTED) if e["chunk"] == fail["chunk"]]
     return {
-        "detect": fail["detected_at"] - shot["t"],
+        "chunk": fail["chunk"],
+        "detect": fail["detected_at"] - shot_t,
         "handover": restore_start - fail["detected_at"],
         "restore": resumed["load_s"],
         "first_step": first["time"] - resumed["time"],
-        "mttr": first["time"] - shot["t"],
+        "mttr": first["time"] - shot_t,
+        # Killed before the failed chunk's task began its attempt: while the worker was parked.
+        "unwatched": bool(started) and shot_t < started[0]["time"],
         "ckpt_path": str(CheckpointStore(run_dir).root / resumed["checkpoint"]),
-        "took_over": bool(read_events(run_dir, "standby_took_over")),
-        **{k: v for k, v in shot.items() if k.endswith("_mb")},
+        "took_over": bool(read_events(run_dir, Event.STANDBY_TOOK_OVER)),
     }
 
 
@@ -135,61 +163,73 @@ def floor(checkpoint: Path) -> dict[str, float]:
     return {"import_torch": t_import, "import_torch_optimizer": t_optimizer, "read_state": t_read, "bytes": float(n)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--kill-step", type=int, default=45)
-    args = ap.parse_args()
+def measure(args: argparse.Namespace, paths: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Every path once per repeat (interleaved, so a change in the machine's load hits all alike)."""
     os.environ.setdefault("CONVOY_FAULTS", "step_delay=0.02")  # steps long enough to aim the kill
     root = Path(tempfile.mkdtemp(prefix="convoy-mttr-"))
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-    rows: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    rows: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
     for i in range(args.repeats):
-        for standby in (False, True):
-            r = one(root, standby, i, args.kill_step)
-            rows[standby].append(r)
-            print(
-                json.dumps(
-                    {"standby": standby, **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}}
-                ),
-                flush=True,
-            )
-    fl = [floor(Path(r["ckpt_path"])) for r in rows[False]]
+        for path in paths:
+            kill_step = args.adopted_kill_step if path == "adopted" else args.kill_step
+            r = one(root, path, i, kill_step, args.interval_s)
+            rows[path].append(r)
+            print(json.dumps({"path": path, **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}}))
+    return rows
+
+
+def print_table(rows: dict[str, list[dict[str, Any]]], repeats: int) -> None:
+    """Medians per path against the floor measured now."""
+    reference = rows.get("spawned") or next(iter(rows.values()))
+    fl = [floor(Path(r["ckpt_path"])) for r in reference]
     f_import = statistics.median(f["import_torch"] for f in fl)
     f_read = statistics.median(f["read_state"] for f in fl)
     floor_s = f_import + f_read
-    f_opt = statistics.median(f["import_torch_optimizer"] for f in fl)
-    keys = ("detect", "handover", "restore", "first_step", "mttr")
     print(
-        f"\nmedian of {args.repeats} kills each (seconds); floor = import torch {f_import:.3f} + "
+        f"\nmedian of {repeats} kills each (seconds); floor = import torch {f_import:.3f} + "
         f"read state {f_read:.4f} = {floor_s:.3f}"
     )
-    print(f"{'':>10} " + " ".join(f"{k:>10}" for k in keys) + f" {'x floor':>8} {'goal':>18}")
-    for standby in (False, True):
-        med = {k: statistics.median(r[k] for r in rows[standby]) for k in keys}
-        if standby:
+    print(f"{'':>10} " + " ".join(f"{k:>10}" for k in KEYS) + f" {'x floor':>8} {'unwatched':>9} {'goal':>18}")
+    for path, runs in rows.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in KEYS}
+        if path == "standby":
             goal = med["detect"] + f_read + med["first_step"] + 0.5
             verdict = f"<= {goal:.2f} s: {'met' if med['mttr'] <= goal else 'NOT met'}"
-            assert all(r["took_over"] for r in rows[standby]), "a kill was not handled by the standby"
+            assert all(r["took_over"] for r in runs), "a kill was not handled by the standby"
         else:
             verdict = f"<= 1.5x: {'met' if med['mttr'] <= 1.5 * floor_s else 'NOT met'}"
-        label = "standby" if standby else "restart"
+        unwatched = f"{sum(r['unwatched'] for r in runs)}/{len(runs)}"
         print(
-            f"{label:>10} "
-            + " ".join(f"{med[k]:>10.3f}" for k in keys)
-            + f" {med['mttr'] / floor_s:>8.2f} {verdict:>18}"
+            f"{path:>10} "
+            + " ".join(f"{med[k]:>10.3f}" for k in KEYS)
+            + f" {med['mttr'] / floor_s:>8.2f} {unwatched:>9} {verdict:>18}"
         )
-    restart = statistics.median(r["mttr"] for r in rows[False])
+    f_opt = statistics.median(f["import_torch_optimizer"] for f in fl)
+    restart = statistics.median(r["mttr"] for r in reference)
     print(
         f"\nreference: import torch + constructing an optimizer (torch imports dynamo there) = {f_opt:.3f} s; "
         f"restart MTTR / (that + read state) = {restart / (f_opt + f_read):.2f}x"
     )
-    worker = statistics.median(r["worker_rss_mb"] for r in rows[True])
-    spare = statistics.median(r["standby_rss_mb"] for r in rows[True])
-    print(
-        f"\nstandby memory: the waiting standby holds {spare:.0f} MB resident next to the worker's "
-        f"{worker:.0f} MB ({spare / worker:.2f}x)"
-    )
+    if "standby" in rows:
+        worker = statistics.median(r["worker_rss_mb"] for r in rows["standby"])
+        spare = statistics.median(r["standby_rss_mb"] for r in rows["standby"])
+        print(
+            f"\nstandby memory: the waiting standby holds {spare:.0f} MB resident next to the worker's "
+            f"{worker:.0f} MB ({spare / worker:.2f}x)"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kill-step", type=int, default=45, help="kill step of the spawned and standby paths")
+    ap.add_argument("--adopted-kill-step", type=int, default=75, help="kill step of the adopted path (chunk 1)")
+    ap.add_argument("--interval-s", type=float, default=0.2, help="heartbeat.interval_s")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}")
+    args = ap.parse_args()
+    paths = [p for p in args.paths.split(",") if p]
+    assert set(paths) <= set(PATHS), f"--paths: {paths} not in {PATHS}"
+    print_table(measure(args, paths), args.repeats)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,9 @@ from prefect.deployments import run_deployment
 from tasks import remote_checkpoints, run_records
 from tasks.artifacts import artifact_key
 from tasks.chunk import chunk_record, run_chunk, should_retry
+from tasks.failure_kinds import NOT_RETRYABLE
 from tasks.remote_index import node_name
-from tasks.supervisor import NOT_RETRYABLE, ChunkFailed
+from tasks.supervisor import ChunkFailed
 from training.config import ConfigError, RunConfig
 from training.events import Event, FailureKind, append_event, carry_events, read_events
 from training.rundir import open_run, run_info, update_run_info
@@ -66,7 +67,7 @@ def open_node_run(config: RunConfig, mlflow_run: dict[str, Any] | None) -> Path:
 def failure_of(exc: BaseException) -> dict[str, Any]:
     """How a chunk flow run failed, in the words the parent needs to decide on a retry."""
     if isinstance(exc, ChunkFailed):
-        return {"kind": exc.kind, "message": exc.message, "details": exc.details}
+        return {"kind": exc.kind, "message": exc.message, "details": exc.details.as_dict()}
     if isinstance(exc, ConfigError):
         return {"kind": FailureKind.CONFIG, "message": str(exc), "details": {}}
     return {"kind": FailureKind.CRASH, "message": f"{type(exc).__name__}: {exc}", "details": {}}

@@ -133,27 +133,26 @@ def failure_lines(exc: Any) -> list[str]:
     chunk that started it), so its last lines are there even when the attempt's own tail is empty."""
     from tasks.mlflow_audit import log_tail
 
-    d = getattr(exc, "details", {}) or {}
-    at = d.get("trained_to", d.get("last_beat_step"))
-    lines = [f"{exc.kind}: {d.get('reason') or exc.message}"]
+    d = exc.details
+    lines = [f"{exc.kind}: {d.reason or exc.message}"]
     facts = []
-    if at is not None:
-        facts.append(f"at step {at}")
-    if d.get("detected_after_s") is not None:
-        facts.append(f"detected after {d['detected_after_s']:.1f} s")
-    if "last_committed_step" in d:
-        facts.append(f"a retry resumes from step {d.get('last_committed_step') or 0}")
-    if d.get("steps_lost") is not None:
-        facts.append(f"{d['steps_lost']} step(s) lost")
+    if d.failed_at_step is not None:
+        facts.append(f"at step {d.failed_at_step}")
+    if d.detected_after_s is not None:
+        facts.append(f"detected after {d.detected_after_s:.1f} s")
+    if d.resume_step is not None:
+        facts.append(f"a retry resumes from step {d.resume_step}")
+    if d.steps_lost is not None:
+        facts.append(f"{d.steps_lost} step(s) lost")
     if facts:
         lines.append(", ".join(facts))
-    if d.get("passed_over"):
+    if d.passed_over:
         from training.tracking.resume_audit import describe_passed_over
 
-        lines.append(f"passed over (do not verify): {describe_passed_over(d['passed_over'])}")
-    if d.get("log"):
-        lines.append(f"log: {d['log']}")
-        lines.extend(f"  | {line}" for line in log_tail(d["log"], LOG_LINES))
+        lines.append(f"passed over (do not verify): {describe_passed_over(d.passed_over)}")
+    if d.log:
+        lines.append(f"log: {d.log}")
+        lines.extend(f"  | {line}" for line in log_tail(d.log, LOG_LINES))
     return lines
 
 

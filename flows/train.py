@@ -30,7 +30,8 @@ from tasks import handoff, remote_checkpoints, run_records, standby
 from tasks.artifacts import publish_chunk_table
 from tasks.chunk import chunk_record, committed_digest, loss_at, retrying_chunk_task
 from tasks.hooks import flow_crashed, flow_failed, remember_run
-from tasks.supervisor import ChunkFailed, reap_stale_worker
+from tasks.process_group import reap_stale_worker
+from tasks.supervisor import ChunkFailed
 from tasks.takeover import mlflow_flow_tags, take_over
 from tasks.version import VersioningError
 from training import chunk_boundary

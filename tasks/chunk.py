@@ -39,19 +39,13 @@ from prefect.states import Completed, State
 
 from tasks import handoff, remote_checkpoints, run_records
 from tasks.artifacts import publish_failure_note
+from tasks.failure_details import FailureDetails
 from tasks.hooks import chunk_failed, remember_run
+from tasks.liveness import DetectionLimits
+from tasks.process_group import reap_stale_worker
 from tasks.remote_index import node_name
 from tasks.repeated import as_repeated, repeated_failure
-from tasks.supervisor import (
-    AttemptSpec,
-    ChunkFailed,
-    DetectionLimits,
-    Outcome,
-    reap_stale_worker,
-    resume_point,
-    supervise,
-    worker_command,
-)
+from tasks.supervisor import AttemptSpec, ChunkFailed, Outcome, supervise, worker_command
 from training.checkpointing.store import newest_verified_step
 from training.chunk_boundary import boundary_step
 from training.config import ConfigError, RunConfig
@@ -59,6 +53,7 @@ from training.events import Event, FailureKind, WorkerSays, append_event, read_e
 from training.paths import RunPaths
 from training.rundir import load_run_config
 from training.tracking.attempts import chunk_history, next_attempt
+from training.tracking.resume_audit import resume_point
 
 #: Worker output lines echoed to the Prefect log (everything goes to the chunk's log file).
 _ECHO = tuple(m for m in WorkerSays if m != WorkerSays.STANDBY_READY)
@@ -215,13 +210,13 @@ class ChunkRun:
             outcome = supervise(self.spec())
         except ChunkFailed as failed:
             exc = self.unless_repeated(failed)
-            resume_at = exc.details.get("last_committed_step") or 0
+            resume_at = exc.details.last_committed_step or 0
             trained = max(0, resume_at - self.resumed_from)
             run_records.end_attempt(
                 cfg,
                 rd,
                 child,
-                run_records.attempt_outcome(False, exc.kind, trained, time.time() - t_attempt, exc.details),
+                run_records.attempt_outcome(False, exc.kind, trained, time.time() - t_attempt, exc.details.as_dict()),
                 self.chunk,
                 self.attempt,
             )
@@ -304,7 +299,7 @@ class ChunkRun:
             raise ChunkFailed(
                 FailureKind.CRASH,
                 f"chunk {chunk}: worker exited 0 but no valid checkpoint at step {self.end}",
-                {"last_committed_step": newest_verified_step(rd), "log": str(outcome.log_path)},
+                FailureDetails(last_committed_step=newest_verified_step(rd), log=str(outcome.log_path)),
             )
         record = {
             "chunk": chunk,
@@ -355,15 +350,15 @@ def _report(logger: Any, cfg: RunConfig, exc: ChunkFailed, attempt: tuple[int, i
     ``attempt``: (chunk, its attempt number, Prefect's run count, which decides the retry)."""
     chunk, number, try_number = attempt
     d = exc.details
-    short = d.get("reason", exc.message)
+    short = d.reason if d.reason is not None else exc.message
     will_retry = exc.retryable and try_number <= cfg.orchestration.retries
-    passed = passed_over_clause(d.get("passed_over") or [])
+    passed = passed_over_clause(d.passed_over or [])
     if will_retry:
         logger.warning(
             "chunk %d %s detected after %.1f s (%s); resuming from step %d%s",
             chunk,
             exc.kind,
-            d.get("detected_after_s") or 0.0,
+            d.detected_after_s or 0.0,
             short,
             resume_at,
             passed,
@@ -373,14 +368,12 @@ def _report(logger: Any, cfg: RunConfig, exc: ChunkFailed, attempt: tuple[int, i
             f"chunk {chunk} attempt {number}: {exc.kind}",
             [
                 f"{short}",
-                f"detected after {d.get('detected_after_s')} s; last beat step {d.get('last_beat_step')}",
-                f"retrying; resumes from step {resume_at} (steps lost: {d.get('steps_lost')}){passed}",
+                f"detected after {d.detected_after_s} s; last beat step {d.last_beat_step}",
+                f"retrying; resumes from step {resume_at} (steps lost: {d.steps_lost}){passed}",
             ],
         )
     else:
-        logger.error(
-            "chunk %d %s after %.1f s (%s); not retrying", chunk, exc.kind, d.get("detected_after_s") or 0.0, short
-        )
+        logger.error("chunk %d %s after %.1f s (%s); not retrying", chunk, exc.kind, d.detected_after_s or 0.0, short)
 
 
 def retrying_chunk_task(config: RunConfig) -> Any:

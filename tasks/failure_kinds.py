@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 import signal
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from training.config import EXIT_CONFIG, EXIT_PREEMPTED
@@ -42,6 +43,18 @@ NOT_RETRYABLE = frozenset({FailureKind.CONFIG, FailureKind.REPEATED})
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
 _OOM_MARKERS = ("out of memory", "memoryerror", "cannot allocate memory")
 _DISKFULL_MARKERS = ("no space left on device", "[errno 28]", "enospc")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A failed attempt, named: by the watch (a limit crossed, a rank gone) or by the worker's exit."""
+
+    kind: FailureKind
+    #: The failure in words ("no step progress for 20.3 s at step 45", "signal SIGKILL").
+    reason: str
+    #: Seconds from the failure to its detection (for an exit: an upper bound, the gap between
+    #: the last poll that saw the worker running and the one that saw it gone).
+    detected_after_s: float
 
 
 def oom_kills() -> int | None:

@@ -87,8 +87,8 @@ def _audit(kind: str, info: dict[str, Any], exc: BaseException | None, state: An
     if isinstance(exc, ChunkFailed):
         d = exc.details
         lines.append(
-            f"detected after {d.get('detected_after_s')} s; last beat step {d.get('last_beat_step')}; "
-            f"steps lost {d.get('steps_lost')}; worker log `{d.get('log')}`"
+            f"detected after {d.detected_after_s} s; last beat step {d.last_beat_step}; "
+            f"steps lost {d.steps_lost}; worker log `{d.log}`"
         )
         if not exc.retryable:
             lines.append("not retryable: fix the configuration or data, then run `convoy train` again")

@@ -13,6 +13,7 @@ another error.  Prefect-free: unit-tested on event records.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -64,5 +65,5 @@ def repeated_message(chunk: int, previous: dict[str, Any], latest: dict[str, Any
 def as_repeated(exc: Any, chunk: int, previous: dict[str, Any], latest: dict[str, Any]) -> Any:
     """The attempt's ``ChunkFailed`` re-stated as the ``repeated`` failure (same details)."""
     message = repeated_message(chunk, previous, latest)
-    details = {**exc.details, "reason": message, "repeats_attempt": previous.get("attempt")}
+    details = replace(exc.details, reason=message, repeats_attempt=previous.get("attempt"))
     return type(exc)(FailureKind.REPEATED, message, details)

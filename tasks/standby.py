@@ -26,29 +26,17 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.process_group import stop_group
+from tasks.worker_handle import WorkerHandle
 from training.paths import RunPaths
 
+#: Starts ``cmd`` with its output appended to ``log_path`` and stdin a pipe; returns the worker
+#: (its ``offset``: where its output starts, read from there once it is called).
+StartFn = Callable[[list[str], Path], WorkerHandle]
 
-@dataclass
-class Standby:
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    #: Where its output starts in ``log_path`` (the supervisor tails it from there once it is called).
-    offset: int
-    started: float
-
-
-#: Starts ``cmd`` with its output appended to ``log_path`` and stdin a pipe; returns the process
-#: and the log offset its output starts at (the supervisor's spawn).
-StartFn = Callable[[list[str], Path], tuple[subprocess.Popen[bytes], int]]
-
-_STANDBY: dict[str, Standby] = {}
+_STANDBY: dict[str, WorkerHandle] = {}
 _LOCK = threading.Lock()
 
 
@@ -60,44 +48,43 @@ def standby_command(run_dir: str | Path) -> list[str]:
     return [sys.executable, "-m", "training.worker", "--run-dir", str(Path(run_dir).resolve()), "--standby"]
 
 
-def ensure(run_dir: str | Path, start: StartFn) -> Standby:
+def ensure(run_dir: str | Path, start: StartFn) -> WorkerHandle:
     """The run's standby; started with ``start(cmd, log_path)`` if there is none alive."""
     rd = Path(run_dir)
     with _LOCK:
         current = _STANDBY.get(_key(rd))
-        if current is not None and current.proc.poll() is None:
+        if current is not None and current.poll() is None:
             return current
         _STANDBY.pop(_key(rd), None)
     paths = RunPaths(rd)
     n = len(list(paths.logs.glob("standby-*.log"))) + 1
-    log_path = paths.standby_log(n)
-    proc, offset = start(standby_command(rd), log_path)
-    standby = Standby(proc, log_path, offset, time.time())
+    standby = start(standby_command(rd), paths.standby_log(n))
     with _LOCK:
         old = _STANDBY.pop(_key(rd), None)
         _STANDBY[_key(rd)] = standby
     if old is not None:
-        stop_group(old.proc, 2.0)
+        old.stop(2.0)
     return standby
 
 
-def take(run_dir: str | Path, until_step: int, pipelined: bool) -> Standby | None:
+def take(run_dir: str | Path, until_step: int, pipelined: bool) -> WorkerHandle | None:
     """Hand the run's standby its order and give it to the caller to watch; None if there is no
     standby alive (it died, or was never started): the caller spawns a worker as usual."""
     with _LOCK:
         standby = _STANDBY.pop(_key(run_dir), None)
     if standby is None:
         return None
-    if standby.proc.poll() is not None or standby.proc.stdin is None:
-        stop_group(standby.proc, 1.0)
+    stdin = standby.proc.stdin
+    if standby.poll() is not None or stdin is None:
+        standby.stop(1.0)
         return None
     order = json.dumps({"until_step": until_step, "pipelined": pipelined}) + "\n"
     try:
-        standby.proc.stdin.write(order.encode())
-        standby.proc.stdin.flush()
-        standby.proc.stdin.close()
+        stdin.write(order.encode())
+        stdin.flush()
+        stdin.close()
     except OSError:  # it died between the poll and the write
-        stop_group(standby.proc, 1.0)
+        standby.stop(1.0)
         return None
     return standby
 
@@ -112,7 +99,7 @@ def release(run_dir: str | Path, grace_s: float = 2.0) -> bool:
     return True
 
 
-def _stop(standby: Standby, grace_s: float) -> None:
+def _stop(standby: WorkerHandle, grace_s: float) -> None:
     if standby.proc.stdin is not None:
         with contextlib.suppress(OSError):
             standby.proc.stdin.close()  # end of input: a waiting standby exits by itself
@@ -120,13 +107,13 @@ def _stop(standby: Standby, grace_s: float) -> None:
         standby.proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
-    stop_group(standby.proc, grace_s)
+    standby.stop(grace_s)
 
 
 def pid(run_dir: str | Path) -> int | None:
     with _LOCK:
         standby = _STANDBY.get(_key(run_dir))
-    return standby.proc.pid if standby is not None and standby.proc.poll() is None else None
+    return standby.pid if standby is not None and standby.poll() is None else None
 
 
 @atexit.register

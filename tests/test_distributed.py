@@ -127,8 +127,10 @@ def test_sigstop_one_rank_is_a_hang_and_all_ranks_are_reaped(tmp_path: Path) -> 
 
     import psutil
 
-    from tasks.supervisor import AttemptSpec, ChunkFailed, DetectionLimits, supervise, worker_command
+    from tasks.liveness import DetectionLimits
+    from tasks.supervisor import AttemptSpec, ChunkFailed, supervise, worker_command
     from training.heartbeat import read_heartbeat
+    from training.rundir import load_run_config
 
     run = make_run(
         tmp_path,
@@ -153,7 +155,7 @@ def test_sigstop_one_rank_is_a_hang_and_all_ranks_are_reaped(tmp_path: Path) -> 
             time.sleep(0.01)
 
     threading.Thread(target=stop_rank_1, daemon=True).start()
-    limits = DetectionLimits(stall_s=3, timeout_s=6, grace_s=2, poll_s=0.2)
+    limits = DetectionLimits.from_config(load_run_config(run))
     with pytest.raises(ChunkFailed) as info:
         supervise(
             AttemptSpec(worker_command(run, TOTAL, 2), run, limits, run / "logs" / "t.log", ranks=2, chunk=1, attempt=1)

@@ -17,8 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tasks.liveness import Watch, lost_rank
 from tasks.multinode import Rendezvous, failed_node, is_local, launcher_command, node_commands
-from tasks.supervisor import _lost_rank, _Watch, worker_command
+from tasks.supervisor import worker_command
 from tests.flow_util import REPO, assert_no_leftovers, config, in_thread, params, wait_for_step
 from training.checkpointing.store import CheckpointStore
 from training.config import ConfigError
@@ -59,12 +60,12 @@ def test_a_remote_ranks_pid_is_not_checked_here() -> None:
     """A pid from another machine means nothing here: such a rank is judged by its beats only."""
     now = time.time()
     gone = {"pid": 2**22 + 12345, "rank": 1, "step": 5, "phase": "train", "time": now}
-    w = _Watch(started=now - 10)
-    assert _lost_rank(w, [{**gone, "host": "elsewhere"}], 2, now) is None
-    assert _lost_rank(w, [{**gone, "host": "elsewhere"}], 2, now + 5) is None
-    w = _Watch(started=now - 10)
-    _lost_rank(w, [gone], 2, now)  # this machine's (no host = an older beat, read as local)
-    assert _lost_rank(w, [gone], 2, now + 5) is not None
+    w = Watch(started=now - 10)
+    assert lost_rank(w, [{**gone, "host": "elsewhere"}], 2, now) is None
+    assert lost_rank(w, [{**gone, "host": "elsewhere"}], 2, now + 5) is None
+    w = Watch(started=now - 10)
+    lost_rank(w, [gone], 2, now)  # this machine's (no host = an older beat, read as local)
+    assert lost_rank(w, [gone], 2, now + 5) is not None
 
 
 TWO_NODES = {"nnodes": 2, "hosts": ["127.0.0.1", "localhost"]}

@@ -32,7 +32,7 @@ from tests.engine_util import (
 )
 from training.batch import batch_len, to_device, tree_map
 from training.checkpointing.store import CheckpointStore
-from training.config import RunConfig
+from training.config import RunConfig, load_config
 from training.data import Cursor, LoaderSpec, ResumableBatchSampler
 from training.events import read_events
 from training.examples import char_gpt
@@ -287,17 +287,19 @@ def test_eval_phase_has_its_own_limit() -> None:
     """A validation longer than stall_s (and save_timeout_s) is not a hang; past eval_timeout_s it is."""
     import os
 
-    from tasks.supervisor import DetectionLimits, _failure_verdict, _Watch
+    from tasks.liveness import DetectionLimits, Watch, failure_verdict
 
-    lim = DetectionLimits(stall_s=2.0, timeout_s=4.0, save_timeout_s=3.0, eval_timeout_s=10.0, poll_s=0.2)
+    heartbeat = ["stall_s=2", "timeout_s=4", "save_timeout_s=3", "eval_timeout_s=10"]
+    lim = DetectionLimits.from_config(load_config(None, [f"heartbeat.{h}" for h in heartbeat]))
     t = time.time()
-    w = _Watch(started=t - 1, phase="eval", phase_since=t - 1, progress=t - 1)
+    w = Watch(started=t - 1, phase="eval", phase_since=t - 1, progress=t - 1)
     for after in (3.0, 8.0):  # past stall_s and save_timeout_s, beats still coming
         beat = {"rank": 0, "pid": os.getpid(), "phase": "eval", "step": 12, "time": t + after, "progress_time": t - 1}
-        assert _failure_verdict(w, [beat], 1, lim, t + after) is None
+        assert failure_verdict(w, [beat], 1, lim, t + after) is None
     beat = {"rank": 0, "pid": os.getpid(), "phase": "eval", "step": 12, "time": t + 9.5, "progress_time": t - 1}
-    kind, reason, _ = _failure_verdict(w, [beat], 1, lim, t + 9.6)
-    assert kind == "hang" and "phase eval" in reason and "limit 10" in reason
+    verdict = failure_verdict(w, [beat], 1, lim, t + 9.6)
+    assert verdict is not None and verdict.kind == "hang"
+    assert "phase eval" in verdict.reason and "limit 10" in verdict.reason
 
 
 def build_custom_step_task(config: RunConfig, device: torch.device) -> TaskParts:

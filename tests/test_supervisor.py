@@ -17,7 +17,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.supervisor import AttemptSpec, ChunkFailed, DetectionLimits, classify_exit, supervise
+from tasks.failure_details import FailureDetails
+from tasks.failure_kinds import classify_exit
+from tasks.liveness import RANK_GONE_GRACE_S, DetectionLimits, Watch, failure_verdict, lost_rank
+from tasks.supervisor import AttemptSpec, ChunkFailed, supervise
+from training.config import load_config
 from training.events import read_events
 from training.heartbeat import read_heartbeat
 
@@ -90,7 +94,23 @@ STANDIN = textwrap.dedent(
     '''
 )
 
-FAST = DetectionLimits(stall_s=1.0, timeout_s=1.0, init_timeout_s=3.0, save_timeout_s=3.0, grace_s=1.0, poll_s=0.05)
+#: Limits a stand-in crosses within seconds: a beat every 0.05 s (the poll follows it).
+FAST_SETTINGS = [
+    "heartbeat.interval_s=0.05",
+    "heartbeat.stall_s=1",
+    "heartbeat.timeout_s=1",
+    "heartbeat.init_timeout_s=3",
+    "heartbeat.save_timeout_s=3",
+    "heartbeat.grace_s=1",
+]
+
+
+def limits(*overrides: str) -> DetectionLimits:
+    """The detection limits of a config with :data:`FAST_SETTINGS` and then ``overrides``."""
+    return DetectionLimits.from_config(load_config(None, [*FAST_SETTINGS, *overrides]))
+
+
+FAST = limits()
 
 
 @pytest.fixture
@@ -164,20 +184,18 @@ def test_hang_is_detected_and_group_stopped(tmp_path: Path, run_dir: Path) -> No
     exc = run(tmp_path, run_dir, "hang")
     assert isinstance(exc, ChunkFailed) and exc.kind == "hang", exc
     assert "no step progress" in exc.message
-    assert 1.0 <= exc.details["detected_after_s"] < 2.0
-    assert exc.details["last_beat_step"] == 10
+    assert exc.details.detected_after_s is not None and 1.0 <= exc.details.detected_after_s < 2.0
+    assert exc.details.last_beat_step == 10
 
 
 def test_silent_worker_is_dead(tmp_path: Path, run_dir: Path) -> None:
     # stall_s > timeout_s so the missing beat, not the missing progress, is what fires.
-    exc = run(tmp_path, run_dir, "silent", DetectionLimits(**{**FAST.__dict__, "stall_s": 5.0}))
+    exc = run(tmp_path, run_dir, "silent", limits("heartbeat.stall_s=5"))
     assert isinstance(exc, ChunkFailed) and exc.kind == "dead", exc
 
 
 def test_never_beating_worker_is_dead(tmp_path: Path, run_dir: Path) -> None:
-    exc = run(
-        tmp_path, run_dir, "no-beat", DetectionLimits(**{**FAST.__dict__, "timeout_s": 0.5, "init_timeout_s": 60})
-    )
+    exc = run(tmp_path, run_dir, "no-beat", limits("heartbeat.timeout_s=0.5", "heartbeat.init_timeout_s=60"))
     # The first beat is written before the beat thread starts; after that silence = dead.
     assert isinstance(exc, ChunkFailed) and exc.kind == "dead", exc
 
@@ -185,12 +203,12 @@ def test_never_beating_worker_is_dead(tmp_path: Path, run_dir: Path) -> None:
 def test_save_phase_has_its_own_limit(tmp_path: Path, run_dir: Path) -> None:
     # A 1.5 s save with stall_s 1: must not count as a stalled step afterwards.
     assert isinstance(run(tmp_path, run_dir, "slow-save"), float)
-    exc = run(tmp_path, run_dir, "slow-save", DetectionLimits(**{**FAST.__dict__, "save_timeout_s": 0.5}))
+    exc = run(tmp_path, run_dir, "slow-save", limits("heartbeat.save_timeout_s=0.5"))
     assert isinstance(exc, ChunkFailed) and exc.kind == "hang" and "phase save" in exc.message
 
 
 def test_deadline(tmp_path: Path, run_dir: Path) -> None:
-    exc = run(tmp_path, run_dir, "ok", DetectionLimits(**{**FAST.__dict__, "deadline_s": 0.4}), steps=100)
+    exc = run(tmp_path, run_dir, "ok", limits("orchestration.chunk_deadline_s=0.4"), steps=100)
     assert isinstance(exc, ChunkFailed) and exc.kind == "timeout"
 
 
@@ -235,8 +253,9 @@ def test_classify_exit_oom_counter() -> None:
 def test_chunk_failed_pickles() -> None:
     import pickle
 
-    exc = pickle.loads(pickle.dumps(ChunkFailed("hang", "chunk 1 hang: x", {"a": 1})))
-    assert exc.kind == "hang" and exc.details == {"a": 1} and str(exc) == "chunk 1 hang: x"
+    details = FailureDetails(detected_after_s=1.5, last_committed_step=40, reason="x", tail=["step 41"])
+    exc = pickle.loads(pickle.dumps(ChunkFailed("hang", "chunk 1 hang: x", details)))
+    assert exc.kind == "hang" and exc.details == details and str(exc) == "chunk 1 hang: x"
 
 
 def test_done_phase_without_beats_is_not_dead(tmp_path: Path, run_dir: Path) -> None:
@@ -247,8 +266,6 @@ def test_a_vanished_rank_is_a_crash_after_the_launcher_grace() -> None:
     """Multi-rank: a rank's pid gone (not finished) while the launcher still runs."""
     import subprocess
 
-    from tasks.supervisor import RANK_GONE_GRACE_S, _lost_rank, _Watch
-
     gone = subprocess.Popen(["true"])
     gone.wait()
     now = time.time()
@@ -256,27 +273,26 @@ def test_a_vanished_rank_is_a_crash_after_the_launcher_grace() -> None:
         {"rank": 0, "pid": os.getpid(), "phase": "train", "step": 5, "time": now},
         {"rank": 1, "pid": gone.pid, "phase": "train", "step": 5, "time": now - 0.1},
     ]
-    w = _Watch(started=now - 10)
-    assert _lost_rank(w, beats, 2, now) is None  # the launcher gets its grace first
-    kind, reason, after = _lost_rank(w, beats, 2, now + RANK_GONE_GRACE_S)
-    assert kind == "crash" and "rank 1" in reason and after >= RANK_GONE_GRACE_S
-    assert _lost_rank(_Watch(started=now), [{**beats[1], "phase": "done"}], 2, now + 10) is None
-    assert _lost_rank(_Watch(started=now), beats, 1, now + 10) is None  # single rank: exit code decides
+    w = Watch(started=now - 10)
+    assert lost_rank(w, beats, 2, now) is None  # the launcher gets its grace first
+    verdict = lost_rank(w, beats, 2, now + RANK_GONE_GRACE_S)
+    assert verdict is not None and verdict.kind == "crash" and "rank 1" in verdict.reason
+    assert verdict.detected_after_s >= RANK_GONE_GRACE_S
+    assert lost_rank(Watch(started=now), [{**beats[1], "phase": "done"}], 2, now + 10) is None
+    assert lost_rank(Watch(started=now), beats, 1, now + 10) is None  # single rank: exit code decides
 
 
 def test_a_worker_stopped_right_after_a_phase_change_is_hung_not_dead() -> None:
     """stall_s == timeout_s (as in `convoy chaos`): the stall clock starts at the beat that first
     shows the phase, never at the later moment the supervisor read it, so a SIGSTOP just after an
     adoption or a boundary save is a hang, as it is anywhere else (a CI run called it dead)."""
-    from tasks.supervisor import _failure_verdict, _Watch
-
-    lim = DetectionLimits(stall_s=4.0, timeout_s=4.0, poll_s=0.2)
+    lim = DetectionLimits.from_config(load_config(None, ["heartbeat.stall_s=4", "heartbeat.timeout_s=4"]))
     t = time.time()
-    w = _Watch(started=t - 0.5, phase="save", phase_since=t - 0.5, progress=t - 0.5)
+    w = Watch(started=t - 0.5, phase="save", phase_since=t - 0.5, progress=t - 0.5)
     beat = {"rank": 0, "pid": os.getpid(), "phase": "train", "step": 69, "time": t, "progress_time": t - 0.01}
-    assert _failure_verdict(w, [beat], 1, lim, t + 0.35) is None  # the new phase seen a poll and a bit late
-    kind, reason, _after = _failure_verdict(w, [beat], 1, lim, t + 4.05)  # the worker was stopped right after t
-    assert kind == "hang", reason
+    assert failure_verdict(w, [beat], 1, lim, t + 0.35) is None  # the new phase seen a poll and a bit late
+    verdict = failure_verdict(w, [beat], 1, lim, t + 4.05)  # the worker was stopped right after t
+    assert verdict is not None and verdict.kind == "hang", verdict
 
 
 DIES_AFTER_BOUNDARY = textwrap.dedent(
@@ -379,3 +395,92 @@ def test_disk_full_is_one_line(tmp_path: Path, run_dir: Path) -> None:
     exc = run(tmp_path, run_dir, "diskfull")
     assert isinstance(exc, ChunkFailed) and exc.kind == "diskfull" and exc.retryable
     assert exc.message == "chunk 0 diskfull: disk full: OSError: [Errno 28] No space left on device: 'ckpt'"
+
+
+TRAINS_ON_AFTER_BOUNDARY = textwrap.dedent(
+    r"""
+    import json, os, sys, time
+    run_dir = sys.argv[1]
+    hb = os.path.join(run_dir, "heartbeat", "rank-0.json")
+    step = 0
+    while True:
+        step += 1
+        with open(hb + ".tmp", "w") as f:
+            json.dump({"pid": os.getpid(), "rank": 0, "step": step, "phase": "train", "time": time.time(),
+                       "progress_time": time.time()}, f)
+        os.replace(hb + ".tmp", hb)
+        if step == 10:
+            os.makedirs(os.path.join(run_dir, "checkpoints", "step-000000010"))
+            open(os.path.join(run_dir, "checkpoints", "step-000000010", "manifest.json"), "w").write("{}")
+        time.sleep(0.05)
+    """
+)
+
+
+def test_a_parked_worker_killed_between_chunk_tasks_is_detected_when_it_dies(tmp_path: Path, run_dir: Path) -> None:
+    """Pipelined: nobody's task watches the worker between two chunk tasks, but the hand-off
+    registry does (its pidfd): the death is detected when it happens, not when the next chunk
+    adopts the worker a second later."""
+    script = tmp_path / "trains_on.py"
+    script.write_text(TRAINS_ON_AFTER_BOUNDARY)
+    cmd = [sys.executable, str(script), str(run_dir)]
+    out = supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c1.log", chunk=1, attempt=1, boundary_step=10))
+    assert out.returncode == 0
+    killed_at = time.time()
+    os.kill(int(read_heartbeat(run_dir, 0)["pid"]), signal.SIGKILL)
+    time.sleep(1.0)  # the gap between the two chunk tasks
+    with pytest.raises(ChunkFailed) as info:
+        supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c2.log", chunk=2, attempt=1, boundary_step=20))
+    assert info.value.kind == "killed", info.value
+    event = read_events(run_dir, "failure")[-1]
+    assert event["detected_at"] - killed_at < 0.5, event  # adopted 1 s after the kill
+    assert "while parked" in (run_dir / "logs" / "c1.log").read_text()
+    assert not leftovers(run_dir)
+
+
+def test_failure_details_read_back_as_they_were_written() -> None:
+    """The failure event lists every field the supervisor fills, None included (readers of older
+    runs expect the keys); the rest only when set; a pool node's mapping reads back the same."""
+    details = FailureDetails(detected_after_s=0.2, last_committed_step=40, reason="signal SIGKILL", log="x.log")
+    written = details.as_dict()
+    assert list(written)[:10] == [
+        "detected_after_s",
+        "last_beat_step",
+        "trained_to",
+        "last_committed_step",
+        "steps_lost",
+        "passed_over",
+        "returncode",
+        "reason",
+        "error",
+        "log",
+    ]
+    assert written["trained_to"] is None and "tail" not in written and "flow_runs" not in written
+    assert FailureDetails.from_dict({**written, "added_by_a_newer_node": 1}) == details
+    assert details.resume_step == 40 and FailureDetails().resume_step is None
+
+
+@pytest.mark.parametrize("pidfd", [True, False])
+def test_the_death_of_a_process_that_is_not_our_child_wakes_its_watch(
+    pidfd: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker adopted or called from the standby may not be this thread's child: its death is
+    seen through a pidfd as soon as it happens (or by polling where the kernel has no pidfd)."""
+    import subprocess
+
+    from tasks.worker_handle import DeathWatch
+
+    if not pidfd:
+        monkeypatch.delattr(os, "pidfd_open", raising=False)
+    shell = subprocess.run(
+        ["sh", "-c", "sleep 30 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True
+    )
+    orphan = int(shell.stdout.strip())  # its parent (the shell) is gone: not our child
+    watch = DeathWatch(orphan)
+    assert (watch.fd is not None) == pidfd, "this kernel has no pidfd: only the fallback is tested"
+    assert not watch.wait(0.1)
+    os.kill(orphan, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert watch.wait(5.0)
+    assert time.monotonic() - t0 < 0.5
+    watch.close()

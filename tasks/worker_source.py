@@ -1,0 +1,139 @@
+"""Where a chunk attempt's worker comes from: the one seam between the supervisor and its sources.
+
+Three sources, tried in this order, each giving the supervisor the same
+:class:`tasks.worker_handle.WorkerHandle` (pid, a death it can wait for, a stop, its log):
+
+1. **adopted** — the worker the previous chunk parked at its boundary (``orchestration.pipeline``,
+   :mod:`tasks.handoff`), if it runs this attempt's command.  Its beats are its own however old and
+   its log is read on from where the previous chunk stopped.
+2. **standby** — the run's warm standby (``orchestration.standby``, :mod:`tasks.standby`), given
+   this attempt's order.
+3. **spawned** — a fresh process (after removing stale beats of an earlier attempt).
+
+Every source is watched equally well: the handle waits on the process's pidfd, so the death of
+a worker this task did not start is seen as fast as that of one it did.  The supervisor
+(:mod:`tasks.supervisor`) holds one :class:`WorkerSource` per attempt and only asks it for the
+worker (:meth:`~WorkerSource.acquire`), tells it once the worker trains (then a new standby is
+started behind it) and, at a committed boundary, leaves the worker to the next chunk
+(:meth:`~WorkerSource.park`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from tasks import handoff, standby
+from tasks.worker_handle import WorkerHandle, spawn
+from training.events import Event, append_event
+from training.heartbeat import heartbeat_path
+
+
+class Source(StrEnum):
+    """Where the watched worker came from."""
+
+    ADOPTED = "adopted"
+    STANDBY = "standby"
+    SPAWNED = "spawned"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What an attempt needs from a worker: the command a fresh one runs, where its output goes,
+    and the order a standby would be given instead (None: no standby for this run)."""
+
+    cmd: Sequence[str]
+    run_dir: Path
+    log_path: Path
+    ranks: int
+    chunk: int | None
+    attempt: int | None
+    cwd: str | Path | None
+    env: dict[str, str] | None
+    standby_order: dict[str, Any] | None
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, **(self.env or {})}
+
+
+@dataclass(frozen=True)
+class Acquired:
+    worker: WorkerHandle
+    source: Source
+
+
+def clock(t: float) -> str:
+    """A log header's time, as a person reads it (UTC)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+class WorkerSource:
+    """Where one attempt's worker comes from and goes to (see the module docstring)."""
+
+    def __init__(self, launch: Launch) -> None:
+        self.launch = launch
+        self.standby_checked = False
+
+    def acquire(self, started: float) -> Acquired:
+        """This attempt's worker: the parked one, else the standby, else a fresh spawn."""
+        launch = self.launch
+        parked = handoff.adopt(launch.run_dir, list(launch.cmd))  # None unless the previous chunk parked it
+        if parked is not None:
+            return Acquired(parked, Source.ADOPTED)
+        for r in range(launch.ranks):  # stale beats of an earlier attempt must not count as liveness
+            with contextlib.suppress(FileNotFoundError):
+                heartbeat_path(launch.run_dir, r).unlink()
+        called = self._call_standby(started)
+        if called is not None:
+            return Acquired(called, Source.STANDBY)
+        header = f"chunk={launch.chunk} attempt={launch.attempt} started {clock(started)}"
+        fresh = spawn(launch.cmd, launch.log_path, header, cwd=launch.cwd, env=launch.environment())
+        return Acquired(fresh, Source.SPAWNED)
+
+    def _call_standby(self, started: float) -> WorkerHandle | None:
+        """Give the run's warm standby this attempt's order; None when there is none."""
+        launch = self.launch
+        if launch.standby_order is None:
+            return None
+        ready = standby.take(launch.run_dir, **launch.standby_order)
+        if ready is None:
+            return None
+        with open(ready.log_path, "ab") as log:
+            log.write(
+                f"# convoy chunk={launch.chunk} attempt={launch.attempt} took over standby pid {ready.pid} "
+                f"at {clock(started)}\n".encode()
+            )
+        append_event(
+            launch.run_dir,
+            Event.STANDBY_CALLED,
+            chunk=launch.chunk,
+            attempt=launch.attempt,
+            pid=ready.pid,
+            ready_s=round(started - ready.started, 3),
+        )
+        return ready
+
+    def worker_trains(self) -> None:
+        """The worker is past its start-up: keep the run's standby ready behind it (once per
+        attempt: a standby that cannot start is not retried)."""
+        if self.standby_checked or self.launch.standby_order is None:
+            return
+        self.standby_checked = True
+        launch = self.launch
+
+        def start(cmd: list[str], log_path: Path) -> WorkerHandle:
+            header = f"standby started {clock(time.time())}"
+            return spawn(cmd, log_path, header, cwd=launch.cwd, env=launch.environment(), stdin=subprocess.PIPE)
+
+        standby.ensure(launch.run_dir, start)
+
+    def park(self, worker: WorkerHandle) -> None:
+        """Leave the worker, alive or not, to the next chunk's attempt (which judges it)."""
+        handoff.park(self.launch.run_dir, worker, list(self.launch.cmd))
