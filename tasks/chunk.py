@@ -110,7 +110,8 @@ def loss_at(run_dir: Path, step: int) -> float | None:
 
 def committed_digest(run_dir: Path, step: int) -> str | None:
     """Digest of the verified checkpoint at exactly ``step`` (None if missing or invalid)."""
-    from training.checkpointing.store import CheckpointRejected, CheckpointStore, checkpoint_name
+    from training.checkpointing.errors import CheckpointRejected
+    from training.checkpointing.store import CheckpointStore, checkpoint_name
 
     store = CheckpointStore(run_dir)
     try:

@@ -42,7 +42,8 @@ from typing import Any
 
 from tasks import remote_index
 from training import faults
-from training.checkpointing.store import CheckpointRejected, CheckpointStore, parse_step
+from training.checkpointing.errors import CheckpointRejected
+from training.checkpointing.store import CheckpointStore, parse_step
 from training.events import Event, append_event
 from training.fsutil import atomic_write_bytes
 from training.paths import RunPaths

@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from tests.engine_util import make_run, run_worker
 from training.checkpointing import safetensors_io as st
-from training.checkpointing.store import MANIFEST, CheckpointError, CheckpointStore, state_digest
+from training.checkpointing.errors import CheckpointError
+from training.checkpointing.store import MANIFEST, CheckpointStore, state_digest
 from training.config import CheckpointConfig
 from training.events import read_events
 

@@ -20,10 +20,12 @@ from typing import Any
 import pytest
 import torch
 
-from tasks.supervisor import AttemptSpec, ChunkFailed, DetectionLimits, supervise, worker_command
+from tasks.liveness import DetectionLimits
+from tasks.supervisor import AttemptSpec, ChunkFailed, supervise, worker_command
 from tests.engine_util import make_run, run_worker
-from training.checkpointing.store import MANIFEST, CheckpointRejected, CheckpointStore
-from training.config import RunConfig
+from training.checkpointing.errors import CheckpointRejected
+from training.checkpointing.store import MANIFEST, CheckpointStore
+from training.config import RunConfig, load_config
 from training.events import Event, FailureKind, read_events
 from training.examples import char_gpt
 from training.state import TrainState
@@ -62,7 +64,9 @@ def test_a_bug_while_restoring_crashes_the_attempt_and_leaves_the_checkpoint_alo
     run_dir = make_run(tmp_path, "bug", ["task=tests.test_checkpoint_rejected:build_task_with_restore_bug"])
     code, out = run_worker(run_dir, 20)
     assert code == 0, out
-    limits = DetectionLimits(init_timeout_s=120, timeout_s=30, grace_s=2)
+    limits = DetectionLimits.from_config(
+        load_config(None, ["heartbeat.init_timeout_s=120", "heartbeat.timeout_s=30", "heartbeat.grace_s=2"])
+    )
     spec = AttemptSpec(
         worker_command(run_dir, 30),
         run_dir,
@@ -77,7 +81,7 @@ def test_a_bug_while_restoring_crashes_the_attempt_and_leaves_the_checkpoint_alo
     assert failed.value.kind == FailureKind.CRASH, failed.value
     log = (run_dir / "logs" / "bug.log").read_text()
     assert "Traceback (most recent call last)" in log and "KeyError: 'a bug in the restore" in log, log
-    assert any("KeyError" in line for line in failed.value.details["tail"]), failed.value.details
+    assert any("KeyError" in line for line in failed.value.details.tail), failed.value.details
     failure = read_events(run_dir, Event.FAILURE)[-1]  # the audit: the error, the log with the traceback
     assert "KeyError" in failure["error"] and failure["log"] == str(run_dir / "logs" / "bug.log"), failure
     assert failure["last_committed_step"] == 20 and failure["passed_over"] == [], failure

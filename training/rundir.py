@@ -117,7 +117,8 @@ def resolve_parent(spec: str) -> InitFrom:
     """``--from runs/<parent>[@step]`` → the exact parent checkpoint: its run directory (links
     resolved: the child must name the run, not whatever ``runs/<name>`` points at later), the
     step (default: the newest verified one) and its digest.  A ConfigError says what is wrong."""
-    from training.checkpointing.store import CheckpointRejected, CheckpointStore
+    from training.checkpointing.errors import CheckpointRejected
+    from training.checkpointing.store import CheckpointStore
 
     path, step = _split_from(spec)
     if not RunPaths(path).checkpoints.is_dir():
@@ -178,7 +179,8 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     parent's MLflow run id (the child logs to its own run).  Built in a temporary sibling and
     renamed, then ``LATEST`` (invariant 1).  The worker restores it like any checkpoint and then
     takes the optimisation settings of the child's config (:mod:`training.restore`)."""
-    from training.checkpointing.store import MANIFEST, CheckpointRejected, CheckpointStore
+    from training.checkpointing.errors import CheckpointRejected
+    from training.checkpointing.store import MANIFEST, CheckpointStore
 
     src = config.init_from
     assert src is not None

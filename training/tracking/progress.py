@@ -26,7 +26,8 @@ from typing import Any
 
 import psutil
 
-from training.checkpointing.store import CheckpointRejected, CheckpointStore
+from training.checkpointing.errors import CheckpointRejected
+from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
 from training.corpus import entropy_floor
 from training.events import Event, read_events

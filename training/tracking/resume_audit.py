@@ -56,7 +56,8 @@ def resume_point(run_dir: str | Path) -> tuple[int | None, list[dict[str, Any]]]
     """(step of the checkpoint a resume takes, the newer ones it passes over): each passed-over
     one as ``{"checkpoint", "step", "reason"}``, newest first.  The same validation as the
     resume (imported lazily: it pulls in torch); nothing is recorded."""
-    from training.checkpointing.store import CheckpointRejected, CheckpointStore
+    from training.checkpointing.errors import CheckpointRejected
+    from training.checkpointing.store import CheckpointStore
 
     store = CheckpointStore(run_dir)
     passed: list[dict[str, Any]] = []
