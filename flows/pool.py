@@ -36,6 +36,7 @@ from prefect.deployments import run_deployment
 from tasks import remote_checkpoints, run_records
 from tasks.artifacts import artifact_key
 from tasks.chunk import chunk_record, run_chunk, should_retry
+from tasks.chunk_record import ChunkRecord
 from tasks.failure_kinds import NOT_RETRYABLE
 from tasks.remote_index import node_name
 from tasks.supervisor import ChunkFailed
@@ -107,8 +108,8 @@ def train_chunk(
         )
         with run_records.system_metrics(config, run_dir):  # sampled on the node that trains
             record = chunk_record(task(str(run_dir), chunk, start_step, end_step))
-        outcome.update(ok=True, record=record)
-        return record
+        outcome.update(ok=True, record=record.as_dict())
+        return record.as_dict()
     except BaseException as exc:
         outcome.update(failure_of(exc))
         raise
@@ -168,7 +169,7 @@ def _record_failure(run_dir: Path, chunk: int, attempt: int, fr: Any, outcome: d
     return kind, message
 
 
-def dispatch_chunk(config: RunConfig, run_dir: Path, chunk: int, start: int, end: int) -> dict[str, Any]:
+def dispatch_chunk(config: RunConfig, run_dir: Path, chunk: int, start: int, end: int) -> ChunkRecord:
     """Run one chunk as flow runs of the chunk deployment until it commits or retries run out;
     the record says on which node each attempt ran and what the attempts fetched."""
     logger = get_run_logger()
@@ -190,7 +191,7 @@ def dispatch_chunk(config: RunConfig, run_dir: Path, chunk: int, start: int, end
         seen["nodes"].append(outcome.get("node"))
         seen["fetched"].extend({"attempt": attempt, **f} for f in _fetches(outcome))
         if fr.state is not None and fr.state.is_completed() and outcome.get("ok"):
-            return {**outcome["record"], "attempt": attempt, **seen}
+            return ChunkRecord.from_dict({**outcome["record"], "attempt": attempt, **seen})
         kind, message = _record_failure(run_dir, chunk, attempt, fr, outcome)
         seen["failure_kinds"].append(kind)
         details = outcome.get("details") or {}

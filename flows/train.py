@@ -29,6 +29,7 @@ from flows.report import mlflow_link
 from tasks import handoff, remote_checkpoints, run_records, standby
 from tasks.artifacts import publish_chunk_table
 from tasks.chunk import chunk_record, committed_digest, loss_at, retrying_chunk_task
+from tasks.chunk_record import ChunkRecord
 from tasks.hooks import flow_crashed, flow_failed, remember_run
 from tasks.process_group import reap_stale_worker
 from tasks.supervisor import ChunkFailed
@@ -215,13 +216,13 @@ class TrainingRun:
         except BaseException:
             row.update(self.history(chunk), status="failed", seconds=time.time() - c0)
             raise
-        row.update(self.history(chunk), status="trained", seconds=time.time() - c0, digest=rec["digest"])
-        row.update(loss=rec["loss"])
-        if rec.get("failure_kinds"):  # pool mode: its chunk flows' failures, which no event may name
-            row.update(failure_kinds=rec["failure_kinds"], attempts=max(row["attempts"], rec["attempt"]))
+        row.update(self.history(chunk), status="trained", seconds=time.time() - c0, digest=rec.digest)
+        row.update(loss=rec.loss)
+        if rec.failure_kinds:  # pool mode: its chunk flows' failures, which no event may name
+            row.update(failure_kinds=rec.failure_kinds, attempts=max(row["attempts"], rec.attempt))
         for key in ("flow_runs", "nodes", "fetched"):  # pool mode: per attempt, its flow run, node, download
-            if key in rec:
-                row[key] = rec[key]
+            if getattr(rec, key) is not None:
+                row[key] = getattr(rec, key)
         self.hand_over_boundary(end)
 
     def history(self, chunk: int) -> dict[str, Any]:
@@ -230,7 +231,7 @@ class TrainingRun:
         tried three times)."""
         return chunk_history(read_events(self.run_dir), chunk)
 
-    def train_chunk(self, chunk: int, start: int, end: int) -> dict[str, Any]:
+    def train_chunk(self, chunk: int, start: int, end: int) -> ChunkRecord:
         if self.cfg.orchestration.mode == "pool":
             from flows.pool import dispatch_chunk
 

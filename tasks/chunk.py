@@ -39,6 +39,7 @@ from prefect.states import Completed, State
 
 from tasks import handoff, remote_checkpoints, run_records
 from tasks.artifacts import publish_failure_note
+from tasks.chunk_record import ChunkRecord
 from tasks.failure_details import FailureDetails
 from tasks.hooks import chunk_failed, remember_run
 from tasks.liveness import DetectionLimits
@@ -302,19 +303,19 @@ class ChunkRun:
                 f"chunk {chunk}: worker exited 0 but no valid checkpoint at step {self.end}",
                 FailureDetails(last_committed_step=newest_verified_step(rd), log=str(outcome.log_path)),
             )
-        record = {
-            "chunk": chunk,
-            "start_step": self.start,
-            "end_step": self.end,
-            "attempt": self.attempt,
-            "preemptions": self.preemptions,
-            "resumed_from": self.resumed_from,
-            "digest": digest,
-            "loss": loss_at(rd, self.end),
-            "seconds": round(time.time() - started, 3),
-            "worker_seconds": round(outcome.seconds, 3),
-            "node": node_name(),
-        }
+        record = ChunkRecord(
+            chunk=chunk,
+            start_step=self.start,
+            end_step=self.end,
+            attempt=self.attempt,
+            preemptions=self.preemptions,
+            resumed_from=self.resumed_from,
+            digest=digest,
+            loss=loss_at(rd, self.end),
+            seconds=round(time.time() - started, 3),
+            worker_seconds=round(outcome.seconds, 3),
+            node=node_name(),
+        ).as_dict()
         append_event(rd, Event.CHUNK_DONE, **record)
         self.logger.info(
             "chunk %d done: steps [%d, %d) digest %s (attempt %d)", chunk, self.start, self.end, digest, self.attempt
@@ -340,10 +341,11 @@ def passed_over_clause(passed_over: list[dict[str, Any]]) -> str:
     return "; passed over " + "; ".join(f"step {p['step']} ({p['reason']})" for p in passed_over)
 
 
-def chunk_record(result: Any) -> dict[str, Any]:
-    """``run_chunk``'s record: the task returns a Completed state (for its message), which a
-    caller receives as such."""
-    return result.result() if isinstance(result, State) else result
+def chunk_record(result: Any) -> ChunkRecord:
+    """``run_chunk``'s record: the task returns a Completed state (for its message) holding the
+    record as a mapping, which a caller receives as such."""
+    data = result.result() if isinstance(result, State) else result
+    return data if isinstance(data, ChunkRecord) else ChunkRecord.from_dict(data)
 
 
 def _report(logger: Any, cfg: RunConfig, exc: ChunkFailed, attempt: tuple[int, int, int], resume_at: int) -> None:

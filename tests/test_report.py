@@ -247,3 +247,41 @@ def test_only_flow_runs_that_died_unseen_are_taken_over() -> None:
         {"kind": "flow_started", "flow_run_id": "now"},
     ]
     assert unfinished_flow_runs(events, "now") == ["killed-2"]
+
+
+def test_a_chunk_record_keeps_the_written_keys_and_reads_back_what_a_pool_parent_adds() -> None:
+    """The ``chunk_done`` event and the pool artifact are read by older and newer code alike: the
+    keys and their order are the ones written before the record had a type."""
+    from tasks.chunk_record import ChunkRecord
+
+    record = ChunkRecord(
+        chunk=2,
+        start_step=20,
+        end_step=40,
+        attempt=3,
+        preemptions=1,
+        resumed_from=None,
+        digest="ab" * 32,
+        loss=None,
+        seconds=1.5,
+        worker_seconds=1.2,
+        node="a",
+    )
+    written = record.as_dict()
+    assert list(written) == [
+        "chunk",
+        "start_step",
+        "end_step",
+        "attempt",
+        "preemptions",
+        "resumed_from",
+        "digest",
+        "loss",
+        "seconds",
+        "worker_seconds",
+        "node",
+    ]
+    seen = {"flow_runs": ["f1"], "failure_kinds": ["killed"], "nodes": ["a", "b"], "fetched": [], "later_key": 1}
+    parent = ChunkRecord.from_dict({**written, **seen})
+    assert parent.flow_runs == ["f1"] and parent.nodes == ["a", "b"] and parent.fetched == []
+    assert ChunkRecord.from_dict(written) == record

@@ -1,0 +1,48 @@
+"""What a committed chunk reports to its flow: :class:`ChunkRecord`.
+
+A record crosses three boundaries as a plain mapping (the ``chunk_done`` event, the Prefect task's
+Completed state, a pool node's outcome artifact), and is read by the parent flow; the type names
+the facts once, so no reader depends on string keys that a writer may spell differently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One chunk's steps [start_step, end_step), committed by attempt ``attempt`` with ``digest``."""
+
+    chunk: int
+    start_step: int
+    end_step: int
+    attempt: int
+    preemptions: int
+    resumed_from: int | None
+    digest: str
+    loss: float | None
+    seconds: float
+    worker_seconds: float
+    node: str
+    #: Pool mode only (the parent's dispatcher adds them): each chunk flow run's id, failure kind,
+    #: node and downloads, since no event of another machine names them.
+    flow_runs: list[str] | None = None
+    failure_kinds: list[str] | None = None
+    nodes: list[str | None] | None = None
+    fetched: list[dict[str, Any]] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The mapping that is written (event, task state, artifact): the pool-only fields only when set."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k in _ALWAYS}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ChunkRecord:
+        """Read a record back; keys this version does not know (a newer node's) are ignored."""
+        return cls(**{k: v for k, v in data.items() if k in _FIELDS})
+
+
+_FIELDS = {f.name for f in dataclasses.fields(ChunkRecord)}
+_ALWAYS = {f.name for f in dataclasses.fields(ChunkRecord) if f.default is dataclasses.MISSING}
