@@ -266,6 +266,11 @@ class WorkerAttempt:
                 self.source.worker_trains()
             if self.worker.wait_exit(spec.limits.poll_s):  # it died: the wait woke as it did
                 self.last_seen_running = self.worker.died_at or self.last_seen_running
+        if self.failure is None and self.worker.poll() is not None:
+            # Its last beats may postdate our last look: they still say how far it got.
+            final = fresh_beats(self.run_dir, spec.ranks, self.watched.clock_floor)
+            if final:
+                self.watched.last_step = min(int(b.get("step", 0)) for b in final)
         # Running, or died just after the commit (between two looks): either way this chunk is
         # done and the worker, alive or not, is the next chunk's to adopt and judge.
         self.handed_off = self.failure is None and self.boundary_committed()

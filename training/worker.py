@@ -266,6 +266,9 @@ class Worker:
         batches = self.batches()
         evaluating = self.evaluating()
         self.hb.set(phase=Phase.TRAIN, step=state.step)
+        # Said at once, not at the next interval: a worker that fails in its first step has still
+        # reached the step it resumed at, and the repeated-failure rule compares that step.
+        self.hb.beat()
         schedule = self.session.schedule
         schedule.start(state.step)
         loss = None
