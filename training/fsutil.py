@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _temporary_sibling(path: Path) -> Path:
+    """A temporary name no other writer uses: per process *and* per thread, since two threads
+    of one process (the worker's main thread and its heartbeat thread) may write one file at
+    once, and a shared name lets one thread rename the other's half-written file away."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_native_id()}.tmp")
+
+
 def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
     """Write via a temporary sibling + rename, so readers see the old or the new file, never half."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _temporary_sibling(path)
     with open(tmp, "wb") as f:
         f.write(data)
         if durable:
@@ -41,7 +49,7 @@ def atomic_replace(path: Path, durable: bool = True) -> Iterator[Path]:
     temporary sibling to create, which replaces ``path`` when the block ends without an error
     (removed otherwise), so readers see the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _temporary_sibling(path)
     tmp.unlink(missing_ok=True)
     try:
         yield tmp

@@ -51,6 +51,9 @@ class Heartbeat:
         self.phase = Phase.INIT
         self.progress_time = time.time()
         self._stop = threading.Event()
+        # One beat at a time: the main thread beats as it enters training while the thread
+        # beats on its interval; serialised, the newer beat is always the one left on disk.
+        self._write_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="convoy-heartbeat", daemon=True)
 
     def set(self, phase: Phase | None = None, step: int | None = None) -> None:
@@ -61,6 +64,10 @@ class Heartbeat:
             self.progress_time = time.time()
 
     def beat(self) -> None:
+        with self._write_lock:
+            self._write_beat()
+
+    def _write_beat(self) -> None:
         # Not durable (no fsync): a beat only matters while this machine is up.
         atomic_write_json(
             self.path,
