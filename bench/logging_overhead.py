@@ -1,22 +1,24 @@
-"""Cost of metric logging (metrics.jsonl + MLflow on SQLite) relative to the training step.
+"""Cost of metric logging to the training loop: the worker's journal, and MLflow shipped from it.
 
     python bench/logging_overhead.py [--steps 300] [--block 50] [-S k=v ...]
 
 Trains the example task in this process with the worker's own ``train_step`` logic, in
 interleaved blocks (so machine load drifts hit every variant alike), for three variants:
 
-* ``none``        — no logging at all (the baseline);
-* ``async``       — ``StepMetricLogger([JsonlBackend, MlflowBackend])`` as the worker uses it:
-                    rows are buffered, flushed every 50 steps, MLflow writes on a background thread;
-* ``async/1``     — the same, but the logger hands every step over (``flush_every=1``: metrics.jsonl
-                    written each step; the MLflow thread still batches, every 5 s);
-* ``sync``        — flush every 50, ``MlflowDelivery(asynchronous=False)``: ``log_batch`` in the loop.
+* ``none``          — no logging at all (the baseline);
+* ``journal``       — ``StepMetricLogger([JsonlBackend], flush_every=1)`` exactly as the worker logs:
+                      one ``metrics.jsonl`` append per step, nothing else (no MLflow in the worker,
+                      docs/architecture.md invariant 12);
+* ``journal+ship``  — the same, with a :class:`tasks.metric_shipping.MetricShipper` in *another
+                      process* (as the chunk task runs it) following that journal into MLflow on
+                      SQLite while the loop trains: what shipping costs the loop through the CPU it
+                      takes on this machine.
 
 Printed: median step time; the time spent *inside* the logging calls per step (what the training
-loop waits for) as a % of the step; the MLflow ``log_batch`` time per step (on the background
-thread for ``async``: CPU work that competes with training on a small machine, not a stall); and
-the wall-clock difference per step against the baseline (noisy on a loaded machine).  A figure,
-not an assertion.
+loop waits for) as a % of the step; the wall-clock difference per step against the baseline
+(noisy on a loaded machine); and how many values the shipper delivered.  A figure, not an
+assertion.  Before invariant 12 (commit 2f106be) the worker logged to MLflow itself: see
+bench/RESULTS.md for both.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-VARIANTS = ("async", "async/1", "sync")
+VARIANTS = ("journal", "journal+ship")
 
 
 def setup(args: argparse.Namespace) -> tuple[Any, str, Any, Callable[[], dict[str, float]]]:
@@ -42,12 +44,12 @@ def setup(args: argparse.Namespace) -> tuple[Any, str, Any, Callable[[], dict[st
     worker takes it, returning its metrics."""
     import torch
 
+    from tasks.mlflow_client import client_for
     from training.config import load_config
     from training.corpus import prepare
     from training.data import Cursor, LoaderSpec, make_loader
     from training.state import configure_determinism, seed_everything
     from training.task import build_task
-    from training.tracking.mlflow_backend import client_for
 
     tmp = Path(tempfile.mkdtemp(prefix="convoy-bench-log-"))
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
@@ -91,25 +93,36 @@ def setup(args: argparse.Namespace) -> tuple[Any, str, Any, Callable[[], dict[st
 
 
 def make_loggers(cfg: Any, uri: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Per variant, a run of its own with the worker's logger, and that logger's MLflow backend."""
+    """Per variant, a run of its own with the worker's logger; for ``journal+ship`` the shipper
+    process following its journal (stopped by closing its stdin)."""
+    import subprocess
+
     from tasks.mlflow_runs import ensure_mlflow_run
     from training.rundir import open_run
     from training.tracking.metrics import JsonlBackend, StepMetricLogger
-    from training.tracking.mlflow_backend import MlflowBackend, MlflowDelivery
 
-    loggers = {}
-    backends = {}
-    for variant, asynchronous, flush_every in (("async", True, 50), ("async/1", True, 1), ("sync", False, 50)):
-        vcfg = cfg.model_copy(update={"run_name": f"bench-{variant.replace('/', '-')}"})
+    loggers, shippers = {}, {}
+    for variant in VARIANTS:
+        vcfg = cfg.model_copy(update={"run_name": f"bench-{variant.replace('+', '-')}"})
         run_dir = open_run(vcfg)
         run_id = ensure_mlflow_run(vcfg, run_dir)
-        backends[variant] = MlflowBackend(
-            cfg, run_id, tracking_uri=uri, delivery=MlflowDelivery(asynchronous=asynchronous)
-        )
-        loggers[variant] = StepMetricLogger(
-            [JsonlBackend(run_dir / "metrics.jsonl"), backends[variant]], run_dir, flush_every=flush_every
-        )
-    return loggers, backends
+        loggers[variant] = StepMetricLogger([JsonlBackend(run_dir / "metrics.jsonl")], run_dir, flush_every=1)
+        if variant == "journal+ship":
+            cmd = [sys.executable, __file__, "--ship", str(run_dir / "metrics.jsonl"), uri, run_id]
+            shippers[variant] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return loggers, shippers
+
+
+def ship_until_stdin_closes(journal: str, uri: str, run_id: str) -> int:
+    """The shipper process: follow ``journal`` into MLflow until stdin closes, print what it sent."""
+    from tasks.metric_shipping import MetricShipper
+    from tasks.mlflow_client import client_for
+
+    shipper = MetricShipper(lambda: client_for(uri), run_id, Path(journal), say=lambda _: None).start()
+    sys.stdin.read()
+    report = shipper.stop(drain_s=60)
+    print(f"{report.shipped} {report.waiting}", flush=True)
+    return 0
 
 
 def measure(
@@ -151,7 +164,7 @@ def print_table(
     parts: Any,
     uri: str,
     measured: tuple[dict[str, list[float]], dict[str, float]],
-    backends: dict[str, Any],
+    shipped: dict[str, str],
 ) -> None:
     import torch
 
@@ -160,41 +173,46 @@ def print_table(
     mean_base = statistics.fmean(times["none"])
     print(
         f"convoy logging overhead — {args.steps} steps per variant, blocks of {args.block}, "
-        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
+        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}"
     )
     print(
         f"model: {sum(p.numel() for p in parts.model.parameters()):,} parameters, batch {cfg.train.batch_size}; "
-        f"5 metrics per step; MLflow {uri}"
+        f"MLflow {uri}"
     )
     print(f"baseline step: median {base * 1e3:.1f} ms, mean {mean_base * 1e3:.1f} ms")
     print(
-        f"{'variant':8} {'in-loop ms/step':>16} {'% of step':>10} {'log_batch ms/step':>18} {'% of step':>10} "
-        f"{'calls':>6} {'wall Δ ms/step':>15}"
+        f"{'variant':13} {'in-loop ms/step':>16} {'% of step':>10} {'median Δ ms':>12} {'mean Δ ms':>10} {'shipped':>8}"
     )
     for variant in VARIANTS:
         per = in_log[variant] / args.steps
-        bg = backends[variant].write_s / args.steps
+        med = statistics.median(times[variant]) - base
         wall = statistics.fmean(times[variant]) - mean_base
         print(
-            f"{variant:8} {per * 1e3:16.3f} {100 * per / base:9.2f}% {bg * 1e3:18.3f} {100 * bg / base:9.2f}% "
-            f"{backends[variant].calls:6d} {wall * 1e3:15.2f}"
+            f"{variant:13} {per * 1e3:16.3f} {100 * per / base:9.2f}% {med * 1e3:12.2f} {wall * 1e3:10.2f} "
+            f"{shipped.get(variant, '-'):>8}"
         )
     print(
-        "in-loop = time the training loop spends in StepMetricLogger.log/close (the overhead the goal "
-        "< 1% refers to); log_batch = MLflow write time (background thread for async)."
+        "in-loop = time the training loop spends in StepMetricLogger.log/close; Δ = step time minus the "
+        "baseline's (median and mean); shipped = values the shipper process delivered to MLflow."
     )
 
 
 def main() -> int:
+    if len(sys.argv) == 5 and sys.argv[1] == "--ship":
+        return ship_until_stdin_closes(*sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300, help="steps per variant")
     ap.add_argument("--block", type=int, default=50, help="steps per interleaved block")
     ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
     args = ap.parse_args()
     cfg, uri, parts, step = setup(args)
-    loggers, backends = make_loggers(cfg, uri)
+    loggers, shippers = make_loggers(cfg, uri)
     measured = measure(args, cfg, parts, step, loggers)
-    print_table(args, cfg, parts, uri, measured, backends)
+    shipped = {}
+    for variant, proc in shippers.items():
+        out, _ = proc.communicate(timeout=120)  # closes its stdin: it drains and reports
+        shipped[variant] = out.split()[0] if out.split() else "?"
+    print_table(args, cfg, parts, uri, measured, shipped)
     return 0
 
 

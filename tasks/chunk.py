@@ -43,6 +43,7 @@ from tasks.chunk_record import ChunkRecord
 from tasks.failure_details import FailureDetails
 from tasks.hooks import chunk_failed, remember_run
 from tasks.liveness import DetectionLimits
+from tasks.metric_shipping import MetricShipper
 from tasks.process_group import reap_stale_worker
 from tasks.remote_index import node_name
 from tasks.repeated import as_repeated, repeated_failure
@@ -162,11 +163,20 @@ class ChunkRun:
         if handoff.parked_pid(self.run_dir) is None:  # our own parked worker is not stale
             reap_stale_worker(self.run_dir, self.cfg.train.world_size)
         remote_checkpoints.follow(self.cfg, self.run_dir)  # uploads committed checkpoints (tracking.dvc)
+        shipper = MetricShipper.for_run(self.cfg, self.run_dir, say=self.say)  # the worker never talks to MLflow
         started = time.time()
-        outcome = None
-        while outcome is None:
-            outcome = self.supervised_attempt()
+        try:
+            outcome = None
+            while outcome is None:
+                outcome = self.supervised_attempt()
+        finally:
+            if shipper is not None:
+                last = self.end >= self.cfg.train.total_steps
+                shipper.stop(self.cfg.tracking.ship_drain_s if last else min(2.0, self.cfg.tracking.ship_drain_s))
         return self.committed(started, outcome)
+
+    def say(self, line: str) -> None:
+        self.logger.info("chunk %d: %s", self.chunk, line)
 
     def begin_attempt(self) -> str | None:
         """Number this worker attempt, open its MLflow run and record it (``attempt_started``);

@@ -70,8 +70,8 @@ _child_uris: dict[str, str] = {}
 def client_and_parent(config: RunConfig, run_dir: Path) -> tuple[Any, str, str]:
     """The MLflow client and the training run's MLflow run (imported here: MLflow takes ~3 s, and
     importing this module must not cost that to a flow that tracks nothing)."""
+    from tasks.mlflow_client import client_for, resolve_tracking_uri
     from tasks.mlflow_runs import ensure_mlflow_run
-    from training.tracking.mlflow_backend import client_for, resolve_tracking_uri
 
     run_id = ensure_mlflow_run(config, run_dir)
     uri = resolve_tracking_uri(config, run_dir)
@@ -221,7 +221,7 @@ def end_attempt(
         raise ValueError(f"status = {outcome.status!r}: expected FINISHED, FAILED or KILLED")
     from mlflow.entities import RunTag
 
-    from training.tracking.mlflow_backend import client_for, resolve_tracking_uri
+    from tasks.mlflow_client import client_for, resolve_tracking_uri
 
     uri = _child_uris.get(child_run_id) or resolve_tracking_uri(config, run_dir)
     client = client_for(uri)

@@ -1,10 +1,10 @@
-"""Creating the MLflow run of a training run (the flow does it once; workers only log into it).
+"""Creating the MLflow run of a training run (the flow does it once; chunk tasks ship into it).
 
 :func:`ensure_mlflow_run` creates the run once (name = run_name, ``convoy.*`` tags, params logged
 once) and stores its id and URI in ``run.json``; later calls, from any process or attempt, reuse
 it (or the id a checkpoint manifest carries, after a pull).  Kept out of the engine: a worker
-never creates a run, it logs into the one named in ``run.json``
-(:class:`training.tracking.mlflow_backend.MlflowBackend`).
+never talks to MLflow; its ``metrics.jsonl`` is shipped into the run named in ``run.json``
+(:class:`tasks.metric_shipping.MetricShipper`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from tasks.mlflow_client import TAG_PREFIX, client_for, resolve_tracking_uri
 from training.config import RunConfig
 from training.paths import RunPaths
 from training.rundir import run_info, update_run_info
-from training.tracking.mlflow_backend import TAG_PREFIX, client_for, resolve_tracking_uri
 
 MAX_BATCH_PARAMS = 100
 

@@ -25,8 +25,8 @@ objects no index names: never a half-uploaded checkpoint that looks valid.  One 
 a time (the node training it); entries are only ever added.
 
 The metric rows travel with the checkpoints so that the node that resumes a run has the
-history up to its checkpoint: its MLflow client fills in points the failed node had queued but
-not sent (``MlflowBackend.reconcile``), keeping exactly one point per (metric, step).
+history up to its checkpoint: its metric shipper sends the points the failed node had not sent
+(``tasks/metric_shipping.py``), keeping exactly one point per (metric, step).
 """
 
 from __future__ import annotations

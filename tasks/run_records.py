@@ -159,8 +159,8 @@ def system_metrics(config: RunConfig, run_dir: Path) -> Iterator[None]:
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+            from tasks.mlflow_client import resolve_tracking_uri
             from tasks.mlflow_runs import ensure_mlflow_run
-            from training.tracking.mlflow_backend import resolve_tracking_uri
 
             run_id = ensure_mlflow_run(config, run_dir)
             uri = resolve_tracking_uri(config, run_dir)
@@ -236,7 +236,7 @@ def log_upload_lag(run_dir: Path, step: int, lag: dict[str, float]) -> None:
             return
         from mlflow.entities import Metric
 
-        from training.tracking.mlflow_backend import client_for, resolve_tracking_uri
+        from tasks.mlflow_client import client_for, resolve_tracking_uri
 
         ts = int(time.time() * 1000)
         metrics = [Metric(key, float(value), ts, int(step)) for key, value in sorted(lag.items())]

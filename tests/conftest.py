@@ -75,7 +75,7 @@ class _Server:
 
 #: Servers started while the quick tests run (pytest_collection_finish), taken by their fixtures.
 _EARLY: dict[str, _Server] = {}
-_SERVER_FIXTURES = ("prefect_api", "mlflow_server")
+_SERVER_FIXTURES = ("prefect_api", "mlflow_server", "mlflow_outage")
 
 
 def _launch_prefect(home: Path) -> _Server:
@@ -93,15 +93,15 @@ def _launch_prefect(home: Path) -> _Server:
     return _Server(*_start_server(cmd, home, env=env), home, url)
 
 
-def _launch_mlflow(home: Path) -> _Server:
-    port = _free_port()
+def _launch_mlflow(home: Path, port: int | None = None) -> _Server:
+    port = port or _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{home}/mlflow.db"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     return _Server(*_start_server(cmd, home, cwd=home), home, url)
 
 
-_LAUNCHERS = {"prefect_api": _launch_prefect, "mlflow_server": _launch_mlflow}
+_LAUNCHERS = {"prefect_api": _launch_prefect, "mlflow_server": _launch_mlflow, "mlflow_outage": _launch_mlflow}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -248,3 +248,53 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
         stop_group(server.proc, check=False)
         server.log.close()
+
+
+@pytest.fixture(scope="session")
+def mlflow_outage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowOutage]:
+    """A real ``mlflow server`` of its own for the tests that kill it, freeze it and start it again
+    on the same port and store (tests/test_hermetic.py); started early like the shared one."""
+    outage = MlflowOutage(_server("mlflow_outage", tmp_path_factory.mktemp("mlflow-outage")))
+    try:
+        _wait_healthy(outage.server.proc, outage.server.home, outage.server.url, timeout_s=240)
+        yield outage
+    finally:
+        outage.stop()
+
+
+class MlflowOutage:
+    """A tracking server a test can SIGKILL, SIGSTOP/SIGCONT (its whole process group: the server
+    and its uvicorn worker) and restart on the same port and SQLite store."""
+
+    def __init__(self, server: _Server) -> None:
+        self.server = server
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.server.proc.pid, sig)
+
+    def kill(self) -> None:
+        import signal
+
+        self.signal(signal.SIGKILL)
+        self.server.proc.wait(timeout=30)
+        self.server.log.close()
+
+    def restart(self, timeout_s: float = 240) -> None:
+        """Start it again on the same port and store; returns once it answers."""
+        port = int(self.server.url.rsplit(":", 1)[1])
+        self.server = _launch_mlflow(self.server.home, port)
+        _wait_healthy(self.server.proc, self.server.home, self.server.url, timeout_s)
+
+    def stop(self) -> None:
+        import signal
+
+        from tests.flow_util import stop_group
+
+        self.signal(signal.SIGCONT)  # a frozen server cannot stop
+        stop_group(self.server.proc, check=False)
+        self.server.log.close()

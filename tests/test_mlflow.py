@@ -2,7 +2,9 @@
 replay verification, non-determinism reported, nested attempt runs and the resume audit.
 
 Real MLflow on a SQLite file in a tmp dir; real ``python -m training.worker`` processes killed
-with SIGKILL.  The kill point is made deterministic with the ``slow_step`` fault (the worker
+with SIGKILL, their ``metrics.jsonl`` shipped to MLflow by the chunk task's
+:class:`tasks.metric_shipping.MetricShipper` as the flow does (the worker never talks to MLflow).
+The kill point is made deterministic with the ``slow_step`` fault (the worker
 sleeps before that step, the test kills it while it sleeps).
 """
 
@@ -14,27 +16,19 @@ from pathlib import Path
 
 import pytest
 
+from tasks.metric_shipping import MetricShipper, split_batches
 from tasks.mlflow_audit import AttemptOutcome, end_attempt, refresh_audit, start_attempt
+from tasks.mlflow_client import client_for, resolve_tracking_uri
 from tasks.mlflow_runs import ensure_mlflow_run
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
 from training.events import append_event, read_events
 from training.rundir import load_run_config, run_info
 from training.tracking.metrics import metric_rows
-from training.tracking.mlflow_backend import (
-    MlflowBackend,
-    MlflowDelivery,
-    client_for,
-    resolve_tracking_uri,
-    split_batches,
-)
 from training.tracking.resume_audit import analyse_events
 
 TOTAL = 150
-#: Checkpoint cadence.  The worker flushes metrics every 50 steps and before each checkpoint, so a
-#: kill can only leave logged-but-uncommitted steps to replay if a checkpoint interval holds a
-#: 50-step flush: with 70, chunk 1 is killed at 55 before its first checkpoint (metrics logged
-#: through 50: restart from 0, replay 1..50) and chunk 2 at 131 (checkpoint 75, logged through
-#: 125: replay 76..125).  With per-step flushing the same kills replay 1..54 and 76..130.
+#: Checkpoint cadence: chunk 1 is killed at 55 before its first checkpoint (restart from 0, replay
+#: 1..54 against metrics.jsonl) and chunk 2 at 131 (checkpoint 75: replay 76..130).
 EVERY = 70
 KEYS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s")
 DETERMINISTIC = ("loss", "lr", "grad_norm")
@@ -86,15 +80,18 @@ def kill_at(run_dir: Path, until: int, step: int) -> None:
     try:
         reached = wait_for_step(run_dir, p, step - 1, timeout=180)
         assert reached == step - 1, f"worker ended before step {step}: {p.communicate()[0]}"
-        time.sleep(1.0)  # the MLflow thread sends what was flushed; an async save commits
+        time.sleep(1.0)  # an async save commits
     finally:
         kill_group(p)
         p.wait()
 
 
 def attempt(cfg, run_dir: Path, chunk: int, number: int, start: int, end: int, kill_step: int | None) -> None:
-    """What the flow does around one chunk attempt, with a real worker (killed or not)."""
+    """What the chunk task does around one attempt, with a real worker (killed or not): the
+    attempt's MLflow run, the metric shipper following ``metrics.jsonl``, the audit refresh."""
     child = start_attempt(cfg, run_dir, chunk, number, start, end)
+    shipper = MetricShipper.for_run(cfg, run_dir)
+    assert shipper is not None
     t0 = time.time()
     if kill_step is not None:
         kill_at(run_dir, end, kill_step)
@@ -103,6 +100,8 @@ def attempt(cfg, run_dir: Path, chunk: int, number: int, start: int, end: int, k
         code, out = run_worker(run_dir, end)
         assert code == 0, out
         end_attempt(child, AttemptOutcome("FINISHED", None, steps=end - start, seconds=time.time() - t0))
+    report = shipper.stop(drain_s=30)
+    assert report.waiting == 0 and report.error is None, report
     refresh_audit(cfg, run_dir)
 
 
@@ -175,9 +174,12 @@ def test_two_kills_exactly_one_point_per_step_and_audit(tmp_path: Path, tracking
 def test_nondeterministic_task_is_reported(tmp_path: Path, tracking_uri: str) -> None:
     run_dir, run_id = mlflow_run(tmp_path, "noisy", tracking_uri, ["task_args.noise=true"])
     cfg = load_run_config(run_dir)
+    shipper = MetricShipper.for_run(cfg, run_dir)
+    assert shipper is not None
     kill_at(run_dir, TOTAL // 2, 55)
     code, out = run_worker(run_dir, TOTAL // 2)
     assert code == 0, out
+    assert shipper.stop(drain_s=30).waiting == 0
     assert "non-deterministic resume at step 1:" in out
     kinds = [e["kind"] for e in read_events(run_dir)]
     assert "nondeterministic_resume" in kinds and "replay_mismatch" in kinds
@@ -203,76 +205,37 @@ def test_tracking_uri_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert resolve_tracking_uri(cfg) == f"sqlite:///{tmp_path.resolve()}/rel/x.db"  # absolute for workers
 
 
-def test_backend_batches_and_history_roundtrip(tmp_path: Path, tracking_uri: str) -> None:
+def unit_run(tmp_path: Path, name: str, tracking_uri: str):
     from training.config import load_config
 
     cfg = load_config(
         None,
-        [
-            f"runs_dir={tmp_path}",
-            "run_name=unit",
-            f"tracking.mlflow_uri={tracking_uri}",
-            "tracking.experiment=convoy-unit",
-        ],
+        [f"runs_dir={tmp_path}", f"run_name={name}", f"tracking.mlflow_uri={tracking_uri}", "tracking.experiment=unit"],
     )
-    (tmp_path / "unit").mkdir()
-    run_id = ensure_mlflow_run(cfg, tmp_path / "unit")
-    assert ensure_mlflow_run(cfg, tmp_path / "unit") == run_id  # idempotent
-    backend = MlflowBackend(cfg, run_id)
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    return cfg, run_dir, ensure_mlflow_run(cfg, run_dir)
+
+
+def test_shipper_sends_the_journal_bit_exact_in_few_batches(tmp_path: Path, tracking_uri: str) -> None:
+    from training.tracking.metrics import JsonlBackend
+
+    cfg, run_dir, run_id = unit_run(tmp_path, "unit", tracking_uri)
+    assert ensure_mlflow_run(cfg, run_dir) == run_id  # idempotent
     values = [0.1 + 1e-17 * i for i in range(3)] + [1 / 3, 2.0**-40, 123456.789e-7]
     rows = [(s, {"loss": values[s % len(values)] * s, "lr": 0.5 / s}) for s in range(1, 601)]
-    for i in range(0, 600, 50):
-        backend.write(rows[i : i + 50])
-    backend.close()
-    hist = backend.history(("loss", "lr", "missing"))
-    assert hist["missing"] == {}
-    assert hist["loss"] == {s: m["loss"] for s, m in rows}  # bit-exact float round trip
-    assert backend.calls <= 12 and backend.values == 1200
-    # A logger that hands over every step: the background thread still sends few batches.
-    per_step = MlflowBackend(cfg, run_id)
-    per_step.write([(s, {"per_step": float(s)}) for s in range(1, 2)])
-    for s in range(2, 301):
-        per_step.write([(s, {"per_step": float(s)})])
-    per_step.sync()  # everything written so far is in MLflow now
-    assert [m.step for m in per_step.client.get_metric_history(run_id, "per_step")] == list(range(1, 301))
-    assert per_step.calls <= 3
-    per_step.close()
-
-
-class ListBackend:
-    """A metric backend kept in a list (the protocol of training.tracking.metrics.MetricBackend)."""
-
-    def __init__(self, held: dict[int, float]) -> None:
-        self.held = held
-        self.written: list[int] = []
-
-    def history(self, keys: tuple[str, ...]) -> dict[str, dict[int, float]]:
-        return {"loss": dict(self.held)}
-
-    def write(self, rows: list[tuple[int, dict[str, float]]]) -> None:
-        self.written += [s for s, _ in rows]
-
-    def close(self) -> None:
-        pass
-
-
-def test_a_backend_attached_late_gets_each_step_once_and_checks_the_replay(tmp_path: Path) -> None:
-    from training.tracking.metrics import StepMetricLogger
-
-    local = ListBackend({s: float(s) for s in range(1, 11)})  # metrics.jsonl held steps 1..10
-    logger = StepMetricLogger([local], tmp_path, flush_every=1, deferred=True)
-    for s in range(6, 16):  # resumed from 5: 6..10 are replays
-        logger.log(s, {"loss": float(s)})
-    # MLflow was connecting meanwhile.  It holds 1..10 from before the kill (its step 8 differs
-    # from the replay) and 11..12, this process's first rows it backfilled from metrics.jsonl.
-    late = ListBackend({**{s: float(s) for s in range(1, 13)}, 8: 99.0})
-    logger.attach([late], [late.history(("loss",))])
-    logger.log(16, {"loss": 16.0})
-    logger.close()
-    assert local.written == list(range(11, 17))
-    assert late.written == [13, 14, 15, 16]  # nothing it held is written again
-    assert [(m["step"], m["logged"]) for m in logger.mismatches] == [(8, 99.0)]
-    assert logger.replayed == 10  # steps 6..10, against each backend
+    journal = JsonlBackend(run_dir / "metrics.jsonl")
+    journal.write(rows[:300])
+    shipper = MetricShipper.for_run(cfg, run_dir)
+    assert shipper is not None
+    for s in range(300, 600):  # the worker appends one step at a time while the shipper follows
+        journal.write(rows[s : s + 1])
+    with open(run_dir / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 601, "metrics": {"lo')  # a row being appended: not shipped half-written
+    report = shipper.stop(drain_s=30)
+    assert report.shipped == 1200 and report.error is None
+    assert history(tracking_uri, run_id, "loss") == [(s, m["loss"]) for s, m in rows]  # bit-exact round trip
+    assert [s for s, _ in history(tracking_uri, run_id, "lr")] == list(range(1, 601))
 
 
 def test_split_batches_never_splits_a_step() -> None:
@@ -334,36 +297,30 @@ def test_analyse_events_with_supervisor_failures(tmp_path: Path) -> None:
     assert (run / "audit" / "timeline.png").stat().st_size > 1000
 
 
-def test_backend_reconciles_mlflow_with_metrics_jsonl(tmp_path: Path, tracking_uri: str) -> None:
-    """A worker killed right after a checkpoint commit may leave queued MLflow rows unsent; steps at
-    or below the checkpoint are never replayed, so the next worker copies them from metrics.jsonl."""
-    from training.config import load_config
-    from training.tracking.metrics import JsonlBackend, StepMetricLogger
+def test_a_second_shipper_sends_only_what_mlflow_lacks_and_a_late_copy_is_no_second_point(
+    tmp_path: Path, tracking_uri: str
+) -> None:
+    """A chunk task killed while shipping leaves MLflow behind the journal: the next one sends the
+    rest, once.  A request of the dead one that arrives late (a frozen server answering when it
+    thaws) carries the same timestamp as the row, so it is the same point, kept once."""
+    from mlflow.entities import Metric
 
-    cfg = load_config(
-        None,
-        [
-            f"runs_dir={tmp_path}",
-            "run_name=rec",
-            f"tracking.mlflow_uri={tracking_uri}",
-            "tracking.experiment=convoy-unit",
-        ],
-    )
-    run_dir = tmp_path / "rec"
-    run_dir.mkdir()
-    run_id = ensure_mlflow_run(cfg, run_dir)
-    rows = [(s, {"loss": 1.0 / s, "lr": 0.1, "grad_norm": 2.0, "step_time_s": 0.01}) for s in range(1, 61)]
-    JsonlBackend(run_dir / "metrics.jsonl").write(rows)  # the local log reached step 60 (checkpoint)
-    first = MlflowBackend(cfg, run_id, delivery=MlflowDelivery(asynchronous=False))
-    first._reconciled = True  # the dying worker: only steps 1..40 reached MLflow
-    first.write(rows[:40])
-    second = MlflowBackend(cfg, run_id)  # the resumed worker
-    logger = StepMetricLogger([JsonlBackend(run_dir / "metrics.jsonl"), second], run_dir)
-    assert second.backfilled == 20 * 4 and logger._high == [60, 60]
-    for s in range(51, 71):  # resumed from a checkpoint at 50: replay 51..60, then new steps
-        logger.log(s, {"loss": 1.0 / s, "lr": 0.1, "grad_norm": 2.0, "step_time_s": 0.02})
-    logger.close()
-    assert not logger.mismatches and logger.replayed > 0
-    for key in ("loss", "step_time_s"):
+    from training.tracking.metrics import JsonlBackend, read_journal
+
+    cfg, run_dir, run_id = unit_run(tmp_path, "rec", tracking_uri)
+    rows = [(s, {"loss": 1.0 / s, "lr": 0.1, "step_time_s": 0.01}) for s in range(1, 61)]
+    JsonlBackend(run_dir / "metrics.jsonl").write(rows)
+    journal, _ = read_journal(run_dir / "metrics.jsonl")
+    assert all(r.time_ms is not None for r in journal)  # the time each row was logged travels with it
+    sent = [Metric(k, v, r.time_ms, r.step) for r in journal[:40] for k, v in sorted(r.metrics.items())]
+    client = client_for(tracking_uri)
+    client.log_batch(run_id, metrics=sent, synchronous=True)  # the dead shipper got 1..40 through
+    second = MetricShipper.for_run(cfg, run_dir)
+    assert second is not None
+    JsonlBackend(run_dir / "metrics.jsonl").write([(s, {"loss": 1.0 / s, "lr": 0.1}) for s in range(61, 71)])
+    report = second.stop(drain_s=30)
+    assert report.shipped == 20 * 3 + 10 * 2 and report.waiting == 0
+    client.log_batch(run_id, metrics=sent, synchronous=True)  # the late copy of 1..40
+    for key in ("loss", "lr"):
         assert [s for s, _ in history(tracking_uri, run_id, key)] == list(range(1, 71)), key
-    assert dict(history(tracking_uri, run_id, "step_time_s"))[55] == 0.01  # the first logged value
+    assert [s for s, _ in history(tracking_uri, run_id, "step_time_s")] == list(range(1, 61))

@@ -244,9 +244,10 @@ def test_grad_accum_kill_inside_window_bitwise_and_close_to_big_batch(tmp_path: 
 def test_eval_leaves_the_trajectory_alone_and_logs_val_loss_once(tmp_path: Path, dict_reference: str) -> None:
     """The dict task with validation every 4 steps (dict val batches through the task's collate),
     killed twice, ends where the same task without validation ends."""
+    from tasks.metric_shipping import MetricShipper
+    from tasks.mlflow_client import client_for
     from tasks.mlflow_runs import ensure_mlflow_run
     from training.rundir import load_run_config
-    from training.tracking.mlflow_backend import client_for
 
     db = tmp_path / "mlflow.db"
     uri = f"sqlite:///{db}"
@@ -263,17 +264,21 @@ def test_eval_leaves_the_trajectory_alone_and_logs_val_loss_once(tmp_path: Path,
             "checkpoint.every_steps=10",
         ],
     )
-    run_id = ensure_mlflow_run(load_run_config(run_dir), run_dir)
+    cfg = load_run_config(run_dir)
+    run_id = ensure_mlflow_run(cfg, run_dir)
+    shipper = MetricShipper.for_run(cfg, run_dir)  # what the chunk task runs beside the worker
+    assert shipper is not None
     # Two kills past an eval step and before the next checkpoint: steps 12 and 24 (evaluated,
     # logged) are replayed after resuming from 10 and 20.
     for target in (13, 25):
         p = start_worker(run_dir, TOTAL, {"CONVOY_FAULTS": f"slow_step={target + 1}:60"})
         assert wait_for_step(run_dir, p, target, timeout=180) == target, p.communicate()[0]
-        time.sleep(1.5)  # the MLflow thread sends what was flushed
+        time.sleep(1.5)  # an async save commits
         kill_group(p)
         p.wait()
     code, out = run_worker(run_dir, TOTAL)
     assert code == 0, out
+    assert shipper.stop(drain_s=30).waiting == 0
     assert final_digest(run_dir) == dict_reference  # eval on, killed twice == eval off, uninterrupted
     assert [e["step"] for e in read_events(run_dir, "resumed")] == [10, 20]
     points = sorted((m.step, m.value) for m in client_for(uri).get_metric_history(run_id, "val_loss"))

@@ -255,10 +255,10 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     """`--from` a finished run with total_steps doubled: the child starts at the parent's step
     with its state, records the lineage (run.json, the forked checkpoint, MLflow tags), and a
     child killed mid-way and resumed ends bitwise equal to an uninterrupted child."""
+    from tasks.mlflow_client import client_for
     from tasks.mlflow_runs import ensure_mlflow_run
     from tests.engine_util import SMALL, final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
     from training.rundir import open_run, resolve_parent, run_info
-    from training.tracking.mlflow_backend import client_for
 
     parent = make_run(tmp_path, "parent", ["train.total_steps=20", "train.chunk_steps=20"])
     assert run_worker(parent, 20)[0] == 0

@@ -243,6 +243,10 @@ class TrackingConfig(_Strict):
     #: MLflow's own system metrics (CPU, memory, disk, network, GPU) every this many seconds
     #: while a chunk trains; 0 = off.
     system_metrics_s: float = Field(5.0, ge=0)
+    #: How long the run's last chunk waits at its end for MLflow to take the metrics not yet sent
+    #: (the worker never sends them itself: they are shipped from ``metrics.jsonl`` by the chunk
+    #: task).  Other chunks wait at most 2 s: the next chunk's shipper sends the rest.
+    ship_drain_s: float = Field(60.0, ge=0)
     #: Log the final model (safetensors + config, nothing pickled) as an MLflow logged model...
     log_model: bool = True
     #: ...and register it as a version of the registered model named after the run.

@@ -43,6 +43,7 @@ class Event(StrEnum):
     FLOW_DONE = "flow_done"
     FLOW_STARTED = "flow_started"
     FLOW_TAKEN_OVER = "flow_taken_over"
+    FOREIGN_THREADS = "foreign_threads"
     FORKED = "forked"
     INTERVAL_CHOSEN = "interval_chosen"
     NONDETERMINISTIC_RESUME = "nondeterministic_resume"

@@ -5,11 +5,11 @@ configuration is the run directory's ``config.json``.  Exit codes (the superviso
 ``0`` reached N and committed it; ``75`` preempted (SIGTERM) after an emergency checkpoint;
 ``78`` configuration or data error; anything else is a crash.
 
-``--standby`` (``orchestration.standby``): start, import, build the task and connect tracking,
-then wait on stdin for one JSON line ``{"until_step": N, "pipelined": bool}`` from the chunk
-supervisor that hands it a failed worker's place; only then take the run's lease, beat, restore
-and train, exactly as a freshly started worker would.  End of input without an order (the
-supervisor released it, or died) ends the standby quietly.  See :mod:`tasks.standby`.
+``--standby`` (``orchestration.standby``): start, import and build the task, then wait on stdin for
+one JSON line ``{"until_step": N, "pipelined": bool}`` from the chunk supervisor that hands it a
+failed worker's place; only then take the run's lease, beat, restore and train, exactly as a
+freshly started worker would.  End of input without an order (the supervisor released it, or died)
+ends the standby quietly.  See :mod:`tasks.standby`.
 
 What the worker trains with is :mod:`training.runtime`; one step's math is :mod:`training.step`;
 the resume is :mod:`training.restore`.  This module holds the lifecycle (:class:`Worker`): the
@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 from filelock import FileLock
 
-from training import distributed, faults
+from training import distributed, faults, hermetic
 from training.checkpointing import sharded
 from training.checkpointing.schedule import SaveSchedule
 from training.chunk_boundary import wait_for_previous_boundary
@@ -47,7 +47,6 @@ from training.state import TrainState
 from training.step import micro_batches, train_step, validation_enabled, validation_loss
 from training.streams import is_stream
 from training.task import TaskParts
-from training.tracking.deferred import DeferredTracking, tracking_backends
 from training.tracking.metrics import JsonlBackend, MetricBackend, StepMetricLogger
 
 #: Re-exported: tests and benchmarks import them from here.
@@ -60,8 +59,6 @@ T = TypeVar("T")
 class Session:
     """What :meth:`Worker.setup` decided for this attempt, beyond the runtime."""
 
-    #: Rank 0's remote metric backends, built off the critical path (None on other ranks).
-    tracking: DeferredTracking | None
     #: Recorded in each checkpoint's manifest (a clone without ``run.json`` finds the MLflow run).
     mlflow_run_id: str | None
     #: When the loop saves (the adaptive interval, with ``every_steps: auto``, learns as it goes).
@@ -86,8 +83,8 @@ class Worker:
     3. :meth:`prepare` — build the :class:`~training.runtime.Runtime` (device, task, model,
        scaler, empty train state, checkpoint store).  Touches nothing of the run's state, so a
        standby does it *before* it is called, and a called one skips it.
-    4. :meth:`setup` — what needs the claim: stale temp dirs removed, tracking set to start off
-       the critical path, the save schedule (:class:`Session`).
+    4. :meth:`setup` — what needs the claim: stale temp dirs removed, the save schedule
+       (:class:`Session`).
     5. :meth:`restore` — the newest checkpoint that verifies and restores
        (:mod:`training.restore`); the runtime may be replaced by a fresh one (a fallback).
     6. :meth:`run` — train to ``until``, saving on the policy's schedule; the final save.
@@ -112,12 +109,11 @@ class Worker:
         self.config = load_run_config(run_dir)
         #: The step this worker trains to (a standby learns it from its order).
         self.until = self.check_until(until_step if until_step is not None else self.config.train.total_steps)
-        #: Backends a standby built while it waited (rank 0), handed to the session.
-        self.standby_backends: list[MetricBackend] | None = None
         self._claim: Claim | None = None
         self._runtime: Runtime | None = None
         self._session: Session | None = None
         self._restored: Restored | None = None
+        self._warned_threads = False
         if not standby:
             self.claim()
 
@@ -168,11 +164,9 @@ class Worker:
         self._claim = claim_run(self.run_dir, self.rank, self.config)
 
     def stand_by(self, order: Callable[[], str]) -> bool:
-        """Standby: build everything a restart would (task, tracking clients), then wait for the
-        ``order`` line; False if none came (released).  Until the order a SIGTERM just ends it."""
+        """Standby: build everything a restart would (the task), then wait for the ``order`` line;
+        False if none came (released).  Until the order a SIGTERM just ends it."""
         self.prepare()
-        if self.rank == 0:
-            self.standby_backends = tracking_backends(self.config, self.run_dir)
         self.log(WorkerSays.STANDBY_READY)
         line = order().strip()
         if not line:
@@ -209,18 +203,12 @@ class Worker:
         """Prepare (unless a standby did), clean up, and decide the session (see :class:`Session`)."""
         runtime = self.prepare()
         cfg = self.config
-        tracking = None
         if self.rank == 0:
-            prebuilt = self.standby_backends
-            if prebuilt is not None:  # a standby built them while waiting: ready at once
-                tracking = DeferredTracking(lambda: prebuilt, start_now=True)
-            else:  # built after the first step: its imports would slow that step
-                tracking = DeferredTracking(lambda: tracking_backends(cfg, self.run_dir), start_now=False)
             runtime.store.cleanup_stale_temp()
         mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")
         distributed.barrier()  # no rank starts saving before rank 0 cleaned up
         schedule = SaveSchedule.for_run(cfg.checkpoint, cfg.train.chunk_steps, self.run_dir)
-        self._session = Session(tracking, mlflow_run_id, schedule)
+        self._session = Session(mlflow_run_id, schedule)
         return self._session
 
     def restore(self) -> Restored:
@@ -329,13 +317,25 @@ class Worker:
         """Metrics up to the step made durable, then the save: a committed step's metrics are never
         behind it.  Returns the save's stall."""
         metrics.flush()
+        self.warn_foreign_threads()
         return self.save(blocking=blocking)
 
+    def warn_foreign_threads(self) -> None:
+        """Once per worker: a thread of no known purpose beside training (a library the task
+        imported started it) may draw from the generators the checkpoint saves (invariant 12)."""
+        foreign = hermetic.foreign_threads()
+        if foreign and not self._warned_threads:
+            self._warned_threads = True
+            self.log(
+                f"WARNING: thread(s) {', '.join(foreign)} run beside training; if they draw from random, "
+                "numpy or torch generators the saved state differs from an uninterrupted run's"
+            )
+            append_event(self.run_dir, Event.FOREIGN_THREADS, rank=self.rank, threads=foreign)
+
     def final_save(self, metrics: StepMetricLogger) -> None:
-        """The last save of this worker (end of its range, or preemption): blocking, then every
-        metric row handed to the tracking backends and the logger closed."""
+        """The last save of this worker (end of its range, or preemption): blocking, then the
+        logger closed (its replay verdict recorded)."""
         self.checkpoint_now(metrics, blocking=True)
-        self.attach_tracking(metrics, wait=True)
         metrics.close()
 
     def tune_interval(self, stall: float, metrics: StepMetricLogger) -> None:
@@ -347,17 +347,18 @@ class Worker:
             metrics.log_extra(step, {"ckpt_interval_steps": float(chosen["interval_steps"])})
 
     def open_metrics(self) -> StepMetricLogger:
-        """Step metrics: ``metrics.jsonl`` at once (rank 0), MLflow once its thread has built it.
+        """Step metrics: ``metrics.jsonl`` (rank 0), the run's metric journal.  Nothing here talks
+        to MLflow: the chunk task ships the journal (invariant 12: a network client's retries
+        would draw from the generators that are training state).
 
         flush_every=1: every step reaches metrics.jsonl (~70 us) so a replay after a kill has the
-        pre-failure values to compare with; MLflow batches on its own background thread."""
+        pre-failure values to compare with, and the shipper sends each step within a second."""
         local: list[MetricBackend] = [JsonlBackend(RunPaths(self.run_dir).metrics)] if self.rank == 0 else []
         return StepMetricLogger(
             local,
             self.run_dir,
             flush_every=1,
             exact=not self.restored.world_changed,
-            deferred=self.session.tracking is not None,
         )
 
     def resumed_step(self) -> int:
@@ -395,23 +396,11 @@ class Worker:
             t1 = time.perf_counter()
             out.update(val_loss=self.evaluate(), eval_time_s=time.perf_counter() - t1)
         metrics.log(state.step, out)
-        self.attach_tracking(metrics, wait=False)
         self.hb.set(step=state.step)
         if state.step == self.resumed_step() + 1 and self.rank == 0:  # recovery ends here (MTTR)
             append_event(self.run_dir, Event.FIRST_STEP, step=state.step, step_s=round(dt, 4))
-            self.start_tracking()
         self.session.schedule.observe_step(dt, runtime.store.in_flight)
         return out["loss"]
-
-    def start_tracking(self) -> None:
-        """Build the tracking backends on their thread (once), after the first step."""
-        if self.session.tracking is not None:
-            self.session.tracking.start()
-
-    def attach_tracking(self, metrics: StepMetricLogger, wait: bool) -> None:
-        """Hand the tracking backends to the logger once they are ready (``wait``: block for it)."""
-        if self.session.tracking is not None:
-            self.session.tracking.attach(metrics, wait)
 
     def await_previous_boundary(self) -> None:
         """Pipelined: before committing the next chunk boundary (or the last step), wait until the
@@ -442,7 +431,16 @@ class Worker:
         store.wait()
         committed = (store.last_committed or store.latest_valid(record=False)) if self.rank == 0 else None
         digest = committed.digest if committed else None
-        append_event(self.run_dir, Event.WORKER_DONE, rank=self.rank, step=step, digest=digest, loss=loss)
+        append_event(
+            self.run_dir,
+            Event.WORKER_DONE,
+            rank=self.rank,
+            step=step,
+            digest=digest,
+            loss=loss,
+            threads=hermetic.thread_names(),  # invariant 12: what ran beside training
+            network_clients=hermetic.loaded_network_clients(),
+        )
         self.log(f"{WorkerSays.DONE_AT} {step} (digest {digest})")
         self.leave()
         return 0

@@ -7,8 +7,9 @@ deterministic values with what was logged and reports any difference as non-dete
 Steps past the high-water mark are buffered and written in batches (one call per
 ``flush_every`` steps), which is what keeps logging cheap.
 
-Backends implement :class:`MetricBackend`: :class:`JsonlBackend` (``metrics.jsonl`` in the run
-directory, always on) and the MLflow one in ``training/tracking/mlflow_backend.py``.
+Backends implement :class:`MetricBackend`; the worker's one is :class:`JsonlBackend`
+(``metrics.jsonl`` in the run directory, the run's metric journal).  MLflow gets the journal's
+rows from the supervising process (``tasks/metric_shipping.py``), never from the worker.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -79,6 +82,45 @@ def read_metric_lines(
             ) from None
 
 
+@dataclass(frozen=True)
+class JournalRow:
+    """One row of ``metrics.jsonl`` as a shipper reads it: the step, its values and the wall-clock
+    time the worker logged it (ms since the epoch; None in rows written before it was recorded)."""
+
+    step: int
+    metrics: dict[str, float]
+    time_ms: int | None
+
+
+def read_journal(path: str | Path, from_byte: int = 0) -> tuple[list[JournalRow], int]:
+    """The complete rows of ``metrics.jsonl`` from byte ``from_byte`` on, and the byte after the
+    last of them: where the next read starts.  A line still being appended (no newline yet) is
+    left for the next read, so a shipper following a live file never sees half a row; a complete
+    line that does not parse means the file was damaged and is an error naming it."""
+    path = Path(path)
+    if not path.exists():
+        return [], from_byte
+    with open(path, "rb") as f:
+        f.seek(from_byte)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    rows: list[JournalRow] = []
+    for number, line in enumerate(data[:end].decode(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            metrics = {k: float(v) for k, v in rec.get("metrics", {}).items()}
+            stamp = rec.get("time_ms")
+            rows.append(JournalRow(int(rec["step"]), metrics, int(stamp) if stamp is not None else None))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(
+                f"{path}: line {number} after byte {from_byte}: not a metrics row ({exc}); "
+                "the file was edited or damaged"
+            ) from None
+    return rows, from_byte + end
+
+
 def metric_rows(run_dir: str | Path) -> list[tuple[int, dict[str, float]]]:
     """``metrics.jsonl`` as (step, metrics) sorted by step; the first value of a step wins."""
     by_step: dict[int, dict[str, float]] = {}
@@ -119,7 +161,13 @@ class JsonlBackend:
         return out
 
     def write(self, rows: list[tuple[int, dict[str, float]]]) -> None:
-        blob = "".join(json.dumps({"step": s, "metrics": m}, sort_keys=True) + "\n" for s, m in rows).encode()
+        # The time each row was logged travels with it: the shipper stamps the MLflow point with
+        # it, so a row sent twice (a retry, a second shipper after a crash) is the same point and
+        # the store keeps one (its key is metric, timestamp, step, value).
+        now = int(time.time() * 1000)
+        blob = "".join(
+            json.dumps({"step": s, "metrics": m, "time_ms": now}, sort_keys=True) + "\n" for s, m in rows
+        ).encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, blob)
@@ -131,7 +179,11 @@ class JsonlBackend:
 
 
 class StepMetricLogger:
-    """Fan-out to backends; each (metric, step) is written at most once per backend."""
+    """Fan-out to backends; each (metric, step) is written at most once per backend.
+
+    The worker's only backend is ``metrics.jsonl`` (invariant 12: no network client runs in the
+    training process); what reaches MLflow is shipped from that file by the supervising process
+    (``tasks/metric_shipping.py``)."""
 
     def __init__(
         self,
@@ -139,7 +191,6 @@ class StepMetricLogger:
         run_dir: str | Path,
         flush_every: int = 50,
         exact: bool = True,
-        deferred: bool = False,
     ) -> None:
         #: False after a world-size change: replayed values are expected to differ slightly, so
         #: the largest difference is recorded instead of a non-determinism warning.
@@ -150,13 +201,10 @@ class StepMetricLogger:
         self.flush_every = flush_every
         self._buffer: list[tuple[int, dict[str, float]]] = []
         self._logged: list[dict[str, dict[int, float]]] = [b.history(DETERMINISTIC_KEYS) for b in backends]
-        #: ``deferred``: more backends come later (:meth:`attach`); the rows written until then.
-        self._kept: list[tuple[int, dict[str, float]]] | None = [] if deferred else None
         self._high: list[int] = [max((max(h, default=0) for h in hist.values()), default=0) for hist in self._logged]
         self.replayed = 0
         self.mismatches: list[dict[str, object]] = []
         self._start_high = max(self._high, default=0)
-        self._local_high = self._start_high  # what the backends present at start held
         self._verdict_sent = False
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -175,30 +223,8 @@ class StepMetricLogger:
         else:
             self._buffer.append((step, dict(metrics)))
 
-    def attach(self, backends: list[MetricBackend], history: list[dict[str, dict[int, float]]]) -> None:
-        """Add backends that were still connecting when training started, with what each holds
-        (read ahead by the caller): the rows logged meanwhile are checked against their history
-        (replayed steps) and written to them, each (metric, step) still at most once."""
-        kept, self._kept = self._kept or [], None
-        for backend, hist in zip(backends, history, strict=True):
-            high = max((max(h, default=0) for h in hist.values()), default=0)
-            for step, metrics in kept:
-                # Only steps from before this process are replays; the backend may also hold
-                # this process's first rows (MLflow backfills itself from metrics.jsonl).
-                if step <= min(high, self._local_high):
-                    self._verify_replay(step, metrics, [hist])
-            fresh = [(s, m) for s, m in kept if s > high]
-            if fresh:
-                backend.write(fresh)
-                high = fresh[-1][0]
-            self.backends.append(backend)
-            self._logged.append(hist)
-            self._high.append(high)
-
-    def _verify_replay(
-        self, step: int, metrics: dict[str, float], hists: list[dict[str, dict[int, float]]] | None = None
-    ) -> None:
-        for hist in self._logged if hists is None else hists:
+    def _verify_replay(self, step: int, metrics: dict[str, float]) -> None:
+        for hist in self._logged:
             for key in DETERMINISTIC_KEYS:
                 before = hist.get(key, {}).get(step)
                 if before is None or key not in metrics:
@@ -210,11 +236,8 @@ class StepMetricLogger:
                     rec = {"step": step, "metric": key, "logged": before, "replayed": metrics[key]}
                     self.mismatches.append(rec)
                     if len(self.mismatches) == 1:
+                        # The MLflow tags follow from this event (the chunk's audit refresh).
                         append_event(self.run_dir, Event.NONDETERMINISTIC_RESUME, **rec)
-                        for backend in self.backends:
-                            tag = getattr(backend, "tag_nondeterminism", None)
-                            if tag is not None:
-                                tag(rec)
                         print(
                             f"WARNING: non-deterministic resume at step {step}: {key} was {before!r}, "
                             f"replay gave {metrics[key]!r}",
@@ -225,8 +248,6 @@ class StepMetricLogger:
         if not self._buffer:
             return
         rows, self._buffer = self._buffer, []
-        if self._kept is not None:
-            self._kept.extend(rows)
         for i, backend in enumerate(self.backends):
             fresh = [(s, m) for s, m in rows if s > self._high[i]]
             if fresh:

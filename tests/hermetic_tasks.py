@@ -1,0 +1,36 @@
+"""A task that draws from all three host generators in the training process every step.
+
+``build_host_draws`` is the example char model whose loss is scaled by a number drawn from
+python's ``random``, numpy's global generator and torch's global generator at each step (what a
+task's own regularisation noise or a sampled auxiliary loss does): the trajectory depends on
+those generators, so anything else in the process that draws from them changes the run.  Each
+step also sleeps ``task_args.step_sleep_s`` (default 0.25 s, no effect on the numbers) so a test
+can disturb the services around a run while it trains."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from training.config import RunConfig
+from training.examples import char_gpt
+from training.task import TaskParts
+
+
+def build_host_draws(config: RunConfig, device: torch.device) -> TaskParts:
+    args = dict(config.task_args)
+    pause = float(args.pop("step_sleep_s", 0.25))
+    parts = char_gpt.build(config.model_copy(update={"task_args": args}), device)
+    base = parts.loss_fn
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        time.sleep(pause)
+        draw = random.random() + float(np.random.random()) + float(torch.rand(()))
+        return base(model, batch) * (1.0 + 1e-2 * draw)
+
+    return dataclasses.replace(parts, loss_fn=loss_fn)

@@ -1,0 +1,94 @@
+"""Nothing outside training moves its trajectory (docs/architecture.md, invariant 12).
+
+A task that draws from python's, numpy's and torch's generators every step, trained by the real
+flow into a real ``mlflow server`` that is frozen (SIGSTOP, longer than the client's timeout) and
+later SIGKILLed and started again on the same port 15 s after: the final checkpoint is the
+uninterrupted run's (tracking off), no attempt failed, every loss is the reference's and MLflow
+holds exactly one point per (metric, step) once it is back.  Before invariant 12 the MLflow client
+ran in the worker and urllib3's retry jitter drew from ``random`` while the server was down: every
+loss right, ``rng.python.state`` in the checkpoint wrong.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.flow_util import TOTAL, assert_no_leftovers, config, in_thread, params, uninterrupted_digest, wait_for_step
+from training.events import read_events
+from training.rundir import run_info
+from training.tracking.metrics import metric_rows, read_journal
+
+#: The task, and 0.25 s per step (the numbers do not depend on it): a run the outage can hit.
+TASK: dict[str, Any] = {
+    "task": "tests.hermetic_tasks:build_host_draws",
+    "task_args": {"n_layer": 1, "n_head": 2, "d_model": 32, "dropout": 0.1, "step_sleep_s": 0.25},
+}
+
+
+def run_params(tmp: Path, data_dir: Path, name: str, **tracking: Any) -> dict[str, Any]:
+    return params(tmp, data_dir, name, tracking={"mlflow": False, **tracking}, **TASK)
+
+
+def points(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
+
+    return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def check_mlflow(uri: str, run_dir: Path, reference: list[tuple[int, dict[str, float]]]) -> None:
+    """One point per (metric, step) for every metric the worker journaled, the losses the
+    reference's."""
+    run_id = run_info(run_dir)["mlflow_run_id"]
+    rows, _ = read_journal(run_dir / "metrics.jsonl")
+    keys = {k for r in rows for k in r.metrics}
+    assert {"loss", "lr", "grad_norm", "step_time_s"} <= keys
+    for key in sorted(keys):
+        steps = [s for s, _ in points(uri, run_id, key)]
+        assert steps == sorted({r.step for r in rows if key in r.metrics}), key
+    assert points(uri, run_id, "loss") == [(s, m["loss"]) for s, m in reference]
+
+
+@pytest.mark.slow
+def test_a_frozen_then_killed_tracking_server_leaves_the_trajectory_alone(
+    prefect_api: str, mlflow_outage: Any, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.train import run_training
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")  # the freeze below outlasts it
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    reference_digest = uninterrupted_digest(tmp_path, data_dir, "off", **TASK)  # tracking off
+    reference = metric_rows(config(run_params(tmp_path, data_dir, "off")).run_dir)
+
+    on = run_training(config(run_params(tmp_path, data_dir, "on", mlflow=True, mlflow_uri=mlflow_outage.url)))
+    assert on["digest"] == reference_digest  # tracking on: the same run as tracking off
+    check_mlflow(mlflow_outage.url, Path(on["run_dir"]), reference)
+
+    cfg = config(run_params(tmp_path, data_dir, "outage", mlflow=True, mlflow_uri=mlflow_outage.url, ship_drain_s=300))
+
+    def outage() -> None:
+        wait_for_step(cfg.run_dir, 8)
+        mlflow_outage.signal(signal.SIGSTOP)  # frozen: requests hang past the 3 s timeout
+        time.sleep(8)
+        mlflow_outage.signal(signal.SIGCONT)
+        wait_for_step(cfg.run_dir, 35)
+        mlflow_outage.kill()
+        time.sleep(15)
+        mlflow_outage.restart()
+
+    injector = in_thread(outage)
+    out = run_training(cfg)
+    injector.join(timeout=300)
+    assert not injector.errors, injector.errors
+    assert out["digest"] == reference_digest, "an outage of the tracking server changed the trajectory"
+    assert out["final_step"] == TOTAL
+    assert not read_events(cfg.run_dir, "failure")
+    assert [(s, m["loss"]) for s, m in metric_rows(cfg.run_dir)] == [(s, m["loss"]) for s, m in reference]
+    check_mlflow(mlflow_outage.url, cfg.run_dir, reference)
+    done = read_events(cfg.run_dir, "worker_done")
+    assert done and all(e["network_clients"] == [] for e in done)  # no MLflow, urllib3... in a worker
+    assert_no_leftovers(cfg.run_dir.resolve())
