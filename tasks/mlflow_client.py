@@ -23,6 +23,11 @@ from training.config import RunConfig
 from training.rundir import run_info
 
 TAG_PREFIX = "convoy."
+#: MLflow's own HTTP defaults (a 120 s timeout, 7 retries with exponential backoff) let one call to
+#: a frozen server hold a chunk task for many minutes.  The calls the orchestration makes are an
+#: audit (best effort) and the metrics wait in ``metrics.jsonl`` whatever happens, so convoy's
+#: processes give up on a call sooner; a value the user set in the environment wins.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3"}
 
 
 def _absolute_sqlite(uri: str) -> str:
@@ -61,6 +66,8 @@ class _Clients:
         self._lock = threading.Lock()
 
     def get(self, uri: str) -> MlflowClient:
+        for name, value in HTTP_DEFAULTS.items():  # read by MLflow at each request
+            os.environ.setdefault(name, value)
         with self._lock:
             if uri not in self._by_uri:
                 self._by_uri[uri] = MlflowClient(tracking_uri=uri)

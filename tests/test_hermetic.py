@@ -23,10 +23,10 @@ from training.events import read_events
 from training.rundir import run_info
 from training.tracking.metrics import metric_rows, read_journal
 
-#: The task, and 0.25 s per step (the numbers do not depend on it): a run the outage can hit.
+#: The task, and 0.4 s per step (the numbers do not depend on it): a run the outage can hit.
 TASK: dict[str, Any] = {
     "task": "tests.hermetic_tasks:build_host_draws",
-    "task_args": {"n_layer": 1, "n_head": 2, "d_model": 32, "dropout": 0.1, "step_sleep_s": 0.25},
+    "task_args": {"n_layer": 1, "n_head": 2, "d_model": 32, "dropout": 0.1, "step_sleep_s": 0.4},
 }
 
 
@@ -58,9 +58,11 @@ def test_a_frozen_then_killed_tracking_server_leaves_the_trajectory_alone(
     prefect_api: str, mlflow_outage: Any, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from flows.train import run_training
+    from tasks.mlflow_client import HTTP_DEFAULTS
 
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")  # the freeze below outlasts it
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    for name in HTTP_DEFAULTS:  # convoy's own client defaults, not the test's
+        monkeypatch.delenv(name, raising=False)
+    freeze_s = int(HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"]) + 4  # past the client's timeout
     reference_digest = uninterrupted_digest(tmp_path, data_dir, "off", **TASK)  # tracking off
     reference = metric_rows(config(run_params(tmp_path, data_dir, "off")).run_dir)
 
@@ -71,11 +73,11 @@ def test_a_frozen_then_killed_tracking_server_leaves_the_trajectory_alone(
     cfg = config(run_params(tmp_path, data_dir, "outage", mlflow=True, mlflow_uri=mlflow_outage.url, ship_drain_s=300))
 
     def outage() -> None:
-        wait_for_step(cfg.run_dir, 8)
-        mlflow_outage.signal(signal.SIGSTOP)  # frozen: requests hang past the 3 s timeout
-        time.sleep(8)
+        wait_for_step(cfg.run_dir, 5)
+        mlflow_outage.signal(signal.SIGSTOP)  # frozen: requests hang past the client's timeout
+        time.sleep(freeze_s)
         mlflow_outage.signal(signal.SIGCONT)
-        wait_for_step(cfg.run_dir, 35)
+        wait_for_step(cfg.run_dir, 42)
         mlflow_outage.kill()
         time.sleep(15)
         mlflow_outage.restart()
