@@ -34,3 +34,18 @@ def build_host_draws(config: RunConfig, device: torch.device) -> TaskParts:
         return base(model, batch) * (1.0 + 1e-2 * draw)
 
     return dataclasses.replace(parts, loss_fn=loss_fn)
+
+
+def build_with_a_thread(config: RunConfig, device: torch.device) -> TaskParts:
+    """The example task, plus a library-style thread that draws from ``random`` every 10 ms (what
+    urllib3's retry backoff does while a server is down): the worker must name it."""
+    import threading
+
+    stop = threading.Event()
+
+    def jitter() -> None:
+        while not stop.wait(0.01):
+            random.random()
+
+    threading.Thread(target=jitter, name="jitter-thread", daemon=True).start()
+    return char_gpt.build(config, device)

@@ -94,3 +94,54 @@ def test_a_frozen_then_killed_tracking_server_leaves_the_trajectory_alone(
     done = read_events(cfg.run_dir, "worker_done")
     assert done and all(e["network_clients"] == [] for e in done)  # no MLflow, urllib3... in a worker
     assert_no_leftovers(cfg.run_dir.resolve())
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["data.num_workers=2"],  # map-style data through two loader worker processes
+        ["task=tests.pipeline_tasks:build_counter", "data.num_workers=2", "train.total_steps=20"],  # a stream
+    ],
+    ids=["map-2-workers", "stream-2-workers"],
+)
+def test_a_worker_runs_only_its_own_threads_and_no_network_client(tmp_path: Path, extra: list[str]) -> None:
+    """The audit of invariant 12, on a real worker with MLflow on: the threads alive at its end
+    are the ones docs/architecture.md names, no network client library was imported, and no
+    save saw a thread of no known purpose."""
+    from tests.engine_util import make_run, run_worker
+    from training.hermetic import is_known
+
+    run_dir = make_run(
+        tmp_path, "threads", ["train.total_steps=20", "train.chunk_steps=20", "tracking.mlflow=true", *extra]
+    )
+    code, out = run_worker(run_dir, 20)
+    assert code == 0, out
+    (done,) = read_events(run_dir, "worker_done")
+    assert all(is_known(name) for name in done["threads"]), done["threads"]
+    assert done["network_clients"] == []
+    assert not read_events(run_dir, "foreign_threads")
+
+
+def test_a_thread_of_no_known_purpose_is_named_at_the_first_save(tmp_path: Path) -> None:
+    """A task whose import starts a library thread (here one that draws from ``random``, as an
+    HTTP client's retry loop does) is warned about, once, naming the thread."""
+    from tests.engine_util import make_run, run_worker
+
+    run_dir = make_run(
+        tmp_path,
+        "foreign",
+        ["train.total_steps=20", "train.chunk_steps=20", "task=tests.hermetic_tasks:build_with_a_thread"],
+    )
+    code, out = run_worker(run_dir, 20)
+    assert code == 0, out
+    assert out.count("WARNING: thread(s) jitter-thread run beside training") == 1, out
+    (event,) = read_events(run_dir, "foreign_threads")
+    assert event["threads"] == ["jitter-thread"]
+
+
+def test_an_unnamed_thread_is_known_only_by_its_target() -> None:
+    from training.hermetic import foreign_threads, is_known
+
+    assert is_known("Thread-3 (_pin_memory_loop)") and is_known("convoy-ckpt")
+    assert not is_known("Thread-3 (_jitter)") and not is_known("Thread-3")
+    assert foreign_threads() == [n for n in foreign_threads() if not is_known(n)]

@@ -15,6 +15,7 @@ library a task imported that started one may be drawing from the generators."""
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 
@@ -24,13 +25,15 @@ KNOWN_THREADS: dict[str, str] = {
     "convoy-heartbeat": "writes heartbeat/rank-<r>.json (atomic rename); reads the clock",
     "convoy-ckpt": "persists a snapshot taken by the main thread: writes checkpoints/, fsyncs, renames",
     "convoy-hash": "hashes the tensor bytes of a checkpoint being written",
-    "pin_memory": "torch DataLoader (pin_memory on CUDA): copies batches to pinned memory",
     "QueueFeederThread": "multiprocessing queues of DataLoader workers: pickles and sends batches",
 }
-#: Prefixes of names that threads of the Python runtime and torch get (numbered by the runtime).
-_KNOWN_PREFIXES = ("Thread-", "pt_", "ThreadPoolExecutor-")
+#: Threads started without a name, as Python names them (``Thread-7 (<target>)``), by target.
+KNOWN_TARGETS: dict[str, str] = {
+    "_pin_memory_loop": "torch DataLoader with pin_memory (CUDA): copies batches into pinned memory",
+}
 #: Network clients whose retry loops draw from ``random``; none of them may be loaded in a worker.
 NETWORK_CLIENTS = ("mlflow", "urllib3", "requests", "botocore", "httpx")
+_UNNAMED = re.compile(r"Thread-\d+ \((?P<target>[^)]*)\)")
 
 
 def thread_names() -> list[str]:
@@ -38,10 +41,15 @@ def thread_names() -> list[str]:
     return sorted(t.name for t in threading.enumerate())
 
 
+def is_known(name: str) -> bool:
+    """A thread of the worker's own (:data:`KNOWN_THREADS`, :data:`KNOWN_TARGETS`)."""
+    unnamed = _UNNAMED.fullmatch(name)
+    return name in KNOWN_THREADS or (unnamed is not None and unnamed["target"] in KNOWN_TARGETS)
+
+
 def foreign_threads() -> list[str]:
-    """Threads alive now that are not the worker's own: none of :data:`KNOWN_THREADS`, nor a
-    runtime-numbered one (``Thread-3 (target)``: checked by the caller that started it)."""
-    return [n for n in thread_names() if n not in KNOWN_THREADS and not n.startswith(_KNOWN_PREFIXES)]
+    """Threads alive now that are none of the worker's own: a library started them."""
+    return [n for n in thread_names() if not is_known(n)]
 
 
 def loaded_network_clients() -> list[str]:
