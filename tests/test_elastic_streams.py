@@ -14,6 +14,7 @@ refused in one line, never silently another sample sequence (issue 28, Deliver 2
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -23,19 +24,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from flows.cli import app
 from tests.elastic_tasks import GlobalCounter
-from tests.engine_util import SMALL, final_digest, kill_group, make_run, wait_for_step
+from tests.engine_util import SMALL, final_digest, make_run, wait_for_step
 from training.config import ConfigError, load_config
+from training.events import read_events
 from training.rundir import open_run
 from training.stream_position import ReaderPlan, SavedLayout, check_resume, make_global_loader
 
 TOTAL, BATCH = 16, 8
-SLOW = {"CONVOY_FAULTS": "step_delay=0.05"}  # kills driven by heartbeats land inside the run
 BASE = [
     f"train.total_steps={TOTAL}",
     f"train.chunk_steps={TOTAL}",
@@ -125,13 +127,27 @@ def finish(p: subprocess.Popen) -> str:
 
 
 def kill_at(run_dir: Path, ranks: int, step: int) -> int:
-    """Train with ``ranks`` ranks (slowed), SIGKILL the whole process group at ``step``."""
-    p = start(run_dir, TOTAL, ranks, SLOW)
+    """Train with ``ranks`` ranks, SIGKILL the launcher, ranks and loader workers at
+    ``step``: the step after it stalls (an injected fault), so the kill provably lands mid-run."""
+    p = start(run_dir, TOTAL, ranks, {"CONVOY_FAULTS": f"slow_step={step + 1}:60"})
     reached = wait_for_step(run_dir, p, step)
     assert reached is not None, p.communicate()[0][-3000:]
-    kill_group(p)
-    p.wait()
+    kill_tree(p)
+    assert p.returncode == -9, p.returncode  # killed, not finished
     return reached
+
+
+def kill_tree(p: subprocess.Popen) -> None:
+    """SIGKILL ``p`` and every process below it.  Not by process group: torchrun starts each rank
+    in a session of its own (``start_new_session``), so killing the launcher's group leaves the
+    ranks training."""
+    below = psutil.Process(p.pid).children(recursive=True)
+    p.kill()
+    for proc in below:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    p.wait()  # our child: reaped by Popen, so its return code is the signal's
+    psutil.wait_procs(below, timeout=30)
 
 
 def relayout(tmp: Path, name: str, extra: list[str]) -> None:
@@ -268,7 +284,8 @@ def test_a_global_order_stream_resumes_exactly_on_any_layout(prefect_api: str, t
         assert kills[name] and all(k < TOTAL for k in kills[name]), (name, kills[name])
     assert final_digest(runs["workers"]) == final_digest(ref)  # the same world size: bitwise
     assert losses(runs["workers"]) == losses(ref)
-    for name in ("shrink", "grow"):
+    for name, (old, new) in (("shrink", (2, 1)), ("grow", (1, 2))):
+        assert {(e["old"], e["new"]) for e in read_events(runs[name], "world_size_changed")} == {(old, new)}, name
         ref_l, run_l = losses(ref), losses(runs[name])
         diff = max(abs(ref_l[s] - run_l[s]) for s in range(1, TOTAL + 1))
         print(f"{name}: max |loss - uninterrupted 1-rank loss| over {TOTAL} steps = {diff:.2e}")

@@ -26,7 +26,9 @@ How a stream learns its shard: convoy sets nothing on it.  The rank and world si
 factory (``datasets.distributed.split_dataset_by_node``); the loader worker is
 ``torch.utils.data.get_worker_info()``, read by the stream in ``__iter__`` (HF datasets does
 that itself).  So ``data.num_workers`` and the world size are part of a stream's position: a
-resume with other values is refused (one line), not guessed.
+resume with other values is refused (one line, up front: ``training.preflight``), not guessed.
+A stream in one canonical global order (``iter_global``, :mod:`training.stream_position`) has
+no such shards in its position and resumes exactly on any layout.
 """
 
 from __future__ import annotations
