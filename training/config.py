@@ -88,7 +88,10 @@ class TrainConfig(_Strict):
     """Optimisation settings; those marked ``Trajectory`` are part of the run's fingerprint.
 
     Not marked: chunking, evaluation and the world size's layout (``ranks``, ``nnodes``, ``hosts``:
-    the global batch and the per-sample seeding make the trajectory independent of them)."""
+    the global batch and the per-sample seeding put the same samples, with the same augmentation,
+    in every global batch at any world size; a resume on another world size then differs only by
+    the floating-point order of the gradient sum, ~1e-7 in loss, and, with dropout, by the masks
+    each rank draws; a stream positioned per shard is refused, see ``training.stream_position``)."""
 
     total_steps: Annotated[int, Trajectory()] = Field(600, gt=0)
     #: Steps per Prefect chunk task; a failure re-runs only the chunk it happened in.

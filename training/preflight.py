@@ -6,17 +6,28 @@ dataset returns, or a stream that cannot start would otherwise surface only in t
 after a run directory, an MLflow run and a Prefect flow exist, and as a crash that is retried.
 Here it is one line and exit 2.  The fetch goes through the same loader code the worker uses
 (per-sample seeding included), in this process (no loader workers).
+
+The same holds for a stream resumed on another layout (:func:`check_stream_resume`): its saved
+positions are per rank and loader worker, so another world size or ``data.num_workers`` would
+train other samples; it is refused here, before the flow, the run directory or MLflow is touched,
+not by every worker of a retried chunk.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import default_collate
 
+from training.checkpointing.errors import CheckpointRejected
+from training.checkpointing.verify import load_checkpoint, parse_step
 from training.config import ConfigError, RunConfig
 from training.data import Cursor, LoaderSpec, validation_keys
+from training.paths import RunPaths
+from training.rundir import keyed_config
 from training.sample_rng import SeededSamples
+from training.stream_position import SavedLayout, check_resume, is_global
 from training.streams import is_stream, train_batches
 
 
@@ -27,7 +38,8 @@ def _line(exc: BaseException) -> str:
 
 def fetch_first_batches(config: RunConfig, parts: Any) -> None:
     """Fetch rank 0's first micro-batch and the first validation batch; a ConfigError names
-    which data failed and how."""
+    which data failed and how; a stream first checks that its saved position fits this layout."""
+    check_stream_resume(config, parts.train_data)
     tc = config.train
     spec = LoaderSpec(tc.batch_size, tc.seed, Cursor(), 0, tc.world_size, tc.grad_accum_steps)
     try:
@@ -55,3 +67,31 @@ def fetch_first_batches(config: RunConfig, parts: Any) -> None:
         (parts.collate_fn or default_collate)(SeededSamples(val, parts.sample_rngs).__getitems__(keys))
     except Exception as exc:  # noqa: BLE001 - as above
         raise ConfigError(f"val_data: fetching the first batch failed: {_line(exc)}") from None
+
+
+def newest_stream_layout(run_dir: Path) -> SavedLayout | None:
+    """How the stream of the newest checkpoint that verifies was read (the one a resume takes);
+    None without checkpoints or for map-style data.  Reads only; records nothing."""
+    root = RunPaths(run_dir).checkpoints
+    if not root.is_dir():
+        return None
+    found = ((parse_step(p.name), p) for p in root.iterdir() if p.is_dir())
+    for step, path in sorted(((s, p) for s, p in found if s is not None), reverse=True):
+        try:
+            checkpoint, parts = load_checkpoint(path, None, None)
+        except CheckpointRejected:
+            continue  # the resume passes it over too
+        stream = (parts.get("rank-0") or {}).get("stream")
+        world = int(checkpoint.manifest.get("world_size", 1))
+        return SavedLayout.of(step, world, stream) if isinstance(stream, dict) else None
+    return None
+
+
+def check_stream_resume(config: RunConfig, train_data: Any) -> None:
+    """Refuse (one line) resuming the run ``config`` trains when its stream was saved by another
+    world size or ``data.num_workers`` (:func:`training.stream_position.check_resume`)."""
+    if not is_stream(train_data):
+        return
+    layout = newest_stream_layout(keyed_config(config).run_dir)  # the directory that trains config
+    if layout is not None:
+        check_resume(layout, config.train.world_size, config.data.num_workers, is_global(train_data))

@@ -34,6 +34,7 @@ from training.events import Event, append_event
 from training.rundir import describe_change, recorded_trajectories, run_info
 from training.runtime import Runtime
 from training.state import seed_everything
+from training.stream_position import SavedLayout, check_resume, is_global
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,28 @@ def apply(
         log(runtime.state.rng_note)
     if not has_rng:  # more ranks than when saved: a fresh, deterministic stream for this rank
         seed_everything(mix_seed(runtime.config.train.seed, rank, checkpoint.step))
+    resume_stream(runtime, checkpoint.step, saved_world, parts)
     distributed.check_same_step(runtime.state.step)
     world_changed = saved_world != world
     if world_changed and rank == 0:
         log(f"world size changed {saved_world} -> {world}: same global batch and sample position")
         append_event(run_dir, Event.WORLD_SIZE_CHANGED, step=checkpoint.step, old=saved_world, new=world)
     return world_changed
+
+
+def resume_stream(runtime: Runtime, step: int, saved_world: int, parts: dict[str, Any]) -> None:
+    """Refuse a stream position that another layout would misread (:func:`check_resume`, which
+    ``convoy train`` runs before a run is touched; repeated here for every other way in), and
+    give every rank a global-order position: it is rank 0's, the same on every rank, also for a
+    rank the checkpoint has no part for."""
+    saved = (parts.get("rank-0") or {}).get("stream")
+    if saved is None:
+        return
+    data = runtime.parts.train_data
+    layout = SavedLayout.of(step, saved_world, saved)
+    check_resume(layout, runtime.world_size, runtime.config.data.num_workers, is_global(data))
+    if layout.is_global:
+        runtime.state.stream_saved = saved
 
 
 def adopt_child_settings(runtime: Runtime, parent: dict[str, Any], log: Callable[[str], None]) -> None:

@@ -3,7 +3,8 @@
 Complete means everything that influences the next update: model, optimizer, LR scheduler
 (its position is the global step, checked on restore), AMP GradScaler, every RNG (python, numpy,
 torch CPU, the CUDA device this rank trains on — per rank), the data cursor (and, for a stream,
-each rank's stream position: every loader worker's state), the global step and tokens seen.
+each rank's stream position: every loader worker's state, or for a global-order stream the global
+samples trained, the same on every rank: ``training.stream_position``), the global step and tokens seen.
 Part ``state`` is replicated (rank 0 writes it); part ``rank-<r>`` holds that rank's RNG and stream.
 """
 

@@ -26,7 +26,9 @@ How a stream learns its shard: convoy sets nothing on it.  The rank and world si
 factory (``datasets.distributed.split_dataset_by_node``); the loader worker is
 ``torch.utils.data.get_worker_info()``, read by the stream in ``__iter__`` (HF datasets does
 that itself).  So ``data.num_workers`` and the world size are part of a stream's position: a
-resume with other values is refused (one line), not guessed.
+resume with other values is refused (one line, up front: ``training.preflight``), not guessed.
+A stream in one canonical global order (``iter_global``, :mod:`training.stream_position`) has
+no such shards in its position and resumes exactly on any layout.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 from training.config import ConfigError
 from training.data import LoaderSpec, loader_generator, make_loader, mix_seed, worker_init
 from training.sample_rng import HOST_RNGS, check_rngs, preserved_host_rngs, seed_host_rngs
+from training.stream_position import GLOBAL_KEY, ReaderPlan, is_global, make_global_loader
 
 STREAM_SALT = 0x57AE_A3ED
 #: HF ``datasets`` iterables whose state does not hold what they need to resume exactly.
@@ -62,8 +65,9 @@ def _type_name(obj: Any) -> str:
 
 
 def check_stream(data: Any, name: str = "train_data") -> None:
-    """Refuse a stream convoy cannot position exactly (one line: what, its type, what to do)."""
-    if not is_stream(data):
+    """Refuse a stream convoy cannot position exactly (one line: what, its type, what to do).
+    A stream in a global order (:mod:`training.stream_position`) needs no state of its own."""
+    if not is_stream(data) or is_global(data):
         return
     missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(data, m, None))]
     if missing:
@@ -247,6 +251,8 @@ def train_batches(
     position was not saved for this rank, e.g. after a change of world size)."""
     if not is_stream(data):
         return iter(make_loader(data, spec, num_workers=num_workers, collate_fn=collate_fn, sample_rngs=sample_rngs))
+    if is_global(data):
+        return global_batches(data, spec, num_workers, collate_fn, saved_stream, sample_rngs)
     if resumed and saved_stream is None:
         raise ConfigError(
             f"train_data is a stream and the checkpoint holds no stream position for rank {spec.rank} of "
@@ -263,3 +269,20 @@ def train_batches(
         saved=saved_stream,
         sample_rngs=sample_rngs,
     )
+
+
+def global_batches(
+    data: Any,
+    spec: LoaderSpec,
+    num_workers: int,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    saved_stream: dict[str, Any] | None,
+    sample_rngs: tuple[str, ...],
+) -> Iterator[Any]:
+    """A global-order stream's loader for this rank from the run's data cursor (for a stream it
+    counts global samples), which the saved ``global_sample`` must equal (both say where the run is)."""
+    start = spec.start.offset
+    if saved_stream is not None and int(saved_stream[GLOBAL_KEY]) != start:
+        raise ValueError(f"stream position {saved_stream[GLOBAL_KEY]} != data cursor {start}")
+    plan = ReaderPlan(start, spec.batch_size, spec.rank, spec.world_size, num_workers=num_workers)
+    return make_global_loader(data, seed=spec.seed, plan=plan, collate_fn=collate_fn, sample_rngs=sample_rngs)
