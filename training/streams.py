@@ -249,6 +249,8 @@ class StreamBatches:
         out = {"num_workers": self.num_workers, "next_worker": self.next_worker, "workers": list(self.workers)}
         if self.main is not None:
             out.update(batches=self.batches, main=json_state(self.main.state(self.batches * self.main.batch)))
+            if self.main.restripes:  # a resume starts at worker 0 with no worker position: the same
+                out.update(next_worker=0, workers=[None] * self.slots)  # state whenever it resumed
         return out
 
     def close(self) -> None:
