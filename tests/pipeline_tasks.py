@@ -14,6 +14,7 @@ refuse; ``build_raises_at_step_7`` a task whose ``loss_fn`` raises at step 7 eve
 
 from __future__ import annotations
 
+import fcntl
 import json
 import random
 from pathlib import Path
@@ -213,7 +214,7 @@ def write_mds(out: str) -> None:
 
 def add_noise(sample: dict[str, Any]) -> dict[str, Any]:
     """Augmentation as a user writes it: noise from torch's global generator (in a loader worker)."""
-    return {"id": int(sample["id"]), "x": torch.as_tensor(sample["x"]) + 0.1 * torch.randn(8)}
+    return {"id": int(sample["id"]), "x": torch.tensor(np.array(sample["x"])) + 0.1 * torch.randn(8)}
 
 
 def _id_task(config: RunConfig, device: torch.device, data: IterableDataset) -> TaskParts:
@@ -250,7 +251,11 @@ def build_mosaic(config: RunConfig, device: torch.device) -> TaskParts:
             return add_noise(super().__getitem__(i))
 
     batch = config.train.batch_size // rank_and_world()[1]  # the per-rank micro-batch
-    ds = Augmented(local=config.task_args["dir"], batch_size=batch, shuffle=True, shuffle_seed=7)
+    # MosaicML registers each dataset in shared memory under the first free prefix: two processes
+    # building one at the same moment can take the same prefix (the tests run side by side).
+    with open(Path(config.task_args["dir"]) / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ds = Augmented(local=config.task_args["dir"], batch_size=batch, shuffle=True, shuffle_seed=7)
     return _id_task(config, device, MosaicStream(ds))
 
 
