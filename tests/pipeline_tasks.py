@@ -243,14 +243,15 @@ def build_litdata(config: RunConfig, device: torch.device) -> TaskParts:
 
 def build_mosaic(config: RunConfig, device: torch.device) -> TaskParts:
     """A shuffled MosaicML ``StreamingDataset`` over ``task_args.dir``; its ``__getitem__``
-    augments (a subclass, as MosaicML's examples do)."""
+    augments (a subclass, as MosaicML's examples do).  ``task_args.batch``: build it for another
+    batch size than the run's (convoy refuses it)."""
     from training.stream_adapters.mosaic import MosaicStream, streaming_base
 
     class Augmented(streaming_base().StreamingDataset):
         def __getitem__(self, i: int) -> dict[str, Any]:
             return add_noise(super().__getitem__(i))
 
-    batch = config.train.batch_size // rank_and_world()[1]  # the per-rank micro-batch
+    batch = config.task_args.get("batch", config.train.batch_size // rank_and_world()[1])  # per-rank micro-batch
     # MosaicML registers each dataset in shared memory under the first free prefix: two processes
     # building one at the same moment can take the same prefix (the tests run side by side).
     with open(Path(config.task_args["dir"]) / ".build.lock", "w") as lock:

@@ -23,6 +23,7 @@ import torch
 
 from tests.pipeline_tasks import add_noise, write_mds
 from tests.test_data_pipelines import BASE, TOTAL, cli, side_by_side, step_ids
+from training.checkpointing.store import CheckpointStore
 from training.config import ConfigError
 from training.streams import make_stream_loader
 
@@ -138,7 +139,8 @@ def test_what_an_adapter_cannot_resume_exactly_is_refused_in_one_line(lit_dir: s
 def test_validate_builds_each_adapter_task_and_fetches_its_first_batches(
     tmp_path: Path, data_dir: Path, lit_dir: str, mds_dir: str
 ) -> None:
-    """``convoy validate`` (the CLI) on each adapter task with 2 loader workers: exit 0, no run."""
+    """``convoy validate`` (the CLI) on each adapter task with 2 loader workers: exit 0; a MosaicML
+    dataset built for another batch size: exit 2, one line.  No run directory either way."""
     pytest.importorskip("datasets")
     where = [f"runs_dir={tmp_path / 'runs'}", f"data.prepared_dir={data_dir}", "data.synthetic_chars=20000"]
     common = sum([["-S", w] for w in [*where, "data.num_workers=2", "train.batch_size=8"]], [])
@@ -146,6 +148,11 @@ def test_validate_builds_each_adapter_task_and_fetches_its_first_batches(
         args = ["-S", f"task=tests.pipeline_tasks:build_{task}", *(["-S", f"task_args.dir={path}"] if path else [])]
         code, lines = cli("validate", *args, *common)
         assert code == 0 and "first batches fetched" in lines[-1], (task, lines)
+    code, lines = cli(
+        "validate", "-S", "task=tests.pipeline_tasks:build_mosaic", "-S", f"task_args.dir={mds_dir}",
+        "-S", "task_args.batch=16", *common,
+    )  # fmt: skip
+    assert code == 2 and len(lines) == 1 and "build it with batch_size=8" in lines[0], lines
     assert not (tmp_path / "runs").exists()
 
 
@@ -157,12 +164,16 @@ def test_a_third_party_stream_killed_twice_resumes_bitwise_each_sample_once_in_o
 ) -> None:
     """With 0 and 2 loader workers, a run SIGKILLed twice at random steps ends with the
     uninterrupted run's digest and trained the same sample ids at every step, each once.  MosaicML
-    (one global order, samples seeded by their place in it) also ends alike with 0 and 2 workers."""
+    (one global order, samples seeded by their place in it) also trains the same model, optimizer
+    and RNG states with 0 and 2 workers, and a run killed with 2 workers and resumed with 0 ends
+    bitwise as the 0-worker run."""
     pytest.importorskip("datasets")
     path = {"litdata": "lit_dir", "mosaic": "mds_dir"}.get(library)
     args = [f"task_args.dir={request.getfixturevalue(path)}"] if path else []
     cfg = lambda n: [*BASE, f"task=tests.pipeline_tasks:build_{library}", *args, f"data.num_workers={n}"]  # noqa: E731
     runs = {f"{n}-ref": (cfg(n),) for n in (0, 2)} | {f"{n}-killed": (cfg(n), 20 + n) for n in (0, 2)}
+    if library == "mosaic":  # killed with 2 loader workers, resumed with 0
+        runs["2-then-0"] = (cfg(2), 24, cfg(0))
     out = side_by_side(tmp_path, runs)
     for n in (0, 2):
         ref, killed = out[f"{n}-ref"], out[f"{n}-killed"]
@@ -171,9 +182,20 @@ def test_a_third_party_stream_killed_twice_resumes_bitwise_each_sample_once_in_o
         assert ids == step_ids(ref["dir"]), (library, n)
         flat = sum(ids, [])
         assert len(flat) == len(set(flat)) == TOTAL * 8, (library, n)
-    if library == "mosaic":
-        assert out["0-ref"]["digest"] == out["2-ref"]["digest"]
-        assert step_ids(out["0-ref"]["dir"]) == step_ids(out["2-ref"]["dir"])
+    if library == "mosaic":  # only the stream's own record (num_workers) differs
+        for name in ("2-ref", "2-then-0"):
+            assert trained_state(out[name]["dir"]) == trained_state(out["0-ref"]["dir"]), name
+            assert step_ids(out[name]["dir"]) == step_ids(out["0-ref"]["dir"]), name
+        assert out["2-then-0"]["digest"] == out["0-ref"]["digest"]  # ends as a 0-worker run
+
+
+def trained_state(run_dir: Path) -> dict[str, str]:
+    """Hashes of the final checkpoint's model, optimizer, scheduler, cursor and RNG files: all but
+    ``rank-<r>.json``, which holds the stream's position (and so ``data.num_workers``)."""
+    ck = CheckpointStore(run_dir).latest_valid(record=False)
+    assert ck is not None
+    files = json.loads((ck.path / "manifest.json").read_text())["files"]
+    return {name: f["xxh3_128"] for name, f in files.items() if name != "rank-0.json"}
 
 
 @pytest.mark.slow
