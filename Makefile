@@ -5,10 +5,15 @@ BIN    := $(VENV)/bin
 
 .PHONY: install demo check test test-fast lint format bench clean
 
+# Third-party stream libraries (training/stream_adapters/), without their own pins (they would pull
+# another torch); the few packages they import are the `streams` extra.
+STREAM_LIBS := litdata==0.2.76 mosaicml-streaming==0.13.0
+
 $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c requirements.lock -e '.[dev,hf]'
+	$(BIN)/python -m pip install -q -c requirements.lock -e '.[dev,hf,streams]'
+	$(BIN)/python -m pip install -q --no-deps -c requirements.lock $(STREAM_LIBS)
 	touch $@
 
 install: $(VENV)/.installed

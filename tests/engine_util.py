@@ -64,10 +64,23 @@ def run_worker(run_dir: Path, until: int, env: dict[str, str] | None = None, tim
 
 
 def kill_group(p: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal the process group of ``p`` and every descendant: torchrun starts each rank in a
+    session of its own, so the group alone would leave the ranks training."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(p.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
     try:
         os.killpg(p.pid, sig)
     except ProcessLookupError:
         pass
+    for child in descendants:
+        try:
+            child.send_signal(sig)
+        except psutil.Error:
+            pass
 
 
 def wait_for_step(run_dir: Path, p: subprocess.Popen, step: int, timeout: float = 120) -> int | None:

@@ -14,6 +14,7 @@ refuse; ``build_raises_at_step_7`` a task whose ``loss_fn`` raises at step 7 eve
 
 from __future__ import annotations
 
+import fcntl
 import json
 import random
 from pathlib import Path
@@ -179,4 +180,102 @@ def build_bad_collate(config: RunConfig, device: torch.device) -> TaskParts:
     """The CNN task with a collate function that cannot handle its samples (tuples)."""
     parts = build_cnn(config, device)
     parts.collate_fn = lambda samples: torch.stack(samples)
+    return parts
+
+
+# ---------------------------------------------------------------- third-party streams (adapters)
+#: Samples in each third-party dataset the adapter tests write: more than a 24-step run of batch 8
+#: reads (192), so a run stays inside one epoch on every loader worker.
+STREAM_SAMPLES = 400
+
+
+def stream_sample(i: int) -> dict[str, Any]:
+    """Sample ``i`` of the third-party datasets: its id and 8 features."""
+    return {"id": i, "x": np.full(8, (i % 13) / 13, dtype=np.float32)}
+
+
+def write_litdata(out: str) -> None:
+    """``litdata.optimize`` the samples into ``out`` (run it in a subprocess: optimize switches the
+    process's multiprocessing start method to spawn)."""
+    import litdata
+
+    litdata.optimize(fn=stream_sample, inputs=list(range(STREAM_SAMPLES)), output_dir=out, chunk_size=16, num_workers=1)
+
+
+def write_mds(out: str) -> None:
+    """Write the samples into ``out`` with MosaicML's ``MDSWriter`` (several small shards)."""
+    from training.stream_adapters.mosaic import streaming_base
+
+    columns = {"id": "int", "x": "ndarray:float32:8"}
+    with streaming_base().MDSWriter(out=out, columns=columns, size_limit=1 << 11) as writer:
+        for i in range(STREAM_SAMPLES):
+            writer.write(stream_sample(i))
+
+
+def add_noise(sample: dict[str, Any]) -> dict[str, Any]:
+    """Augmentation as a user writes it: noise from torch's global generator (in a loader worker)."""
+    return {"id": int(sample["id"]), "x": torch.tensor(np.array(sample["x"])) + 0.1 * torch.randn(8)}
+
+
+def _id_task(config: RunConfig, device: torch.device, data: IterableDataset) -> TaskParts:
+    """The counter task's model on ``data`` (samples ``{"id", "x"}``), logging each step's ids."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, CLASSES)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr)
+    scheduler = _constant_schedule(optimizer)
+    log = id_logger(config, scheduler)
+
+    def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        log(batch["id"])
+        return F.cross_entropy(m(batch["x"].float()), batch["id"] % CLASSES)
+
+    return TaskParts(model, optimizer, scheduler, data, loss_fn)
+
+
+def build_litdata(config: RunConfig, device: torch.device) -> TaskParts:
+    """A shuffled ``litdata.StreamingDataset`` over ``task_args.dir``, augmented by its transform."""
+    import litdata
+
+    from training.stream_adapters.litdata import LitDataStream
+
+    ds = litdata.StreamingDataset(config.task_args["dir"], shuffle=True, seed=7, transform=add_noise)
+    return _id_task(config, device, LitDataStream(ds))
+
+
+def build_mosaic(config: RunConfig, device: torch.device) -> TaskParts:
+    """A shuffled MosaicML ``StreamingDataset`` over ``task_args.dir``; its ``__getitem__``
+    augments (a subclass, as MosaicML's examples do).  ``task_args.batch``: build it for another
+    batch size than the run's (convoy refuses it)."""
+    from training.stream_adapters.mosaic import MosaicStream, streaming_base
+
+    class Augmented(streaming_base().StreamingDataset):
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return add_noise(super().__getitem__(i))
+
+    batch = config.task_args.get("batch", config.train.batch_size // rank_and_world()[1])  # per-rank micro-batch
+    # MosaicML registers each dataset in shared memory under the first free prefix: two processes
+    # building one at the same moment can take the same prefix (the tests run side by side).
+    with open(Path(config.task_args["dir"]) / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ds = Augmented(local=config.task_args["dir"], batch_size=batch, shuffle=True, shuffle_seed=7)
+    return _id_task(config, device, MosaicStream(ds))
+
+
+def build_hf_map(config: RunConfig, device: torch.device) -> TaskParts:
+    """An HF ``datasets`` stream of the samples (4 shards, endless) augmented by ``.map``."""
+    import datasets
+
+    from training.stream_adapters.hf_datasets import HFStream
+
+    rows = [stream_sample(i) for i in range(STREAM_SAMPLES)]
+    table = datasets.Dataset.from_dict({"id": [r["id"] for r in rows], "x": [r["x"].tolist() for r in rows]})
+
+    def augment(example: dict[str, Any]) -> dict[str, Any]:
+        return {"x": (torch.tensor(example["x"]) + 0.1 * torch.randn(8)).tolist()}
+
+    ds = table.to_iterable_dataset(num_shards=4).map(augment).repeat(None)
+    parts = _id_task(config, device, HFStream(ds, config.data.num_workers))
+    parts.collate_fn = lambda samples: {
+        "id": torch.tensor([s["id"] for s in samples]),
+        "x": torch.tensor([s["x"] for s in samples]),
+    }
     return parts

@@ -29,6 +29,14 @@ that itself).  So ``data.num_workers`` and the world size are part of a stream's
 resume with other values is refused (one line, up front: ``training.preflight``), not guessed.
 A stream in one canonical global order (``iter_global``, :mod:`training.stream_position`) has
 no such shards in its position and resumes exactly on any layout.
+
+Streams positioned in the training process (:class:`MainPositioned`: litdata's and MosaicML's,
+through :mod:`training.stream_adapters`): their libraries compute the position from the number
+of samples trained, in the training process (litdata refuses ``state_dict`` in a loader worker).
+:class:`StreamBatches` counts the batches it handed to training and saves the library's state for
+that count (``"main"``); a resume gives it back to the stream before the DataLoader starts.  A
+library that re-stripes the rest of one order from loader worker 0 after a resume (MosaicML:
+``restripes``) has each sample seeded by its number in this rank's stream, not in a worker's.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import collections
 import json
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
@@ -60,14 +68,37 @@ def is_stream(data: Any) -> bool:
     return isinstance(data, IterableDataset)
 
 
+@runtime_checkable
+class MainPositioned(Protocol):
+    """A stream whose position its library computes in the training process from the samples
+    trained (why: litdata raises if asked in a loader worker; MosaicML counts samples globally)."""
+
+    #: True: after a resume the library deals the rest of one order out again from loader worker 0
+    #: (MosaicML); False: each loader worker continues its own shard (litdata).
+    restripes: bool
+
+    def main_state_dict(self, samples: int, num_workers: int, batch_size: int) -> Any:
+        """The library's state after this rank trained ``samples`` samples (JSON values)."""
+        ...
+
+    def start_at(self, state: Any | None, num_workers: int, batch_size: int) -> None:
+        """Position the stream (``state`` None: its start) before the DataLoader iterates it."""
+        ...
+
+
+def is_main_positioned(data: Any) -> bool:
+    return is_stream(data) and isinstance(data, MainPositioned)
+
+
 def _type_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def check_stream(data: Any, name: str = "train_data") -> None:
     """Refuse a stream convoy cannot position exactly (one line: what, its type, what to do).
-    A stream in a global order (:mod:`training.stream_position`) needs no state of its own."""
-    if not is_stream(data) or is_global(data):
+    A stream in a global order (:mod:`training.stream_position`) needs no state of its own; one
+    positioned in the training process (:class:`MainPositioned`) keeps its library's."""
+    if not is_stream(data) or is_global(data) or is_main_positioned(data):
         return
     missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(data, m, None))]
     if missing:
@@ -105,7 +136,9 @@ class StreamEnded(RuntimeError):
 class SeededStream(IterableDataset):
     """The task's stream, positioned from a saved state and seeded per sample (module docstring).
 
-    A copy runs in each loader worker; ``states[w]`` is worker ``w``'s saved state (None: start)."""
+    A copy runs in each loader worker; ``states[w]`` is worker ``w``'s saved state (None: start).
+    ``restripe`` (``(rank samples at the resume, batch size)``): a re-striping stream's samples are
+    seeded by their number in the rank's stream (:class:`MainPositioned`)."""
 
     def __init__(
         self,
@@ -114,23 +147,34 @@ class SeededStream(IterableDataset):
         rank: int,
         states: list[Any] | None,
         rngs: tuple[str, ...] = HOST_RNGS,
+        restripe: tuple[int, int] | None = None,
     ) -> None:
         self.inner, self.seed, self.rank, self.states, self.rngs = inner, seed, rank, states, check_rngs(rngs)
+        self.restripe = restripe
         self.samples = 0
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
-        wid = info.id if info is not None else 0
-        saved = self.states[wid] if self.states else None
-        if saved is not None:
+        wid, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        saved = self.states[wid] if self.states and self.restripe is None else None
+        if saved is not None and not is_main_positioned(self.inner):  # else positioned before the loader
             self.inner.load_state_dict(saved["stream"])  # type: ignore[attr-defined]
         self.samples = saved["samples"] if saved is not None else 0
         it = iter(self.inner)
-        base = mix_seed(self.seed, STREAM_SALT, self.rank, wid)
+        base = mix_seed(self.seed, STREAM_SALT, self.rank, wid if self.restripe is None else 0)
         while True:  # in the training process StreamBatches keeps the trainer's generators aside
-            sample = self._next(it, (base + self.samples) & 0x7FFFFFFFFFFFFFFF, wid)
+            sample = self._next(it, (base + self._key(wid, workers)) & 0x7FFFFFFFFFFFFFFF, wid)
             self.samples += 1
             yield sample
+
+    def _key(self, wid: int, workers: int) -> int:
+        """The next sample's seed key: its number in this worker's shard, or, re-striped, in the
+        rank's stream (worker ``wid``'s ``j``-th batch since the resume is the rank's batch
+        ``start/B + j*workers + wid``: the DataLoader deals batches round-robin)."""
+        if self.restripe is None:
+            return self.samples
+        start, batch = self.restripe
+        return start + ((self.samples // batch) * workers + wid) * batch + self.samples % batch
 
     def _next(self, it: Iterator[Any], seed: int, wid: int) -> Any:
         seed_host_rngs(seed, self.rngs)
@@ -144,6 +188,8 @@ class SeededStream(IterableDataset):
             ) from None
 
     def state_dict(self) -> dict[str, Any]:
+        if is_main_positioned(self.inner):  # its state is the training process's to compute
+            return {"samples": self.samples}
         return {"stream": json_state(self.inner.state_dict()), "samples": self.samples}  # type: ignore[attr-defined]
 
 
@@ -161,11 +207,22 @@ class StampedCollate:
 
 class StreamBatches:
     """This rank's micro-batches of a stream in the saved round-robin order, and the position of
-    what was handed out (:meth:`state_dict`, saved in the rank's checkpoint part)."""
+    what was handed out (:meth:`state_dict`, saved in the rank's checkpoint part).  ``main``: the
+    stream's :meth:`MainPositioned.main_state_dict` for a count of samples, and the batch size."""
 
-    def __init__(self, loader: DataLoader, num_workers: int, saved: dict[str, Any] | None) -> None:
+    def __init__(
+        self,
+        loader: DataLoader,
+        num_workers: int,
+        saved: dict[str, Any] | None,
+        main: MainPosition | None = None,
+    ) -> None:
         self.slots = max(num_workers, 1)
         self.num_workers = num_workers
+        self.main = main
+        self.batches = int(saved.get("batches", 0)) if saved else 0
+        if main is not None and main.restripes:  # re-striped from loader worker 0: no worker position
+            saved = None
         self.workers: list[Any] = list(saved["workers"]) if saved else [None] * self.slots
         self.next_worker = int(saved["next_worker"]) if saved else 0
         self.held: dict[int, collections.deque[tuple[Any, Any]]] = collections.defaultdict(collections.deque)
@@ -190,10 +247,16 @@ class StreamBatches:
         batch, state = self.held[want].popleft()
         self.workers[want] = state
         self.next_worker = (want + 1) % self.slots
+        self.batches += 1
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_workers": self.num_workers, "next_worker": self.next_worker, "workers": list(self.workers)}
+        out = {"num_workers": self.num_workers, "next_worker": self.next_worker, "workers": list(self.workers)}
+        if self.main is not None:
+            out.update(batches=self.batches, main=json_state(self.main.state(self.batches * self.main.batch)))
+            if self.main.restripes:  # a resume starts at worker 0 with no worker position: the same
+                out.update(next_worker=0, workers=[None] * self.slots)  # state whenever it resumed
+        return out
 
     def close(self) -> None:
         """Stop the loader's worker processes now.  Why explicitly: an iterator still referenced
@@ -217,13 +280,16 @@ def make_stream_loader(
     sample_rngs: tuple[str, ...] = HOST_RNGS,
 ) -> StreamBatches:
     """This rank's resumable stream loader; ``saved`` is the rank's stream state from the checkpoint."""
-    if saved is not None and int(saved["num_workers"]) != num_workers:
+    restripes = is_main_positioned(stream) and bool(stream.restripes)  # type: ignore[attr-defined]
+    if saved is not None and int(saved["num_workers"]) != num_workers and not restripes:
         raise ConfigError(
             f"data.num_workers = {num_workers}, but the checkpoint's train_data stream was read by "
             f"{saved['num_workers']} loader workers (each holds its own shard position); resume with "
             f"-S data.num_workers={saved['num_workers']}"
         )
-    wrapped = SeededStream(stream, seed, rank, saved["workers"] if saved else None, sample_rngs)
+    main = _main_position(stream, num_workers, per_rank_batch, saved)
+    restripe = (int(saved.get("batches", 0)) * per_rank_batch if saved else 0, per_rank_batch) if restripes else None
+    wrapped = SeededStream(stream, seed, rank, saved["workers"] if saved else None, sample_rngs, restripe)
     loader = DataLoader(
         wrapped,
         batch_size=per_rank_batch,
@@ -233,7 +299,30 @@ def make_stream_loader(
         worker_init_fn=worker_init if num_workers else None,
         prefetch_factor=2 if num_workers else None,
     )
-    return StreamBatches(loader, num_workers, saved)
+    return StreamBatches(loader, num_workers, saved, main)
+
+
+class MainPosition(NamedTuple):
+    """How :class:`StreamBatches` saves a :class:`MainPositioned` stream's state."""
+
+    state: Callable[[int], Any]  # samples trained -> the library's state
+    batch: int  # samples per batch handed out
+    restripes: bool
+
+
+def _main_position(
+    stream: IterableDataset, num_workers: int, batch: int, saved: dict[str, Any] | None
+) -> MainPosition | None:
+    """For a :class:`MainPositioned` stream: position it here, in the training process, before the
+    DataLoader copies it into its workers; what :class:`StreamBatches` needs to save its state."""
+    if not is_main_positioned(stream):
+        return None
+    stream.start_at(saved["main"] if saved else None, num_workers, batch)  # type: ignore[attr-defined]
+
+    def position(samples: int) -> Any:
+        return stream.main_state_dict(samples, num_workers, batch)  # type: ignore[attr-defined]
+
+    return MainPosition(position, batch, bool(stream.restripes))  # type: ignore[attr-defined]
 
 
 def train_batches(
