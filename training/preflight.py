@@ -28,7 +28,7 @@ from training.paths import RunPaths
 from training.rundir import keyed_config
 from training.sample_rng import SeededSamples
 from training.stream_position import SavedLayout, check_resume, is_global
-from training.streams import is_stream, train_batches
+from training.streams import is_main_positioned, is_stream, train_batches
 
 
 def _line(exc: BaseException) -> str:
@@ -94,4 +94,5 @@ def check_stream_resume(config: RunConfig, train_data: Any) -> None:
         return
     layout = newest_stream_layout(keyed_config(config).run_dir)  # the directory that trains config
     if layout is not None:
-        check_resume(layout, config.train.world_size, config.data.num_workers, is_global(train_data))
+        restripes = is_main_positioned(train_data) and bool(train_data.restripes)
+        check_resume(layout, config.train.world_size, config.data.num_workers, is_global(train_data), restripes)

@@ -35,6 +35,7 @@ from training.rundir import describe_change, recorded_trajectories, run_info
 from training.runtime import Runtime
 from training.state import seed_everything
 from training.stream_position import SavedLayout, check_resume, is_global
+from training.streams import is_main_positioned
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ def resume_stream(runtime: Runtime, step: int, saved_world: int, parts: dict[str
         return
     data = runtime.parts.train_data
     layout = SavedLayout.of(step, saved_world, saved)
-    check_resume(layout, runtime.world_size, runtime.config.data.num_workers, is_global(data))
+    restripes = is_main_positioned(data) and bool(data.restripes)
+    check_resume(layout, runtime.world_size, runtime.config.data.num_workers, is_global(data), restripes)
     if layout.is_global:
         runtime.state.stream_saved = saved
 

@@ -196,10 +196,15 @@ class SavedLayout:
         return cls(step, world_size, None if workers is None else int(workers), GLOBAL_KEY in rank0_stream)
 
 
-def check_resume(saved: SavedLayout, world_size: int, num_workers: int, stream_is_global: bool) -> None:
+def check_resume(
+    saved: SavedLayout, world_size: int, num_workers: int, stream_is_global: bool, restripes: bool = False
+) -> None:
     """Refuse, in one line, a resume that would train other samples than the uninterrupted run:
     a per-shard stream position read by another world size or ``data.num_workers``, or a
-    position whose kind does not fit the task's stream.  A global position fits any layout."""
+    position whose kind does not fit the task's stream.  A global position fits any layout; a
+    stream whose library deals the rest of its order out again to the loader workers after a
+    resume (``restripes``: MosaicML, :class:`training.streams.MainPositioned`) fits any
+    ``num_workers``."""
     if saved.is_global != stream_is_global:
         kind = "a global sample index" if saved.is_global else "per-rank shard positions"
         raise ConfigError(
@@ -210,7 +215,7 @@ def check_resume(saved: SavedLayout, world_size: int, num_workers: int, stream_i
     if saved.is_global:
         return
     same_world = saved.world_size == world_size
-    same_workers = saved.num_workers is None or saved.num_workers == num_workers
+    same_workers = restripes or saved.num_workers is None or saved.num_workers == num_workers
     if same_world and same_workers:
         return
     raise ConfigError(
