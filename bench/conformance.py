@@ -5,7 +5,7 @@ against an uninterrupted reference.
 
 A trial is a cell — pipeline (``map-aug``: images with random flip and crop drawn from the global
 generators in ``__getitem__``; ``stream``: a stateful, worker-sharded ``IterableDataset``;
-``third-party``: an HF ``datasets`` stream with ``.map`` augmentation) × ``data.num_workers``
+``third-party``: an HF ``datasets`` stream with ``.map`` augmentation, through convoy's adapter) × ``data.num_workers``
 {0, 2} × ranks {1, 2} — a fault and a moment.  Faults: SIGKILL, SIGTERM or SIGSTOP of the worker,
 the newest checkpoint corrupted (then SIGKILL), the next save failing with ENOSPC, the MLflow
 server killed (started again 10 s later) or frozen (SIGSTOP past convoy's 10 s client timeout),
@@ -59,7 +59,7 @@ sys.path.insert(0, str(REPO))
 PIPELINES = {
     "map-aug": "tests.pipeline_tasks:build_cnn",
     "stream": "tests.pipeline_tasks:build_counter",
-    "third-party": "tests.pipeline_tasks:build_hf_logged",
+    "third-party": "tests.pipeline_tasks:build_hf_map",
 }
 WORKERS = (0, 2)
 RANKS = (1, 2)
@@ -256,6 +256,11 @@ class Bench:
         subprocess.run(["git", "init", "-q"], cwd=self.project, check=True)
         subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=self.project, check=True)
         (self.project / "data").mkdir()
+        from training.config import load_config
+        from training.corpus import prepare
+
+        cfg = load_config(None, [f"data.prepared_dir={self.project / 'data'}", "data.seq_len=16"])
+        prepare(cfg.data, cfg.train.seed)  # for tasks that read the corpus
 
     def params(self, cell: Cell, name: str, tracking: bool) -> Path:
         """The params file of one run of ``cell`` (tracking: MLflow and versioning to S3 on)."""
@@ -301,7 +306,10 @@ class Bench:
         return self.references[cell]
 
     def run(self, trial: Trial) -> Verdict:
-        digest, ref_losses = self.reference(trial.cell)
+        try:
+            digest, ref_losses = self.reference(trial.cell)
+        except RuntimeError as exc:  # a cell that cannot even train undisturbed fails its trials
+            return Verdict(trial, [str(exc)])
         name = f"t{trial.number:04d}-{trial.cell.name}"
         run_dir = self.run_dir(name)
         flag = self.project / f".{name}.diskfull"
