@@ -144,3 +144,4 @@ def test_an_unnamed_thread_is_known_only_by_its_target() -> None:
 
     assert is_known("Thread-3 (_pin_memory_loop)") and is_known("convoy-ckpt")
     assert not is_known("Thread-3 (_jitter)") and not is_known("Thread-3")
+    assert is_known("ThreadPoolExecutor-0_1", ("ThreadPoolExecutor-",)) and not is_known("ThreadPoolExecutor-0_1")

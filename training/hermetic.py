@@ -41,15 +41,26 @@ def thread_names() -> list[str]:
     return sorted(t.name for t in threading.enumerate())
 
 
-def is_known(name: str) -> bool:
-    """A thread of the worker's own (:data:`KNOWN_THREADS`, :data:`KNOWN_TARGETS`)."""
+def is_known(name: str, declared: tuple[str, ...] = ()) -> bool:
+    """A thread of the worker's own (:data:`KNOWN_THREADS`, :data:`KNOWN_TARGETS`), or one whose
+    name starts with a prefix the task's data declared (``convoy_threads`` of a stream adapter
+    whose library's threads were audited, e.g. MosaicML's download pool)."""
     unnamed = _UNNAMED.fullmatch(name)
-    return name in KNOWN_THREADS or (unnamed is not None and unnamed["target"] in KNOWN_TARGETS)
+    return (
+        name in KNOWN_THREADS
+        or (unnamed is not None and unnamed["target"] in KNOWN_TARGETS)
+        or name.startswith(declared)
+    )
 
 
-def foreign_threads() -> list[str]:
+def declared_threads(train_data: object) -> tuple[str, ...]:
+    """The thread-name prefixes a stream adapter declares its library runs (``convoy_threads``)."""
+    return tuple(getattr(train_data, "convoy_threads", ()))
+
+
+def foreign_threads(declared: tuple[str, ...] = ()) -> list[str]:
     """Threads alive now that are none of the worker's own: a library started them."""
-    return [n for n in thread_names() if not is_known(n)]
+    return [n for n in thread_names() if not is_known(n, declared)]
 
 
 def loaded_network_clients() -> list[str]:

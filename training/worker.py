@@ -323,7 +323,7 @@ class Worker:
     def warn_foreign_threads(self) -> None:
         """Once per worker: a thread of no known purpose beside training (a library the task
         imported started it) may draw from the generators the checkpoint saves (invariant 12)."""
-        foreign = hermetic.foreign_threads()
+        foreign = hermetic.foreign_threads(hermetic.declared_threads(self.runtime.parts.train_data))
         if foreign and not self._warned_threads:
             self._warned_threads = True
             self.log(

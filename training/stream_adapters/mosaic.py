@@ -60,6 +60,10 @@ class MosaicStream(IterableDataset):
     (:class:`training.streams.MainPositioned`)."""
 
     restripes = True  # the rest of the global order is dealt out again from loader worker 0
+    #: Threads MosaicML runs in the process that iterates it (the training process with
+    #: num_workers 0): its shard download/prepare pool.  Audited for invariant 12: they shuffle
+    #: with their own ``np.random.default_rng(seed)``, never the global generators.
+    convoy_threads = ("ThreadPoolExecutor-",)
 
     def __init__(self, dataset: Any) -> None:
         if not isinstance(dataset, streaming_base().StreamingDataset):
