@@ -8,7 +8,9 @@
 
 Only the orchestration talks to MLflow (the flow, the chunk tasks and their metric shipper,
 ``tasks/metric_shipping.py``); the worker never imports it (docs/architecture.md, invariant 12).
-Imports MLflow (~3 s): callers import this module lazily.
+Imports MLflow (~3 s): callers import this module lazily.  The client settings of these
+processes (timeouts, retries, telemetry) are set when the ``tasks`` package is imported
+(``tasks.MLFLOW_DEFAULTS``).
 """
 
 from __future__ import annotations
@@ -23,11 +25,6 @@ from training.config import RunConfig
 from training.rundir import run_info
 
 TAG_PREFIX = "convoy."
-#: MLflow's own HTTP defaults (a 120 s timeout, 7 retries with exponential backoff) let one call to
-#: a frozen server hold a chunk task for many minutes.  The calls the orchestration makes are an
-#: audit (best effort) and the metrics wait in ``metrics.jsonl`` whatever happens, so convoy's
-#: processes give up on a call sooner; a value the user set in the environment wins.
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3"}
 
 
 def _absolute_sqlite(uri: str) -> str:
@@ -66,8 +63,6 @@ class _Clients:
         self._lock = threading.Lock()
 
     def get(self, uri: str) -> MlflowClient:
-        for name, value in HTTP_DEFAULTS.items():  # read by MLflow at each request
-            os.environ.setdefault(name, value)
         with self._lock:
             if uri not in self._by_uri:
                 self._by_uri[uri] = MlflowClient(tracking_uri=uri)

@@ -58,11 +58,11 @@ def test_a_frozen_then_killed_tracking_server_leaves_the_trajectory_alone(
     prefect_api: str, mlflow_outage: Any, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from flows.train import run_training
-    from tasks.mlflow_client import HTTP_DEFAULTS
+    from tasks import MLFLOW_DEFAULTS
 
-    for name in HTTP_DEFAULTS:  # convoy's own client defaults, not the test's
-        monkeypatch.delenv(name, raising=False)
-    freeze_s = int(HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"]) + 4  # past the client's timeout
+    for name, value in MLFLOW_DEFAULTS.items():  # convoy's own client defaults, not the test's
+        monkeypatch.setenv(name, value)
+    freeze_s = int(MLFLOW_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"]) + 4  # past the client's timeout
     reference_digest = uninterrupted_digest(tmp_path, data_dir, "off", **TASK)  # tracking off
     reference = metric_rows(config(run_params(tmp_path, data_dir, "off")).run_dir)
 
