@@ -1,25 +1,28 @@
 """Cost of per-sample seeding (invariant 9) on a CNN-style pipeline, against the same loader without it.
 
-    python bench/loader_overhead.py [--side 32] [--batch 64] [--batches 40] [--repeats 5] [--workers 0 2]
+    python bench/loader_overhead.py [--side 32] [--batch 64] [--batches 40] [--repeats 20]
+        [--workers 0 2] [--pipelines torch+numpy torch torch-declared] [--steps loader cnn]
 
 The dataset is what a vision task does in ``__getitem__``: a uint8 image to float, a random flip
-and a random crop (padding 4) from torch's global RNG, a brightness jitter from numpy's.  Both
-sides read the same samples in the same order (convoy's ``ResumableBatchSampler``):
+and a random crop (padding 4) from torch's global RNG, and a brightness jitter.  Both sides read
+the same samples in the same order (convoy's ``ResumableBatchSampler``):
 
 * ``baseline`` — a plain ``DataLoader`` over the dataset with the sampler's index batches;
-* ``seeded``   — ``training.data.make_loader``: each sample fetched by ``SampleKey`` with python,
-  numpy and torch's CPU generator seeded from its global position (and, in the training process,
-  the trainer's generators saved and restored around each batch).
+* ``seeded``   — ``training.data.make_loader``: each sample fetched under its seed (its global
+  position): torch's CPU generator seeded before every sample, numpy's and python's when the
+  sample draws from them (``training/sample_rng.py``), and, in the training process, the
+  trainer's generators saved and restored around each batch.
 
-Two pipelines: ``all 3`` draws flip/crop from torch and the brightness from numpy and is seeded with
-all three generators (the default); ``torch`` draws everything from torch and declares
-``sample_rngs=("torch",)`` (torchvision-style transforms), seeding torch alone.
+Three pipelines: ``torch+numpy`` draws flip/crop from torch and the brightness from numpy, with
+the default ``sample_rngs`` (all three); ``torch`` draws everything from torch (torchvision-style
+transforms), with the default ``sample_rngs``; ``torch-declared`` is that pipeline declaring
+``sample_rngs=("torch",)``.
 
 Blocks alternate (machine-load drifts hit both sides alike); printed: median samples/s per side
-and the ratio seeded / baseline per worker count (goal >= 0.97, i.e. at most 3 % slower), then
-``+ CNN step``: the same with a small CNN's forward/backward consuming each batch (what a training
-run sees: with loader workers the fetch overlaps the step), and the per-sample cost of the seeding
-itself.  A figure, not an assertion.
+and the ratio seeded / baseline per worker count (goal >= 0.97, i.e. at most 3 % slower), then,
+with ``--steps cnn``, the same with a small CNN's forward/backward consuming each batch (what a
+training run sees: with loader workers the fetch overlaps the step), and the per-sample cost of
+the seeding itself.  A figure, not an assertion.
 """
 
 from __future__ import annotations
@@ -41,18 +44,24 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.data import Cursor, LoaderSpec, ResumableBatchSampler, make_loader, sample_seed  # noqa: E402
-from training.sample_rng import seed_host_rngs  # noqa: E402
+from training.sample_rng import HOST_RNGS, seed_host_rngs  # noqa: E402
+
+#: pipeline name -> (whether the brightness is drawn from torch instead of numpy, sample_rngs)
+PIPELINES: dict[str, tuple[bool, tuple[str, ...]]] = {
+    "torch+numpy": (False, HOST_RNGS),
+    "torch": (True, HOST_RNGS),
+    "torch-declared": (True, ("torch",)),
+}
 
 
 class Images(Dataset):
     """CIFAR-shaped images with flip, crop and brightness drawn per fetch; ``torch_only``: the
-    brightness from torch too (a torchvision-style pipeline, declared ``sample_rngs=("torch",)``)."""
+    brightness from torch too (a torchvision-style pipeline)."""
 
-    def __init__(self, n: int, side: int, torch_only: bool = False) -> None:
+    def __init__(self, n: int, side: int, torch_only: bool = False, rngs: tuple[str, ...] = HOST_RNGS) -> None:
         g = torch.Generator().manual_seed(0)
         self.images = (torch.rand(n, 3, side, side, generator=g) * 255).to(torch.uint8)
-        self.side, self.torch_only = side, torch_only
-        self.rngs = ("torch",) if torch_only else ("torch", "numpy", "python")
+        self.side, self.torch_only, self.rngs = side, torch_only, rngs
 
     def __len__(self) -> int:
         return len(self.images)
@@ -112,8 +121,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
     return step
 
 
-def measure(args: argparse.Namespace, workers: int, with_step: bool, torch_only: bool) -> dict[str, list[float]]:
-    ds = Images(args.batch * 50, args.side, torch_only)
+def measure(args: argparse.Namespace, workers: int, with_step: bool, pipeline: str) -> dict[str, list[float]]:
+    ds = Images(args.batch * 50, args.side, *PIPELINES[pipeline])
     out: dict[str, list[float]] = {"baseline": [], "seeded": []}
     model, opt = cnn()
     step = train_step(model, opt) if with_step else None
@@ -134,23 +143,26 @@ def main() -> None:
     ap.add_argument("--side", type=int, default=32)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--batches", type=int, default=40)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    ap.add_argument("--pipelines", nargs="+", choices=list(PIPELINES), default=list(PIPELINES))
+    ap.add_argument("--steps", nargs="+", choices=["loader", "cnn"], default=["loader", "cnn"])
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"images 3x{args.side}x{args.side}, batch {args.batch}, {args.batches} batches x {args.repeats} blocks")
-    for torch_only, with_step, workers in itertools.product((False, True), (False, True), args.workers):
-        m = measure(args, workers, with_step, torch_only)
+    for pipeline, step, workers in itertools.product(args.pipelines, args.steps, args.workers):
+        m = measure(args, workers, step == "cnn", pipeline)
         base, seeded = statistics.median(m["baseline"]), statistics.median(m["seeded"])
-        label = f"{'torch' if torch_only else 'all 3'}, {'+ CNN step' if with_step else 'loader only'}, w{workers}"
+        label = f"{pipeline}, {'+ CNN step' if step == 'cnn' else 'loader only'}, w{workers}"
         verdict = "met" if seeded / base >= 0.97 else "NOT met"
         print(
-            f"{label:30s} baseline {base:8.0f} samples/s  seeded {seeded:8.0f} samples/s  "
-            f"ratio {seeded / base:.3f} (goal >= 0.97: {verdict})"
+            f"{label:36s} baseline {base:8.0f} samples/s  seeded {seeded:8.0f} samples/s  "
+            f"ratio {seeded / base:.3f} (goal >= 0.97: {verdict})",
+            flush=True,
         )
-    for rngs in (("torch", "numpy", "python"), ("torch",)):
-        print(f"seeding one sample (sample_seed + {'/'.join(rngs)} seeds): {seeding_cost_us(rngs):.1f} us")
+    for rngs in (HOST_RNGS, ("torch", "numpy"), ("torch",)):
+        print(f"seeding one sample eagerly (sample_seed + {'/'.join(rngs)} seeds): {seeding_cost_us(rngs):.1f} us")
 
 
 if __name__ == "__main__":
