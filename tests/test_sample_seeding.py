@@ -130,3 +130,19 @@ def test_a_batch_carries_its_first_seed_and_its_seeds_are_the_positions_seeds() 
     assert isinstance(batch, SeededBatch) and len(batch.indices) == 4
     assert batch.seeds() == [sample_seed(3, 0, 16 + 4 + j) for j in range(4)]
     assert SeededBatch([5, 6, 7], SEED_MASK).seeds() == [SEED_MASK, 0, 1]
+
+
+def test_numpy_is_read_in_place_and_any_draw_or_reseed_unparks_it() -> None:
+    """The in-place view of numpy's state is the state ``MT19937.state`` reports; parked, it says
+    so until anything draws (a uniform, a gaussian, one integer) or re-seeds numpy."""
+    from training.sample_rng import _PARK_SEED, _numpy_parked, _numpy_state, _seed_numpy
+
+    view = _numpy_state()
+    assert view is not None
+    state = np.random.mtrand._rand._bit_generator.state["state"]
+    assert list(view[:624]) == state["key"].tolist() and view[624] == state["pos"]
+    for disturb in (np.random.rand, np.random.normal, lambda: np.random.randint(3), lambda: np.random.seed(7)):
+        _seed_numpy(_PARK_SEED)
+        assert _numpy_parked(view)
+        disturb()
+        assert not _numpy_parked(view)

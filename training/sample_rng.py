@@ -9,17 +9,19 @@ numpy's global ``RandomState``, python's ``random``) seeded from a key derived f
 and the sample's position; in the training process the trainer's generators are saved before a
 batch and put back after it.
 
-Seeding costs ~1.5 us (torch), ~2.5 us (numpy) and ~4-5 us (python) a sample, on a ~70-150 us
-CNN-style fetch; most tasks draw from one or two of the three.  So a map-style dataset's torch
-generator is seeded before every sample, and numpy's and python's are seeded *when the sample
-draws from them*: before a batch each is parked in a known state, after each sample one draw from
-it is compared with what the parked stream gives at that point (0.25 us numpy, 0.04 us python); a
-mismatch means the sample drew from it unseeded, so the sample is fetched again with it seeded,
-and from then on (in that process) it is seeded before every sample.  Every sample therefore gets
-exactly what seeding all three before every fetch gives it, whatever it draws and whichever
-process fetches it; nothing is detected once and trusted, nothing is recorded.  A dataset whose
-fetch has side effects sees one extra fetch per process for each of numpy and python it draws
-from.  Streams (:mod:`training.streams`) cannot fetch an item twice: they seed eagerly.
+Seeding costs ~2-3 us a generator a sample in a loader worker (python's more), on a ~60-150 us
+CNN-style fetch, and most tasks draw from one or two of the three.  So torch's generator is seeded
+before every sample, and numpy's and python's *when the sample draws from them*: before a batch
+each is parked (seeded with a constant); after each sample numpy's state is read in place (parked
+means: its position still says "regenerate before the next draw" and its first word is still the
+park seed: any draw overwrites both) and one ``random()`` from python's is compared with what the
+parked stream gives at that point.  A sample that drew from a parked generator is fetched again
+with it seeded, and from then on (in that process) that generator is seeded before every sample.
+Every sample therefore gets exactly what seeding all three before every fetch gives it, whatever
+it draws and whichever process fetches it: nothing is detected once and trusted, nothing needs
+recording in a checkpoint.  A dataset whose fetch has side effects sees one extra fetch per
+process for each of numpy and python it draws from.  Streams (:mod:`training.streams`) cannot
+fetch an item twice: they seed eagerly.
 
 What a task author may rely on: draw from torch's (or numpy's, or python's) global RNG in
 ``__getitem__``; the draws are the same for every ``num_workers``, world size and resume.  A task
@@ -35,8 +37,10 @@ from __future__ import annotations
 
 import _random
 import contextlib
+import ctypes
+import functools
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -98,39 +102,41 @@ def _seed_python(seed: int) -> None:
 
 _SEEDERS = {"torch": _seed_torch, "numpy": _seed_numpy, "python": _seed_python}
 
-#: What a lazily seeded generator is parked at before a batch (any constant: a sample that draws
-#: from it unseeded is fetched again, so the parked stream never reaches a sample).
+#: What a lazily seeded generator is parked at before a batch (any constant below 2**32: a sample
+#: that draws from it unseeded is fetched again, so the parked stream never reaches a sample).
 _PARK_SEED = 0x0C0F_FEE5
+_MT_N = 624  # words of MT19937 state; ``pos == _MT_N``: the next draw regenerates them all
 
 
-def _draw_numpy() -> float:
-    return _NP.random_sample()
+@functools.cache
+def _numpy_state() -> Any:
+    """The MT19937 state of numpy's global generator as 625 uint32 (``key[624]``, ``pos``), read in
+    place (``BitGenerator.ctypes``), or None where the layout is not that (checked against
+    ``MT19937.state``): numpy is then seeded before every sample.  Per process (a cache, not
+    pickled): a spawned loader worker maps its own."""
+    bit_generator = _NP._bit_generator
+    view = (ctypes.c_uint32 * (_MT_N + 1)).from_address(bit_generator.ctypes.state_address)
+    state = bit_generator.state["state"]
+    same = list(view[:_MT_N]) == state["key"].tolist() and view[_MT_N] == state["pos"]
+    return view if same else None
 
 
-def _reference_numpy(n: int) -> list[float]:
-    return np.random.RandomState(_numpy_seed(_PARK_SEED)).random_sample(n).tolist()
+def _numpy_parked(view: Any) -> bool:
+    """numpy's generator is as parking left it: any draw regenerates the state (``pos`` was
+    ``_MT_N``), overwriting ``key[0]`` (the park seed); ``np.random.seed`` by the sample changes
+    ``key[0]`` too."""
+    return view[0] == _PARK_SEED and view[_MT_N] == _MT_N
 
 
-def _draw_python() -> float:
-    return _PY.random()
-
-
-def _reference_python(n: int) -> list[float]:
+def _python_reference(n: int) -> list[float]:
+    """The first ``n`` ``random()`` draws after parking: python's check draws one per sample."""
     parked = random.Random(_PARK_SEED)
     return [parked.random() for _ in range(n)]
 
 
-class _Check(NamedTuple):
-    """How to tell whether a fetch drew from a parked generator: one draw from the global
-    generator, and the first ``n`` draws a private generator seeded as the parked one gives."""
-
-    draw: Callable[[], float]
-    reference: Callable[[int], list[float]]
-
-
 #: The generators seeded only when a sample draws from them (torch's is seeded before every
-#: sample: checking it would cost what seeding it does).
-_CHECKS = {"numpy": _Check(_draw_numpy, _reference_numpy), "python": _Check(_draw_python, _reference_python)}
+#: sample: telling whether a fetch drew from it would cost what seeding it does).
+_LAZY = ("numpy", "python")
 
 
 def check_rngs(rngs: Any) -> tuple[str, ...]:
@@ -173,52 +179,56 @@ class SeededSamples(Dataset):
     def __init__(self, dataset: Any, rngs: tuple[str, ...] = HOST_RNGS) -> None:
         names = check_rngs(rngs)
         self.dataset = dataset
-        self.eager = tuple(n for n in names if n not in _CHECKS)
-        self.lazy = tuple(n for n in names if n in _CHECKS)
-        self._references: dict[str, list[float]] = {}
+        self.eager = tuple(n for n in names if n not in _LAZY)
+        self.lazy = tuple(n for n in names if n in _LAZY)
+        self._python_reference: list[float] = []
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def _park(self, samples: int) -> list[tuple[Callable[[], float], list[float]]]:
-        """Seed the lazy generators with the park seed; per lazy generator its draw and the
-        reference draws for the next ``samples`` checks."""
-        checks = []
+    def _park(self, samples: int) -> tuple[Any, list[float] | None]:
+        """Park the lazy generators for a batch of ``samples``: numpy's state view (None: not
+        lazy) and python's reference draws (None: not lazy)."""
+        if "numpy" in self.lazy and _numpy_state() is None:
+            self.eager, self.lazy = (*self.eager, "numpy"), tuple(n for n in self.lazy if n != "numpy")
         for name in self.lazy:
-            if len(self._references.get(name, ())) < samples:
-                self._references[name] = _CHECKS[name].reference(max(samples, 256))
             _SEEDERS[name](_PARK_SEED)
-            checks.append((_CHECKS[name].draw, self._references[name]))
-        return checks
+        if "python" in self.lazy and len(self._python_reference) < samples:
+            self._python_reference = _python_reference(max(samples, 256))
+        numpy_view = _numpy_state() if "numpy" in self.lazy else None
+        return numpy_view, (self._python_reference if "python" in self.lazy else None)
 
     def _fetch(self, indices: Sequence[int], seeds: Sequence[int]) -> list[Any]:
-        """The samples, each under its seed.  Hot loop (~1 us a sample of Python around the
-        seeding): the eager seeders and the checks are local, the rare refetch is a call."""
+        """The samples, each under its seed.  Hot loop (~0.3 us a sample around the seeding, on a
+        fetch that evicts everything from the caches): the checks are inline, the refetch a call."""
         dataset, out = self.dataset, []
         seeders = [_SEEDERS[name] for name in self.eager]
-        checks = self._park(len(indices))
-        at = 0  # checks since the park
+        numpy_view, python_reference = self._park(len(indices))
+        at = 0  # python's checks since the park
         for index, seed in zip(indices, seeds, strict=True):
             for seed_one in seeders:
                 seed_one(seed)
             sample = dataset[index]
-            if checks:
-                drawn = [i for i, (draw, reference) in enumerate(checks) if draw() != reference[at]]
+            drawn = []
+            if numpy_view is not None and not _numpy_parked(numpy_view):
+                drawn.append("numpy")
+            if python_reference is not None:
+                if _PY.random() != python_reference[at]:
+                    drawn.append("python")
                 at += 1
-                if drawn:
-                    sample = self._promote(drawn, index, seed)
-                    seeders = [_SEEDERS[name] for name in self.eager]
-                    checks, at = self._park(len(indices)), 0
+            if drawn:
+                sample = self._promote(drawn, index, seed)
+                seeders = [_SEEDERS[name] for name in self.eager]
+                (numpy_view, python_reference), at = self._park(len(indices)), 0
             out.append(sample)
         return out
 
-    def _promote(self, drawn: list[int], index: int, seed: int) -> Any:
-        """The lazy generators at ``drawn`` were drawn from unseeded: seed them eagerly from now
-        on, and fetch the sample again with them seeded (and check it again: a sample may draw
-        from python only after numpy gave it some value)."""
-        names = [self.lazy[i] for i in drawn]
-        self.eager += tuple(names)
-        self.lazy = tuple(n for n in self.lazy if n not in names)
+    def _promote(self, drawn: list[str], index: int, seed: int) -> Any:
+        """The lazy generators ``drawn`` were drawn from unseeded: seed them before every sample
+        from now on, and fetch this sample again with them seeded (and checked again: a sample
+        may draw from python only after numpy gave it some value)."""
+        self.eager += tuple(drawn)
+        self.lazy = tuple(n for n in self.lazy if n not in drawn)
         return self._fetch([index], [seed])[0]
 
     def __getitems__(self, batch: SeededBatch | list[SampleKey]) -> list[Any]:
