@@ -19,7 +19,10 @@ transforms), with the default ``sample_rngs``; ``torch-declared`` is that pipeli
 ``sample_rngs=("torch",)``.
 
 Blocks alternate (machine-load drifts hit both sides alike); printed: median samples/s per side
-and the ratio seeded / baseline per worker count (goal >= 0.97, i.e. at most 3 % slower), then,
+and the ratio seeded / baseline per worker count (goal >= 0.97, i.e. at most 3 % slower), and the
+CPU time per sample of the main process and its loader workers on each side over all blocks with
+their ratio baseline / seeded (on a loaded machine the wall-clock ratio swings by +-10 %; the CPU
+ratio is what the seeding costs, and what the throughput ratio is on an idle one), then,
 with ``--steps cnn``, the same with a small CNN's forward/backward consuming each batch (what a
 training run sees: with loader workers the fetch overlaps the step), and the per-sample cost of
 the seeding itself.  A figure, not an assertion.
@@ -34,7 +37,7 @@ import sys
 import time
 import timeit
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -100,16 +103,35 @@ def cnn() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
 
-def block(loader: DataLoader, batches: int, step: Any) -> float:
-    """Samples per second over ``batches`` batches (the loader's start-up and first batch left out)."""
+class Block(NamedTuple):
+    """One timed block: samples, wall seconds, and CPU seconds of the main process and its
+    loader workers together (what the fetch costs, whatever else the machine runs)."""
+
+    samples: int
+    wall_s: float
+    cpu_s: float
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time of this process (all threads) and of ``pids`` (Linux schedstat: nanoseconds)."""
+    total = time.process_time()
+    for pid in pids:
+        with open(f"/proc/{pid}/schedstat") as f:  # the worker's main thread: it runs the fetch
+            total += int(f.read().split()[0]) / 1e9
+    return total
+
+
+def block(loader: DataLoader, batches: int, step: Any) -> Block:
+    """``batches`` batches timed (the loader's start-up and first batch left out)."""
     it = iter(loader)
     next(it)
-    n, t0 = 0, time.perf_counter()
+    pids = [w.pid for w in getattr(it, "_workers", [])]
+    n, t0, c0 = 0, time.perf_counter(), cpu_seconds(pids)
     for x, y in itertools.islice(it, batches):
         if step is not None:
             step(x, y)
         n += len(y)
-    return n / (time.perf_counter() - t0)
+    return Block(n, time.perf_counter() - t0, cpu_seconds(pids) - c0)
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
@@ -121,9 +143,9 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
     return step
 
 
-def measure(args: argparse.Namespace, workers: int, with_step: bool, pipeline: str) -> dict[str, list[float]]:
+def measure(args: argparse.Namespace, workers: int, with_step: bool, pipeline: str) -> dict[str, list[Block]]:
     ds = Images(args.batch * 50, args.side, *PIPELINES[pipeline])
-    out: dict[str, list[float]] = {"baseline": [], "seeded": []}
+    out: dict[str, list[Block]] = {"baseline": [], "seeded": []}
     model, opt = cnn()
     step = train_step(model, opt) if with_step else None
     for r in range(args.repeats):
@@ -153,12 +175,15 @@ def main() -> None:
     print(f"images 3x{args.side}x{args.side}, batch {args.batch}, {args.batches} batches x {args.repeats} blocks")
     for pipeline, step, workers in itertools.product(args.pipelines, args.steps, args.workers):
         m = measure(args, workers, step == "cnn", pipeline)
-        base, seeded = statistics.median(m["baseline"]), statistics.median(m["seeded"])
+        base, seeded = (statistics.median(b.samples / b.wall_s for b in m[k]) for k in ("baseline", "seeded"))
+        # CPU per sample over all blocks: the fetch's cost, which the machine's load hardly moves.
+        cpu = {k: sum(b.cpu_s for b in m[k]) / sum(b.samples for b in m[k]) * 1e6 for k in m}
         label = f"{pipeline}, {'+ CNN step' if step == 'cnn' else 'loader only'}, w{workers}"
         verdict = "met" if seeded / base >= 0.97 else "NOT met"
         print(
             f"{label:36s} baseline {base:8.0f} samples/s  seeded {seeded:8.0f} samples/s  "
-            f"ratio {seeded / base:.3f} (goal >= 0.97: {verdict})",
+            f"ratio {seeded / base:.3f} (goal >= 0.97: {verdict})  "
+            f"cpu/sample {cpu['baseline']:.1f} / {cpu['seeded']:.1f} us = {cpu['baseline'] / cpu['seeded']:.3f}",
             flush=True,
         )
     for rngs in (HOST_RNGS, ("torch", "numpy"), ("torch",)):
