@@ -2,6 +2,8 @@
 
     python bench/loader_overhead.py [--side 32] [--batch 64] [--batches 40] [--repeats 20]
         [--workers 0 2] [--pipelines torch+numpy torch torch-declared] [--steps loader cnn]
+    valgrind --tool=callgrind --dump-before=math_lgamma \
+        python bench/loader_overhead.py --work --pipelines torch+numpy torch   # instructions
 
 The dataset is what a vision task does in ``__getitem__``: a uint8 image to float, a random flip
 and a random crop (padding 4) from torch's global RNG, and a brightness jitter.  Both sides read
@@ -32,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
+import pickle
 import statistics
 import sys
 import time
@@ -42,7 +46,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -155,6 +159,38 @@ def measure(args: argparse.Namespace, workers: int, with_step: bool, pipeline: s
     return out
 
 
+def worker_work(args: argparse.Namespace) -> None:
+    """What a loader worker does for 4 batches (unpickle the batch, fetch, collate, pickle), once
+    per pipeline x {plain, default, declared}, each region between two ``math.lgamma`` calls: run
+    under ``valgrind --tool=callgrind --dump-before=math_lgamma`` for instruction counts, which
+    the machine's load does not move (a dump per region, in the order printed)."""
+    from training.sample_rng import SeededSamples
+
+    sampler = ResumableBatchSampler(args.batch * 50, LoaderSpec(args.batch, seed=1, start=Cursor()))
+    batches = list(itertools.islice(sampler.keyed(), 8))
+    regions = []
+    for pipeline in args.pipelines:
+        ds = Images(args.batch * 50, args.side, PIPELINES[pipeline][0])
+        declared = ("torch",) if PIPELINES[pipeline][0] else ("torch", "numpy")
+        for name, rngs in (("plain", None), ("default", HOST_RNGS), ("declared", declared)):
+            seeded = SeededSamples(ds, rngs) if rngs else None
+
+            def work(j: int, ds: Images = ds, seeded: SeededSamples | None = seeded) -> None:
+                b = pickle.loads(pickle.dumps(batches[j]))
+                samples = seeded._fetch(b.indices, b.seeds()) if seeded else [ds[i] for i in b.indices]
+                pickle.dumps(default_collate(samples))
+
+            regions.append((f"{pipeline} {name}", work))
+    for _, work in regions:  # warm up (and let the first samples promote what they draw from)
+        work(4), work(5)
+    print("regions:", [name for name, _ in regions], flush=True)
+    for _, work in regions:
+        math.lgamma(2.0)
+        for j in range(4):
+            work(j)
+    math.lgamma(2.0)
+
+
 def seeding_cost_us(rngs: tuple[str, ...]) -> float:
     n = 20000
     return timeit.timeit(lambda: seed_host_rngs(sample_seed(1, 2, 12345), rngs), number=n) / n * 1e6
@@ -170,8 +206,12 @@ def main() -> None:
     ap.add_argument("--pipelines", nargs="+", choices=list(PIPELINES), default=list(PIPELINES))
     ap.add_argument("--steps", nargs="+", choices=["loader", "cnn"], default=["loader", "cnn"])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--work", action="store_true", help="the instruction-count regions (worker_work)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.work:
+        worker_work(args)
+        return
     print(f"images 3x{args.side}x{args.side}, batch {args.batch}, {args.batches} batches x {args.repeats} blocks")
     for pipeline, step, workers in itertools.product(args.pipelines, args.steps, args.workers):
         m = measure(args, workers, step == "cnn", pipeline)

@@ -20,8 +20,10 @@ with it seeded, and from then on (in that process) that generator is seeded befo
 Every sample therefore gets exactly what seeding all three before every fetch gives it, whatever
 it draws and whichever process fetches it: nothing is detected once and trusted, nothing needs
 recording in a checkpoint.  A dataset whose fetch has side effects sees one extra fetch per
-process for each of numpy and python it draws from.  Streams (:mod:`training.streams`) cannot
-fetch an item twice: they seed eagerly.
+process for each of numpy and python it draws from.  What the checks cannot see: a fetch that
+draws from numpy or python and then puts that generator's state back (``set_state`` /
+``setstate`` to what it found) drew from the parked stream unnoticed.  Streams
+(:mod:`training.streams`) cannot fetch an item twice: they seed eagerly.
 
 What a task author may rely on: draw from torch's (or numpy's, or python's) global RNG in
 ``__getitem__``; the draws are the same for every ``num_workers``, world size and resume.  A task
