@@ -146,3 +146,19 @@ def test_numpy_is_read_in_place_and_any_draw_or_reseed_unparks_it() -> None:
         assert _numpy_parked(view)
         disturb()
         assert not _numpy_parked(view)
+
+
+def test_a_replaced_numpy_bit_generator_is_read_afresh_or_seeded_eagerly() -> None:
+    """``np.random.set_bit_generator`` swaps the generator behind ``np.random.*``: the view follows
+    it (an MT19937) or numpy is seeded before every sample (another kind: no view)."""
+    from training.sample_rng import _numpy_state
+
+    original = np.random.get_bit_generator()
+    try:
+        np.random.set_bit_generator(np.random.MT19937(5))
+        assert _numpy_state() is not None and _numpy_state()[624] == np.random.get_bit_generator().state["state"]["pos"]
+        np.random.set_bit_generator(np.random.PCG64(5))
+        assert _numpy_state() is None
+    finally:
+        np.random.set_bit_generator(original)
+    assert _numpy_state() is not None

@@ -110,13 +110,19 @@ _PARK_SEED = 0x0C0F_FEE5
 _MT_N = 624  # words of MT19937 state; ``pos == _MT_N``: the next draw regenerates them all
 
 
-@functools.cache
 def _numpy_state() -> Any:
     """The MT19937 state of numpy's global generator as 625 uint32 (``key[624]``, ``pos``), read in
-    place (``BitGenerator.ctypes``), or None where the layout is not that (checked against
-    ``MT19937.state``): numpy is then seeded before every sample.  Per process (a cache, not
-    pickled): a spawned loader worker maps its own."""
-    bit_generator = _NP._bit_generator
+    place, or None where that is not its layout: numpy is then seeded before every sample."""
+    return _state_view(_NP._bit_generator)  # looked up each batch: np.random.set_bit_generator
+
+
+@functools.cache
+def _state_view(bit_generator: Any) -> Any:
+    """``bit_generator``'s state in place (``BitGenerator.ctypes``), checked once against
+    ``MT19937.state``.  Per process (a cache, not pickled: a spawned loader worker maps its own);
+    the cache keeps the generator alive, so a view never outlives what it reads."""
+    if type(bit_generator).__name__ != "MT19937":
+        return None
     view = (ctypes.c_uint32 * (_MT_N + 1)).from_address(bit_generator.ctypes.state_address)
     state = bit_generator.state["state"]
     same = list(view[:_MT_N]) == state["key"].tolist() and view[_MT_N] == state["pos"]
