@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from training.sample_rng import HOST_RNGS, SampleKey, SeededSamples
+from training.sample_rng import HOST_RNGS, SEED_MASK, SampleKey, SeededBatch, SeededSamples
 
 _GOLDEN = 0x9E3779B97F4A7C15
 #: Salts keep the sample streams apart from every other use of ``mix_seed`` (epoch orders, ranks).
@@ -45,9 +45,6 @@ def mix_seed(*values: int) -> int:
     return x & 0x7FFFFFFFFFFFFFFF
 
 
-_SEED_MASK = 0x7FFFFFFFFFFFFFFF
-
-
 def epoch_seed_base(run_seed: int, epoch: int, salt: int = TRAIN_SALT) -> int:
     """The mixed part of every sample seed of one epoch (computed once an epoch, not per sample)."""
     return mix_seed(run_seed, salt, epoch)
@@ -57,13 +54,13 @@ def sample_seed(run_seed: int, epoch: int, position: int, salt: int = TRAIN_SALT
     """Seed of the sample at ``position`` of epoch ``epoch``'s global order (all ranks and
     micro-batches of a step together), so it does not depend on who fetches the sample.  Base +
     position, as DataLoader seeds its workers: each generator's own seeding scrambles the value."""
-    return (epoch_seed_base(run_seed, epoch, salt) + position) & _SEED_MASK
+    return (epoch_seed_base(run_seed, epoch, salt) + position) & SEED_MASK
 
 
 def validation_keys(run_seed: int, indices: list[int]) -> list[SampleKey]:
     """Keys of validation samples: seeded by their index, so each looks the same at every eval."""
     base = epoch_seed_base(run_seed, 0, VAL_SALT)
-    return [SampleKey(i, (base + i) & _SEED_MASK) for i in indices]
+    return [SampleKey(i, (base + i) & SEED_MASK) for i in indices]
 
 
 @dataclass(frozen=True)
@@ -136,13 +133,14 @@ class ResumableBatchSampler(Sampler[list[int]]):
         for _epoch, _at, indices in self.slices():
             yield indices
 
-    def keyed(self) -> Iterator[list[SampleKey]]:
-        """The same batches as keys ``(index, seed)``: each sample's seed from its global position."""
+    def keyed(self) -> Iterator[SeededBatch]:
+        """The same batches with their seeds: each sample's seed from its global position (the
+        positions of a micro-batch are consecutive, so are its seeds: the first one is sent)."""
         base_epoch, base = -1, 0
         for epoch, at, indices in self.slices():
             if epoch != base_epoch:
                 base_epoch, base = epoch, epoch_seed_base(self.seed, epoch)
-            yield [SampleKey(i, (base + at + j) & _SEED_MASK) for j, i in enumerate(indices)]
+            yield SeededBatch(indices, (base + at) & SEED_MASK)
 
     def slices(self) -> Iterator[tuple[int, int, list[int]]]:
         """``(epoch, position of the first sample in the epoch's order, indices)`` of each of this
@@ -163,13 +161,13 @@ class ResumableBatchSampler(Sampler[list[int]]):
         return 2**62
 
 
-class KeyedBatches(Sampler[list[SampleKey]]):
-    """The batch sampler the loader uses: :class:`ResumableBatchSampler`'s batches as keys."""
+class KeyedBatches(Sampler[SeededBatch]):
+    """The batch sampler the loader uses: :class:`ResumableBatchSampler`'s batches with seeds."""
 
     def __init__(self, sampler: ResumableBatchSampler) -> None:
         self.sampler = sampler
 
-    def __iter__(self) -> Iterator[list[SampleKey]]:
+    def __iter__(self) -> Iterator[SeededBatch]:
         return self.sampler.keyed()
 
     def __len__(self) -> int:
