@@ -53,7 +53,8 @@ class TaskParts:
     #: The host generators a sample's fetch draws from, each seeded per sample: any of
     #: ``"torch"`` (CPU), ``"numpy"``, ``"python"``.  All three by default; a task whose
     #: ``__getitem__`` draws only from torch (torchvision-style transforms) may name just
-    #: ``("torch",)`` and save the others' seeding (~5.6 us a sample).  A generator left out is
+    #: ``("torch",)`` (the default already seeds numpy and python only for samples that draw
+    #: from them, :mod:`training.sample_rng`).  A generator left out is
     #: seeded once per loader worker only: drawing from it makes samples depend on the worker.
     sample_rngs: tuple[str, ...] = HOST_RNGS
 
