@@ -89,6 +89,12 @@ def save_shards(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 
     skeleton, flat = _flatten(_trees(model, optimizer))
+    # DCP gives a tensor every rank holds (replicated state) to one writer, choosing in the order
+    # the state dict lists its items; an optimizer restored from a checkpoint lists its state in
+    # another order than one that trained from the start, so the same state went into other
+    # shards and the checkpoint's digest differed (tests/test_sharded.py, a real 2-rank kill).
+    # Sorted keys make the plan, hence the files, a function of the state alone.
+    flat = dict(sorted(flat.items()))
     out = tmp / SHARD_DIR
     out.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # one process without a process group is a supported case
