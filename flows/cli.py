@@ -40,9 +40,10 @@ def validate(
     exist)."""
     cfg = config_or_exit(params, set_)
     try:
+        from training.rundir import keyed_config
         from training.task import check_task
 
-        built = check_task(cfg, fetch=True)
+        built = check_task(cfg, fetch=True, resume_dir=keyed_config(cfg).run_dir)
     except ConfigError as exc:
         raise fail(str(exc)) from None
     if show:

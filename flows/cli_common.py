@@ -40,9 +40,10 @@ def config_or_exit(params: Path, overrides: list[str] | None, build_task: bool =
     try:
         cfg = load_config(params, overrides or [])
         if build_task:
+            from training.rundir import keyed_config
             from training.task import check_task
 
-            check_task(cfg, fetch=True)
+            check_task(cfg, fetch=True, resume_dir=keyed_config(cfg).run_dir)
         return cfg
     except ConfigError as exc:
         raise fail(str(exc)) from None

@@ -25,7 +25,6 @@ from training.checkpointing.verify import load_checkpoint, parse_step
 from training.config import ConfigError, RunConfig
 from training.data import Cursor, LoaderSpec, validation_keys
 from training.paths import RunPaths
-from training.rundir import keyed_config
 from training.sample_rng import SeededSamples
 from training.stream_position import SavedLayout, check_resume, is_global
 from training.streams import is_main_positioned, is_stream, train_batches
@@ -36,10 +35,12 @@ def _line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[-1] if text else ''}".rstrip(": ")
 
 
-def fetch_first_batches(config: RunConfig, parts: Any) -> None:
+def fetch_first_batches(config: RunConfig, parts: Any, resume_dir: Path | None = None) -> None:
     """Fetch rank 0's first micro-batch and the first validation batch; a ConfigError names
-    which data failed and how; a stream first checks that its saved position fits this layout."""
-    check_stream_resume(config, parts.train_data)
+    which data failed and how; a stream first checks that its saved position in ``resume_dir``
+    (the directory that trains ``config``, given by the caller) fits this layout."""
+    if resume_dir is not None:
+        check_stream_resume(resume_dir, config, parts.train_data)
     tc = config.train
     spec = LoaderSpec(tc.batch_size, tc.seed, Cursor(), 0, tc.world_size, tc.grad_accum_steps)
     try:
@@ -87,12 +88,12 @@ def newest_stream_layout(run_dir: Path) -> SavedLayout | None:
     return None
 
 
-def check_stream_resume(config: RunConfig, train_data: Any) -> None:
+def check_stream_resume(run_dir: Path, config: RunConfig, train_data: Any) -> None:
     """Refuse (one line) resuming the run ``config`` trains when its stream was saved by another
     world size or ``data.num_workers`` (:func:`training.stream_position.check_resume`)."""
     if not is_stream(train_data):
         return
-    layout = newest_stream_layout(keyed_config(config).run_dir)  # the directory that trains config
+    layout = newest_stream_layout(run_dir)
     if layout is not None:
         restripes = is_main_positioned(train_data) and bool(train_data.restripes)
         check_resume(layout, config.train.world_size, config.data.num_workers, is_global(train_data), restripes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,12 +88,13 @@ def build_task(config: RunConfig, device: torch.device) -> TaskParts:
     return parts
 
 
-def check_task(config: RunConfig, fetch: bool = False) -> TaskParts | None:
+def check_task(config: RunConfig, fetch: bool = False, resume_dir: Path | None = None) -> TaskParts | None:
     """Build the task without training it, so ``task_args`` and the factory's own checks fail
     before a run directory exists (``convoy validate``, ``convoy train``, ``open_run``).
     ``fetch``: also fetch and collate the first training batch and one validation batch on the
     CPU (:func:`training.preflight.fetch_first_batches`), so a dataset or collate error is a
-    one-line config error too.
+    one-line config error too; with ``resume_dir`` (the run directory that trains ``config``) a
+    stream's saved position there must fit this layout (one line otherwise).
 
     Built on the meta device: shapes and dtypes without memory for the weights.  A factory that
     cannot build there (e.g. it reads weight values) is built on the CPU instead; anything it
@@ -114,6 +116,6 @@ def check_task(config: RunConfig, fetch: bool = False) -> TaskParts | None:
             if fetch:  # outside the meta context: samples are read as the worker reads them
                 from training.preflight import fetch_first_batches
 
-                fetch_first_batches(config, parts)
+                fetch_first_batches(config, parts, resume_dir)
             return parts
     raise ConfigError(f"task = {config.task!r}: the factory failed: {type(failure).__name__}: {failure}") from None
