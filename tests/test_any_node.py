@@ -139,8 +139,8 @@ def _start_node(machines: dict[str, Any], name: str, extra_env: dict[str, str]) 
 
 def _kill_mid_chunk(run_a: Path, stop_a: Any, start_b: Any, seen: dict[str, Any]) -> None:
     """Once node A uploaded a checkpoint inside chunk 2 and trains past it: A leaves the pool
-    (its Prefect worker is stopped; the chunk flow run under it still reports), B joins, and A's
-    training worker is SIGKILLed."""
+    (its Prefect worker is stopped; the chunk flow run under it still reports), A's training
+    worker is SIGKILLed, and B joins."""
     deadline = time.monotonic() + 400
     while True:
         assert time.monotonic() < deadline, "node A never uploaded a checkpoint inside chunk 2"
@@ -149,10 +149,13 @@ def _kill_mid_chunk(run_a: Path, stop_a: Any, start_b: Any, seen: dict[str, Any]
         if mid and beat and beat.get("phase") == "train" and mid[0] < beat["step"] < 40:
             break
         time.sleep(0.05)
-    seen.update(uploaded=mid[0], killed_at=beat["step"])
     stop_a()
-    start_b()
     os.kill(beat["pid"], signal.SIGKILL)
+    # Read the step after the kill: between the poll above and the signal the worker may have
+    # trained (and saved) further, and the fetch must fall inside what it really reached.
+    after = read_heartbeat(run_a, 0) or beat
+    seen.update(uploaded=mid[0], killed_at=max(beat["step"], after["step"]))
+    start_b()
 
 
 @pytest.mark.parametrize("kind", ["local", "s3"])
