@@ -333,6 +333,9 @@ class Bench:
         return verdict
 
 
+_UNSEEN = object()
+
+
 class Injector:
     """Waits for the trial's moment, then injects its fault (and ends a service outage)."""
 
@@ -384,7 +387,7 @@ class Injector:
         deadline = time.monotonic() + timeout_s
         checkpoints = self.run_dir / "checkpoints"
         latest = checkpoints / "LATEST"
-        seen_latest = None
+        seen_latest: str | None | object = _UNSEEN  # LATEST may not exist yet: None is a state too
         while time.monotonic() < deadline:
             beat = read_heartbeat(self.run_dir, 0)
             step = int(beat["step"]) if beat and beat.get("phase") in ("train", "save") else -1
@@ -395,7 +398,7 @@ class Injector:
                     return step
                 if self.trial.moment == "after-commit":
                     now = latest.read_text() if latest.exists() else None
-                    if seen_latest is not None and now != seen_latest:
+                    if seen_latest is not _UNSEEN and now != seen_latest:
                         return step
                     seen_latest = now
             if beat and beat.get("phase") == "done" and int(beat.get("step", 0)) >= self.bench.steps:
@@ -515,6 +518,12 @@ def summary(verdicts: list[Verdict]) -> list[str]:
     return [*out, f"{passed} passed, {len(verdicts) - passed} failed"]
 
 
+def write_verdicts(path: Path, verdicts: list[Verdict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([{**asdict(v), "passed": v.passed} for v in verdicts], indent=1))
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, required=True)
@@ -534,10 +543,10 @@ def main(argv: list[str] | None = None) -> int:
         for trial in trials:
             verdicts.append(bench.run(trial))
             print(line(verdicts[-1]), flush=True)
+            if args.json:  # after every trial: a run of hours that is cut short still has its record
+                write_verdicts(args.json, verdicts)
     finally:
         bench.services.stop()
-        if args.json:
-            args.json.write_text(json.dumps([{**asdict(v), "passed": v.passed} for v in verdicts], indent=1))
         if not args.keep:
             shutil.rmtree(home, ignore_errors=True)
     for text in summary(verdicts):
