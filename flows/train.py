@@ -26,7 +26,7 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from flows.report import mlflow_link
-from tasks import handoff, remote_checkpoints, run_records, standby
+from tasks import handoff, remote_checkpoints, run_records, standby, version
 from tasks.artifacts import publish_chunk_table
 from tasks.chunk import chunk_record, committed_digest, loss_at, retrying_chunk_task
 from tasks.chunk_record import ChunkRecord
@@ -185,7 +185,7 @@ class TrainingRun:
     def version(self, end: int, only_if_missing: bool = False) -> Any:
         if self.cfg.orchestration.mode == "pool":
             return None  # the node that trained the chunk uploaded it before reporting
-        pending = run_records.version_async(self.cfg, self.run_dir, end, only_if_missing=only_if_missing)
+        pending = version.version_async(self.cfg, self.run_dir, end, only_if_missing=only_if_missing)
         if pending is not None:
             self.version_futures.append(pending)
         return pending
@@ -252,7 +252,7 @@ class TrainingRun:
         if handoff.release(self.run_dir):  # only after a failure: the last chunk's worker exits itself
             self.logger.info("stopped the pipelined worker of run %s", self.cfg.run_name)
         standby.release(self.run_dir)
-        self.versioned.extend(run_records.collect_versions(self.version_futures))
+        self.versioned.extend(version.collect_versions(self.version_futures))
         remote_checkpoints.stop(self.run_dir, drain=True)  # the newest committed checkpoint leaves too
         publish_chunk_table(self.cfg.run_name, self.rows, mlflow_link(self.run_dir)[0])
         if ok:

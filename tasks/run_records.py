@@ -192,37 +192,6 @@ def refresh(config: RunConfig, run_dir: Path) -> None:
         log.warning("audit: could not refresh: %s", exc)
 
 
-def version_async(config: RunConfig, run_dir: Path, step: int, only_if_missing: bool = False) -> Any:
-    """Start DVC-versioning a committed chunk checkpoint on a background thread, overlapping the
-    next chunk's training.  Safe against retention: the checkpoint is hard-linked into a private
-    staging folder before ``dvc add`` (tasks/version.py).  Returns a future, or None if off (or,
-    ``only_if_missing``, if the checkpoint is gone or already has its ``.dvc`` file)."""
-    if not config.tracking.dvc:
-        return None
-    from tasks.version import version_checkpoint_async
-    from training.paths import RunPaths
-
-    path = RunPaths(run_dir).checkpoint(step)
-    if only_if_missing and (not path.is_dir() or path.with_name(path.name + ".dvc").exists()):
-        return None
-    future = version_checkpoint_async(None, str(path), config.tracking.dvc_remote or None)
-    future.checkpoint_name = path.name  # type: ignore[attr-defined]
-    return future
-
-
-def collect_versions(futures: list[Any]) -> list[dict[str, Any]]:
-    """Wait for the background versioning; a failure is a warning (the checkpoint is safe on disk)."""
-    out = []
-    for future in futures:
-        try:
-            out.append(future.result())
-        except Exception as exc:  # noqa: BLE001
-            name = getattr(future, "checkpoint_name", "?")
-            log.warning("DVC: could not version %s: %s", name, exc)
-            out.append({"checkpoint": name, "error": str(exc)})
-    return out
-
-
 def log_upload_lag(run_dir: Path, step: int, lag: dict[str, float]) -> None:
     """Record a published checkpoint's upload lag (``upload_lag_steps``, ``upload_lag_s``) in the
     run's MLflow run at the checkpoint's step; once per published step, so one point per step.

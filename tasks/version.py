@@ -32,6 +32,7 @@ repository lock.  ``dvc`` is imported lazily (on first use).
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import shutil
 import threading
@@ -44,10 +45,13 @@ from tasks import remote_index
 from training import faults
 from training.checkpointing.errors import CheckpointRejected
 from training.checkpointing.store import CheckpointStore, parse_step
+from training.config import RunConfig
 from training.events import Event, append_event
 from training.fsutil import atomic_write_bytes
 from training.paths import RunPaths
 from training.tracking.metrics import read_metric_lines
+
+log = logging.getLogger("convoy.dvc")
 
 #: Prefix of the private hard-link stage of a checkpoint being versioned (ignored by the store).
 STAGE_PREFIX = ".stage-"
@@ -465,3 +469,31 @@ def pull_run(
     }
     append_event(run_dir, Event.CHECKPOINTS_PULLED, checkpoints=[v["checkpoint"] for v in verified])
     return result
+
+
+def version_async(config: RunConfig, run_dir: Path, step: int, only_if_missing: bool = False) -> Any:
+    """Start DVC-versioning a committed chunk checkpoint on a background thread, overlapping the
+    next chunk's training.  Safe against retention: the checkpoint is hard-linked into a private
+    staging folder before ``dvc add`` (tasks/version.py).  Returns a future, or None if off (or,
+    ``only_if_missing``, if the checkpoint is gone or already has its ``.dvc`` file)."""
+    if not config.tracking.dvc:
+        return None
+    path = RunPaths(run_dir).checkpoint(step)
+    if only_if_missing and (not path.is_dir() or path.with_name(path.name + ".dvc").exists()):
+        return None
+    future = version_checkpoint_async(None, str(path), config.tracking.dvc_remote or None)
+    future.checkpoint_name = path.name  # type: ignore[attr-defined]
+    return future
+
+
+def collect_versions(futures: list[Any]) -> list[dict[str, Any]]:
+    """Wait for the background versioning; a failure is a warning (the checkpoint is safe on disk)."""
+    out = []
+    for future in futures:
+        try:
+            out.append(future.result())
+        except Exception as exc:  # noqa: BLE001
+            name = getattr(future, "checkpoint_name", "?")
+            log.warning("DVC: could not version %s: %s", name, exc)
+            out.append({"checkpoint": name, "error": str(exc)})
+    return out
