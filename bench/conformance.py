@@ -285,7 +285,7 @@ class Bench:
 
     def train(self, params: Path, env: dict[str, str], timeout_s: float) -> subprocess.Popen[bytes]:
         log = open(params.with_suffix(".log"), "ab")  # noqa: SIM115 - kept by Popen
-        cmd = [sys.executable, "-m", "flows.cli", "train", str(params)]
+        cmd = [sys.executable, "-m", "flows.cli.main", "train", str(params)]
         return subprocess.Popen(
             cmd, cwd=self.project, env={**env, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,

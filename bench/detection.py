@@ -1,6 +1,6 @@
 """Failure detection latency and the MTTR split, measured with the real supervisor and worker.
 
-For each failure kind a real worker is supervised by ``tasks.supervisor.supervise`` and a real
+For each failure kind a real worker is supervised by ``tasks.supervision.supervisor.supervise`` and a real
 signal is sent once the heartbeat reports a step: SIGKILL (crash), SIGSTOP with the stall limit
 below the beat timeout (hang), SIGSTOP with the beat timeout below the stall limit (dead).
 Latency = the failure event's detection time − the moment the signal was sent, printed beside the
@@ -12,7 +12,7 @@ T_verify (hashing that checkpoint alone, measured here).
     .venv/bin/python bench/detection.py [--repeats 3] [--ranks 1|2] [--nnodes 1|2]
 
 ``--nnodes 2`` runs two torchrun agents in one rendezvous on this machine (hosts ``127.0.0.1`` and
-``localhost``, :mod:`tasks.multinode`); the signal goes to the last rank, on the last node.
+``localhost``, :mod:`tasks.supervision.multinode`); the signal goes to the last rank, on the last node.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-from tasks.liveness import DetectionLimits
-from tasks.supervisor import AttemptSpec, ChunkFailed, supervise, worker_command
+from tasks.supervision.supervisor import AttemptSpec, ChunkFailed, supervise, worker_command
+from tasks.supervision.worker_liveness import DetectionLimits
 from training.checkpointing.store import CheckpointStore
 from training.config import load_config
 from training.corpus import prepare

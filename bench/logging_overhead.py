@@ -9,7 +9,7 @@ interleaved blocks (so machine load drifts hit every variant alike), for three v
 * ``journal``       — ``StepMetricLogger([JsonlBackend], flush_every=1)`` exactly as the worker logs:
                       one ``metrics.jsonl`` append per step, nothing else (no MLflow in the worker,
                       docs/architecture.md invariant 12);
-* ``journal+ship``  — the same, with a :class:`tasks.metric_shipping.MetricShipper` in *another
+* ``journal+ship``  — the same, with a :class:`tasks.records.metric_shipping.MetricShipper` in *another
                       process* (as the chunk task runs it) following that journal into MLflow on
                       SQLite while the loop trains: what shipping costs the loop through the CPU it
                       takes on this machine.
@@ -44,7 +44,7 @@ def setup(args: argparse.Namespace) -> tuple[Any, str, Any, Callable[[], dict[st
     worker takes it, returning its metrics."""
     import torch
 
-    from tasks.mlflow_client import client_for
+    from tasks.records.mlflow_client import client_for
     from training.config import load_config
     from training.corpus import prepare
     from training.data import Cursor, LoaderSpec, make_loader
@@ -97,7 +97,7 @@ def make_loggers(cfg: Any, uri: str) -> tuple[dict[str, Any], dict[str, Any]]:
     process following its journal (stopped by closing its stdin)."""
     import subprocess
 
-    from tasks.mlflow_runs import ensure_mlflow_run
+    from tasks.records.mlflow_runs import ensure_mlflow_run
     from training.rundir import open_run
     from training.tracking.metrics import JsonlBackend, StepMetricLogger
 
@@ -115,8 +115,8 @@ def make_loggers(cfg: Any, uri: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def ship_until_stdin_closes(journal: str, uri: str, run_id: str) -> int:
     """The shipper process: follow ``journal`` into MLflow until stdin closes, print what it sent."""
-    from tasks.metric_shipping import MetricShipper
-    from tasks.mlflow_client import client_for
+    from tasks.records.metric_shipping import MetricShipper
+    from tasks.records.mlflow_client import client_for
 
     shipper = MetricShipper(lambda: client_for(uri), run_id, Path(journal), say=lambda _: None).start()
     sys.stdin.read()

@@ -2,7 +2,7 @@
 
 Each repeat is a real run of flow ``train`` (embedded Prefect API, MLflow on a SQLite file, the
 example model, pipelined as by default) whose worker gets SIGKILL once it trains past a step.
-Three paths, one per source of the worker the supervisor watches (:mod:`tasks.worker_source`):
+Three paths, one per source of the worker the supervisor watches (:mod:`tasks.supervision.worker_source`):
 
 * ``spawned``  the kill lands in chunk 0, whose task spawned the worker (``--kill-step``);
 * ``adopted``  the kill lands in chunk 1, whose task adopted the worker chunk 0 parked at the

@@ -88,7 +88,7 @@ def run_bare_worker(common: list[str], total: int) -> dict[str, float]:
 def run_flow(root: Path, common: list[str], name: str, pipe: str) -> tuple[dict[str, float], dict[str, Any], float]:
     """``convoy train`` of run ``name`` (``orchestration.pipeline={pipe}``): its :func:`breakdown`,
     its JSON summary and the CPU seconds of the flow process."""
-    cmd = [sys.executable, "-m", "flows.cli", "train", str(root / "none.yaml"), "--json"]  # the summary to parse
+    cmd = [sys.executable, "-m", "flows.cli.main", "train", str(root / "none.yaml"), "--json"]  # the summary to parse
     for o in [*common, f"run_name={name}", f"orchestration.pipeline={pipe}"]:
         cmd += ["-S", o]
     t0 = time.time()

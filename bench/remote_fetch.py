@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from checkpoint import build_state, make_parts  # noqa: E402  (bench/checkpoint.py: the same state)
 
 from tasks import remote_checkpoints  # noqa: E402
-from tasks.version import version_checkpoint  # noqa: E402
+from tasks.remote.dvc_version import version_checkpoint  # noqa: E402
 from training.checkpointing.store import CheckpointStore  # noqa: E402
 from training.config import RunConfig, load_config  # noqa: E402
 from training.events import read_events  # noqa: E402

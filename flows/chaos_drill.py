@@ -141,7 +141,7 @@ class ChaosRunner:
 
     # ------------------------------------------------------------------ processes
     def _train_cmd(self, cfg: RunConfig) -> list[str]:
-        cmd = [sys.executable, "-m", "flows.cli", "train", str(self.params)]
+        cmd = [sys.executable, "-m", "flows.cli.main", "train", str(self.params)]
         for o in [*self.overrides, f"run_name={cfg.run_name}"]:
             cmd += ["-S", o]
         return cmd

@@ -33,13 +33,14 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.deployments import run_deployment
 
-from tasks import remote_checkpoints, run_records
 from tasks.artifacts import artifact_key
 from tasks.chunk import chunk_record, run_chunk, should_retry
-from tasks.chunk_record import ChunkRecord
-from tasks.failure_kinds import NOT_RETRYABLE
-from tasks.remote_index import node_name
-from tasks.supervisor import ChunkFailed
+from tasks.records import run_records
+from tasks.records.chunk_record import ChunkRecord
+from tasks.remote import remote_checkpoints
+from tasks.remote.remote_index import node_name
+from tasks.supervision.failure_kinds import NOT_RETRYABLE
+from tasks.supervision.supervisor import ChunkFailed
 from training.config import ConfigError, RunConfig
 from training.events import Event, FailureKind, append_event, carry_events, read_events
 from training.rundir import open_run, run_info, update_run_info

@@ -131,7 +131,7 @@ def failure_lines(exc: Any) -> list[str]:
 
     The log is read from the file the supervisor followed (for a pipelined worker the log of the
     chunk that started it), so its last lines are there even when the attempt's own tail is empty."""
-    from tasks.mlflow_audit import log_tail
+    from tasks.records.mlflow_audit import log_tail
 
     d = exc.details
     lines = [f"{exc.kind}: {d.reason or exc.message}"]

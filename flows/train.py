@@ -26,15 +26,18 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from flows.report import mlflow_link
-from tasks import handoff, remote_checkpoints, run_records, standby, version
 from tasks.artifacts import publish_chunk_table
 from tasks.chunk import chunk_record, committed_digest, loss_at, retrying_chunk_task
-from tasks.chunk_record import ChunkRecord
 from tasks.hooks import flow_crashed, flow_failed, remember_run
-from tasks.process_group import reap_stale_worker
-from tasks.supervisor import ChunkFailed
+from tasks.records import run_records
+from tasks.records.chunk_record import ChunkRecord
+from tasks.remote import dvc_version as version
+from tasks.remote import remote_checkpoints
+from tasks.remote.dvc_version import VersioningError
+from tasks.supervision import handoff, standby
+from tasks.supervision.process_group import reap_stale_worker
+from tasks.supervision.supervisor import ChunkFailed
 from tasks.takeover import mlflow_flow_tags, take_over
-from tasks.version import VersioningError
 from training import chunk_boundary
 from training.checkpointing.store import newest_verified_step
 from training.config import ConfigError, RunConfig, load_config

@@ -21,7 +21,7 @@ The worker resumes from the emergency checkpoint it wrote, so nothing is lost ei
 
 Pipelining (``orchestration.pipeline``, local mode): the worker is started with the run's last
 step as its target and this task ends when the chunk's boundary checkpoint is committed, leaving
-the worker training for the next chunk's task to adopt (:mod:`tasks.handoff`).  The boundary
+the worker training for the next chunk's task to adopt (:mod:`tasks.supervision.handoff`).  The boundary
 checkpoint is still verified here and is the chunk's artifact.  The protocol, end to end:
 :mod:`training.chunk_boundary`.
 """
@@ -37,17 +37,19 @@ from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 from prefect.states import Completed, State
 
-from tasks import handoff, remote_checkpoints, run_records
 from tasks.artifacts import publish_failure_note
-from tasks.chunk_record import ChunkRecord
-from tasks.failure_details import FailureDetails
 from tasks.hooks import chunk_failed, remember_run
-from tasks.liveness import DetectionLimits
-from tasks.metric_shipping import MetricShipper
-from tasks.process_group import reap_stale_worker
-from tasks.remote_index import node_name
-from tasks.repeated import as_repeated, repeated_failure
-from tasks.supervisor import AttemptSpec, ChunkFailed, Outcome, supervise, worker_command
+from tasks.records import run_records
+from tasks.records.chunk_record import ChunkRecord
+from tasks.records.metric_shipping import MetricShipper
+from tasks.remote import remote_checkpoints
+from tasks.remote.remote_index import node_name
+from tasks.supervision import handoff
+from tasks.supervision.failure_details import FailureDetails
+from tasks.supervision.process_group import reap_stale_worker
+from tasks.supervision.repeated import as_repeated, repeated_failure
+from tasks.supervision.supervisor import AttemptSpec, ChunkFailed, Outcome, supervise, worker_command
+from tasks.supervision.worker_liveness import DetectionLimits
 from training.checkpointing.store import newest_verified_step
 from training.chunk_boundary import boundary_step
 from training.config import ConfigError, RunConfig
@@ -254,7 +256,7 @@ class ChunkRun:
         return outcome
 
     def unless_repeated(self, exc: ChunkFailed) -> ChunkFailed:
-        """``exc``, or the ``repeated`` failure it makes with the attempt before (:mod:`tasks.repeated`),
+        """``exc``, or the ``repeated`` failure it makes with the attempt before (:mod:`tasks.supervision.repeated`),
         recorded as a ``repeated_failure`` event; that one is never retried."""
         pair = repeated_failure(self.run_dir, self.chunk)
         if pair is None:

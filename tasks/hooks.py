@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.artifacts import publish_failure_note
-from tasks.supervisor import ChunkFailed
+from tasks.supervision.supervisor import ChunkFailed
 from training.checkpointing.store import newest_verified_step
 from training.events import append_event
 

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks import run_records
 from tasks.artifacts import artifact_key, prefect_ui_url
+from tasks.records import run_records
 from training.config import RunConfig
 from training.events import Event, FailureKind, append_event, read_events
 from training.heartbeat import read_heartbeat

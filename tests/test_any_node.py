@@ -214,7 +214,7 @@ def test_two_machines_pool_mode_resume_on_the_other_node(
     assert not list((parent_dir / "checkpoints").glob("step-*")), "the parent machine holds no checkpoint"
     resumed = [e["step"] for e in read_events(parent_dir, "resumed")]  # the nodes' events, carried back
     assert fetch[0]["step"] in resumed and read_events(parent_dir, "checkpoint_fetched"), resumed
-    from tasks.mlflow_audit import refresh_audit
+    from tasks.records.mlflow_audit import refresh_audit
     from training.rundir import load_run_config, run_info
 
     audit = refresh_audit(load_run_config(parent_dir), parent_dir)

@@ -36,8 +36,8 @@ def test_steps_lost_agree_everywhere_and_failed_attempts_explain_themselves(
 ) -> None:
     from flows.chaos_drill import failure_steps_lost
     from flows.train import run_training
-    from tasks.mlflow_audit import LOG_TAIL_ARTIFACT
-    from tasks.mlflow_client import client_for
+    from tasks.records.mlflow_audit import LOG_TAIL_ARTIFACT
+    from tasks.records.mlflow_client import client_for
     from training.evaluate import train_metrics
     from training.rundir import run_info
     from training.tracking.progress import run_status

@@ -30,13 +30,13 @@ def chaos_params(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     path = d / "params.yaml"
     path.write_text(yaml.safe_dump(params))
-    subprocess.run([sys.executable, "-m", "flows.cli", "prepare", str(path)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "flows.cli.main", "prepare", str(path)], check=True, timeout=120)
     return path
 
 
 def chaos(params: Path, api: str, *args: str) -> tuple[int, dict]:
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "chaos", str(params), "--json", *args],
+        [sys.executable, "-m", "flows.cli.main", "chaos", str(params), "--json", *args],
         capture_output=True,
         text=True,
         timeout=1500,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from flows.cli import app
+from flows.cli.main import app
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 60

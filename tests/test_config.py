@@ -32,7 +32,7 @@ def test_bad_config_one_line_error_and_nothing_written(tmp_path: Path, name: str
     params.write_text(yaml.safe_dump(data))
     before = sorted(p.name for p in tmp_path.iterdir())
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "prepare", str(params)],
+        [sys.executable, "-m", "flows.cli.main", "prepare", str(params)],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -102,7 +102,7 @@ def test_mismatch_refusals_name_the_changed_keys(tmp_path: Path) -> None:
 
     def convoy(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "flows.cli", "train", str(params), *args],
+            [sys.executable, "-m", "flows.cli.main", "train", str(params), *args],
             capture_output=True,
             text=True,
             cwd=tmp_path,

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset
 from typer.testing import CliRunner
 
-from flows.cli import app
+from flows.cli.main import app
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
 from training.config import ConfigError
 from training.data import Cursor, LoaderSpec, make_loader

@@ -53,7 +53,7 @@ def test_deploy_and_pool_mode_rerun_chunk_as_new_flow_run(
     assert "train/nightly" in out.stdout and "train-chunk/gpu" in out.stdout, out.stdout
     from prefect.client.orchestration import get_client
 
-    from flows.liveness import CRASH_NAME, RESTART_NAME, ensure_liveness_automations
+    from flows.flow_liveness import CRASH_NAME, RESTART_NAME, ensure_liveness_automations
 
     with pytest.raises(ValueError, match="must exceed the flow heartbeat period"):
         ensure_liveness_automations("train/nightly", within_s=30)

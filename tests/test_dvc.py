@@ -43,7 +43,7 @@ def dvc_repo(path: Path) -> Path:
 
 @pytest.mark.slow
 def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
-    from tasks.version import checkpoint_dvcfiles, pull_run, version_checkpoint, version_checkpoint_async
+    from tasks.remote.dvc_version import checkpoint_dvcfiles, pull_run, version_checkpoint, version_checkpoint_async
 
     repo = dvc_repo(tmp_path / "repo")
     remote = tmp_path / "remote"
@@ -110,7 +110,7 @@ def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
 
 
 def test_version_refuses_invalid_and_unknown_remote(tmp_path: Path) -> None:
-    from tasks.version import VersioningError, pull_run, version_checkpoint
+    from tasks.remote.dvc_version import VersioningError, pull_run, version_checkpoint
 
     repo = dvc_repo(tmp_path / "repo")
     run_dir = repo / "runs" / "r"
@@ -224,7 +224,7 @@ def test_dvc_repro_in_a_clone(tmp_path: Path, prefect_api: str) -> None:
     # Another machine: no checkpoints, no DVC cache; `convoy pull` brings back what the .dvc files
     # name (chunk 2's is dropped), and `convoy train` still ends on the final state: the remote's
     # index names step 60, which it fetches by itself (invariant 10).
-    from tasks.version import checkpoint_dvcfiles
+    from tasks.remote.dvc_version import checkpoint_dvcfiles
 
     assert {"step-000000030.dvc", "step-000000060.dvc"} <= {p.name for p in checkpoint_dvcfiles(run_dir)}
     digest = final_digest(run_dir)

@@ -29,7 +29,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from flows.cli import app
+from flows.cli.main import app
 from tests.elastic_tasks import GlobalCounter
 from tests.engine_util import SMALL, final_digest, make_run, wait_for_step
 from training.config import ConfigError, load_config

@@ -135,7 +135,7 @@ def test_sigstop_is_a_hang_and_is_retried(prefect_api: str, data_dir: Path, tmp_
 
 def test_config_error_is_not_retried(prefect_api: str, data_dir: Path, tmp_path: Path) -> None:
     from flows.train import run_training
-    from tasks.supervisor import ChunkFailed
+    from tasks.supervision.supervisor import ChunkFailed
 
     empty = tmp_path / "no-data"
     empty.mkdir()
@@ -174,7 +174,7 @@ def test_killed_flow_resumes_and_second_flow_is_refused(
     pfile = tmp_path / "params.yaml"
     pfile.write_text(yaml.safe_dump(p))
     run_dir = config(p).run_dir.resolve()
-    cmd = [sys.executable, "-m", "flows.cli", "train", str(pfile)]  # `convoy train PARAMS`
+    cmd = [sys.executable, "-m", "flows.cli.main", "train", str(pfile)]  # `convoy train PARAMS`
     # Step 28 (inside chunk 2) takes 15 s in the first flow only, so the second flow and the kill
     # land while the first one is mid-run however slow this machine is; the flag stalls one step
     # of chunk 1 on demand, so the corruption and the kill land before the next save.
@@ -422,7 +422,7 @@ def test_sigterm_to_the_flow_crashes_it_cleanly(prefect_api: str, data_dir: Path
     pfile.write_text(yaml.safe_dump(p))
     run_dir = config(p).run_dir.resolve()
     flow = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "train", str(pfile)],
+        [sys.executable, "-m", "flows.cli.main", "train", str(pfile)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

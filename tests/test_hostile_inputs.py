@@ -19,7 +19,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from flows.cli import app
+from flows.cli.main import app
 from tests.engine_util import make_run, run_worker, start_worker, wait_for_step
 from tests.flow_util import REPO, config, params
 from training.checkpointing import safetensors_io as st
@@ -234,7 +234,7 @@ def test_second_worker_is_refused_and_changes_nothing(run_dir: Path) -> None:
         beat_before = json.loads((run_dir / "heartbeat" / "rank-0.json").read_text())
         events_before = (run_dir / "events.jsonl").read_text()
         second = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "worker", "--run-dir", str(run_dir), "--until-step", "120"],
+            [sys.executable, "-m", "flows.cli.main", "worker", "--run-dir", str(run_dir), "--until-step", "120"],
             cwd=REPO,
             capture_output=True,
             text=True,

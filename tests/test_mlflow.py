@@ -3,7 +3,7 @@ replay verification, non-determinism reported, nested attempt runs and the resum
 
 Real MLflow on a SQLite file in a tmp dir; real ``python -m training.worker`` processes killed
 with SIGKILL, their ``metrics.jsonl`` shipped to MLflow by the chunk task's
-:class:`tasks.metric_shipping.MetricShipper` as the flow does (the worker never talks to MLflow).
+:class:`tasks.records.metric_shipping.MetricShipper` as the flow does (the worker never talks to MLflow).
 The kill point is made deterministic with the ``slow_step`` fault (the worker
 sleeps before that step, the test kills it while it sleeps).
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.metric_shipping import MetricShipper, split_batches
-from tasks.mlflow_audit import AttemptOutcome, end_attempt, refresh_audit, start_attempt
-from tasks.mlflow_client import client_for, resolve_tracking_uri
-from tasks.mlflow_runs import ensure_mlflow_run
+from tasks.records.metric_shipping import MetricShipper, split_batches
+from tasks.records.mlflow_audit import AttemptOutcome, end_attempt, refresh_audit, start_attempt
+from tasks.records.mlflow_client import client_for, resolve_tracking_uri
+from tasks.records.mlflow_runs import ensure_mlflow_run
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
 from training.events import append_event, read_events
 from training.rundir import load_run_config, run_info

@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.liveness import Watch, lost_rank
-from tasks.multinode import Rendezvous, failed_node, is_local, launcher_command, node_commands
-from tasks.supervisor import worker_command
+from tasks.supervision.multinode import Rendezvous, failed_node, is_local, launcher_command, node_commands
+from tasks.supervision.supervisor import worker_command
+from tasks.supervision.worker_liveness import Watch, lost_rank
 from tests.flow_util import REPO, assert_no_leftovers, config, in_thread, params, wait_for_step
 from training.checkpointing.store import CheckpointStore
 from training.config import ConfigError

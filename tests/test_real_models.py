@@ -244,9 +244,9 @@ def test_grad_accum_kill_inside_window_bitwise_and_close_to_big_batch(tmp_path: 
 def test_eval_leaves_the_trajectory_alone_and_logs_val_loss_once(tmp_path: Path, dict_reference: str) -> None:
     """The dict task with validation every 4 steps (dict val batches through the task's collate),
     killed twice, ends where the same task without validation ends."""
-    from tasks.metric_shipping import MetricShipper
-    from tasks.mlflow_client import client_for
-    from tasks.mlflow_runs import ensure_mlflow_run
+    from tasks.records.metric_shipping import MetricShipper
+    from tasks.records.mlflow_client import client_for
+    from tasks.records.mlflow_runs import ensure_mlflow_run
     from training.rundir import load_run_config
 
     db = tmp_path / "mlflow.db"
@@ -292,7 +292,7 @@ def test_eval_phase_has_its_own_limit() -> None:
     """A validation longer than stall_s (and save_timeout_s) is not a hang; past eval_timeout_s it is."""
     import os
 
-    from tasks.liveness import DetectionLimits, Watch, failure_verdict
+    from tasks.supervision.worker_liveness import DetectionLimits, Watch, failure_verdict
 
     heartbeat = ["stall_s=2", "timeout_s=4", "save_timeout_s=3", "eval_timeout_s=10"]
     lim = DetectionLimits.from_config(load_config(None, [f"heartbeat.{h}" for h in heartbeat]))

@@ -39,7 +39,7 @@ def test_young_daly_is_the_numerical_minimum() -> None:
 )
 def test_plan_rejects_impossible_inputs_with_one_line(args: list[str], needle: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "plan", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "flows.cli.main", "plan", *args], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

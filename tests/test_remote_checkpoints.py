@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks import remote_checkpoints
-from tasks.remote_checkpoints import fetch_newest, open_remote
-from tasks.version import version_checkpoint
+from tasks.remote import remote_checkpoints
+from tasks.remote.dvc_version import version_checkpoint
+from tasks.remote.remote_checkpoints import fetch_newest, open_remote
 from tests.engine_util import final_digest, make_run, run_worker
 from tests.test_dvc import dvc_repo
 from training.checkpointing.store import CheckpointStore
@@ -71,7 +71,7 @@ def flip_remote_byte(run_dir: Path, step: int, member: str) -> None:
 def kill_mid_upload(run_dir: Path, step: int, remote: str, flag: Path) -> None:
     """Upload ``step`` in a process of its own, SIGKILLed once every object is in the remote but
     before the index names it (the ``upload_stall`` fault holds it there)."""
-    code = "import sys; from tasks.version import version_checkpoint as v; v(None, sys.argv[1], sys.argv[2])"
+    code = "import sys; from tasks.remote.dvc_version import version_checkpoint as v; v(None, sys.argv[1], sys.argv[2])"
     ckpt = run_dir / "checkpoints" / f"step-{step:09d}"
     env = {**os.environ, "CONVOY_FAULTS": f"upload_stall={step}:300:{flag}"}
     p = subprocess.Popen([sys.executable, "-c", code, str(ckpt), remote], cwd=REPO, env=env, start_new_session=True)
@@ -154,7 +154,7 @@ def test_uploader_follows_the_newest_committed_checkpoint(tmp_path: Path) -> Non
 def test_index_is_written_last_and_read_back(tmp_path: Path) -> None:
     """The index's own contract, without DVC objects: entries only added, a step re-published with
     the same digest is not written again, metric rows travel in segments up to the entry's step."""
-    from tasks.remote_index import RemoteRun, metric_rows_through, publish
+    from tasks.remote.remote_index import RemoteRun, metric_rows_through, publish
 
     class LocalRemote:
         from dvc_objects.fs.local import LocalFileSystem

@@ -1,4 +1,4 @@
-"""A failure that repeats is not retried blindly (tasks/repeated.py): a loss_fn that raises at
+"""A failure that repeats is not retried blindly (tasks/supervision/repeated.py): a loss_fn that raises at
 step 7 every time fails its chunk after exactly two crash attempts with the ``repeated`` kind,
 while SIGKILLs at different steps before it are retried as always."""
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tasks.repeated import same_failure
+from tasks.supervision.repeated import same_failure
 from tests.flow_util import assert_no_leftovers, config, in_thread, params, wait_for_step
 from training.events import read_events
 
@@ -33,7 +33,7 @@ def test_only_the_same_crash_at_the_same_step_repeats() -> None:
 @pytest.mark.slow
 def test_loss_fn_raising_at_step_7_stops_after_two_attempts(prefect_api: str, data_dir: Path, tmp_path: Path) -> None:
     from flows.train import run_training
-    from tasks.supervisor import ChunkFailed
+    from tasks.supervision.supervisor import ChunkFailed
 
     cfg = config(
         params(

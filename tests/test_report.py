@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from flows.report import PLAIN_EVERY_S, failure_lines, plain_due, progress_line, travel_rows
-from tasks.supervisor import ChunkFailed
+from tasks.supervision.supervisor import ChunkFailed
 from tests.flow_util import REPO, params
 
 
@@ -111,7 +111,7 @@ def test_train_prints_a_summary_with_the_mlflow_url_and_json_parses(
 
     def convoy(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "flows.cli", "train", str(path), *args],
+            [sys.executable, "-m", "flows.cli.main", "train", str(path), *args],
             cwd=REPO,
             env=env,
             capture_output=True,
@@ -173,7 +173,7 @@ def test_attempts_are_numbered_per_chunk_across_flow_runs_and_named_by_outcome()
 
 
 def test_failure_text_has_no_class_paths_or_unrelated_output() -> None:
-    from tasks.failure_kinds import diskfull_message, error_line
+    from tasks.supervision.failure_kinds import diskfull_message, error_line
 
     path = "training.checkpointing.store.CheckpointError: checkpoint save failed: [Errno 28] No space left on device"
     assert diskfull_message(["[worker rank 0] step 40", path]) == (
@@ -252,7 +252,7 @@ def test_only_flow_runs_that_died_unseen_are_taken_over() -> None:
 def test_a_chunk_record_keeps_the_written_keys_and_reads_back_what_a_pool_parent_adds() -> None:
     """The ``chunk_done`` event and the pool artifact are read by older and newer code alike: the
     keys and their order are the ones written before the record had a type."""
-    from tasks.chunk_record import ChunkRecord
+    from tasks.records.chunk_record import ChunkRecord
 
     record = ChunkRecord(
         chunk=2,

@@ -255,8 +255,8 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     """`--from` a finished run with total_steps doubled: the child starts at the parent's step
     with its state, records the lineage (run.json, the forked checkpoint, MLflow tags), and a
     child killed mid-way and resumed ends bitwise equal to an uninterrupted child."""
-    from tasks.mlflow_client import client_for
-    from tasks.mlflow_runs import ensure_mlflow_run
+    from tasks.records.mlflow_client import client_for
+    from tasks.records.mlflow_runs import ensure_mlflow_run
     from tests.engine_util import SMALL, final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
     from training.rundir import open_run, resolve_parent, run_info
 
@@ -312,7 +312,7 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(json.loads((parent / "config.json").read_text())))
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", str(params), "--from", str(parent)],
+        [sys.executable, "-m", "flows.cli.main", "train", str(params), "--from", str(parent)],
         capture_output=True,
         text=True,
         timeout=300,

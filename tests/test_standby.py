@@ -118,7 +118,7 @@ def test_standby_dies_with_a_killed_flow(prefect_api: str, data_dir: Path, tmp_p
     run_dir = config(p).run_dir.resolve()
     env = {**os.environ, "CONVOY_FAULTS": "step_delay=0.05"}
     flow = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "train", str(pfile)],
+        [sys.executable, "-m", "flows.cli.main", "train", str(pfile)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -18,7 +18,7 @@ INTERVAL = 0.1  # heartbeat.interval_s of engine_util.SMALL
 
 def status_json(run_dir: Path) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "status", str(run_dir), "--json"],
+        [sys.executable, "-m", "flows.cli.main", "status", str(run_dir), "--json"],
         capture_output=True,
         text=True,
         timeout=120,

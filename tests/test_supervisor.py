@@ -17,10 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.failure_details import FailureDetails
-from tasks.failure_kinds import classify_exit
-from tasks.liveness import RANK_GONE_GRACE_S, DetectionLimits, Watch, failure_verdict, lost_rank
-from tasks.supervisor import AttemptSpec, ChunkFailed, supervise
+from tasks.supervision.failure_details import FailureDetails
+from tasks.supervision.failure_kinds import classify_exit
+from tasks.supervision.supervisor import AttemptSpec, ChunkFailed, supervise
+from tasks.supervision.worker_liveness import RANK_GONE_GRACE_S, DetectionLimits, Watch, failure_verdict, lost_rank
 from training.config import load_config
 from training.events import read_events
 from training.heartbeat import read_heartbeat
@@ -468,7 +468,7 @@ def test_the_death_of_a_process_that_is_not_our_child_wakes_its_watch(
     seen through a pidfd as soon as it happens (or by polling where the kernel has no pidfd)."""
     import subprocess
 
-    from tasks.worker_handle import DeathWatch
+    from tasks.supervision.worker_handle import DeathWatch
 
     if not pidfd:
         monkeypatch.delattr(os, "pidfd_open", raising=False)

@@ -14,9 +14,9 @@ ends there and chunk ``k + 1`` starts.
    :func:`wait_for_previous_boundary`: it blocks until the flow has acknowledged the previous
    boundary ``b - chunk_steps``.  So it is never more than one chunk ahead of the flow.  A worker
    that resumed at or after that boundary did not produce it and does not wait.
-2. **Chunk task** (``tasks.supervisor.WorkerAttempt`` with ``AttemptSpec.boundary_step``).  Chunk
+2. **Chunk task** (``tasks.supervision.supervisor.WorkerAttempt`` with ``AttemptSpec.boundary_step``).  Chunk
    ``k``'s attempt ends as soon as :func:`boundary_committed` says boundary ``b`` is committed;
-   the worker keeps training and is *parked* in the flow process (``tasks.handoff``) for chunk
+   the worker keeps training and is *parked* in the flow process (``tasks.supervision.handoff``) for chunk
    ``k + 1``'s task to adopt.  The task then verifies checkpoint ``b``: it is the chunk's artifact.
    :func:`boundary_step` says which step that is (none for the last chunk, which ends with the
    worker's exit, and none without pipelining).

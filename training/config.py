@@ -256,7 +256,7 @@ class TrackingConfig(_Strict):
     register_model: bool = True
     #: Upload committed checkpoints to the DVC remote in the background (each chunk boundary, and
     #: the newest one whenever the uploader is free) and fetch the remote's newest one before a
-    #: resume: a run continues on any machine (invariant 10; ``tasks/remote_checkpoints.py``).
+    #: resume: a run continues on any machine (invariant 10; ``tasks/remote/remote_checkpoints.py``).
     dvc: bool = False
     dvc_remote: str = ""
 

@@ -77,7 +77,7 @@ class Phase(StrEnum):
 
 class FailureKind(StrEnum):
     """How an attempt failed: the ``failure`` field of a ``failure`` event and ``ChunkFailed.kind``
-    (the rules that assign them: ``tasks/failure_kinds.py``)."""
+    (the rules that assign them: ``tasks/supervision/failure_kinds.py``)."""
 
     CONFIG = "config"
     CRASH = "crash"

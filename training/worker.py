@@ -9,7 +9,7 @@ configuration is the run directory's ``config.json``.  Exit codes (the superviso
 one JSON line ``{"until_step": N, "pipelined": bool}`` from the chunk supervisor that hands it a
 failed worker's place; only then take the run's lease, beat, restore and train, exactly as a
 freshly started worker would.  End of input without an order (the supervisor released it, or died)
-ends the standby quietly.  See :mod:`tasks.standby`.
+ends the standby quietly.  See :mod:`tasks.supervision.standby`.
 
 What the worker trains with is :mod:`training.runtime`; one step's math is :mod:`training.step`;
 the resume is :mod:`training.restore`.  This module holds the lifecycle (:class:`Worker`): the

@@ -2,4 +2,4 @@
 (``metrics``: ``metrics.jsonl`` and the logger, ``mlflow_backend``: MLflow as a backend), the
 resume audit read from the run's own files (``resume_audit``) and where a run stands now
 (``progress``: ``convoy status``).  Nothing here creates MLflow runs: the flow does that
-(``tasks/mlflow_runs.py``, ``tasks/mlflow_audit.py``)."""
+(``tasks/records/mlflow_runs.py``, ``tasks/records/mlflow_audit.py``)."""

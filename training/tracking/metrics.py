@@ -9,7 +9,7 @@ Steps past the high-water mark are buffered and written in batches (one call per
 
 Backends implement :class:`MetricBackend`; the worker's one is :class:`JsonlBackend`
 (``metrics.jsonl`` in the run directory, the run's metric journal).  MLflow gets the journal's
-rows from the supervising process (``tasks/metric_shipping.py``), never from the worker.
+rows from the supervising process (``tasks/records/metric_shipping.py``), never from the worker.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class StepMetricLogger:
 
     The worker's only backend is ``metrics.jsonl`` (invariant 12: no network client runs in the
     training process); what reaches MLflow is shipped from that file by the supervising process
-    (``tasks/metric_shipping.py``)."""
+    (``tasks/records/metric_shipping.py``)."""
 
     def __init__(
         self,

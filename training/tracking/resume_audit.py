@@ -2,7 +2,7 @@
 
 Pure reading of ``events.jsonl`` and ``metrics.jsonl``, no MLflow and no Prefect, so every tool
 that reports on a run agrees: the supervisor's failure report, ``convoy status``, the export's
-DVC plots and the flow's MLflow audit (:mod:`tasks.mlflow_audit`) all count from here.
+DVC plots and the flow's MLflow audit (:mod:`tasks.records.mlflow_audit`) all count from here.
 
 * :func:`steps_lost` — the one definition of steps lost; :func:`trained_high_water` — how far a
   failed attempt got.

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
-from flows.cli_common import ParamsArg, SetOpt, config_or_exit, console, err, fail
+from flows.cli.common import ParamsArg, SetOpt, config_or_exit, console, err, fail
 
 if TYPE_CHECKING:
     from flows.chaos_drill import ChaosReport

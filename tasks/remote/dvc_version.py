@@ -6,8 +6,8 @@ files cost nothing) and ``dvc push``es it to the remote, through the ``dvc.repo.
 committed checkpoint directory is immutable and is hard-linked to a private stage before DVC reads
 it, so retention deleting it meanwhile is harmless: this can run on a background thread while the
 next chunk trains (:func:`version_checkpoint_async`).  Once every object of the checkpoint is
-in the remote, it is added to the run's index there (:mod:`tasks.remote_index`), which is how
-another machine finds it without a git commit (:mod:`tasks.remote_checkpoints` uploads the
+in the remote, it is added to the run's index there (:mod:`tasks.remote.remote_index`), which is how
+another machine finds it without a git commit (:mod:`tasks.remote.remote_checkpoints` uploads the
 checkpoints between chunk boundaries too, and fetches them).
 :func:`pull_run` restores a run's checkpoints on another machine (``dvc pull`` of the run's
 ``.dvc`` files), after which the worker resumes from the newest one that verifies.
@@ -19,7 +19,7 @@ Remote selection: ``tracking.dvc_remote`` may be the *name* of a configured DVC 
 default ``~/.cache/convoy/dvc-remote``).  A URL remote lives in ``.dvc/config.local`` (not in
 git): a fresh clone re-derives it from ``params.yaml`` on ``convoy pull``, whose precedence is
 ``--remote``, the params' ``tracking.dvc_remote``, the run's ``config.json``, the repository's
-committed default remote, then the fallback above (``flows/cli.py``); its errors name the remote.
+committed default remote, then the fallback above (``flows/cli/main.py``); its errors name the remote.
 Git must not ignore ``checkpoints/step-N.dvc`` files
 (DVC refuses to create them); ignore ``runs/**`` but re-include ``runs/**/`` and the ``.dvc`` files.
 The run directory must not be a declared output of a running
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks import remote_index
+from tasks.remote import remote_index
 from training import faults
 from training.checkpointing.errors import CheckpointRejected
 from training.checkpointing.store import CheckpointStore, parse_step
@@ -297,7 +297,7 @@ def _record_published(run_dir: Path, result: dict[str, Any], manifest: dict[str,
         upload_s=round(result["add_s"] + result["push_s"], 3),
         **lag,
     )
-    from tasks.run_records import log_upload_lag
+    from tasks.records.run_records import log_upload_lag
 
     log_upload_lag(run_dir, result["step"], lag)
 
@@ -474,7 +474,7 @@ def pull_run(
 def version_async(config: RunConfig, run_dir: Path, step: int, only_if_missing: bool = False) -> Any:
     """Start DVC-versioning a committed chunk checkpoint on a background thread, overlapping the
     next chunk's training.  Safe against retention: the checkpoint is hard-linked into a private
-    staging folder before ``dvc add`` (tasks/version.py).  Returns a future, or None if off (or,
+    staging folder before ``dvc add`` (tasks/remote/dvc_version.py).  Returns a future, or None if off (or,
     ``only_if_missing``, if the checkpoint is gone or already has its ``.dvc`` file)."""
     if not config.tracking.dvc:
         return None

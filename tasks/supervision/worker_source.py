@@ -1,18 +1,18 @@
 """Where a chunk attempt's worker comes from: the one seam between the supervisor and its sources.
 
 Three sources, tried in this order, each giving the supervisor the same
-:class:`tasks.worker_handle.WorkerHandle` (pid, a death it can wait for, a stop, its log):
+:class:`tasks.supervision.worker_handle.WorkerHandle` (pid, a death it can wait for, a stop, its log):
 
 1. **adopted** — the worker the previous chunk parked at its boundary (``orchestration.pipeline``,
-   :mod:`tasks.handoff`), if it runs this attempt's command.  Its beats are its own however old and
+   :mod:`tasks.supervision.handoff`), if it runs this attempt's command.  Its beats are its own however old and
    its log is read on from where the previous chunk stopped.
-2. **standby** — the run's warm standby (``orchestration.standby``, :mod:`tasks.standby`), given
+2. **standby** — the run's warm standby (``orchestration.standby``, :mod:`tasks.supervision.standby`), given
    this attempt's order.
 3. **spawned** — a fresh process (after removing stale beats of an earlier attempt).
 
 Every source is watched equally well: the handle waits on the process's pidfd, so the death of
 a worker this task did not start is seen as fast as that of one it did.  The supervisor
-(:mod:`tasks.supervisor`) holds one :class:`WorkerSource` per attempt and only asks it for the
+(:mod:`tasks.supervision.supervisor`) holds one :class:`WorkerSource` per attempt and only asks it for the
 worker (:meth:`~WorkerSource.acquire`), tells it once the worker trains (then a new standby is
 started behind it) and, at a committed boundary, leaves the worker to the next chunk
 (:meth:`~WorkerSource.park`).
@@ -30,8 +30,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from tasks import handoff, standby
-from tasks.worker_handle import WorkerHandle, spawn
+from tasks.supervision import handoff, standby
+from tasks.supervision.worker_handle import WorkerHandle, spawn
 from training.events import Event, append_event
 from training.heartbeat import heartbeat_path
 

@@ -1,11 +1,11 @@
 """One worker process as its watchers see it: pid, how to wait for its death, how to stop it, its log.
 
 Why one type: a chunk attempt's worker comes from one of three places (spawned for it, adopted
-from the previous chunk, the warm standby; :mod:`tasks.worker_source`) and must be watched the
+from the previous chunk, the warm standby; :mod:`tasks.supervision.worker_source`) and must be watched the
 same way whichever it is.  Death is waited for on a pidfd (``os.pidfd_open``): it turns readable
 the moment the process exits, whoever its parent is and whichever thread waits, so a watcher
 wakes at once instead of at its next poll.  Where pidfds are missing (not Linux, kernel < 5.3)
-the wait falls back to polling :func:`tasks.process_group.pid_gone`.
+the wait falls back to polling :func:`tasks.supervision.process_group.pid_gone`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.process_group import child_setup, pid_gone, stop_group
+from tasks.supervision.process_group import child_setup, pid_gone, stop_group
 
 #: Polling step of the fallback wait (no pidfd).
 _FALLBACK_POLL_S = 0.02
@@ -92,7 +92,7 @@ class WorkerHandle:
         return True
 
     def stop(self, grace_s: float) -> list[int]:
-        """Stop and reap its whole process group (:func:`tasks.process_group.stop_group`)."""
+        """Stop and reap its whole process group (:func:`tasks.supervision.process_group.stop_group`)."""
         try:
             return stop_group(self.proc, grace_s)
         finally:

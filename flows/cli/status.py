@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from flows.cli_common import console, fail
+from flows.cli.common import console, fail
 from training.config import ConfigError
 
 STATE_COLOUR = {"running": "green", "finished": "bold green", "failed": "red", "dead": "red"}  # else yellow

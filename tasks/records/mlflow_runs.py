@@ -4,7 +4,7 @@
 once) and stores its id and URI in ``run.json``; later calls, from any process or attempt, reuse
 it (or the id a checkpoint manifest carries, after a pull).  Kept out of the engine: a worker
 never talks to MLflow; its ``metrics.jsonl`` is shipped into the run named in ``run.json``
-(:class:`tasks.metric_shipping.MetricShipper`).
+(:class:`tasks.records.metric_shipping.MetricShipper`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from tasks.mlflow_client import TAG_PREFIX, client_for, resolve_tracking_uri
+from tasks.records.mlflow_client import TAG_PREFIX, client_for, resolve_tracking_uri
 from training.config import RunConfig
 from training.paths import RunPaths
 from training.rundir import run_info, update_run_info

@@ -1,7 +1,7 @@
 """Multi-node launcher: one ``torchrun`` elastic agent per node, all in one rendezvous, one exit.
 
 Why one local process for all nodes: the supervisor owns exactly one process group per attempt
-(watch, stop, reap; :mod:`tasks.supervisor`).  This launcher is that group's leader when
+(watch, stop, reap; :mod:`tasks.supervision.supervisor`).  This launcher is that group's leader when
 ``train.nnodes > 1``.  It starts node 0's agent here and every other node's through
 ``orchestration.node_launch`` (``ssh -tt host`` by default; a host named ``localhost`` or
 ``127.0.0.1`` is started here directly, which is how the multi-node path is tested on one
@@ -37,7 +37,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tasks.process_group import child_setup
+from tasks.supervision.process_group import child_setup
 from training.config import EXIT_CONFIG
 
 #: How long the other nodes get to exit by themselves after one node's agent failed.
@@ -72,7 +72,7 @@ def launcher_command(hosts: Sequence[str], ranks_per_node: int, node_launch: str
     return [
         sys.executable,
         "-m",
-        "tasks.multinode",
+        "tasks.supervision.multinode",
         "--hosts",
         ",".join(hosts),
         "--ranks",
@@ -171,7 +171,7 @@ class NodeGroup:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tasks.multinode", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tasks.supervision.multinode", description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", required=True, help="comma-separated, node 0 (this machine) first")
     ap.add_argument("--ranks", type=int, required=True, help="ranks per node")
     ap.add_argument("--node-launch", default="ssh -tt -o BatchMode=yes {host}")

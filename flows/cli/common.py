@@ -1,9 +1,9 @@
 """What every ``convoy`` command shares: the consoles, the PARAMS argument and ``-S`` option, and
 the one way a bad input ends a command (one line on stderr, exit 2, nothing written).
 
-A module of its own so the commands split out of :mod:`flows.cli` (:mod:`flows.cli_status`,
-:mod:`flows.cli_chaos`) use the same objects without importing :mod:`flows.cli`: run as
-``python -m flows.cli`` that module is ``__main__``, and importing it again would build a second
+A module of its own so the commands split out of :mod:`flows.cli.main` (:mod:`flows.cli.status`,
+:mod:`flows.cli.chaos`) use the same objects without importing :mod:`flows.cli.main`: run as
+``python -m flows.cli.main`` that module is ``__main__``, and importing it again would build a second
 app.
 """
 

@@ -3,7 +3,7 @@
 Why its own module: these rules (deadline, no beat, no progress, a phase past its limit, a rank
 gone) are the heartbeat half of docs/architecture.md "Worker ⇄ supervisor contract" and are
 unit-tested on beat records without running anything.  The exit half (exit codes, output) is
-:mod:`tasks.failure_kinds`; the supervisor (:mod:`tasks.supervisor`) polls both.
+:mod:`tasks.supervision.failure_kinds`; the supervisor (:mod:`tasks.supervision.supervisor`) polls both.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.failure_kinds import Verdict
-from tasks.process_group import pid_gone
+from tasks.supervision.failure_kinds import Verdict
+from tasks.supervision.process_group import pid_gone
 from training.config import RunConfig
 from training.events import FailureKind, Phase
 from training.heartbeat import beat_is_local, read_heartbeat

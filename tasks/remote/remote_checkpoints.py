@@ -5,9 +5,9 @@ machine:
 
 * **Upload** (:class:`Uploader`, one per run in the process that supervises its workers): a
   thread follows the run's ``LATEST`` and uploads the newest committed checkpoint whenever it is
-  free, through :func:`tasks.version.version_checkpoint` (hard-linked stage, the store's own
+  free, through :func:`tasks.remote.dvc_version.version_checkpoint` (hard-linked stage, the store's own
   verification, ``dvc add`` + ``dvc push``: content-addressed, so unchanged files cost nothing;
-  then the remote index, :mod:`tasks.remote_index`).  Policy: the newest wins; checkpoints
+  then the remote index, :mod:`tasks.remote.remote_index`).  Policy: the newest wins; checkpoints
   committed while an upload runs are passed over, except the newest, so the lag stays about one
   upload and the remote never falls further behind.  It runs beside the worker, never in it: a
   step is never held up beyond the snapshot the worker already takes.  The stage is a set of hard
@@ -39,8 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tasks.remote_index import RemoteCopyRefused, RemoteRun, metric_rows_through, node_name
-from tasks.version import VersioningError, _with_repo, remote_run, resolve_remote, version_checkpoint
+from tasks.remote.dvc_version import VersioningError, _with_repo, remote_run, resolve_remote, version_checkpoint
+from tasks.remote.remote_index import RemoteCopyRefused, RemoteRun, metric_rows_through, node_name
 from training.checkpointing.errors import CheckpointRejected
 from training.config import ConfigError, RunConfig
 from training.events import Event, append_event
@@ -55,7 +55,7 @@ FETCH_PREFIX = ".fetch-"
 
 def open_remote(config: RunConfig, run_dir: Path) -> RemoteRun:
     """The run's folder in the remote its uploads go to (``tracking.dvc_remote``, else the
-    repository's default remote, else the local fallback: :func:`tasks.version.resolve_remote`).
+    repository's default remote, else the local fallback: :func:`tasks.remote.dvc_version.resolve_remote`).
     Raises :class:`VersioningError` with one line when there is no DVC repository or remote."""
 
     def work(repo: Any) -> RemoteRun:

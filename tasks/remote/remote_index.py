@@ -26,7 +26,7 @@ a time (the node training it); entries are only ever added.
 
 The metric rows travel with the checkpoints so that the node that resumes a run has the
 history up to its checkpoint: its metric shipper sends the points the failed node had not sent
-(``tasks/metric_shipping.py``), keeping exactly one point per (metric, step).
+(``tasks/records/metric_shipping.py``), keeping exactly one point per (metric, step).
 """
 
 from __future__ import annotations

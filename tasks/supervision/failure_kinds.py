@@ -2,7 +2,7 @@
 
 Why its own module: the kinds are the contract of docs/architecture.md "Worker ⇄ supervisor contract" and the
 exit rules are unit-tested without running anything.  The liveness kinds (hang, dead, timeout, a
-lost rank) are decided while watching, in :mod:`tasks.supervisor`.
+lost rank) are decided while watching, in :mod:`tasks.supervision.supervisor`.
 
 ``config``     exit 78 — configuration/data error, never retried.
 ``preempted``  exit 75 — SIGTERM from outside; the worker saved an emergency checkpoint.
@@ -20,7 +20,7 @@ lost rank) are decided while watching, in :mod:`tasks.supervisor`.
 ``dead``       no heartbeat for ``timeout_s`` (a frozen or wedged process), or none at all within
                ``init_timeout_s`` of the start.
 ``timeout``    the attempt ran past the chunk deadline.
-``repeated``   decided by the chunk task (:mod:`tasks.repeated`), not by one attempt: two consecutive
+``repeated``   decided by the chunk task (:mod:`tasks.supervision.repeated`), not by one attempt: two consecutive
                attempts crashed at the same step with the same error and nothing trained in between.
                A bug, not a fault: never retried.
 """

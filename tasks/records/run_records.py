@@ -1,4 +1,4 @@
-"""Glue from the orchestration to MLflow (training/tracking/resume_audit.py) and DVC (tasks/version.py).
+"""Glue from the orchestration to MLflow (training/tracking/resume_audit.py) and DVC (tasks/remote/dvc_version.py).
 
 Why a separate module: the flow and the chunk task call these at fixed points (run start, every
 attempt, every committed chunk, run end) and each call must be *best effort* where the tracking
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks.mlflow_audit import AttemptOutcome
+from tasks.records.mlflow_audit import AttemptOutcome
 from training.config import RunConfig
 
 log = logging.getLogger("convoy.tracking")
@@ -26,7 +26,7 @@ def begin_run(config: RunConfig, run_dir: Path) -> str | None:
     """Create (or find) the run's MLflow run so workers log into it; None without MLflow."""
     if not config.tracking.mlflow:
         return None
-    from tasks.mlflow_runs import ensure_mlflow_run
+    from tasks.records.mlflow_runs import ensure_mlflow_run
 
     return ensure_mlflow_run(config, run_dir)
 
@@ -46,7 +46,7 @@ def start_attempt(
     if not config.tracking.mlflow:
         return None
     try:
-        from tasks.mlflow_audit import start_attempt as _start
+        from tasks.records.mlflow_audit import start_attempt as _start
 
         prefect = {"flow_run_id": flow_run_id, "task_run_id": task_run_id}
         return _start(config, run_dir, chunk, attempt, start, end, prefect)
@@ -65,7 +65,7 @@ def attempt_outcome(
 ) -> AttemptOutcome:
     """The outcome of a chunk attempt as the chunk task knows it (ok or not, and the supervisor's
     failure kind and details, or the step it committed), in the form
-    :func:`tasks.mlflow_audit.end_attempt` records."""
+    :func:`tasks.records.mlflow_audit.end_attempt` records."""
     return AttemptOutcome("FINISHED" if ok else "FAILED", kind, steps, seconds, failure, end_step)
 
 
@@ -82,7 +82,7 @@ def end_attempt(
     if child is None:
         return
     try:
-        from tasks.mlflow_audit import end_attempt as _end
+        from tasks.records.mlflow_audit import end_attempt as _end
 
         name = (chunk, attempt) if chunk is not None and attempt is not None else None
         _end(child, outcome, config=config, run_dir=run_dir, name=name)
@@ -96,7 +96,7 @@ def close_orphaned_attempts(config: RunConfig, run_dir: Path, orphans: list[dict
     if not config.tracking.mlflow:
         return []
     try:
-        from tasks.mlflow_audit import close_running_attempts
+        from tasks.records.mlflow_audit import close_running_attempts
 
         return close_running_attempts(config, run_dir, orphans)
     except Exception as exc:  # noqa: BLE001 - audit only
@@ -109,7 +109,7 @@ def link_flow_run(config: RunConfig, run_dir: Path, tags: dict[str, str]) -> Non
     if not config.tracking.mlflow or not tags:
         return
     try:
-        from tasks.mlflow_runs import set_run_tags
+        from tasks.records.mlflow_runs import set_run_tags
 
         set_run_tags(config, run_dir, tags)
     except Exception as exc:  # noqa: BLE001
@@ -117,13 +117,13 @@ def link_flow_run(config: RunConfig, run_dir: Path, tags: dict[str, str]) -> Non
 
 
 def log_model(config: RunConfig, run_dir: Path) -> dict[str, Any] | None:
-    """Log the finished run's model to MLflow and register it (:mod:`tasks.mlflow_model`; best
+    """Log the finished run's model to MLflow and register it (:mod:`tasks.records.mlflow_model`; best
     effort: the checkpoint and the DVC export hold it anyway)."""
     if not config.tracking.mlflow or not config.tracking.log_model:
         return None
     try:
-        from tasks.mlflow_audit import client_and_parent
-        from tasks.mlflow_model import log_final_model
+        from tasks.records.mlflow_audit import client_and_parent
+        from tasks.records.mlflow_model import log_final_model
 
         client, run_id, _ = client_and_parent(config, run_dir)
         return log_final_model(config, run_dir, client, run_id)
@@ -136,8 +136,8 @@ def finish_run(config: RunConfig, run_dir: Path, ok: bool) -> dict[str, Any] | N
     """Recompute the resume audit (files under ``audit/``, MLflow if enabled) and end the run."""
     summary = None
     try:
-        from tasks.mlflow_audit import finish_run as _finish
-        from tasks.mlflow_audit import refresh_audit
+        from tasks.records.mlflow_audit import finish_run as _finish
+        from tasks.records.mlflow_audit import refresh_audit
 
         summary = refresh_audit(config, run_dir)
         _finish(config, run_dir, "FINISHED" if ok else "FAILED")
@@ -159,8 +159,8 @@ def system_metrics(config: RunConfig, run_dir: Path) -> Iterator[None]:
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            from tasks.mlflow_client import resolve_tracking_uri
-            from tasks.mlflow_runs import ensure_mlflow_run
+            from tasks.records.mlflow_client import resolve_tracking_uri
+            from tasks.records.mlflow_runs import ensure_mlflow_run
 
             run_id = ensure_mlflow_run(config, run_dir)
             uri = resolve_tracking_uri(config, run_dir)
@@ -185,7 +185,7 @@ def refresh(config: RunConfig, run_dir: Path) -> None:
     if not config.tracking.mlflow:
         return
     try:
-        from tasks.mlflow_audit import refresh_audit
+        from tasks.records.mlflow_audit import refresh_audit
 
         refresh_audit(config, run_dir)
     except Exception as exc:  # noqa: BLE001
@@ -205,7 +205,7 @@ def log_upload_lag(run_dir: Path, step: int, lag: dict[str, float]) -> None:
             return
         from mlflow.entities import Metric
 
-        from tasks.mlflow_client import client_for, resolve_tracking_uri
+        from tasks.records.mlflow_client import client_for, resolve_tracking_uri
 
         ts = int(time.time() * 1000)
         metrics = [Metric(key, float(value), ts, int(step)) for key, value in sorted(lag.items())]

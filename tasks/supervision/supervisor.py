@@ -3,7 +3,7 @@
 Why a separate process we watch instead of Prefect's own runners: a SIGKILLed task process in
 Prefect's process pool breaks the whole flow (``BrokenProcessPool``, no retry) and a task timeout
 leaves the child running.  So the Prefect task stays alive and *owns* the worker: it gets it from
-:mod:`tasks.worker_source` (spawned in its own session, adopted from the previous chunk, or the
+:mod:`tasks.supervision.worker_source` (spawned in its own session, adopted from the previous chunk, or the
 warm standby), watches it (its death wakes the watch at once; its beats are read every
 ``poll_s``) and, on any failure, stops the whole group itself (SIGTERM → grace → SIGKILL), reaps
 every descendant, writes the audit event and raises :class:`ChunkFailed`.  Prefect then retries
@@ -11,9 +11,9 @@ only that chunk.
 
 This module never imports Prefect, so it is unit-tested with stand-in scripts.
 
-The liveness rules: :mod:`tasks.liveness`.  Failure kinds and the rules that name an exit:
-:mod:`tasks.failure_kinds`.  What a failure report carries: :mod:`tasks.failure_details`.
-Process-group lifecycle (die with the supervisor, stop, reap): :mod:`tasks.process_group`.
+The liveness rules: :mod:`tasks.supervision.worker_liveness`.  Failure kinds and the rules that name an exit:
+:mod:`tasks.supervision.failure_kinds`.  What a failure report carries: :mod:`tasks.supervision.failure_details`.
+Process-group lifecycle (die with the supervisor, stop, reap): :mod:`tasks.supervision.process_group`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tasks.failure_details import FailureDetails
-from tasks.failure_kinds import (
+from tasks.supervision.failure_details import FailureDetails
+from tasks.supervision.failure_kinds import (
     NOT_RETRYABLE,
     Verdict,
     classify_exit,
@@ -38,10 +38,10 @@ from tasks.failure_kinds import (
     oom_kills,
     signame,
 )
-from tasks.liveness import DetectionLimits, Watch, failure_verdict, fresh_beats
-from tasks.multinode import failed_node, launcher_command
-from tasks.worker_log import LogFollower
-from tasks.worker_source import Launch, Source, WorkerSource, clock
+from tasks.supervision.multinode import failed_node, launcher_command
+from tasks.supervision.worker_liveness import DetectionLimits, Watch, failure_verdict, fresh_beats
+from tasks.supervision.worker_log import LogFollower
+from tasks.supervision.worker_source import Launch, Source, WorkerSource, clock
 from training import chunk_boundary
 from training.config import EXIT_CONFIG
 from training.events import Event, FailureKind, Phase, append_event
@@ -110,7 +110,7 @@ def worker_command(
     node_launch: str = "",
 ) -> list[str]:
     """The worker's command line; more than one rank goes through torchrun (elastic launcher),
-    more than one host through :mod:`tasks.multinode` (one torchrun per node, one rendezvous).
+    more than one host through :mod:`tasks.supervision.multinode` (one torchrun per node, one rendezvous).
     ``pipelined``: the worker waits at each chunk boundary for the previous one's acknowledgement."""
     tail = ["-m", "training.worker", "--run-dir", str(run_dir), "--until-step", str(until_step)]
     if pipelined:
@@ -134,7 +134,7 @@ class AttemptSpec:
     """What one worker attempt runs and how it is watched: the input of :class:`WorkerAttempt`.
 
     Where the worker comes from (spawned from ``cmd``, adopted from the previous chunk, or the
-    warm standby given ``standby_order``) is :mod:`tasks.worker_source`'s business.
+    warm standby given ``standby_order``) is :mod:`tasks.supervision.worker_source`'s business.
     ``boundary_step`` (pipelined, every chunk but the last): once that step's checkpoint is
     committed the attempt ends with the worker still training, parked for the next chunk (rule 2
     of :mod:`training.chunk_boundary`)."""
@@ -204,7 +204,7 @@ class WorkerAttempt:
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
-        """Get the worker from its source (:mod:`tasks.worker_source`), then follow its log."""
+        """Get the worker from its source (:mod:`tasks.supervision.worker_source`), then follow its log."""
         self.oom_before = oom_kills()
         self.metrics_offset = _size(RunPaths(self.run_dir).metrics)  # this attempt's rows start here (steps lost)
         self.started = time.time()
@@ -357,7 +357,7 @@ class WorkerAttempt:
             passed_over=passed_over,  # newer checkpoints that do not verify: why it resumes further back
             returncode=rc,
             reason=verdict.reason,
-            error=error_line(self.tail),  # tasks/repeated.py compares it between attempts
+            error=error_line(self.tail),  # tasks/supervision/repeated.py compares it between attempts
             log=str(self.log_path),
         )
         append_event(

@@ -1,4 +1,4 @@
-"""What is known about a failed chunk attempt: the details a :class:`tasks.supervisor.ChunkFailed` carries.
+"""What is known about a failed chunk attempt: the details a :class:`tasks.supervision.supervisor.ChunkFailed` carries.
 
 Why a type: the supervisor, the chunk task, the failure hooks, the pool flow and the report all
 read the same facts (when it was detected, how far it trained, where a retry resumes, its log).
@@ -50,7 +50,7 @@ class FailureDetails:
     returncode: int | None = None
     #: The failure in words, without the "chunk k kind:" prefix of the message.
     reason: str | None = None
-    #: The line of the worker's last output that says why it ended (:mod:`tasks.repeated` compares it).
+    #: The line of the worker's last output that says why it ended (:mod:`tasks.supervision.repeated` compares it).
     error: str | None = None
     #: The worker log the supervisor followed.
     log: str | None = None

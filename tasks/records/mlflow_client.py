@@ -7,7 +7,7 @@
 * :func:`client_for` — creating a SQLite store runs schema checks (~0.5 s): one client per URI.
 
 Only the orchestration talks to MLflow (the flow, the chunk tasks and their metric shipper,
-``tasks/metric_shipping.py``); the worker never imports it (docs/architecture.md, invariant 12).
+``tasks/records/metric_shipping.py``); the worker never imports it (docs/architecture.md, invariant 12).
 Imports MLflow (~3 s): callers import this module lazily.  The client settings of these
 processes (timeouts, retries, telemetry) are set when the ``tasks`` package is imported
 (``tasks.MLFLOW_DEFAULTS``).

@@ -1,6 +1,6 @@
 """Resume audit in MLflow: chunk attempts as nested runs, resume/failure tags, table, timeline.
 
-Called by the flow and its chunk tasks (never by the worker), through :mod:`tasks.run_records`:
+Called by the flow and its chunk tasks (never by the worker), through :mod:`tasks.records.run_records`:
 
 * :func:`start_attempt` / :func:`end_attempt` — each chunk attempt is a child run of the training
   run's MLflow run (tag ``mlflow.parentRunId``), ended FINISHED or FAILED with the failure kind,
@@ -70,8 +70,8 @@ _child_uris: dict[str, str] = {}
 def client_and_parent(config: RunConfig, run_dir: Path) -> tuple[Any, str, str]:
     """The MLflow client and the training run's MLflow run (imported here: MLflow takes ~3 s, and
     importing this module must not cost that to a flow that tracks nothing)."""
-    from tasks.mlflow_client import client_for, resolve_tracking_uri
-    from tasks.mlflow_runs import ensure_mlflow_run
+    from tasks.records.mlflow_client import client_for, resolve_tracking_uri
+    from tasks.records.mlflow_runs import ensure_mlflow_run
 
     run_id = ensure_mlflow_run(config, run_dir)
     uri = resolve_tracking_uri(config, run_dir)
@@ -221,7 +221,7 @@ def end_attempt(
         raise ValueError(f"status = {outcome.status!r}: expected FINISHED, FAILED or KILLED")
     from mlflow.entities import RunTag
 
-    from tasks.mlflow_client import client_for, resolve_tracking_uri
+    from tasks.records.mlflow_client import client_for, resolve_tracking_uri
 
     uri = _child_uris.get(child_run_id) or resolve_tracking_uri(config, run_dir)
     client = client_for(uri)

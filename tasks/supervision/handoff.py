@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.worker_handle import WorkerHandle
+from tasks.supervision.worker_handle import WorkerHandle
 
 #: How often the parked worker's watcher checks whether a task adopted it (a death wakes it at once).
 _ADOPTED_POLL_S = 0.05

@@ -112,7 +112,7 @@ class MetricShipper:
         run_id = (run_info(run_dir) or {}).get("mlflow_run_id") if config.tracking.mlflow else None
         if not run_id:
             return None
-        from tasks.mlflow_client import client_for, resolve_tracking_uri  # imports MLflow: slow
+        from tasks.records.mlflow_client import client_for, resolve_tracking_uri  # imports MLflow: slow
 
         uri = resolve_tracking_uri(config, run_dir)
         return cls(lambda: client_for(uri), run_id, RunPaths(run_dir).metrics, say=say).start()

@@ -2,8 +2,8 @@
 
 Every command that takes params accepts ``[PARAMS]`` (default ``params.yaml``; built-in defaults
 if it does not exist) and repeated ``-S section.key=value`` overrides.  A bad input prints one
-line saying what is wrong and how to fix it, exits 2, and writes nothing (:mod:`flows.cli_common`).
-``convoy status`` is in :mod:`flows.cli_status`, ``convoy chaos`` in :mod:`flows.cli_chaos`.
+line saying what is wrong and how to fix it, exits 2, and writes nothing (:mod:`flows.cli.common`).
+``convoy status`` is in :mod:`flows.cli.status`, ``convoy chaos`` in :mod:`flows.cli.chaos`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from flows.cli_chaos import chaos
-from flows.cli_common import ParamsArg, SetOpt, config_or_exit, console, err, fail
-from flows.cli_status import status
+from flows.cli.chaos import chaos
+from flows.cli.common import ParamsArg, SetOpt, config_or_exit, console, err, fail
+from flows.cli.status import status
 from training.config import ConfigError, RunConfig
 from training.events import Event, FailureKind
 from training.paths import RunPaths
@@ -105,7 +105,7 @@ def train(
         cfg = _child_config(cfg, from_)
     from flows.report import LiveProgress, failure_lines, link_lines, summary_table
     from flows.train import run_training
-    from tasks.supervisor import ChunkFailed
+    from tasks.supervision.supervisor import ChunkFailed
     from training.rundir import keyed_config
 
     try:
@@ -346,7 +346,7 @@ def pull(
 
     Remote precedence: --remote, params tracking.dvc_remote, the run's config.json, the
     repository's default DVC remote, then a local fallback; every error names the one used."""
-    from tasks.version import VersioningError, pull_run
+    from tasks.remote.dvc_version import VersioningError, pull_run
 
     cfg = config_or_exit(params, set_) if params.exists() or set_ else None
     target = _pull_target(run_dir, cfg)
@@ -367,7 +367,7 @@ def prefect_setup(
     within_s: float | None = typer.Option(None, help="heartbeat silence that marks a run crashed"),
 ) -> None:
     """Create the flow-liveness automations (crash a silent flow run, restart a crashed one)."""
-    from flows.liveness import ensure_liveness_automations
+    from flows.flow_liveness import ensure_liveness_automations
 
     ids = ensure_liveness_automations(deployment, within_s)
     console.print(f"liveness automations for {deployment}: {', '.join(ids)}")

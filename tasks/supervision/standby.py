@@ -11,7 +11,7 @@ newest verified checkpoint and trains exactly as a fresh worker would (same buil
 so resumes stay bitwise exact.
 
 Lifetime: one standby per run in the flow process (chunk tasks are threads there, like
-:mod:`tasks.handoff`).  Its stdin is a pipe from this process: if the flow dies the pipe closes
+:mod:`tasks.supervision.handoff`).  Its stdin is a pipe from this process: if the flow dies the pipe closes
 and the standby, still waiting, exits (the parent-death signal covers it too); when the flow ends
 :func:`release` closes it.  Single process runs only: a multi-rank worker is a torchrun group
 whose rendezvous is part of its start, so a spare group would have to join the live one's
@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tasks.worker_handle import WorkerHandle
+from tasks.supervision.worker_handle import WorkerHandle
 from training.paths import RunPaths
 
 #: Starts ``cmd`` with its output appended to ``log_path`` and stdin a pipe; returns the worker

@@ -1,0 +1,128 @@
+"""The rooms' import rules, read from the source (every ``import``, also those inside functions):
+no circle between product modules, no import against the rooms' direction
+(flows -> tasks -> training; inside tasks: top -> {supervision, remote, records},
+remote -> records), Prefect only in the Prefect rooms, MLflow never in ``training``, and no two
+product modules with the same name."""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PRODUCT = ("flows", "tasks", "training")
+
+#: room -> the rooms it may import (itself always).
+MAY_IMPORT: dict[str, set[str]] = {
+    "training": set(),
+    "tasks.supervision": {"training"},
+    "tasks.records": {"training"},
+    "tasks.remote": {"training", "tasks.records"},
+    "tasks": {"training", "tasks.supervision", "tasks.remote", "tasks.records"},
+    "flows": {"training", "tasks", "tasks.supervision", "tasks.remote", "tasks.records"},
+    "flows.cli": {"training", "tasks", "tasks.supervision", "tasks.remote", "tasks.records", "flows"},
+}
+#: third-party packages a room may not import at all.
+FORBIDDEN = {
+    "training": {"prefect", "mlflow", "dvc"},
+    "tasks.supervision": {"prefect", "mlflow", "dvc"},
+    "tasks.records": {"prefect", "dvc"},
+    "tasks.remote": {"prefect"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def product_modules() -> dict[str, Path]:
+    return {module_name(p): p for room in PRODUCT for p in sorted((REPO / room).rglob("*.py"))}
+
+
+def imported(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every module ``path`` imports: product modules by name, others by their top package."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from tasks.remote import dvc_version`` imports the submodule when there is one
+            subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+            out.update(subs or {node.module})
+    return {name if name.split(".")[0] in PRODUCT else name.split(".")[0] for name in out}
+
+
+def room(module: str) -> str:
+    """The longest room name that ``module`` lies in."""
+    return max((r for r in MAY_IMPORT if module == r or module.startswith(r + ".")), key=len)
+
+
+def graph() -> dict[str, set[str]]:
+    modules = product_modules()
+    return {name: imported(path, modules) for name, path in modules.items()}
+
+
+def test_no_import_goes_against_the_rooms() -> None:
+    wrong = []
+    for module, deps in graph().items():
+        here = room(module)
+        for dep in deps:
+            if dep.split(".")[0] in PRODUCT:
+                there = room(dep)
+                if there != here and there not in MAY_IMPORT[here]:
+                    wrong.append(f"{module} ({here}) imports {dep} ({there})")
+            elif dep in FORBIDDEN.get(here, set()):
+                wrong.append(f"{module} ({here}) imports {dep}")
+    assert wrong == []
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, ()):
+            if w not in edges:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_between_product_modules() -> None:
+    # a package's __init__ is where its submodules live, not an import of them: leave it out
+    edges = {m: {d for d in deps if d != m.rpartition(".")[0]} for m, deps in graph().items()}
+    assert cycles(edges) == []
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_two_product_modules_share_a_name() -> None:
+    names = Counter(name.rpartition(".")[2] for name, path in product_modules().items() if path.stem != "__init__")
+    names.pop("__main__", None)
+    assert [n for n, count in names.items() if count > 1] == []
