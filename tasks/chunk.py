@@ -310,6 +310,10 @@ class ChunkRun:
         rd, chunk = self.run_dir, self.chunk
         digest = committed_digest(rd, self.end)
         if digest is None:
+            # A pipelined worker went on from this boundary and is parked for the next chunk: the
+            # retry must not adopt it (it would report the same boundary again, every retry), but
+            # start afresh from the newest checkpoint that verifies.
+            handoff.release(rd, grace_s=5.0)
             raise ChunkFailed(
                 FailureKind.CRASH,
                 f"chunk {chunk}: worker exited 0 but no valid checkpoint at step {self.end}",

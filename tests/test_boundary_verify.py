@@ -1,0 +1,46 @@
+"""A chunk whose boundary checkpoint does not verify after the worker committed it (bit rot,
+a bad disk) fails, and the retry cannot adopt the pipelined worker that went on from it: found by
+bench/conformance.py (map-aug, 2 ranks, corrupt just after a commit), where each of the four
+retries adopted the parked worker, saw the same boundary and failed the run."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from engine_util import make_run, run_worker
+
+from tasks.chunk import ChunkRun
+from tasks.supervision import handoff
+from tasks.supervision.supervisor import ChunkFailed, Outcome
+from tasks.supervision.worker_handle import spawn
+from training.rundir import load_run_config
+
+
+class _Log:
+    def info(self, *a: object) -> None: ...
+
+    warning = info
+
+
+def test_a_boundary_that_does_not_verify_releases_the_parked_worker(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path)
+    code, out = run_worker(run_dir, 20)
+    assert code == 0, out
+    newest = run_dir / "checkpoints" / "step-000000020" / "state.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-7] ^= 0x40
+    newest.write_bytes(bytes(data))
+    # a real process stands for the worker that went on into the next chunk
+    cmd = [sys.executable, "-c", "import time; time.sleep(120)"]
+    parked = spawn(cmd, tmp_path / "parked.log", "parked", cwd=None, env={})
+    handoff.park(run_dir, parked, cmd)
+    assert handoff.parked_pid(run_dir) == parked.pid
+    run = ChunkRun(load_run_config(run_dir), run_dir, 1, 0, 20, _Log())
+    with pytest.raises(ChunkFailed, match="no valid checkpoint at step 20") as failed:
+        run.committed(time.time(), Outcome(0, 1.0, 20, tmp_path / "parked.log"))
+    assert failed.value.details.last_committed_step == 10
+    assert handoff.parked_pid(run_dir) is None and handoff.adopt(run_dir, cmd) is None
+    assert parked.wait_exit(10), "the parked worker still runs"
