@@ -352,16 +352,16 @@ class Injector:
             return
         self.verdict.injected_step = step
         fault, services = self.trial.fault, self.bench.services
-        beat = read_heartbeat(self.run_dir, 0) or {}
-        pid = int(beat.get("pid", 0))
+        beat = read_heartbeat(self.run_dir, 0)
+        pid = beat.pid if beat else 0
         if fault in ("sigkill", "sigterm", "sigstop"):
             sig = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}[fault]
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+                _signal(pid, sig)
         elif fault == "corrupt":
             corrupt_newest(self.run_dir)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                _signal(pid, signal.SIGKILL)
         elif fault == "diskfull":
             self.flag.touch()
         elif fault in ("mlflow-kill", "prefect-stop"):
@@ -390,7 +390,7 @@ class Injector:
         seen_latest: str | None | object = _UNSEEN  # LATEST may not exist yet: None is a state too
         while time.monotonic() < deadline:
             beat = read_heartbeat(self.run_dir, 0)
-            step = int(beat["step"]) if beat and beat.get("phase") in ("train", "save") else -1
+            step = beat.step if beat and beat.phase in ("train", "save") else -1
             if step >= self.trial.at_step:
                 if self.trial.moment == "mid-step":
                     return step
@@ -401,10 +401,17 @@ class Injector:
                     if seen_latest is not _UNSEEN and now != seen_latest:
                         return step
                     seen_latest = now
-            if beat and beat.get("phase") == "done" and int(beat.get("step", 0)) >= self.bench.steps:
+            if beat and beat.done and beat.step >= self.bench.steps:
                 return None
             time.sleep(0.005)
         return None
+
+
+def _signal(pid: int, sig: int) -> None:
+    """Signal the worker; without a beat (pid 0) nothing: ``os.kill(0, ...)`` would signal the
+    bench's own process group."""
+    if pid > 0:
+        os.kill(pid, sig)
 
 
 def _ls(path: Path) -> list[Path]:

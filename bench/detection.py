@@ -59,9 +59,9 @@ SCENARIOS = {  # kind: (signal, stall_s, timeout_s)
 def inject_when_training(run_dir: Path, sig: int, at_step: int, rank: int, out: dict) -> None:
     while True:
         hb = read_heartbeat(run_dir, rank)
-        if hb and hb.get("phase") == "train" and hb["step"] >= at_step:
+        if hb and hb.phase == "train" and hb.step >= at_step:
             out["t"] = time.time()
-            os.kill(int(hb["pid"]), sig)
+            os.kill(hb.pid, sig)
             return
         time.sleep(0.01)
 

@@ -78,11 +78,11 @@ def kill_when(run_dir: Path, step: int, path: str, out: dict[str, Any]) -> None:
         ready = not standby or (log.exists() and WorkerSays.STANDBY_READY in log.read_text(errors="replace"))
         if path == "parked":
             ready, step = bool(read_events(run_dir, Event.CHUNK_DONE)), 0
-        if ready and beat and beat.get("phase") == "train" and int(beat["step"]) >= step:
+        if ready and beat and beat.phase == "train" and beat.step >= step:
             if standby:
-                out.update(memory_mb(int(beat["pid"])))
-            out.update(t=time.time(), step=int(beat["step"]))
-            os.kill(int(beat["pid"]), signal.SIGKILL)
+                out.update(memory_mb(beat.pid))
+            out.update(t=time.time(), step=beat.step)
+            os.kill(beat.pid, signal.SIGKILL)
             return
         time.sleep(0.01)
 

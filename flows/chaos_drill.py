@@ -39,7 +39,7 @@ from typing import Any
 
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig, load_config
-from training.events import Event, read_events
+from training.events import Event, Phase, read_events
 from training.heartbeat import read_heartbeat
 from training.paths import RunPaths
 from training.rundir import keyed_config
@@ -186,7 +186,7 @@ class ChaosRunner:
     # ------------------------------------------------------------------ injection
     def _worker_pid(self) -> int | None:
         hb = read_heartbeat(self.run_dir, 0)
-        return int(hb["pid"]) if hb and hb.get("phase") != "done" else None
+        return hb.pid if hb and not hb.done else None
 
     def _signal_worker(self, sig: int) -> bool:
         pid = self._worker_pid()
@@ -238,8 +238,8 @@ class ChaosRunner:
     def _wait_for_step(self, step: int, flow: subprocess.Popen, deadline: float) -> int | None:
         while time.time() < deadline and flow.poll() is None:
             hb = read_heartbeat(self.run_dir, 0)
-            if hb and hb.get("phase") == "train" and hb["step"] >= step:
-                return int(hb["step"])
+            if hb and hb.phase == Phase.TRAIN and hb.step >= step:
+                return hb.step
             time.sleep(0.02)
         return None
 

@@ -56,10 +56,11 @@ def record_orphans(run_dir: Path, current: str | None) -> list[dict[str, Any]]:
     if not orphans:
         return []
     resumes, passed = resume_point(run_dir)
-    beat = read_heartbeat(run_dir, 0) or {}
+    beat = read_heartbeat(run_dir, 0)
+    beat_step, beat_time = (beat.step, beat.time) if beat else (None, None)
     out = []
     for att in orphans:
-        trained_to = trained_high_water(run_dir, beat.get("step"), int(att.get("metrics_offset") or 0))
+        trained_to = trained_high_water(run_dir, beat_step, int(att.get("metrics_offset") or 0))
         out.append(
             append_event(
                 run_dir,
@@ -71,8 +72,8 @@ def record_orphans(run_dir: Path, current: str | None) -> list[dict[str, Any]]:
                 f"found by flow run {current}",
                 flow_run_id=att.get("flow_run_id"),
                 mlflow_run_id=att.get("mlflow_run_id"),
-                last_seen=beat.get("time"),
-                last_beat_step=beat.get("step"),
+                last_seen=beat_time,
+                last_beat_step=beat_step,
                 trained_to=trained_to,
                 last_committed_step=resumes,
                 steps_lost=steps_lost(trained_to, resumes),

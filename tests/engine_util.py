@@ -90,8 +90,8 @@ def wait_for_step(run_dir: Path, p: subprocess.Popen, step: int, timeout: float 
         if p.poll() is not None:
             return None
         hb = read_heartbeat(run_dir, 0)
-        if hb and hb["phase"] in ("train", "save") and hb["step"] >= step:
-            return hb["step"]
+        if hb and hb.phase in ("train", "save") and hb.step >= step:
+            return hb.step
         time.sleep(0.01)
     raise TimeoutError(f"worker did not reach step {step}")
 

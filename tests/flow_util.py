@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from training.heartbeat import read_heartbeat
+from training.heartbeat import Beat, read_heartbeat
 
 REPO = Path(__file__).resolve().parents[1]
 TOTAL, CHUNK = 60, 20
@@ -69,12 +69,12 @@ def assert_no_leftovers(marker: Path, wait_s: float = 10.0) -> None:
     assert not leftovers(marker), leftovers(marker)
 
 
-def wait_for_step(run_dir: Path, step: int, timeout: float = 240, rank: int = 0) -> dict[str, Any]:
+def wait_for_step(run_dir: Path, step: int, timeout: float = 240, rank: int = 0) -> Beat:
     """The first heartbeat of ``rank`` in phase train at ``step`` or later."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         beat = read_heartbeat(run_dir, rank)
-        if beat and beat.get("phase") == "train" and int(beat.get("step", 0)) >= step:
+        if beat and beat.phase == "train" and beat.step >= step:
             return beat
         time.sleep(0.05)
     raise AssertionError(f"worker never reached step {step}")

@@ -146,15 +146,15 @@ def _kill_mid_chunk(run_a: Path, stop_a: Any, start_b: Any, seen: dict[str, Any]
         assert time.monotonic() < deadline, "node A never uploaded a checkpoint inside chunk 2"
         mid = [e["step"] for e in read_events(run_a, "checkpoint_published") if 20 < e["step"] < 40]
         beat = read_heartbeat(run_a, 0)
-        if mid and beat and beat.get("phase") == "train" and mid[0] < beat["step"] < 40:
+        if mid and beat and beat.phase == "train" and mid[0] < beat.step < 40:
             break
         time.sleep(0.05)
     stop_a()
-    os.kill(beat["pid"], signal.SIGKILL)
+    os.kill(beat.pid, signal.SIGKILL)
     # Read the step after the kill: between the poll above and the signal the worker may have
     # trained (and saved) further, and the fetch must fall inside what it really reached.
     after = read_heartbeat(run_a, 0) or beat
-    seen.update(uploaded=mid[0], killed_at=max(beat["step"], after["step"]))
+    seen.update(uploaded=mid[0], killed_at=max(beat.step, after.step))
     start_b()
 
 

@@ -60,16 +60,16 @@ def test_steps_lost_agree_everywhere_and_failed_attempts_explain_themselves(
 
     def killer() -> None:
         beat = wait_for_step(run_dir, 12)  # before the first checkpoint (step 30)
-        kills.append(beat["step"])
-        os.kill(beat["pid"], signal.SIGKILL)
+        kills.append(beat.step)
+        os.kill(beat.pid, signal.SIGKILL)
         manifest = run_dir / "checkpoints" / f"step-{EVERY:09d}" / "manifest.json"
         deadline = time.monotonic() + 240
         while not manifest.exists():  # right after the save commits
             assert time.monotonic() < deadline, "no checkpoint at step 30"
             time.sleep(0.01)
         beat = wait_for_step(run_dir, EVERY)
-        kills.append(beat["step"])
-        os.kill(beat["pid"], signal.SIGKILL)
+        kills.append(beat.step)
+        os.kill(beat.pid, signal.SIGKILL)
 
     t = in_thread(killer)
     summary = run_training(cfg)

@@ -178,8 +178,8 @@ def test_convoy_train_flow_on_gpu_one_sigkill(
 
     def killer() -> None:
         beat = wait_for_beat(run_dir, 2 * CHUNK + 8)  # chunk 3 = steps [40, 60)
-        killed.update(pid=beat["pid"], step=beat["step"], time=time.time())
-        os.kill(beat["pid"], signal.SIGKILL)
+        killed.update(pid=beat.pid, step=beat.step, time=time.time())
+        os.kill(beat.pid, signal.SIGKILL)
 
     t = in_thread(killer)
     summary = run_training(cfg)

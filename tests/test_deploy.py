@@ -95,8 +95,8 @@ def test_deploy_and_pool_mode_rerun_chunk_as_new_flow_run(
 
         def killer() -> None:
             beat = wait_for_step(run_dir, CHUNK + 8, timeout=400)
-            killed["step"] = beat["step"]
-            os.kill(beat["pid"], signal.SIGKILL)
+            killed["step"] = beat.step
+            os.kill(beat.pid, signal.SIGKILL)
 
         t = threading.Thread(target=killer, daemon=True)
         t.start()

@@ -148,8 +148,8 @@ def test_sigstop_one_rank_is_a_hang_and_all_ranks_are_reaped(tmp_path: Path) -> 
     def stop_rank_1() -> None:
         while True:
             hb = read_heartbeat(run, 1)
-            if hb and hb.get("phase") == "train" and hb["step"] >= 10:
-                stopped["pid"], stopped["t"] = int(hb["pid"]), time.time()
+            if hb and hb.phase == "train" and hb.step >= 10:
+                stopped["pid"], stopped["t"] = int(hb.pid), time.time()
                 os.kill(stopped["pid"], signal.SIGSTOP)
                 return
             time.sleep(0.01)

@@ -57,8 +57,8 @@ def test_sigkill_mid_chunk_3_retries_only_chunk_3(
 
     def killer() -> None:
         beat = wait_for_step(run_dir, 2 * CHUNK + 8)  # chunk 3 = steps [40, 60)
-        killed.update(pid=beat["pid"], step=beat["step"], time=time.time())
-        os.kill(beat["pid"], signal.SIGKILL)
+        killed.update(pid=beat.pid, step=beat.step, time=time.time())
+        os.kill(beat.pid, signal.SIGKILL)
 
     t = in_thread(killer)
     summary = run_training(cfg)
@@ -114,8 +114,8 @@ def test_sigstop_is_a_hang_and_is_retried(prefect_api: str, data_dir: Path, tmp_
 
     def stopper() -> None:
         beat = wait_for_step(run_dir, 12)
-        stopped.update(pid=beat["pid"], step=beat["step"], time=time.time())
-        os.kill(beat["pid"], signal.SIGSTOP)
+        stopped.update(pid=beat.pid, step=beat.step, time=time.time())
+        os.kill(beat.pid, signal.SIGSTOP)
 
     t = in_thread(stopper)
     summary = run_training(cfg)
@@ -242,7 +242,7 @@ def corrupt_newest_then_kill(run_dir: Path, stall: Path, at_step: int) -> int:
         byte = fh.read(1)
         fh.seek(-1, os.SEEK_CUR)
         fh.write(bytes([byte[0] ^ 0xFF]))
-    os.kill(int(beat["pid"]), signal.SIGKILL)
+    os.kill(int(beat.pid), signal.SIGKILL)
     return int(newest.name.removeprefix("step-"))
 
 
@@ -370,8 +370,8 @@ def test_two_ranks_a_killed_rank_fails_the_chunk_and_is_retried(
 
     def killer() -> None:
         beat = wait_for_step(run_dir, 12, rank=1)
-        killed.update(pid=beat["pid"], step=beat["step"])
-        os.kill(beat["pid"], signal.SIGKILL)
+        killed.update(pid=beat.pid, step=beat.step)
+        os.kill(beat.pid, signal.SIGKILL)
 
     t = in_thread(killer)
     summary = run_training(cfg)
@@ -398,8 +398,8 @@ def test_preemption_is_resubmitted_at_once(
 
     def preempter() -> None:
         beat = wait_for_step(run_dir, CHUNK + 7)
-        sent.update(step=beat["step"])
-        os.kill(beat["pid"], signal.SIGTERM)
+        sent.update(step=beat.step)
+        os.kill(beat.pid, signal.SIGTERM)
 
     t = in_thread(preempter)
     summary = run_training(cfg)

@@ -32,7 +32,7 @@ def test_main_thread_beats_beside_the_heartbeat_thread_without_error(tmp_path):
     assert beats > 1000, f"only {beats} beats in 3 s: the test did not race"
     assert errors == [], f"{len(errors)} of {beats} beats failed, first: {errors[0]!r}"
     beat = read_heartbeat(tmp_path, 0)
-    assert beat is not None and beat["phase"] == "done"
+    assert beat is not None and beat.phase == "done"
     assert not list((tmp_path / "heartbeat").glob(".*.tmp")), "a temporary file was left behind"
 
 

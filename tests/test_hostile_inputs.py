@@ -285,7 +285,7 @@ def test_a_worker_started_beside_a_flow_is_refused(prefect_api: str, data_dir: P
         os.environ.pop("CONVOY_FAULTS", None)
     assert not t.errors, t.errors
     assert seen["proc"].returncode == 78, seen["proc"].stderr
-    assert f"pid {seen['beat']['pid']}" in seen["proc"].stderr
+    assert f"pid {seen['beat'].pid}" in seen["proc"].stderr
     assert summary["final_step"] == 60 and not summary["failures"]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()  # one row per step: nobody trained alongside
     assert sorted(json.loads(line)["step"] for line in lines) == list(range(1, 61))

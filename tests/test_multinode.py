@@ -24,6 +24,7 @@ from tests.flow_util import REPO, assert_no_leftovers, config, in_thread, params
 from training.checkpointing.store import CheckpointStore
 from training.config import ConfigError
 from training.events import read_events
+from training.heartbeat import Beat
 from training.rundir import open_run
 
 TOTAL, CHUNK = 30, 15
@@ -61,11 +62,11 @@ def test_a_remote_ranks_pid_is_not_checked_here() -> None:
     now = time.time()
     gone = {"pid": 2**22 + 12345, "rank": 1, "step": 5, "phase": "train", "time": now}
     w = Watch(started=now - 10)
-    assert lost_rank(w, [{**gone, "host": "elsewhere"}], 2, now) is None
-    assert lost_rank(w, [{**gone, "host": "elsewhere"}], 2, now + 5) is None
+    assert lost_rank(w, [Beat.from_dict({**gone, "host": "elsewhere"})], 2, now) is None
+    assert lost_rank(w, [Beat.from_dict({**gone, "host": "elsewhere"})], 2, now + 5) is None
     w = Watch(started=now - 10)
-    lost_rank(w, [gone], 2, now)  # this machine's (no host = an older beat, read as local)
-    assert lost_rank(w, [gone], 2, now + 5) is not None
+    lost_rank(w, [Beat.from_dict(gone)], 2, now)  # this machine's (no host = an older beat, read as local)
+    assert lost_rank(w, [Beat.from_dict(gone)], 2, now + 5) is not None
 
 
 TWO_NODES = {"nnodes": 2, "hosts": ["127.0.0.1", "localhost"]}
@@ -123,11 +124,11 @@ def test_two_nodes_one_lost_mid_chunk_is_retried_and_bitwise_equal(
 
     def lose_node() -> None:
         beat = wait_for_step(run_dir, CHUNK + 5, rank=1)
-        agent = psutil.Process(beat["pid"]).parent()
-        lost.update(agent=agent.pid, rank_pid=beat["pid"], step=beat["step"])
+        agent = psutil.Process(beat.pid).parent()
+        lost.update(agent=agent.pid, rank_pid=beat.pid, step=beat.step)
         sig = signal.SIGKILL if loss == "killed" else signal.SIGSTOP
         os.kill(agent.pid, sig)  # the whole node at once: its agent and its rank
-        os.kill(beat["pid"], sig)
+        os.kill(beat.pid, sig)
 
     t = in_thread(lose_node)
     summary = run_training(cfg)

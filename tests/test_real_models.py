@@ -293,15 +293,16 @@ def test_eval_phase_has_its_own_limit() -> None:
     import os
 
     from tasks.supervision.worker_liveness import DetectionLimits, Watch, failure_verdict
+    from training.heartbeat import Beat
 
     heartbeat = ["stall_s=2", "timeout_s=4", "save_timeout_s=3", "eval_timeout_s=10"]
     lim = DetectionLimits.from_config(load_config(None, [f"heartbeat.{h}" for h in heartbeat]))
     t = time.time()
     w = Watch(started=t - 1, phase="eval", phase_since=t - 1, progress=t - 1)
     for after in (3.0, 8.0):  # past stall_s and save_timeout_s, beats still coming
-        beat = {"rank": 0, "pid": os.getpid(), "phase": "eval", "step": 12, "time": t + after, "progress_time": t - 1}
+        beat = Beat(os.getpid(), 0, 12, "eval", t + after, t - 1)
         assert failure_verdict(w, [beat], 1, lim, t + after) is None
-    beat = {"rank": 0, "pid": os.getpid(), "phase": "eval", "step": 12, "time": t + 9.5, "progress_time": t - 1}
+    beat = Beat(os.getpid(), 0, 12, "eval", t + 9.5, t - 1)
     verdict = failure_verdict(w, [beat], 1, lim, t + 9.6)
     assert verdict is not None and verdict.kind == "hang"
     assert "phase eval" in verdict.reason and "limit 10" in verdict.reason

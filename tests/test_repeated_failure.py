@@ -56,12 +56,12 @@ def test_loss_fn_raising_at_step_7_stops_after_two_attempts(prefect_api: str, da
         for step in (2, 4):
             deadline = time.monotonic() + 120
             beat = wait_for_step(run_dir, step)
-            while beat["pid"] == pid and time.monotonic() < deadline:
+            while beat.pid == pid and time.monotonic() < deadline:
                 time.sleep(0.05)
                 beat = wait_for_step(run_dir, step)
-            pid = beat["pid"]
+            pid = beat.pid
             os.kill(pid, signal.SIGKILL)
-            killed.append(beat["step"])
+            killed.append(beat.step)
 
     t = in_thread(killer)
     try:

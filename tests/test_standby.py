@@ -74,13 +74,13 @@ def test_two_kills_in_a_row_are_taken_over_by_standbys_bitwise(
         wait_for_ready_standby(run_dir, 1)
         beat = wait_for_step(run_dir, CHUNK + 7)
         flag.touch()
-        kills.append({"pid": beat["pid"], "step": beat["step"]})
-        os.kill(beat["pid"], signal.SIGKILL)
+        kills.append({"pid": beat.pid, "step": beat.step})
+        os.kill(beat.pid, signal.SIGKILL)
         wait_for_ready_standby(run_dir, 2)  # started behind the standby that took over
         beat = wait_for_step(run_dir, 0)
-        assert beat["pid"] != kills[0]["pid"]
-        kills.append({"pid": beat["pid"], "step": beat["step"]})
-        os.kill(beat["pid"], signal.SIGKILL)
+        assert beat.pid != kills[0]["pid"]
+        kills.append({"pid": beat.pid, "step": beat.step})
+        os.kill(beat.pid, signal.SIGKILL)
 
     t = in_thread(killer)
     summary = run_training(cfg)

@@ -42,7 +42,7 @@ def test_status_follows_a_running_worker_then_sees_it_dead(tmp_path: Path) -> No
         st = status_json(run_dir)
         after = read_heartbeat(run_dir, 0)
         assert st["state"] == "running" and st["worker_alive"], st
-        assert before["step"] <= st["step"] <= after["step"], (before, st, after)
+        assert before.step <= st["step"] <= after.step, (before, st, after)
         assert st["heartbeat_age_s"] <= 2 * INTERVAL + 0.5, st  # + the CLI's own time to read
         assert st["pid"] == p.pid and st["checkpoint_step"] is None and st["steps_since_checkpoint"] == st["step"]
         assert st["loss"] is not None and st["eta_s"] is not None
@@ -51,13 +51,13 @@ def test_status_follows_a_running_worker_then_sees_it_dead(tmp_path: Path) -> No
         p.wait()
     st = status_json(run_dir)
     assert st["state"] == "dead", st
-    assert not st["worker_alive"] and st["step"] >= after["step"]
+    assert not st["worker_alive"] and st["step"] >= after.step
     code, out = run_worker(run_dir, 120)  # resumes from step 0 and finishes the run
     assert code == 0, out
     st = status_json(run_dir)
     assert st["state"] == "finished" and st["step"] == st["checkpoint_step"] == 120, st
     assert st["failures"] == st["resumes"] == 1, st
-    assert after["step"] <= st["steps_lost"] <= after["step"] + 10, st  # the killed worker's last beat
+    assert after.step <= st["steps_lost"] <= after.step + 10, st  # the killed worker's last beat
     train = load_run_config(run_dir).train
     assert st["data_samples"] == 120 * train.batch_size * train.grad_accum_steps, st  # the cursor, as samples
 

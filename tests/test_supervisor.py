@@ -23,7 +23,7 @@ from tasks.supervision.supervisor import AttemptSpec, ChunkFailed, supervise
 from tasks.supervision.worker_liveness import RANK_GONE_GRACE_S, DetectionLimits, Watch, failure_verdict, lost_rank
 from training.config import load_config
 from training.events import read_events
-from training.heartbeat import read_heartbeat
+from training.heartbeat import Beat, read_heartbeat
 
 STANDIN = textwrap.dedent(
     r'''
@@ -270,15 +270,15 @@ def test_a_vanished_rank_is_a_crash_after_the_launcher_grace() -> None:
     gone.wait()
     now = time.time()
     beats = [
-        {"rank": 0, "pid": os.getpid(), "phase": "train", "step": 5, "time": now},
-        {"rank": 1, "pid": gone.pid, "phase": "train", "step": 5, "time": now - 0.1},
+        Beat.from_dict({"rank": 0, "pid": os.getpid(), "phase": "train", "step": 5, "time": now}),
+        Beat.from_dict({"rank": 1, "pid": gone.pid, "phase": "train", "step": 5, "time": now - 0.1}),
     ]
     w = Watch(started=now - 10)
     assert lost_rank(w, beats, 2, now) is None  # the launcher gets its grace first
     verdict = lost_rank(w, beats, 2, now + RANK_GONE_GRACE_S)
     assert verdict is not None and verdict.kind == "crash" and "rank 1" in verdict.reason
     assert verdict.detected_after_s >= RANK_GONE_GRACE_S
-    assert lost_rank(Watch(started=now), [{**beats[1], "phase": "done"}], 2, now + 10) is None
+    assert lost_rank(Watch(started=now), [Beat.from_dict({**beats[1].as_dict(), "phase": "done"})], 2, now + 10) is None
     assert lost_rank(Watch(started=now), beats, 1, now + 10) is None  # single rank: exit code decides
 
 
@@ -289,7 +289,7 @@ def test_a_worker_stopped_right_after_a_phase_change_is_hung_not_dead() -> None:
     lim = DetectionLimits.from_config(load_config(None, ["heartbeat.stall_s=4", "heartbeat.timeout_s=4"]))
     t = time.time()
     w = Watch(started=t - 0.5, phase="save", phase_since=t - 0.5, progress=t - 0.5)
-    beat = {"rank": 0, "pid": os.getpid(), "phase": "train", "step": 69, "time": t, "progress_time": t - 0.01}
+    beat = Beat(os.getpid(), 0, 69, "train", t, t - 0.01)
     assert failure_verdict(w, [beat], 1, lim, t + 0.35) is None  # the new phase seen a poll and a bit late
     verdict = failure_verdict(w, [beat], 1, lim, t + 4.05)  # the worker was stopped right after t
     assert verdict is not None and verdict.kind == "hang", verdict
@@ -347,7 +347,7 @@ def test_a_worker_stopped_between_chunk_tasks_is_a_hang_not_a_worker_that_never_
     out = supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c1.log", chunk=1, attempt=1, boundary_step=10))
     assert out.returncode == 0
     beat = read_heartbeat(run_dir, 0)
-    os.kill(int(beat["pid"]), signal.SIGSTOP)
+    os.kill(beat.pid, signal.SIGSTOP)
     time.sleep(0.5)  # stopped while no task watches it
     t0 = time.monotonic()
     with pytest.raises(ChunkFailed) as info:
@@ -427,7 +427,7 @@ def test_a_parked_worker_killed_between_chunk_tasks_is_detected_when_it_dies(tmp
     out = supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c1.log", chunk=1, attempt=1, boundary_step=10))
     assert out.returncode == 0
     killed_at = time.time()
-    os.kill(int(read_heartbeat(run_dir, 0)["pid"]), signal.SIGKILL)
+    os.kill(int(read_heartbeat(run_dir, 0).pid), signal.SIGKILL)
     time.sleep(1.0)  # the gap between the two chunk tasks
     with pytest.raises(ChunkFailed) as info:
         supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c2.log", chunk=2, attempt=1, boundary_step=20))

@@ -47,6 +47,7 @@ class Claim:
 def claim_run(run_dir: Path, rank: int, config: RunConfig) -> Claim:
     """Take the run (see the module docstring for the order)."""
     lease = take_worker_lease(run_dir) if rank == 0 else None
-    previous = (read_heartbeat(run_dir, rank) or {}).get("step")
+    beat = read_heartbeat(run_dir, rank)
+    previous = beat.step if beat else None
     heartbeat = Heartbeat(run_dir, rank, config.heartbeat.interval_s).start()
     return Claim(lease, previous, heartbeat, Preempt())

@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +24,56 @@ PHASES = ("init", "load", "train", "save", "eval", "done")
 HOST = socket.gethostname()
 
 
-def beat_is_local(beat: dict[str, Any]) -> bool:
-    """Whether the beat's pid can be checked here (beats of older versions carry no host)."""
-    return beat.get("host", HOST) == HOST
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat, as ``heartbeat/rank-<r>.json`` holds it (the file keeps these keys).
+
+    ``progress_time`` is when ``step`` last changed (a beat that advances no step is a hang);
+    ``host`` says where ``pid`` means something (beats of older versions carry none)."""
+
+    pid: int
+    rank: int
+    step: int
+    phase: str
+    time: float
+    progress_time: float
+    host: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Beat:
+        t = float(d.get("time", 0.0))
+        return cls(
+            pid=int(d.get("pid", 0)),
+            rank=int(d.get("rank", 0)),
+            step=int(d.get("step", 0)),
+            phase=str(d.get("phase", Phase.INIT)),
+            time=t,
+            progress_time=float(d.get("progress_time", t)),
+            host=d.get("host"),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the beat's pid can be checked here."""
+        return self.host is None or self.host == HOST
+
+    @property
+    def done(self) -> bool:
+        return self.phase == Phase.DONE
 
 
 def heartbeat_path(run_dir: str | Path, rank: int) -> Path:
     return RunPaths(run_dir).heartbeat(rank)
 
 
-def read_heartbeat(run_dir: str | Path, rank: int) -> dict[str, Any] | None:
+def read_heartbeat(run_dir: str | Path, rank: int) -> Beat | None:
+    """The rank's newest beat; None when it has none (or it is being replaced and unreadable)."""
     try:
-        return read_json(heartbeat_path(run_dir, rank))
-    except (FileNotFoundError, ValueError):
+        return Beat.from_dict(read_json(heartbeat_path(run_dir, rank)))
+    except (FileNotFoundError, ValueError, TypeError, AttributeError):
         return None
 
 
@@ -69,19 +107,8 @@ class Heartbeat:
 
     def _write_beat(self) -> None:
         # Not durable (no fsync): a beat only matters while this machine is up.
-        atomic_write_json(
-            self.path,
-            {
-                "pid": os.getpid(),
-                "host": HOST,
-                "rank": self.rank,
-                "step": self.step,
-                "phase": self.phase,
-                "time": time.time(),
-                "progress_time": self.progress_time,
-            },
-            durable=False,
-        )
+        beat = Beat(os.getpid(), self.rank, self.step, self.phase, time.time(), self.progress_time, HOST)
+        atomic_write_json(self.path, beat.as_dict(), durable=False)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -18,7 +18,7 @@ Its contract with the supervisor is the single-launcher one:
   agent, which forwards it to its ranks: they save an emergency checkpoint.
 
 Remote nodes need the same code path, Python path and run directory path (shared storage); see
-README "Multi-node".  A node that vanishes (power, network) is noticed by the supervisor through
+docs/distributed.md.  A node that vanishes (power, network) is noticed by the supervisor through
 its ranks' heartbeats on the shared run directory, not through this process.
 """
 

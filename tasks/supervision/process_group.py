@@ -21,7 +21,7 @@ import psutil
 
 from training.config import EXIT_PREEMPTED
 from training.events import Event, append_event
-from training.heartbeat import beat_is_local, read_heartbeat
+from training.heartbeat import read_heartbeat
 
 _PR_SET_PDEATHSIG = 1
 try:  # resolved in the parent: dlopen inside a forked child of a threaded process can deadlock
@@ -124,10 +124,10 @@ def reap_stale_worker(run_dir: Path, ranks: int = 1, grace_s: float = 5.0) -> li
     stopped = []
     for r in range(ranks):
         beat = read_heartbeat(run_dir, r)
-        if not beat or not beat_is_local(beat):  # a remote node's ranks end with their launcher
+        if not beat or not beat.is_local:  # a remote node's ranks end with their launcher
             continue
         try:
-            p = psutil.Process(int(beat["pid"]))
+            p = psutil.Process(beat.pid)
             if str(run_dir) not in " ".join(p.cmdline()) or p.status() == psutil.STATUS_ZOMBIE:
                 continue
             group = [p, *p.children(recursive=True)]

@@ -232,14 +232,14 @@ class WorkerAttempt:
         """What the adopted worker last said, so a death in the hand-off is measured."""
         beats = [b for b in (read_heartbeat(self.run_dir, r) for r in range(self.spec.ranks)) if b]
         if beats:
-            self.watched.last_step = min(int(b.get("step", 0)) for b in beats)
+            self.watched.last_step = min(b.step for b in beats)
         if self.worker.poll() is None:
             return
         # It died between the tasks: last known alive at its last beat; detected when the registry's
         # watcher saw it go (at once, on its pidfd), which the failure reports as its detection.
         died_at = self.worker.died_at
         if beats:
-            self.last_seen_running = max(float(b.get("time", self.started)) for b in beats)
+            self.last_seen_running = max(b.time for b in beats)
         if died_at is not None:
             self.last_seen_running = min(self.last_seen_running, died_at)
             self.note(f"worker pid {self.worker.pid} ended at {clock(died_at)}, while parked")
@@ -270,7 +270,7 @@ class WorkerAttempt:
             # Its last beats may postdate our last look: they still say how far it got.
             final = fresh_beats(self.run_dir, spec.ranks, self.watched.clock_floor)
             if final:
-                self.watched.last_step = min(int(b.get("step", 0)) for b in final)
+                self.watched.last_step = min(b.step for b in final)
         # Running, or died just after the commit (between two looks): either way this chunk is
         # done and the worker, alive or not, is the next chunk's to adopt and judge.
         self.handed_off = self.failure is None and self.boundary_committed()

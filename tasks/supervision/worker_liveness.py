@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from tasks.supervision.failure_kinds import Verdict
 from tasks.supervision.process_group import pid_gone
 from training.config import RunConfig
 from training.events import FailureKind, Phase
-from training.heartbeat import beat_is_local, read_heartbeat
+from training.heartbeat import Beat, read_heartbeat
 
 #: How long a launcher (torchrun) gets to end the job itself after one of its ranks vanished; past
 #: it, the survivors are blocked in a collective and torchrun waits out its own 30 s grace.
@@ -87,24 +86,24 @@ class Watch:
         return self.started if self.beats_since is None else self.beats_since
 
 
-def fresh_beats(run_dir: Path, ranks: int, since: float) -> list[dict[str, Any]]:
+def fresh_beats(run_dir: Path, ranks: int, since: float) -> list[Beat]:
     """Fresh beats (written by this attempt) of every rank that has beaten yet."""
     out = []
     for r in range(ranks):
         beat = read_heartbeat(run_dir, r)
-        if beat is not None and float(beat.get("time", 0)) >= since:
+        if beat is not None and beat.time >= since:
             out.append(beat)
     return out
 
 
-def _observe(w: Watch, beats: list[dict[str, Any]], now: float) -> tuple[str, int, float]:
+def _observe(w: Watch, beats: list[Beat], now: float) -> tuple[str, int, float]:
     """Fold the beats into ``w``; returns (the slowest rank's phase, step, oldest beat time)."""
     # The slowest rank decides: one stalled rank stalls a collective for everybody.
-    oldest = min(float(b["time"]) for b in beats)
-    step = min(int(b.get("step", 0)) for b in beats)
-    phases = {b.get("phase") for b in beats}
-    phase = Phase.TRAIN if Phase.TRAIN in phases else sorted(p or "" for p in phases)[0]
-    progress = min(float(b.get("progress_time", b["time"])) for b in beats)
+    oldest = min(b.time for b in beats)
+    step = min(b.step for b in beats)
+    phases = {b.phase for b in beats}
+    phase = Phase.TRAIN if Phase.TRAIN in phases else sorted(phases)[0]
+    progress = min(b.progress_time for b in beats)
     if phase != w.phase:
         # The phase began no later than the beat that first reports it.  Taking our own clock
         # instead (up to a poll and a beat later) would let a worker stopped just after a phase
@@ -119,9 +118,7 @@ def _observe(w: Watch, beats: list[dict[str, Any]], now: float) -> tuple[str, in
     return phase, step, oldest
 
 
-def failure_verdict(
-    w: Watch, beats: list[dict[str, Any]], ranks: int, lim: DetectionLimits, now: float
-) -> Verdict | None:
+def failure_verdict(w: Watch, beats: list[Beat], ranks: int, lim: DetectionLimits, now: float) -> Verdict | None:
     """The verdict on a running worker if it has failed (a limit crossed, a rank gone), else None."""
     if lim.deadline_s and now - w.started > lim.deadline_s:
         overdue = now - w.started - lim.deadline_s
@@ -138,7 +135,7 @@ def failure_verdict(
     if phase == Phase.TRAIN and now - w.progress > lim.stall_s:
         reason = f"no step progress for {now - w.progress:.1f} s at step {step}"
         return Verdict(FailureKind.HANG, reason, now - w.progress)
-    finished = {b.get("phase") for b in beats} == {Phase.DONE}  # a finished rank stops beating by design
+    finished = all(b.done for b in beats)  # a finished rank stops beating by design
     if not finished and now - oldest > lim.timeout_s:
         return Verdict(FailureKind.DEAD, f"no heartbeat for {now - oldest:.1f} s (phase {phase})", now - oldest)
     if len(beats) < ranks and now - w.started > lim.init_timeout_s:
@@ -151,7 +148,7 @@ def failure_verdict(
     return None
 
 
-def lost_rank(w: Watch, beats: list[dict[str, Any]], ranks: int, now: float) -> Verdict | None:
+def lost_rank(w: Watch, beats: list[Beat], ranks: int, now: float) -> Verdict | None:
     """A rank whose process is gone (not finished) while the launcher runs: a crash of that rank.
 
     Detected by pid within one poll instead of after ``stall_s``, for ranks on this machine only
@@ -162,11 +159,10 @@ def lost_rank(w: Watch, beats: list[dict[str, Any]], ranks: int, now: float) -> 
     if ranks <= 1:
         return None  # the worker itself is watched: its exit is seen directly
     for b in beats:
-        rank = int(b.get("rank", 0))
-        if b.get("phase") == Phase.DONE or not beat_is_local(b) or not pid_gone(int(b.get("pid", 0))):
+        if b.done or not b.is_local or not pid_gone(b.pid):
             continue
-        first = w.rank_gone.setdefault(rank, now)
+        first = w.rank_gone.setdefault(b.rank, now)
         if now - first >= RANK_GONE_GRACE_S:
-            reason = f"rank {rank} (pid {b.get('pid')}) is gone; the other ranks are blocked"
-            return Verdict(FailureKind.CRASH, reason, now - float(b["time"]))
+            reason = f"rank {b.rank} (pid {b.pid}) is gone; the other ranks are blocked"
+            return Verdict(FailureKind.CRASH, reason, now - b.time)
     return None

@@ -31,7 +31,7 @@ from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
 from training.corpus import entropy_floor
 from training.events import Event, read_events
-from training.heartbeat import HOST, read_heartbeat
+from training.heartbeat import HOST, Beat, read_heartbeat
 from training.paths import RunPaths, owner_note
 from training.tracking.attempts import latest_attempts
 from training.tracking.metrics import read_metric_lines
@@ -64,11 +64,11 @@ def flow_holder(run_dir: Path) -> int | None:
     return pid if pid_alive(pid) else None
 
 
-def beat_alive(beat: dict[str, Any] | None, timeout_s: float, now: float) -> bool:
+def beat_alive(beat: Beat | None, timeout_s: float, now: float) -> bool:
     """Whether a heartbeat shows a worker that is training or finishing right now."""
-    if beat is None or beat.get("phase") == "done" or now - float(beat.get("time", 0)) > timeout_s:
+    if beat is None or beat.done or now - beat.time > timeout_s:
         return False
-    return beat.get("host", HOST) != HOST or pid_alive(int(beat.get("pid", 0)))
+    return not beat.is_local or pid_alive(beat.pid)
 
 
 def metrics_tail(run_dir: Path, rows: int = ETA_WINDOW, max_bytes: int = 256 * 1024) -> list[dict[str, Any]]:
@@ -178,13 +178,13 @@ def describe_upload(st: dict[str, Any]) -> str | None:
     return f"{up}, {st['upload_lag_steps']} steps behind{after}"
 
 
-def _beat_fields(beat: dict[str, Any] | None, now: float) -> dict[str, Any]:
+def _beat_fields(beat: Beat | None, now: float) -> dict[str, Any]:
     """What the newest heartbeat says of the worker (all None without one)."""
     return {
-        "phase": beat.get("phase") if beat else None,
-        "heartbeat_age_s": round(now - float(beat["time"]), 3) if beat else None,
-        "pid": beat.get("pid") if beat else None,
-        "host": beat.get("host") if beat else None,
+        "phase": str(beat.phase) if beat else None,
+        "heartbeat_age_s": round(now - beat.time, 3) if beat else None,
+        "pid": beat.pid if beat else None,
+        "host": beat.host if beat else None,
     }
 
 
@@ -216,13 +216,13 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
     flow_pid = flow_holder(run_dir)
     finished = ck_step is not None and ck_step >= total
     # The worker's step: its beat while it runs; otherwise the furthest any source got.
-    known = [s for s in (beat.get("step") if beat else None, metric_step, ck_step) if s is not None]
-    step = int(beat["step"]) if worker_alive and beat else (max(known) if known else 0)
+    known = [s for s in (beat.step if beat else None, metric_step, ck_step) if s is not None]
+    step = beat.step if worker_alive and beat else (max(known) if known else 0)
     started = bool(known) or any(e["kind"] in (Event.STARTED, Event.RESUMED) for e in events)
     rate, eta = _eta(rows, step, total)
     last = rows[-1]["metrics"] if rows else {}
     val = last_logged(run_dir, "val_loss")
-    clean_end = beat is None or beat.get("phase") == "done"
+    clean_end = beat is None or beat.done
     return {
         "run_name": config.run_name,
         "run_dir": str(run_dir),

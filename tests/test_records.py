@@ -1,0 +1,42 @@
+"""Typed records at the seams read what is on disk: each round-trips through ``as_dict`` /
+``from_dict``, keeps the file's keys, and reads the shapes older versions wrote."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from training.events import Phase
+from training.heartbeat import HOST, Beat, Heartbeat, heartbeat_path, read_heartbeat
+
+
+def test_a_written_beat_reads_back_with_the_files_keys(tmp_path: Path) -> None:
+    hb = Heartbeat(tmp_path, 1, 60.0)
+    hb.set(Phase.TRAIN, 7)
+    hb.beat()
+    on_disk = json.loads(heartbeat_path(tmp_path, 1).read_text())
+    assert sorted(on_disk) == ["host", "phase", "pid", "progress_time", "rank", "step", "time"]
+    beat = read_heartbeat(tmp_path, 1)
+    assert beat is not None and beat.as_dict() == on_disk
+    assert (beat.rank, beat.step, beat.phase, beat.host) == (1, 7, "train", HOST)
+    assert beat.is_local and not beat.done and Beat.from_dict(beat.as_dict()) == beat
+
+
+def test_an_older_beat_without_host_or_progress_time_reads(tmp_path: Path) -> None:
+    path = heartbeat_path(tmp_path, 0)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"pid": 4321, "rank": 0, "step": 12, "phase": "done", "time": 100.5}))
+    beat = read_heartbeat(tmp_path, 0)
+    assert beat == Beat(pid=4321, rank=0, step=12, phase="done", time=100.5, progress_time=100.5, host=None)
+    assert beat.is_local and beat.done  # no host: this machine's, as before
+
+
+def test_a_beat_of_another_machine_is_not_local_and_garbage_is_no_beat(tmp_path: Path) -> None:
+    assert not Beat.from_dict({"pid": 1, "host": HOST + "-elsewhere", "time": 1.0}).is_local
+    path = heartbeat_path(tmp_path, 0)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"pid": 1, "st')  # torn (a beat being replaced on a full disk)
+    assert read_heartbeat(tmp_path, 0) is None
+    path.write_text('["not", "a", "beat"]')
+    assert read_heartbeat(tmp_path, 0) is None
+    assert read_heartbeat(tmp_path, 3) is None
