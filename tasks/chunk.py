@@ -47,7 +47,7 @@ from tasks.remote.remote_index import node_name
 from tasks.supervision import handoff
 from tasks.supervision.failure_details import FailureDetails
 from tasks.supervision.process_group import reap_stale_worker
-from tasks.supervision.repeated import as_repeated, repeated_failure
+from tasks.supervision.repeated import repeated_failure
 from tasks.supervision.supervisor import AttemptSpec, ChunkFailed, Outcome, supervise, worker_command
 from tasks.supervision.worker_liveness import DetectionLimits
 from training.checkpointing.store import newest_verified_step
@@ -258,20 +258,11 @@ class ChunkRun:
     def unless_repeated(self, exc: ChunkFailed) -> ChunkFailed:
         """``exc``, or the ``repeated`` failure it makes with the attempt before (:mod:`tasks.supervision.repeated`),
         recorded as a ``repeated_failure`` event; that one is never retried."""
-        pair = repeated_failure(self.run_dir, self.chunk)
-        if pair is None:
+        repeat = repeated_failure(self.run_dir, self.chunk)
+        if repeat is None:
             return exc
-        previous, latest = pair
-        append_event(
-            self.run_dir,
-            Event.REPEATED_FAILURE,
-            chunk=self.chunk,
-            attempts=[previous.get("attempt"), latest.get("attempt")],
-            step=latest.get("trained_to"),
-            error=latest.get("error"),
-            log=latest.get("log"),
-        )
-        return as_repeated(exc, self.chunk, previous, latest)
+        append_event(self.run_dir, Event.REPEATED_FAILURE, **repeat.event_fields())
+        return ChunkFailed(FailureKind.REPEATED, repeat.message, repeat.details(exc.details))
 
     def spec(self) -> AttemptSpec:
         """The worker attempt: pipelined workers train to the run's end and hand over at the

@@ -40,3 +40,17 @@ def test_a_beat_of_another_machine_is_not_local_and_garbage_is_no_beat(tmp_path:
     path.write_text('["not", "a", "beat"]')
     assert read_heartbeat(tmp_path, 0) is None
     assert read_heartbeat(tmp_path, 3) is None
+
+
+def test_a_failure_event_reads_back_as_a_typed_failure(tmp_path: Path) -> None:
+    from tasks.supervision.failure_details import FailureDetails, RecordedFailure
+    from training.events import Event, append_event, read_events
+
+    details = FailureDetails(detected_after_s=0.4, trained_to=17, last_committed_step=15, error="E: x", log="l")
+    written = RecordedFailure("crash", 2, 3, details)
+    append_event(tmp_path, Event.FAILURE, **written.as_event_fields())
+    (event,) = read_events(tmp_path, Event.FAILURE)
+    assert RecordedFailure.from_event(event) == written
+    # an older event (no details beyond the kind) and keys this version does not know still read
+    old = RecordedFailure.from_event({"kind": "failure", "failure": "killed", "chunk": 1, "later_key": 5})
+    assert (old.kind, old.chunk, old.attempt, old.details) == ("killed", 1, None, FailureDetails())

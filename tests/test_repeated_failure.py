@@ -8,17 +8,19 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tasks.supervision.failure_details import RecordedFailure
 from tasks.supervision.repeated import same_failure
 from tests.flow_util import assert_no_leftovers, config, in_thread, params, wait_for_step
 from training.events import read_events
 
 
-def failure(kind: str, step: int, error: str = "RuntimeError: boom", committed: int = 4) -> dict[str, Any]:
-    return {"failure": kind, "trained_to": step, "error": error, "last_committed_step": committed}
+def failure(kind: str, step: int, error: str = "RuntimeError: boom", committed: int = 4) -> RecordedFailure:
+    event = {"kind": "failure", "failure": kind, "chunk": 1, "attempt": 1, "trained_to": step, "error": error,
+             "last_committed_step": committed}  # fmt: skip
+    return RecordedFailure.from_event(event)
 
 
 def test_only_the_same_crash_at_the_same_step_repeats() -> None:

@@ -90,3 +90,25 @@ class FailureDetails:
     def from_dict(cls, data: Mapping[str, Any]) -> FailureDetails:
         """Read :meth:`as_dict`'s mapping back; keys this version does not know are left out."""
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+@dataclass(frozen=True)
+class RecordedFailure:
+    """A ``failure`` event read back: how which attempt of which chunk failed, with its details.
+
+    Why a type: the failure event is written by the chunk task and the hooks and read by
+    :mod:`tasks.supervision.repeated`, the audit and the report; its keys are the event's
+    (``failure``, ``chunk``, ``attempt``, then :meth:`FailureDetails.as_dict`'s)."""
+
+    kind: str | None
+    chunk: int | None
+    attempt: int | None
+    details: FailureDetails
+
+    @classmethod
+    def from_event(cls, event: Mapping[str, Any]) -> RecordedFailure:
+        return cls(event.get("failure"), event.get("chunk"), event.get("attempt"), FailureDetails.from_dict(event))
+
+    def as_event_fields(self) -> dict[str, Any]:
+        """The event's fields (what :func:`training.events.append_event` is given)."""
+        return {"failure": self.kind, "chunk": self.chunk, "attempt": self.attempt, **self.details.as_dict()}
