@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from checkpoint import build_state, make_parts  # noqa: E402  (bench/checkpoint.py: the same state)
 
-from tasks import remote_checkpoints  # noqa: E402
+from tasks.remote import remote_checkpoints  # noqa: E402
 from tasks.remote.dvc_version import version_checkpoint  # noqa: E402
 from training.checkpointing.store import CheckpointStore  # noqa: E402
 from training.config import RunConfig, load_config  # noqa: E402
@@ -80,7 +80,7 @@ def upload_big_state(tmp: Path, params: float) -> tuple[RunConfig, Path, dict[st
     store = CheckpointStore(run_a, cfg.checkpoint, cfg.fingerprint())
     store.save(100, make_parts(model, opt, 100), blocking=True)
     t0 = time.perf_counter()
-    result = version_checkpoint(None, run_a / "checkpoints" / "step-000000100", str(remote))
+    result = version_checkpoint(None, run_a / "checkpoints" / "step-000000100", str(remote)).as_dict()
     result["upload_wall_s"] = time.perf_counter() - t0
     return cfg, remote, result
 

@@ -129,8 +129,8 @@ class TrainingRun:
         self.model: dict[str, Any] | None = None
         self.task = retrying_chunk_task(cfg)
         self.rows: list[dict[str, Any]] = []
-        self.versioned: list[dict[str, Any]] = []
-        self.version_futures: list[Any] = []
+        self.versioned: list[version.Versioned | version.NotVersioned] = []
+        self.version_futures: list[version.PendingVersion] = []
         self.audit: dict[str, Any] | None = None
         self.chunks = plan_chunks(cfg.train.total_steps, cfg.train.chunk_steps)
         self.committed = 0
@@ -185,7 +185,7 @@ class TrainingRun:
             committed = max(committed, self.uploaded_final()[0])
         return committed
 
-    def version(self, end: int, only_if_missing: bool = False) -> Any:
+    def version(self, end: int, only_if_missing: bool = False) -> version.PendingVersion | None:
         if self.cfg.orchestration.mode == "pool":
             return None  # the node that trained the chunk uploaded it before reporting
         pending = version.version_async(self.cfg, self.run_dir, end, only_if_missing=only_if_missing)
@@ -304,7 +304,7 @@ class TrainingRun:
             "losses": {r["chunk"]: r["loss"] for r in rows if r["loss"] is not None},
             "failures": [{"chunk": r["chunk"], "kinds": r["failure_kinds"]} for r in rows if r["failure_kinds"]],
             "chunks": rows,
-            "versioned": self.versioned,
+            "versioned": [v.as_dict() for v in self.versioned],
             "fetched": self.fetched,
             "audit": {k: audit.get(k) for k in ("resumes", "failures", "steps_lost", "nondeterministic")},
             "passed_over": [

@@ -57,15 +57,15 @@ def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
     p = start_worker(run_dir, 60)
     future = version_checkpoint_async(repo, ck30, str(remote))
     stage = run_dir / "checkpoints" / ".stage-step-000000030"
-    while not stage.exists() and not future.done():
+    while not stage.exists() and not future.future.done():
         time.sleep(0.005)
     assert stage.exists(), "versioning finished before the retire could race it"
     shutil.rmtree(ck30)
-    result = future.result(timeout=120)
+    result = future.future.result(timeout=120)
     p_out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, p_out
     digest_b = final_digest(run_dir)
-    assert result["step"] == 30 and result["files_pushed"] >= 1 and result["dvc_md5"].endswith(".dir")
+    assert result.step == 30 and result.files_pushed >= 1 and result.dvc_md5.endswith(".dir")
     assert (run_dir / "checkpoints" / "step-000000030.dvc").exists()
     assert any(remote.rglob("*")), "nothing arrived in the DVC remote"
     assert "step-000000030.dvc" in git(repo, "status", "--porcelain", "-uall")  # not git-ignored: committable
@@ -75,7 +75,7 @@ def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
     ck60 = run_dir / "checkpoints" / "step-000000060"
     first60 = version_checkpoint(repo, ck60, str(remote))
     again = version_checkpoint(repo, ck60, str(remote))
-    assert first60["files_pushed"] >= 1 and again["files_pushed"] == 0 and again["dvc_md5"] == first60["dvc_md5"]
+    assert first60.files_pushed >= 1 and again.files_pushed == 0 and again.dvc_md5 == first60.dvc_md5
     assert [e["checkpoint"] for e in read_events(run_dir, "checkpoint_versioned")] == [
         "step-000000030",
         "step-000000060",
@@ -92,7 +92,7 @@ def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
     assert CheckpointStore(run_dir).latest_valid(record=False) is None
     assert [p.name for p in checkpoint_dvcfiles(run_dir)] == ["step-000000030.dvc"]
     pulled = pull_run(repo, run_dir, remote=str(remote))
-    assert pulled["checkpoints"] == [{"checkpoint": "step-000000030", "digest": result["digest"]}]
+    assert pulled["checkpoints"] == [{"checkpoint": "step-000000030", "digest": result.digest}]
     code, out = run_worker(run_dir, 60)
     assert code == 0, out
     assert "resumed from step 30" in out

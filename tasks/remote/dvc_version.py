@@ -37,7 +37,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -207,13 +207,71 @@ def _move_dvcfile(stage: Path, ckpt: Path) -> Path:
     return dst
 
 
+@dataclass(frozen=True)
+class Versioned:
+    """One checkpoint versioned by DVC: the ``checkpoint_versioned`` event's fields, and what the
+    flow's summary lists under ``versioned``."""
+
+    checkpoint: str
+    step: int
+    digest: str
+    dvc_md5: str | None
+    dvcfile: str
+    remote: str | None  # None: added, not pushed
+    files_pushed: int
+    add_s: float
+    push_s: float
+    published: bool  # named in the run's remote index (another machine can fetch it)
+    index: str | None
+
+    @property
+    def upload_s(self) -> float:
+        return round(self.add_s + self.push_s, 3)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Versioned:
+        return cls(**{f.name: d.get(f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class NotVersioned:
+    """A checkpoint whose background versioning failed (it is safe on disk all the same)."""
+
+    checkpoint: str
+    error: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PendingVersion:
+    """A checkpoint being versioned on the background thread; ``staged`` is set once it is
+    hard-linked to its stage (from then on retention may delete it)."""
+
+    checkpoint: str
+    future: concurrent.futures.Future[Versioned]
+    staged: threading.Event
+
+    def outcome(self) -> Versioned | NotVersioned:
+        """Wait for it; a failure is a warning, not an error (the checkpoint is safe on disk)."""
+        try:
+            return self.future.result()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("DVC: could not version %s: %s", self.checkpoint, exc)
+            return NotVersioned(self.checkpoint, str(exc))
+
+
 def version_checkpoint(
     repo_root: str | Path | None,
     checkpoint_path: str | Path,
     remote: str | None = None,
     push: bool = True,
     staged: threading.Event | None = None,
-) -> dict[str, Any]:
+) -> Versioned:
     """``dvc add`` a committed checkpoint directory and ``dvc push`` it; returns what was done.
 
     The checkpoint is hard-linked to a private stage first (see :func:`_snapshot`) and the stage is
@@ -242,7 +300,7 @@ def _version_locked(
     remote: str | None,
     push: bool,
     staged: threading.Event | None = None,
-) -> dict[str, Any]:
+) -> Versioned:
     run_dir = ckpt.parent.parent
     _clean_stale_stages(ckpt.parent)
     try:
@@ -272,34 +330,34 @@ def _version_locked(
     finally:
         shutil.rmtree(stage, ignore_errors=True)
         stage.with_name(stage.name + ".dvc").unlink(missing_ok=True)
-    append_event(run_dir, Event.CHECKPOINT_VERSIONED, **result)
-    if result["published"]:
+    append_event(run_dir, Event.CHECKPOINT_VERSIONED, **result.as_dict())
+    if result.published:
         _record_published(run_dir, result, manifest)
     return result
 
 
-def _record_published(run_dir: Path, result: dict[str, Any], manifest: dict[str, Any]) -> None:
+def _record_published(run_dir: Path, result: Versioned, manifest: dict[str, Any]) -> None:
     """The upload lag of a checkpoint that just became visible in the remote index: how many
     steps the newest committed checkpoint is ahead of it, and how long after its commit it became
     visible (``checkpoint_published`` event, ``convoy status``, MLflow metrics)."""
-    latest = parse_step(_read_latest(run_dir)) or result["step"]
+    latest = parse_step(_read_latest(run_dir)) or result.step
     lag = {
-        "upload_lag_steps": max(0, latest - result["step"]),
+        "upload_lag_steps": max(0, latest - result.step),
         "upload_lag_s": round(max(0.0, time.time() - float(manifest.get("created") or time.time())), 3),
     }
     append_event(
         run_dir,
         Event.CHECKPOINT_PUBLISHED,
-        step=result["step"],
-        digest=result["digest"],
-        dvc_md5=result["dvc_md5"],
-        index=result["index"],
-        upload_s=round(result["add_s"] + result["push_s"], 3),
+        step=result.step,
+        digest=result.digest,
+        dvc_md5=result.dvc_md5,
+        index=result.index,
+        upload_s=result.upload_s,
         **lag,
     )
     from tasks.records.run_records import log_upload_lag
 
-    log_upload_lag(run_dir, result["step"], lag)
+    log_upload_lag(run_dir, result.step, lag)
 
 
 def _read_latest(run_dir: Path) -> str:
@@ -321,7 +379,7 @@ class _StagedCheckpoint:
     manifest: dict[str, Any]
 
 
-def _add_and_push(repo: Any, snap: _StagedCheckpoint, remote: str | None, push: bool) -> dict[str, Any]:
+def _add_and_push(repo: Any, snap: _StagedCheckpoint, remote: str | None, push: bool) -> Versioned:
     """``dvc add`` the stage, ``dvc push`` it if asked, then move its ``.dvc`` file beside the checkpoint."""
     ckpt, stage = snap.ckpt, snap.stage
     remote_name = resolve_remote(repo, remote) if push else None
@@ -344,19 +402,19 @@ def _add_and_push(repo: Any, snap: _StagedCheckpoint, remote: str | None, push: 
     # Only now does checkpoints/step-N.dvc appear (same content hash, naming the real checkpoint):
     # a .dvc file is never there before its data is in the remote, even if this process is killed.
     dvcfile = _move_dvcfile(stage, ckpt)
-    return {
-        "checkpoint": ckpt.name,
-        "step": snap.step,
-        "digest": snap.digest,
-        "dvc_md5": md5,
-        "dvcfile": str(dvcfile),
-        "remote": (remote_name or "(default)") if push else None,
-        "files_pushed": pushed,
-        "add_s": round(add_s, 3),
-        "push_s": round(push_s, 3),
-        "published": published,
-        "index": index,
-    }
+    return Versioned(
+        checkpoint=ckpt.name,
+        step=snap.step,
+        digest=snap.digest,
+        dvc_md5=md5,
+        dvcfile=str(dvcfile),
+        remote=(remote_name or "(default)") if push else None,
+        files_pushed=pushed,
+        add_s=round(add_s, 3),
+        push_s=round(push_s, 3),
+        published=published,
+        index=index,
+    )
 
 
 def remote_run(repo: Any, remote_name: str | None, run_dir: Path) -> remote_index.RemoteRun:
@@ -371,16 +429,14 @@ def remote_run(repo: Any, remote_name: str | None, run_dir: Path) -> remote_inde
 
 def version_checkpoint_async(
     repo_root: str | Path | None, checkpoint_path: str | Path, remote: str | None = None
-) -> concurrent.futures.Future[dict[str, Any]]:
-    """Same as :func:`version_checkpoint` on one background thread (in submission order).  The
-    future's ``staged`` event is set once the checkpoint is hard-linked to its stage."""
+) -> PendingVersion:
+    """Same as :func:`version_checkpoint` on one background thread (in submission order)."""
     global _executor
     if _executor is None:
         _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="convoy-dvc")
     staged = threading.Event()
     future = _executor.submit(version_checkpoint, repo_root, checkpoint_path, remote, True, staged)
-    future.staged = staged  # type: ignore[attr-defined]
-    return future
+    return PendingVersion(Path(checkpoint_path).name, future, staged)
 
 
 def checkpoint_dvcfiles(run_dir: str | Path) -> list[Path]:
@@ -471,29 +527,19 @@ def pull_run(
     return result
 
 
-def version_async(config: RunConfig, run_dir: Path, step: int, only_if_missing: bool = False) -> Any:
+def version_async(config: RunConfig, run_dir: Path, step: int, only_if_missing: bool = False) -> PendingVersion | None:
     """Start DVC-versioning a committed chunk checkpoint on a background thread, overlapping the
     next chunk's training.  Safe against retention: the checkpoint is hard-linked into a private
-    staging folder before ``dvc add`` (tasks/remote/dvc_version.py).  Returns a future, or None if off (or,
-    ``only_if_missing``, if the checkpoint is gone or already has its ``.dvc`` file)."""
+    staging folder before ``dvc add`` (:func:`_snapshot`).  Returns the pending versioning, or None
+    if off (or, ``only_if_missing``, if the checkpoint is gone or already has its ``.dvc`` file)."""
     if not config.tracking.dvc:
         return None
     path = RunPaths(run_dir).checkpoint(step)
     if only_if_missing and (not path.is_dir() or path.with_name(path.name + ".dvc").exists()):
         return None
-    future = version_checkpoint_async(None, str(path), config.tracking.dvc_remote or None)
-    future.checkpoint_name = path.name  # type: ignore[attr-defined]
-    return future
+    return version_checkpoint_async(None, str(path), config.tracking.dvc_remote or None)
 
 
-def collect_versions(futures: list[Any]) -> list[dict[str, Any]]:
+def collect_versions(pending: list[PendingVersion]) -> list[Versioned | NotVersioned]:
     """Wait for the background versioning; a failure is a warning (the checkpoint is safe on disk)."""
-    out = []
-    for future in futures:
-        try:
-            out.append(future.result())
-        except Exception as exc:  # noqa: BLE001
-            name = getattr(future, "checkpoint_name", "?")
-            log.warning("DVC: could not version %s: %s", name, exc)
-            out.append({"checkpoint": name, "error": str(exc)})
-    return out
+    return [p.outcome() for p in pending]
