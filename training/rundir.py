@@ -16,7 +16,7 @@ from filelock import FileLock
 
 from training.config import ConfigError, InitFrom, RunConfig, config_from_dict
 from training.events import Event, append_event
-from training.fsutil import atomic_replace, atomic_write_bytes, atomic_write_json, read_json
+from training.fsutil import atomic_replace, atomic_write_json, read_json
 from training.locks import take_lock
 from training.paths import CONFIG_FILE, RunPaths
 from training.trajectory import trajectory_changes
@@ -180,6 +180,7 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     renamed, then ``LATEST`` (invariant 1).  The worker restores it like any checkpoint and then
     takes the optimisation settings of the child's config (:mod:`training.restore`)."""
     from training.checkpointing.errors import CheckpointRejected
+    from training.checkpointing.install import install
     from training.checkpointing.store import MANIFEST, CheckpointStore
 
     src = config.init_from
@@ -211,8 +212,7 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     manifest.pop("mlflow_run_id", None)
     (tmp / MANIFEST).unlink()  # a hard link to the parent's: never written through
     atomic_write_json(tmp / MANIFEST, manifest)
-    os.rename(tmp, final)
-    atomic_write_bytes(RunPaths(run_dir).latest, (final.name + "\n").encode())
+    install(tmp, final, files_synced=True)  # the parent's files are durable; the manifest was fsynced
     append_event(run_dir, Event.FORKED, **lineage)
     return lineage
 

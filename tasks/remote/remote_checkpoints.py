@@ -39,12 +39,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tasks.remote.dvc_version import VersioningError, _with_repo, remote_run, resolve_remote, version_checkpoint
+from tasks.remote.dvc_version import (
+    Versioned,
+    VersioningError,
+    _with_repo,
+    remote_run,
+    resolve_remote,
+    version_checkpoint,
+)
 from tasks.remote.remote_index import RemoteCopyRefused, RemoteRun, metric_rows_through, node_name
 from training.checkpointing.errors import CheckpointRejected
+from training.checkpointing.install import install
 from training.config import ConfigError, RunConfig
 from training.events import Event, append_event
-from training.fsutil import atomic_write_bytes, fsync_dir
 from training.paths import RunPaths, checkpoint_name
 
 log = logging.getLogger("convoy.remote")
@@ -105,9 +112,7 @@ def _install(stage: Path, final: Path, run_dir: Path) -> None:
             moved_to=aside.name,
             reason="did not verify; replaced by the remote copy",
         )
-    os.rename(stage, final)
-    fsync_dir(final.parent)
-    atomic_write_bytes(RunPaths(run_dir).latest, (final.name + "\n").encode())
+    install(stage, final, files_synced=False)  # DVC's download does not fsync what it wrote
 
 
 def _download_verified(remote: RemoteRun, entry: dict[str, Any], store: Any) -> dict[str, Any]:
@@ -265,7 +270,7 @@ class Uploader:
             return 0
         return int(entry["step"]) if entry else 0
 
-    def upload_newest(self) -> dict[str, Any] | None:
+    def upload_newest(self) -> Versioned | None:
         """Upload the newest committed checkpoint if it is newer than the last one handled."""
         with self._lock:
             step = self._committed_step()
@@ -283,7 +288,7 @@ class Uploader:
                 log.warning("uploader: upload of %s failed: %s: %s", path.name, type(exc).__name__, exc)
             return None
 
-    def drain(self) -> dict[str, Any] | None:
+    def drain(self) -> Versioned | None:
         return self.upload_newest()
 
     def stop(self) -> None:
@@ -306,7 +311,7 @@ def follow(config: RunConfig, run_dir: Path) -> Uploader | None:
         return _UPLOADERS[key]
 
 
-def stop(run_dir: Path, drain: bool = False) -> dict[str, Any] | None:
+def stop(run_dir: Path, drain: bool = False) -> Versioned | None:
     """Stop the run's uploader; ``drain``: upload the newest committed checkpoint first."""
     with _LOCK:
         uploader = _UPLOADERS.pop(str(Path(run_dir).resolve()), None)

@@ -32,6 +32,7 @@ from training.checkpointing import safetensors_io as safetensors
 from training.checkpointing import sharded
 from training.checkpointing.codec import split_tree
 from training.checkpointing.errors import CheckpointError, CheckpointRejected
+from training.checkpointing.install import install, point_latest
 from training.checkpointing.verify import (
     FORMAT_VERSION,
     MANIFEST,
@@ -47,8 +48,7 @@ from training.checkpointing.verify import (
 from training.chunk_boundary import boundary_to_keep
 from training.config import CheckpointConfig
 from training.events import Event, append_event, read_events
-from training.fsutil import atomic_write_bytes, atomic_write_json, fsync_dir, read_json
-from training.paths import LATEST_FILE as LATEST
+from training.fsutil import atomic_write_bytes, atomic_write_json, read_json
 from training.paths import RunPaths, checkpoint_name
 
 #: Names other modules import from the store (it was the one module before ``verify`` split off).
@@ -361,15 +361,13 @@ class CheckpointStore:
                 **snap.extra_manifest,
             }
             atomic_write_bytes(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
-            fsync_dir(tmp)
             faults.persist_delay()
             final = self.root / checkpoint_name(snap.step)
             if final.exists() and self._keep_existing(final, manifest["digest"]):
                 shutil.rmtree(tmp)
+                point_latest(final)
             else:
-                os.rename(tmp, final)
-                fsync_dir(self.root)
-            atomic_write_bytes(self.root / LATEST, (final.name + "\n").encode())
+                install(tmp, final, files_synced=True)  # each file was fsynced as it was written
             committed = Checkpoint(snap.step, final, self.read_manifest(final))
             self.last_committed = committed
             self.last_persist_s = time.perf_counter() - t0
