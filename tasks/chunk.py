@@ -53,7 +53,7 @@ from tasks.supervision.worker_liveness import DetectionLimits
 from training.checkpointing.store import newest_verified_step
 from training.chunk_boundary import boundary_step
 from training.config import ConfigError, RunConfig
-from training.events import Event, FailureKind, WorkerSays, append_event, read_events
+from training.events import Event, FailureKind, StandbyOrder, WorkerSays, append_event, read_events
 from training.paths import RunPaths
 from training.rundir import load_run_config
 from training.tracking.attempts import chunk_history, next_attempt
@@ -288,7 +288,7 @@ class ChunkRun:
             attempt=self.attempt,
             on_line=self.echo,
             boundary_step=boundary_step(self.end, cfg.train.total_steps, self.pipelined),
-            standby_order={"until_step": until, "pipelined": self.pipelined} if self.standby else None,
+            standby_order=StandbyOrder(until, self.pipelined) if self.standby else None,
         )
 
     def echo(self, line: str) -> None:

@@ -54,3 +54,23 @@ def test_a_failure_event_reads_back_as_a_typed_failure(tmp_path: Path) -> None:
     # an older event (no details beyond the kind) and keys this version does not know still read
     old = RecordedFailure.from_event({"kind": "failure", "failure": "killed", "chunk": 1, "later_key": 5})
     assert (old.kind, old.chunk, old.attempt, old.details) == ("killed", 1, None, FailureDetails())
+
+
+def test_a_versioned_event_reads_back_as_versioned(tmp_path: Path) -> None:
+    from tasks.remote.dvc_version import Versioned
+    from training.events import Event, append_event, read_events
+
+    v = Versioned("step-000000030", 30, "ab" * 16, "c0ffee.dir", "x.dvc", "(default)", 4, 0.5, 1.25, True, "i.json")
+    append_event(tmp_path, Event.CHECKPOINT_VERSIONED, **v.as_dict())
+    (event,) = read_events(tmp_path, Event.CHECKPOINT_VERSIONED)
+    assert Versioned.from_dict(event) == v and v.upload_s == 1.75
+
+
+def test_the_standby_order_is_one_line_both_sides_read() -> None:
+    from training.events import StandbyOrder
+
+    order = StandbyOrder(until_step=120, pipelined=True)
+    line = order.as_line()
+    assert line.endswith("\n") and json.loads(line) == {"until_step": 120, "pipelined": True}
+    assert StandbyOrder.from_line(line) == order
+    assert StandbyOrder.from_line('{"until_step": 40}') == StandbyOrder(40, False)  # an older order

@@ -25,11 +25,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from training.trajectory import Trajectory, trajectory_of
 
-#: Exit code of a training process for a configuration or data error (EX_CONFIG, not retryable).
-EXIT_CONFIG = 78
-#: Exit code of a worker that was preempted (SIGTERM) and saved an emergency checkpoint.
-EXIT_PREEMPTED = 75
-
 
 class ConfigError(ValueError):
     """A bad configuration; its message is a single line meant for the user."""

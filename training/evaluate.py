@@ -31,8 +31,8 @@ import torch
 from training.batch import batch_len
 from training.checkpointing.safetensors_io import write_file
 from training.checkpointing.store import CheckpointStore
-from training.config import EXIT_CONFIG, ConfigError, RunConfig, load_config
-from training.events import read_events
+from training.config import ConfigError, RunConfig, load_config
+from training.events import EXIT_CONFIG, read_events
 from training.fsutil import atomic_replace, atomic_write_bytes
 from training.rundir import describe_change, keyed_config, recorded_trajectories, run_info
 from training.tracking.metrics import metric_rows

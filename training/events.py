@@ -6,7 +6,8 @@ One JSON object per line, appended with O_APPEND in a single write so concurrent
 The vocabulary the worker and the processes watching it share is named here, once: the event
 kinds (:class:`Event`), the heartbeat phases (:class:`Phase`), the failure kinds a ``failure``
 event carries (:class:`FailureKind`) and the openings of the worker's output lines that others
-read (:class:`WorkerSays`).
+read (:class:`WorkerSays`) — and the worker's exit codes that mean more than "failed"
+(:data:`EXIT_CONFIG`, :data:`EXIT_PREEMPTED`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,35 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from training.paths import EVENTS_FILE, RunPaths  # noqa: F401 - EVENTS_FILE re-exported
+
+
+@dataclass(frozen=True)
+class StandbyOrder:
+    """The one line a warm standby worker waits for on its stdin (tasks/supervision/standby.py
+    writes it, ``training.worker`` reads it): train to ``until_step``, pipelined or not."""
+
+    until_step: int
+    pipelined: bool = False
+
+    def as_line(self) -> str:
+        return json.dumps(asdict(self)) + "\n"
+
+    @classmethod
+    def from_line(cls, line: str) -> StandbyOrder:
+        d = json.loads(line)
+        return cls(int(d["until_step"]), bool(d.get("pipelined", False)))
+
+
+#: Exit code of a training process for a configuration or data error (EX_CONFIG, not retryable).
+EXIT_CONFIG = 78
+#: Exit code of a worker that was preempted (SIGTERM) and saved an emergency checkpoint.
+EXIT_PREEMPTED = 75
 
 
 class Event(StrEnum):

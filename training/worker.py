@@ -19,7 +19,6 @@ lease, the heartbeat, preemption, the training loop and its saves.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -36,8 +35,8 @@ from training.checkpointing import sharded
 from training.checkpointing.schedule import SaveSchedule
 from training.chunk_boundary import wait_for_previous_boundary
 from training.claim import Claim, claim_run
-from training.config import EXIT_CONFIG, EXIT_PREEMPTED, ConfigError
-from training.events import Event, Phase, WorkerSays, append_event
+from training.config import ConfigError
+from training.events import EXIT_CONFIG, EXIT_PREEMPTED, Event, Phase, StandbyOrder, WorkerSays, append_event
 from training.heartbeat import Heartbeat
 from training.paths import RunPaths
 from training.restore import Restored, restore_newest
@@ -172,9 +171,9 @@ class Worker:
         if not line:
             return False
         t0 = time.time()
-        go = json.loads(line)
-        self.until = self.check_until(int(go["until_step"]))
-        self.pipelined = bool(go.get("pipelined", False))
+        go = StandbyOrder.from_line(line)
+        self.until = self.check_until(go.until_step)
+        self.pipelined = go.pipelined
         self.claim()
         self.log(f"standby taking over: training to step {self.until}")
         append_event(

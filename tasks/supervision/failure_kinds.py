@@ -33,8 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.config import EXIT_CONFIG, EXIT_PREEMPTED
-from training.events import Event, FailureKind, WorkerSays, read_events
+from training.events import EXIT_CONFIG, EXIT_PREEMPTED, Event, FailureKind, WorkerSays, read_events
 
 FAILURE_KINDS = tuple(FailureKind)
 #: Kinds Prefect must never retry: the same input fails the same way.

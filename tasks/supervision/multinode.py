@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tasks.supervision.process_group import child_setup
-from training.config import EXIT_CONFIG
+from training.events import EXIT_CONFIG
 
 #: How long the other nodes get to exit by themselves after one node's agent failed.
 PEER_EXIT_GRACE_S = 5.0

@@ -19,8 +19,7 @@ from typing import Any
 
 import psutil
 
-from training.config import EXIT_PREEMPTED
-from training.events import Event, append_event
+from training.events import EXIT_PREEMPTED, Event, append_event
 from training.heartbeat import read_heartbeat
 
 _PR_SET_PDEATHSIG = 1

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tasks.supervision.worker_handle import WorkerHandle
+from training.events import StandbyOrder
 from training.paths import RunPaths
 
 #: Starts ``cmd`` with its output appended to ``log_path`` and stdin a pipe; returns the worker
@@ -67,7 +67,7 @@ def ensure(run_dir: str | Path, start: StartFn) -> WorkerHandle:
     return standby
 
 
-def take(run_dir: str | Path, until_step: int, pipelined: bool) -> WorkerHandle | None:
+def take(run_dir: str | Path, order: StandbyOrder) -> WorkerHandle | None:
     """Hand the run's standby its order and give it to the caller to watch; None if there is no
     standby alive (it died, or was never started): the caller spawns a worker as usual."""
     with _LOCK:
@@ -78,9 +78,8 @@ def take(run_dir: str | Path, until_step: int, pipelined: bool) -> WorkerHandle 
     if standby.poll() is not None or stdin is None:
         standby.stop(1.0)
         return None
-    order = json.dumps({"until_step": until_step, "pipelined": pipelined}) + "\n"
     try:
-        stdin.write(order.encode())
+        stdin.write(order.as_line().encode())
         stdin.flush()
         stdin.close()
     except OSError:  # it died between the poll and the write

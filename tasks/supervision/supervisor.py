@@ -43,8 +43,7 @@ from tasks.supervision.worker_liveness import DetectionLimits, Watch, failure_ve
 from tasks.supervision.worker_log import LogFollower
 from tasks.supervision.worker_source import Launch, Source, WorkerSource, clock
 from training import chunk_boundary
-from training.config import EXIT_CONFIG
-from training.events import Event, FailureKind, Phase, append_event
+from training.events import EXIT_CONFIG, Event, FailureKind, Phase, StandbyOrder, append_event
 from training.heartbeat import read_heartbeat
 from training.paths import RunPaths
 from training.tracking.resume_audit import resume_point, steps_lost, trained_high_water
@@ -151,7 +150,7 @@ class AttemptSpec:
     on_line: Callable[[str], None] | None = None
     tail_lines: int = 80
     boundary_step: int | None = None
-    standby_order: dict[str, Any] | None = None
+    standby_order: StandbyOrder | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", Path(self.run_dir))

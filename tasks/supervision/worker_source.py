@@ -28,11 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
 
 from tasks.supervision import handoff, standby
 from tasks.supervision.worker_handle import WorkerHandle, spawn
-from training.events import Event, append_event
+from training.events import Event, StandbyOrder, append_event
 from training.heartbeat import heartbeat_path
 
 
@@ -57,7 +56,7 @@ class Launch:
     attempt: int | None
     cwd: str | Path | None
     env: dict[str, str] | None
-    standby_order: dict[str, Any] | None
+    standby_order: StandbyOrder | None
 
     def environment(self) -> dict[str, str]:
         return {**os.environ, **(self.env or {})}
@@ -102,7 +101,7 @@ class WorkerSource:
         launch = self.launch
         if launch.standby_order is None:
             return None
-        ready = standby.take(launch.run_dir, **launch.standby_order)
+        ready = standby.take(launch.run_dir, launch.standby_order)
         if ready is None:
             return None
         with open(ready.log_path, "ab") as log:
