@@ -525,6 +525,21 @@ def summary(verdicts: list[Verdict]) -> list[str]:
     return [*out, f"{passed} passed, {len(verdicts) - passed} failed"]
 
 
+def read_verdicts(path: Path, trials: list[Trial]) -> list[Verdict]:
+    """The verdicts an earlier, cut-short run of the same draw wrote to ``path`` (``--resume``):
+    trials are drawn from the seed alone, so a trial with the same number, cell, fault, moment and
+    step is the same trial and is not run again.  Refuses a file of another draw."""
+    by_number = {t.number: t for t in trials}
+    out = []
+    for raw in json.loads(path.read_text()):
+        t = raw["trial"]
+        trial = Trial(t["number"], Cell(**t["cell"]), t["fault"], t["moment"], t["at_step"])
+        if by_number.get(trial.number) != trial:
+            raise SystemExit(f"{path}: trial {trial.number} is not this draw's (another --seed or --steps?)")
+        out.append(Verdict(trial, raw["reasons"], raw["injected_step"], raw["seconds"]))
+    return out
+
+
 def write_verdicts(path: Path, verdicts: list[Verdict]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps([{**asdict(v), "passed": v.passed} for v in verdicts], indent=1))
@@ -537,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=40, help="steps per run (two chunks)")
     ap.add_argument("--json", type=Path, help="write every verdict here")
+    ap.add_argument("--resume", action="store_true", help="skip the trials --json already holds (same draw)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (servers' logs, runs)")
     ap.add_argument("--cells", nargs="*", help="draw only from these cells (e.g. map-aug-w0-r1)")
     ap.add_argument("--faults", nargs="*", choices=FAULTS, help="draw only these faults")
@@ -544,10 +560,13 @@ def main(argv: list[str] | None = None) -> int:
     trials = draw_trials(args.trials, args.seed, args.steps, args.cells, args.faults)
     home = Path(tempfile.mkdtemp(prefix="convoy-conformance-"))
     bench = Bench(home, args.steps)
-    verdicts: list[Verdict] = []
+    verdicts = read_verdicts(args.json, trials) if args.resume and args.json and args.json.exists() else []
+    done = {v.trial.number for v in verdicts}
+    for v in verdicts:
+        print(line(v) + "  (earlier run)", flush=True)
     try:
         bench.setup()
-        for trial in trials:
+        for trial in (t for t in trials if t.number not in done):
             verdicts.append(bench.run(trial))
             print(line(verdicts[-1]), flush=True)
             if args.json:  # after every trial: a run of hours that is cut short still has its record

@@ -43,7 +43,8 @@ def dvc_repo(path: Path) -> Path:
 
 @pytest.mark.slow
 def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
-    from tasks.remote.dvc_version import checkpoint_dvcfiles, pull_run, version_checkpoint, version_checkpoint_async
+    from tasks.remote.dvc_pull import checkpoint_dvcfiles, pull_run
+    from tasks.remote.dvc_version import version_checkpoint, version_checkpoint_async
 
     repo = dvc_repo(tmp_path / "repo")
     remote = tmp_path / "remote"
@@ -92,7 +93,7 @@ def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
     assert CheckpointStore(run_dir).latest_valid(record=False) is None
     assert [p.name for p in checkpoint_dvcfiles(run_dir)] == ["step-000000030.dvc"]
     pulled = pull_run(repo, run_dir, remote=str(remote))
-    assert pulled["checkpoints"] == [{"checkpoint": "step-000000030", "digest": result.digest}]
+    assert [(c.checkpoint, c.digest) for c in pulled.checkpoints] == [("step-000000030", result.digest)]
     code, out = run_worker(run_dir, 60)
     assert code == 0, out
     assert "resumed from step 30" in out
@@ -110,7 +111,8 @@ def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
 
 
 def test_version_refuses_invalid_and_unknown_remote(tmp_path: Path) -> None:
-    from tasks.remote.dvc_version import VersioningError, pull_run, version_checkpoint
+    from tasks.remote.dvc_pull import pull_run
+    from tasks.remote.dvc_version import VersioningError, version_checkpoint
 
     repo = dvc_repo(tmp_path / "repo")
     run_dir = repo / "runs" / "r"
@@ -149,13 +151,7 @@ SMALL_PARAMS = {
 }
 
 
-def _cli_has_train() -> bool:
-    cli = ROOT / "flows" / "cli.py"
-    return cli.exists() and "def train(" in cli.read_text()
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _cli_has_train(), reason="`convoy train` not available yet")
 def test_dvc_repro_in_a_clone(tmp_path: Path, prefect_api: str) -> None:
     """Fresh clone: an interrupted `dvc repro` resumes rather than restarts when repeated (the run
     dir is not an output); it produces model, metrics, plots; then `dvc repro` has nothing to do."""
@@ -224,7 +220,7 @@ def test_dvc_repro_in_a_clone(tmp_path: Path, prefect_api: str) -> None:
     # Another machine: no checkpoints, no DVC cache; `convoy pull` brings back what the .dvc files
     # name (chunk 2's is dropped), and `convoy train` still ends on the final state: the remote's
     # index names step 60, which it fetches by itself (invariant 10).
-    from tasks.remote.dvc_version import checkpoint_dvcfiles
+    from tasks.remote.dvc_pull import checkpoint_dvcfiles
 
     assert {"step-000000030.dvc", "step-000000060.dvc"} <= {p.name for p in checkpoint_dvcfiles(run_dir)}
     digest = final_digest(run_dir)

@@ -227,8 +227,8 @@ def test_litdata_through_the_flow_killed_in_both_chunks_resumes_bitwise(
     def killer() -> None:
         for target in (7, 18):  # inside chunk 1 ([0, 12)) and chunk 2 ([12, 24))
             beat = wait_for_step(cfg.run_dir, target)
-            os.kill(beat["pid"], signal.SIGKILL)
-            killed.append(int(beat["step"]))
+            os.kill(beat.pid, signal.SIGKILL)
+            killed.append(beat.step)
 
     t = in_thread(killer)
     summary = run_training(cfg)

@@ -346,13 +346,14 @@ def pull(
 
     Remote precedence: --remote, params tracking.dvc_remote, the run's config.json, the
     repository's default DVC remote, then a local fallback; every error names the one used."""
-    from tasks.remote.dvc_version import VersioningError, pull_run
+    from tasks.remote.dvc_pull import pull_run
+    from tasks.remote.dvc_version import VersioningError
 
     cfg = config_or_exit(params, set_) if params.exists() or set_ else None
     target = _pull_target(run_dir, cfg)
     chosen, source = _pull_remote(remote, cfg, target)
     try:
-        out = pull_run(None, target, chosen, latest_only, source=source)
+        out = pull_run(None, target, chosen, latest_only, source=source).as_dict()
     except VersioningError as exc:
         raise fail(str(exc), 1) from None
     from training.rundir import adopt_pulled_run

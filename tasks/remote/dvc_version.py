@@ -9,8 +9,7 @@ next chunk trains (:func:`version_checkpoint_async`).  Once every object of the 
 in the remote, it is added to the run's index there (:mod:`tasks.remote.remote_index`), which is how
 another machine finds it without a git commit (:mod:`tasks.remote.remote_checkpoints` uploads the
 checkpoints between chunk boundaries too, and fetches them).
-:func:`pull_run` restores a run's checkpoints on another machine (``dvc pull`` of the run's
-``.dvc`` files), after which the worker resumes from the newest one that verifies.
+Pulling a run's checkpoints back on another machine lives in :mod:`tasks.remote.dvc_pull`.
 
 Remote selection: ``tracking.dvc_remote`` may be the *name* of a configured DVC remote, or a URL
 / directory path (``/mnt/shared/dvc``, ``s3://bucket/prefix``, ...) which is configured as the remote
@@ -439,92 +438,12 @@ def version_checkpoint_async(
     return PendingVersion(Path(checkpoint_path).name, future, staged)
 
 
-def checkpoint_dvcfiles(run_dir: str | Path) -> list[Path]:
-    """The run's ``checkpoints/step-N.dvc`` files, oldest first."""
-    root = RunPaths(run_dir).checkpoints
-    if not root.is_dir():
-        return []
-    files = [p for p in root.glob("step-*.dvc") if parse_step(p.name.removesuffix(".dvc")) is not None]
-    return sorted(files, key=lambda p: parse_step(p.name.removesuffix(".dvc")) or 0)
-
-
 def remote_label(repo: Any, name: str | None, source: str) -> str:
     """``remote 'convoy' (/mnt/shared/dvc, from params.yaml tracking.dvc_remote)``: which remote
     a pull used and why, for every error it can end in."""
     name = name or repo.config.get("core", {}).get("remote") or "?"
     url = repo.config.get("remote", {}).get(name, {}).get("url", "no URL configured")
     return f"remote {name!r} ({url}, from {source})" if source else f"remote {name!r} ({url})"
-
-
-def _pull_error(exc: Exception, run_dir: Path, label: str) -> VersioningError:
-    """One line naming the remote and what it lacked (DVC's own says "Is your cache up to date?")."""
-    if type(exc).__name__ == "CheckoutError":
-        missing = ", ".join(sorted(Path(str(t)).name for t in getattr(exc, "target_infos", []))) or "some files"
-        return VersioningError(
-            f"dvc pull of {run_dir.name} from {label}: the remote does not have {missing} (pushed to another "
-            f"remote, or never pushed); name the right one with --remote or tracking.dvc_remote"
-        )
-    return VersioningError(f"dvc pull of {run_dir.name} from {label} failed: {type(exc).__name__}: {exc}")
-
-
-def pull_run(
-    repo_root: str | Path | None,
-    run_dir: str | Path,
-    remote: str | None = None,
-    latest_only: bool = False,
-    source: str = "",
-) -> dict[str, Any]:
-    """Restore a run's versioned checkpoints from the DVC remote (``convoy pull RUN``).
-
-    Pulls every ``checkpoints/step-N.dvc`` of the run (only the newest with ``latest_only``) and
-    verifies what arrived.  The next worker then resumes from the newest valid checkpoint.
-    ``source`` says where ``remote`` came from (or, empty ``remote``, why the repository's
-    default applies); every error names the remote and its source.
-    """
-    run_dir = Path(run_dir).resolve()
-    dvcfiles = checkpoint_dvcfiles(run_dir)
-    if not dvcfiles:
-        raise VersioningError(
-            f"{run_dir}: no checkpoints/step-*.dvc files; nothing was versioned for this run "
-            f"(or the .dvc files were not copied/committed); no remote was asked"
-        )
-    if latest_only:
-        dvcfiles = dvcfiles[-1:]
-    label = f"remote {remote!r} (from {source})" if remote else f"the repository's default remote ({source})"
-
-    def work(repo: Any) -> Any:
-        nonlocal label
-        try:
-            remote_name = resolve_remote(repo, remote)
-        except VersioningError as exc:
-            raise VersioningError(f"{exc} (from {source})" if source else str(exc)) from None
-        label = remote_label(repo, remote_name, source)
-        return repo.pull(targets=[str(p) for p in dvcfiles], remote=remote_name)
-
-    t0 = time.perf_counter()
-    try:
-        stats = _with_repo(repo_root, run_dir, work)
-    except VersioningError:
-        raise
-    except Exception as exc:
-        raise _pull_error(exc, run_dir, label) from exc
-    store = CheckpointStore(run_dir)
-    verified = []
-    for p in dvcfiles:
-        path = p.with_suffix("")
-        try:
-            verified.append({"checkpoint": path.name, "digest": store.verify(path).digest})
-        except CheckpointRejected as exc:
-            raise VersioningError(f"{path.name} pulled from {label} does not verify: {exc}") from None
-    result = {
-        "run_dir": str(run_dir),
-        "remote": label,
-        "checkpoints": verified,
-        "pull_s": round(time.perf_counter() - t0, 3),
-        "fetched": (stats or {}).get("fetched") if isinstance(stats, dict) else None,
-    }
-    append_event(run_dir, Event.CHECKPOINTS_PULLED, checkpoints=[v["checkpoint"] for v in verified])
-    return result
 
 
 def version_async(config: RunConfig, run_dir: Path, step: int, only_if_missing: bool = False) -> PendingVersion | None:
