@@ -28,7 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-from tasks.supervision.supervisor import AttemptSpec, ChunkFailed, supervise, worker_command
+from tasks.supervision.attempt import AttemptSpec
+from tasks.supervision.supervisor import ChunkFailed, supervise, worker_command
 from tasks.supervision.worker_liveness import DetectionLimits
 from training.checkpointing.store import CheckpointStore
 from training.config import load_config

@@ -37,6 +37,7 @@ from checkpoint import build_state, make_parts  # noqa: E402  (bench/checkpoint.
 
 from tasks.remote import remote_checkpoints  # noqa: E402
 from tasks.remote.dvc_version import version_checkpoint  # noqa: E402
+from tasks.run_resources import RunResources  # noqa: E402
 from training.checkpointing.store import CheckpointStore  # noqa: E402
 from training.config import RunConfig, load_config  # noqa: E402
 from training.events import read_events  # noqa: E402
@@ -151,10 +152,11 @@ def lag_run(tmp: Path, interval: int, steps: int, d_model: int) -> dict[str, Any
     cfg = config(machine, tmp / f"remote-{interval}", "lag", extra)
     prepare(cfg.data, cfg.train.seed)
     run_dir = open_run(cfg).resolve()
-    remote_checkpoints.follow(cfg, run_dir)
+    resources = RunResources(cfg, run_dir)
+    resources.follow_uploads()
     cmd = [sys.executable, "-m", "training.worker", "--run-dir", str(run_dir), "--until-step", str(steps)]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
-    remote_checkpoints.stop(run_dir, drain=True)
+    resources.close()  # drains: the newest committed checkpoint is uploaded
     saved = read_events(run_dir, "checkpoint_saved")
     published = read_events(run_dir, "checkpoint_published")
     gaps = [b["time"] - a["time"] for a, b in zip(saved, saved[1:], strict=False)]

@@ -37,8 +37,8 @@ from tasks.artifacts import artifact_key
 from tasks.chunk import chunk_record, run_chunk, should_retry
 from tasks.records import run_records
 from tasks.records.chunk_record import ChunkRecord
-from tasks.remote import remote_checkpoints
 from tasks.remote.remote_index import node_name
+from tasks.run_resources import RunResources
 from tasks.supervision.failure_kinds import NOT_RETRYABLE
 from tasks.supervision.supervisor import ChunkFailed
 from training.config import ConfigError, RunConfig
@@ -99,8 +99,10 @@ def train_chunk(
     t0 = time.time()
     outcome: dict[str, Any] = {"node": node_name(), "ok": False}
     run_dir: Path | None = None
+    resources: RunResources | None = None
     try:
         run_dir = open_node_run(config, mlflow_run)
+        resources = RunResources(config, run_dir)
         outcome["run_dir"] = str(run_dir)
         task = run_chunk.with_options(
             retries=0,
@@ -108,15 +110,16 @@ def train_chunk(
             tags=["convoy", f"run:{config.run_name}", config.orchestration.concurrency_tag],
         )
         with run_records.system_metrics(config, run_dir):  # sampled on the node that trains
-            record = chunk_record(task(str(run_dir), chunk, start_step, end_step))
+            record = chunk_record(task(str(run_dir), chunk, start_step, end_step, resources))
         outcome.update(ok=True, record=record.as_dict())
         return record.as_dict()
     except BaseException as exc:
         outcome.update(failure_of(exc))
         raise
     finally:
+        if resources is not None:
+            resources.close()  # the newest checkpoint uploaded before the parent hears of it (tracking.dvc)
         if run_dir is not None:
-            remote_checkpoints.stop(run_dir, drain=True)  # before the parent hears of it (tracking.dvc)
             outcome["events"] = [e for e in read_events(run_dir) if e.get("time", 0) >= t0]
         publish_outcome(config.run_name, outcome)
 

@@ -34,7 +34,7 @@ from tasks.records.chunk_record import ChunkRecord
 from tasks.remote import dvc_version as version
 from tasks.remote import remote_checkpoints
 from tasks.remote.dvc_version import VersioningError
-from tasks.supervision import handoff, standby
+from tasks.run_resources import RunResources
 from tasks.supervision.process_group import reap_stale_worker
 from tasks.supervision.supervisor import ChunkFailed
 from tasks.takeover import mlflow_flow_tags, take_over
@@ -128,9 +128,10 @@ class TrainingRun:
         self.flow_run_name: str | None = None
         self.model: dict[str, Any] | None = None
         self.task = retrying_chunk_task(cfg)
+        #: What lives across the chunk tasks (parked worker, standby, uploader, versioning).
+        self.resources = RunResources(cfg, run_dir)
         self.rows: list[dict[str, Any]] = []
         self.versioned: list[version.Versioned | version.NotVersioned] = []
-        self.version_futures: list[version.PendingVersion] = []
         self.audit: dict[str, Any] | None = None
         self.chunks = plan_chunks(cfg.train.total_steps, cfg.train.chunk_steps)
         self.committed = 0
@@ -188,10 +189,7 @@ class TrainingRun:
     def version(self, end: int, only_if_missing: bool = False) -> version.PendingVersion | None:
         if self.cfg.orchestration.mode == "pool":
             return None  # the node that trained the chunk uploaded it before reporting
-        pending = version.version_async(self.cfg, self.run_dir, end, only_if_missing=only_if_missing)
-        if pending is not None:
-            self.version_futures.append(pending)
-        return pending
+        return self.resources.versioning.submit(end, only_if_missing=only_if_missing)
 
     def chunk(self, chunk: int, start: int, end: int) -> None:
         row: dict[str, Any] = {
@@ -239,7 +237,7 @@ class TrainingRun:
             from flows.pool import dispatch_chunk
 
             return dispatch_chunk(self.cfg, self.run_dir, chunk, start, end)
-        return chunk_record(self.task(str(self.run_dir), chunk, start, end))
+        return chunk_record(self.task(str(self.run_dir), chunk, start, end, self.resources))
 
     def hand_over_boundary(self, end: int) -> None:
         """Version the boundary checkpoint (overlapping the next chunk), then acknowledge it once
@@ -252,11 +250,10 @@ class TrainingRun:
 
     def close(self, ok: bool) -> None:
         """Release the run's worker and standby, finish versioning and the audit (also on failure)."""
-        if handoff.release(self.run_dir):  # only after a failure: the last chunk's worker exits itself
+        stopped, versioned, _final_upload = self.resources.close()
+        if stopped:  # only after a failure: the last chunk's worker exits itself
             self.logger.info("stopped the pipelined worker of run %s", self.cfg.run_name)
-        standby.release(self.run_dir)
-        self.versioned.extend(version.collect_versions(self.version_futures))
-        remote_checkpoints.stop(self.run_dir, drain=True)  # the newest committed checkpoint leaves too
+        self.versioned.extend(versioned)
         publish_chunk_table(self.cfg.run_name, self.rows, mlflow_link(self.run_dir)[0])
         if ok:
             self.model = run_records.log_model(self.cfg, self.run_dir)

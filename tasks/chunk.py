@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.states import Completed, State
 
@@ -44,11 +45,12 @@ from tasks.records.chunk_record import ChunkRecord
 from tasks.records.metric_shipping import MetricShipper
 from tasks.remote import remote_checkpoints
 from tasks.remote.remote_index import node_name
-from tasks.supervision import handoff
+from tasks.run_resources import RunResources
+from tasks.supervision.attempt import AttemptSpec
 from tasks.supervision.failure_details import FailureDetails
 from tasks.supervision.process_group import reap_stale_worker
 from tasks.supervision.repeated import repeated_failure
-from tasks.supervision.supervisor import AttemptSpec, ChunkFailed, Outcome, supervise, worker_command
+from tasks.supervision.supervisor import ChunkFailed, Outcome, supervise, worker_command
 from tasks.supervision.worker_liveness import DetectionLimits
 from training.checkpointing.store import newest_verified_step
 from training.chunk_boundary import boundary_step
@@ -124,21 +126,29 @@ def committed_digest(run_dir: Path, step: int) -> str | None:
         return None
 
 
-@task(name="run_chunk", task_run_name="chunk-{chunk}", on_failure=[chunk_failed])
-def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int) -> State:
+@task(name="run_chunk", task_run_name="chunk-{chunk}", on_failure=[chunk_failed], cache_policy=NO_CACHE)
+def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int, resources: RunResources | None = None) -> State:
     """Train steps ``[start_step, end_step)`` of the run in ``run_dir``; return a Completed state
     holding the chunk's record (:func:`chunk_record` unwraps it) and saying which attempt
     committed it.
 
     The worker resumes from the newest valid checkpoint, which after a failure may lie inside this
     chunk (or, if a checkpoint turned out corrupt, before it): only the lost steps are redone.
+    ``resources``: the run's (:mod:`tasks.run_resources`), which the flow passes to every chunk
+    so a parked worker and the standby reach the next one; None: the task makes and closes its own.
     """
     rd = Path(run_dir)
     cfg = load_run_config(rd)
     ctx = TaskRunContext.get()
     if ctx is not None:
         remember_run(ctx.task_run.id, run_dir=rd, run_name=cfg.run_name, chunk=chunk)
-    return ChunkRun(cfg, rd, chunk, start_step, end_step, get_run_logger()).run()
+    own = resources is None
+    held = resources or RunResources(cfg, rd)
+    try:
+        return ChunkRun(cfg, rd, (chunk, start_step, end_step), held, get_run_logger()).run()
+    finally:
+        if own:
+            held.close()
 
 
 class ChunkRun:
@@ -146,8 +156,14 @@ class ChunkRun:
     re-spawned at once, see the module docstring), then the committed boundary verified and
     recorded."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, chunk: int, start: int, end: int, logger: Any) -> None:
-        self.cfg, self.run_dir, self.chunk, self.start, self.end, self.logger = cfg, run_dir, chunk, start, end, logger
+    def __init__(
+        self, cfg: RunConfig, run_dir: Path, steps: tuple[int, int, int], resources: RunResources, logger: Any
+    ) -> None:
+        """``steps``: (chunk, start step, end step)."""
+        self.cfg, self.run_dir, self.logger = cfg, run_dir, logger
+        self.chunk, self.start, self.end = steps
+        self.resources = resources
+        self.parking = resources.slots.parking
         #: Prefect's run count in this flow run (what the retry policy counts); ``attempt``: this
         #: chunk's attempt number across every flow run, one per worker attempt.
         self.try_number, self.flow_run_id, self.task_run_id = _prefect_ids()
@@ -162,9 +178,9 @@ class ChunkRun:
         if wait > 0:
             self.logger.info("chunk %d: retry %d waits %.1f s (backoff)", self.chunk, self.try_number - 1, wait)
             time.sleep(wait)
-        if handoff.parked_pid(self.run_dir) is None:  # our own parked worker is not stale
+        if self.parking.parked_pid() is None:  # our own parked worker is not stale
             reap_stale_worker(self.run_dir, self.cfg.train.world_size)
-        remote_checkpoints.follow(self.cfg, self.run_dir)  # uploads committed checkpoints (tracking.dvc)
+        self.resources.follow_uploads()  # uploads committed checkpoints (tracking.dvc)
         shipper = MetricShipper.for_run(self.cfg, self.run_dir, say=self.say)  # the worker never talks to MLflow
         started = time.time()
         try:
@@ -206,7 +222,7 @@ class ChunkRun:
         """One worker attempt under watch: its outcome, or None when it was preempted and is to be
         re-spawned at once; any other failure is reported and raised (Prefect retries the task)."""
         cfg, rd = self.cfg, self.run_dir
-        if handoff.parked_pid(rd) is None:  # a worker about to restore: the remote may hold a newer checkpoint
+        if self.parking.parked_pid() is None:  # a worker about to restore: the remote may hold a newer checkpoint
             remote_checkpoints.fetch_before_resume(cfg, rd, lambda m: self.logger.info("chunk %d: %s", self.chunk, m))
         step, passed_over = resume_point(rd)
         self.resumed_from = step or 0
@@ -289,6 +305,7 @@ class ChunkRun:
             on_line=self.echo,
             boundary_step=boundary_step(self.end, cfg.train.total_steps, self.pipelined),
             standby_order=StandbyOrder(until, self.pipelined) if self.standby else None,
+            slots=self.resources.slots,
         )
 
     def echo(self, line: str) -> None:
@@ -304,7 +321,7 @@ class ChunkRun:
             # A pipelined worker went on from this boundary and is parked for the next chunk: the
             # retry must not adopt it (it would report the same boundary again, every retry), but
             # start afresh from the newest checkpoint that verifies.
-            handoff.release(rd, grace_s=5.0)
+            self.parking.release(grace_s=5.0)
             raise ChunkFailed(
                 FailureKind.CRASH,
                 f"chunk {chunk}: worker exited 0 but no valid checkpoint at step {self.end}",

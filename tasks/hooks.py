@@ -6,13 +6,15 @@ event to ``events.jsonl`` and publishes a markdown artifact naming the failure a
 next attempt resumes from.
 
 Hooks receive ``(task_or_flow, run, state)`` only; the run directory is looked up in
-:data:`_RUNS`, which the task/flow body fills in, with the flow's parameters as a fallback.
+:data:`_RUNS` (the one lookup the hooks keep: Prefect run id → :class:`HookTarget`), which the
+task/flow body fills in, with the flow's parameters as a fallback.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +25,22 @@ from training.events import append_event
 
 log = logging.getLogger("convoy.hooks")
 
-#: run id (str) → {"run_dir": Path, "run_name": str, "chunk": int | None}
-_RUNS: dict[str, dict[str, Any]] = {}
+@dataclass(frozen=True)
+class HookTarget:
+    """Which run (and chunk) a Prefect run id belongs to, for a hook that gets only the id."""
+
+    run_dir: Path
+    run_name: str
+    chunk: int | None = None
+    flow_run_id: str | None = None
 
 
-def remember_run(run_id: Any, **info: Any) -> None:
-    _RUNS[str(run_id)] = info
+#: Prefect run id (str) → its target.
+_RUNS: dict[str, HookTarget] = {}
+
+
+def remember_run(run_id: Any, run_dir: Path, run_name: str, chunk: int | None = None) -> None:
+    _RUNS[str(run_id)] = HookTarget(Path(run_dir), run_name, chunk)
 
 
 def _exception(state: Any) -> BaseException | None:
@@ -63,10 +75,10 @@ def _run_dir_from_flow_params(params: dict[str, Any]) -> tuple[Path, str] | None
     return None
 
 
-def _audit(kind: str, info: dict[str, Any], exc: BaseException | None, state: Any) -> None:
+def _audit(kind: str, info: HookTarget, exc: BaseException | None, state: Any) -> None:
     if type(exc).__name__ == "RunLocked":
         return  # a refused second flow: the run itself did not fail, its holder is still going
-    run_dir: Path = info["run_dir"]
+    run_dir = info.run_dir
     failure, message = _describe(exc, state)
     try:
         resume = newest_verified_step(run_dir) or 0
@@ -77,12 +89,12 @@ def _audit(kind: str, info: dict[str, Any], exc: BaseException | None, state: An
         kind,
         failure=failure,
         message=message,
-        chunk=info.get("chunk"),
+        chunk=info.chunk,
         resume_step=resume,
-        flow_run_id=info.get("flow_run_id"),  # a flow run that ended here was no dead one to take over
+        flow_run_id=info.flow_run_id,  # a flow run that ended here was no dead one to take over
     )
-    where = f"chunk {info['chunk']}" if info.get("chunk") is not None else "flow"
-    title = f"{where} of run {info['run_name']} {'crashed' if kind == 'flow_crashed' else 'failed'}: {failure}"
+    where = f"chunk {info.chunk}" if info.chunk is not None else "flow"
+    title = f"{where} of run {info.run_name} {'crashed' if kind == 'flow_crashed' else 'failed'}: {failure}"
     lines = [f"error: `{message}`", f"next attempt resumes from step {resume} (newest verified checkpoint)"]
     if isinstance(exc, ChunkFailed):
         d = exc.details
@@ -92,7 +104,7 @@ def _audit(kind: str, info: dict[str, Any], exc: BaseException | None, state: An
         )
         if not exc.retryable:
             lines.append("not retryable: fix the configuration or data, then run `convoy train` again")
-    publish_failure_note(info["run_name"], title, lines)
+    publish_failure_note(info.run_name, title, lines)
 
 
 def chunk_failed(task: Any, task_run: Any, state: Any) -> None:
@@ -112,9 +124,9 @@ def _flow_hook(kind: str, flow_run: Any, state: Any) -> None:
         found = _run_dir_from_flow_params(dict(flow_run.parameters or {}))
         if found is None or not found[0].exists():
             return
-        info = {"run_dir": found[0], "run_name": found[1], "chunk": None}
+        info = HookTarget(found[0], found[1])
     try:
-        _audit(kind, {**info, "chunk": None, "flow_run_id": str(flow_run.id)}, _exception(state), state)
+        _audit(kind, replace(info, chunk=None, flow_run_id=str(flow_run.id)), _exception(state), state)
     except Exception as exc:  # noqa: BLE001
         log.warning("flow %s hook: %s", kind, exc)
 

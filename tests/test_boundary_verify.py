@@ -13,7 +13,7 @@ import pytest
 from engine_util import make_run, run_worker
 
 from tasks.chunk import ChunkRun
-from tasks.supervision import handoff
+from tasks.run_resources import RunResources
 from tasks.supervision.supervisor import ChunkFailed, Outcome
 from tasks.supervision.worker_handle import spawn
 from training.rundir import load_run_config
@@ -36,11 +36,14 @@ def test_a_boundary_that_does_not_verify_releases_the_parked_worker(tmp_path: Pa
     # a real process stands for the worker that went on into the next chunk
     cmd = [sys.executable, "-c", "import time; time.sleep(120)"]
     parked = spawn(cmd, tmp_path / "parked.log", "parked", cwd=None, env={})
-    handoff.park(run_dir, parked, cmd)
-    assert handoff.parked_pid(run_dir) == parked.pid
-    run = ChunkRun(load_run_config(run_dir), run_dir, 1, 0, 20, _Log())
+    cfg = load_run_config(run_dir)
+    resources = RunResources(cfg, run_dir)
+    parking = resources.slots.parking
+    parking.park(parked, cmd)
+    assert parking.parked_pid() == parked.pid
+    run = ChunkRun(cfg, run_dir, (1, 0, 20), resources, _Log())
     with pytest.raises(ChunkFailed, match="no valid checkpoint at step 20") as failed:
         run.committed(time.time(), Outcome(0, 1.0, 20, tmp_path / "parked.log"))
     assert failed.value.details.last_committed_step == 10
-    assert handoff.parked_pid(run_dir) is None and handoff.adopt(run_dir, cmd) is None
+    assert parking.parked_pid() is None and parking.adopt(cmd) is None
     assert parked.wait_exit(10), "the parked worker still runs"

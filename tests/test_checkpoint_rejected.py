@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from tasks.supervision.supervisor import AttemptSpec, ChunkFailed, supervise, worker_command
+from tasks.supervision.attempt import AttemptSpec
+from tasks.supervision.supervisor import ChunkFailed, supervise, worker_command
 from tasks.supervision.worker_liveness import DetectionLimits
 from tests.engine_util import make_run, run_worker
 from training.checkpointing.errors import CheckpointRejected

@@ -127,7 +127,8 @@ def test_sigstop_one_rank_is_a_hang_and_all_ranks_are_reaped(tmp_path: Path) -> 
 
     import psutil
 
-    from tasks.supervision.supervisor import AttemptSpec, ChunkFailed, supervise, worker_command
+    from tasks.supervision.attempt import AttemptSpec
+    from tasks.supervision.supervisor import ChunkFailed, supervise, worker_command
     from tasks.supervision.worker_liveness import DetectionLimits
     from training.heartbeat import read_heartbeat
     from training.rundir import load_run_config

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks.remote import remote_checkpoints
 from tasks.remote.dvc_version import version_checkpoint
 from tasks.remote.remote_checkpoints import fetch_newest, open_remote
+from tasks.run_resources import RunResources
 from tests.engine_util import final_digest, make_run, run_worker
 from tests.test_dvc import dvc_repo
 from training.checkpointing.store import CheckpointStore
@@ -139,16 +139,18 @@ def test_uploader_follows_the_newest_committed_checkpoint(tmp_path: Path) -> Non
     remote = str(tmp_path / "remote")
     a = machine(tmp_path, "a", remote)
     cfg = load_run_config(a)
-    uploader = remote_checkpoints.follow(cfg, a)
-    assert uploader is not None and remote_checkpoints.follow(cfg, a) is uploader  # one per run
+    resources = RunResources(cfg, a)
+    uploader = resources.follow_uploads()
+    assert uploader is not None and resources.follow_uploads() is uploader  # one per run
     code, out = run_worker(a, 20, env={"CONVOY_FAULTS": "step_delay=0.1"})
     assert code == 0, out
-    remote_checkpoints.stop(a, drain=True)
+    resources.close()  # drains: the newest committed checkpoint is uploaded
     steps = uploaded_steps(a)
     assert steps[-1] == 20 and len(steps) >= 2, steps  # at least one mid-way upload while training
     assert all(e["upload_lag_steps"] <= 10 for e in read_events(a, "checkpoint_published"))
-    assert remote_checkpoints.follow(cfg, a).upload_newest() is None  # 20 is in the index: nothing to do
-    remote_checkpoints.stop(a)
+    again = RunResources(cfg, a)
+    assert again.follow_uploads().upload_newest() is None  # 20 is in the index: nothing to do
+    again.close()
 
 
 def test_index_is_written_last_and_read_back(tmp_path: Path) -> None:

@@ -17,9 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tasks.supervision.attempt import AttemptSpec, WorkerSlots
 from tasks.supervision.failure_details import FailureDetails
 from tasks.supervision.failure_kinds import classify_exit
-from tasks.supervision.supervisor import AttemptSpec, ChunkFailed, supervise
+from tasks.supervision.supervisor import ChunkFailed, supervise
 from tasks.supervision.worker_liveness import RANK_GONE_GRACE_S, DetectionLimits, Watch, failure_verdict, lost_rank
 from training.config import load_config
 from training.events import read_events
@@ -324,12 +325,15 @@ def test_a_worker_that_dies_between_chunk_tasks_is_reported_with_its_last_words(
     script.write_text(DIES_AFTER_BOUNDARY)
     cmd = [sys.executable, str(script), str(run_dir)]
     log = run_dir / "logs" / "chunk-1.log"
-    out = supervise(AttemptSpec(cmd, run_dir, FAST, log, chunk=1, attempt=1, boundary_step=10))
+    slots = WorkerSlots.empty(run_dir)  # the run's: chunk 1 parks in it, chunk 2 adopts from it
+    out = supervise(AttemptSpec(cmd, run_dir, FAST, log, chunk=1, attempt=1, boundary_step=10, slots=slots))
     assert out.returncode == 0  # the boundary was committed: chunk 1 is done, the worker parked
     time.sleep(1.5)  # the worker dies while no task watches it
     with pytest.raises(ChunkFailed) as info:
         supervise(
-            AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, attempt=1, boundary_step=20)
+            AttemptSpec(
+                cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, attempt=1, boundary_step=20, slots=slots
+            )
         )
     assert info.value.kind == "crash" and "boom between the two chunk tasks" in str(info.value), info.value
     assert not leftovers(run_dir)
@@ -344,14 +348,21 @@ def test_a_worker_stopped_between_chunk_tasks_is_a_hang_not_a_worker_that_never_
     script = tmp_path / "dies_after_boundary.py"
     script.write_text(DIES_AFTER_BOUNDARY)
     cmd = [sys.executable, str(script), str(run_dir)]
-    out = supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c1.log", chunk=1, attempt=1, boundary_step=10))
+    slots = WorkerSlots.empty(run_dir)  # the run's: chunk 1 parks in it, chunk 2 adopts from it
+    out = supervise(
+        AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c1.log", chunk=1, attempt=1, boundary_step=10, slots=slots)
+    )
     assert out.returncode == 0
     beat = read_heartbeat(run_dir, 0)
     os.kill(beat.pid, signal.SIGSTOP)
     time.sleep(0.5)  # stopped while no task watches it
     t0 = time.monotonic()
     with pytest.raises(ChunkFailed) as info:
-        supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c2.log", chunk=2, attempt=1, boundary_step=20))
+        supervise(
+            AttemptSpec(
+                cmd, run_dir, FAST, run_dir / "logs" / "c2.log", chunk=2, attempt=1, boundary_step=20, slots=slots
+            )
+        )
     assert info.value.kind == "hang", info.value
     assert time.monotonic() - t0 < FAST.init_timeout_s + FAST.grace_s, "judged as a worker that never beat"
     assert not leftovers(run_dir)
@@ -382,10 +393,15 @@ def test_a_worker_dead_by_the_time_its_boundary_is_seen_is_classified_by_the_nex
     script = tmp_path / "dies_at_boundary.py"
     script.write_text(DIES_AT_BOUNDARY)
     cmd = [sys.executable, str(script), str(run_dir)]
-    out = supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "chunk-1.log", chunk=1, boundary_step=10))
+    slots = WorkerSlots.empty(run_dir)  # the run's: chunk 1 parks in it, chunk 2 adopts from it
+    out = supervise(
+        AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "chunk-1.log", chunk=1, boundary_step=10, slots=slots)
+    )
     assert out.returncode == 0
     with pytest.raises(ChunkFailed) as info:
-        supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, boundary_step=20))
+        supervise(
+            AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, boundary_step=20, slots=slots)
+        )
     assert info.value.kind == "diskfull", info.value
     assert not leftovers(run_dir)
 
@@ -424,13 +440,20 @@ def test_a_parked_worker_killed_between_chunk_tasks_is_detected_when_it_dies(tmp
     script = tmp_path / "trains_on.py"
     script.write_text(TRAINS_ON_AFTER_BOUNDARY)
     cmd = [sys.executable, str(script), str(run_dir)]
-    out = supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c1.log", chunk=1, attempt=1, boundary_step=10))
+    slots = WorkerSlots.empty(run_dir)  # the run's: chunk 1 parks in it, chunk 2 adopts from it
+    out = supervise(
+        AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c1.log", chunk=1, attempt=1, boundary_step=10, slots=slots)
+    )
     assert out.returncode == 0
     killed_at = time.time()
     os.kill(int(read_heartbeat(run_dir, 0).pid), signal.SIGKILL)
     time.sleep(1.0)  # the gap between the two chunk tasks
     with pytest.raises(ChunkFailed) as info:
-        supervise(AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c2.log", chunk=2, attempt=1, boundary_step=20))
+        supervise(
+            AttemptSpec(
+                cmd, run_dir, FAST, run_dir / "logs" / "c2.log", chunk=2, attempt=1, boundary_step=20, slots=slots
+            )
+        )
     assert info.value.kind == "killed", info.value
     event = read_events(run_dir, "failure")[-1]
     assert event["detected_at"] - killed_at < 0.5, event  # adopted 1 s after the kill

@@ -5,7 +5,7 @@ After a chunk commits, :func:`version_checkpoint` runs ``dvc add`` on the checkp
 files cost nothing) and ``dvc push``es it to the remote, through the ``dvc.repo.Repo`` API.  A
 committed checkpoint directory is immutable and is hard-linked to a private stage before DVC reads
 it, so retention deleting it meanwhile is harmless: this can run on a background thread while the
-next chunk trains (:func:`version_checkpoint_async`).  Once every object of the checkpoint is
+next chunk trains (:class:`Versioning`).  Once every object of the checkpoint is
 in the remote, it is added to the run's index there (:mod:`tasks.remote.remote_index`), which is how
 another machine finds it without a git commit (:mod:`tasks.remote.remote_checkpoints` uploads the
 checkpoints between chunk boundaries too, and fetches them).
@@ -57,9 +57,9 @@ STAGE_PREFIX = ".stage-"
 #: Name given to a remote configured from a URL or path in ``tracking.dvc_remote``.
 URL_REMOTE_NAME = "convoy"
 
+#: DVC's repository in this process: one call at a time (DVC's own lock is per process tree).
 _dvc_lock = threading.Lock()
 _version_lock = threading.Lock()
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 class VersioningError(RuntimeError):
@@ -427,14 +427,19 @@ def remote_run(repo: Any, remote_name: str | None, run_dir: Path) -> remote_inde
 
 
 def version_checkpoint_async(
-    repo_root: str | Path | None, checkpoint_path: str | Path, remote: str | None = None
+    repo_root: str | Path | None,
+    checkpoint_path: str | Path,
+    remote: str | None = None,
+    executor: concurrent.futures.Executor | None = None,
 ) -> PendingVersion:
-    """Same as :func:`version_checkpoint` on one background thread (in submission order)."""
-    global _executor
-    if _executor is None:
-        _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="convoy-dvc")
+    """Same as :func:`version_checkpoint` on ``executor`` (a run's :class:`Versioning` thread;
+    None: a thread of its own)."""
+    own = executor is None
+    pool = executor or concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="convoy-dvc")
     staged = threading.Event()
-    future = _executor.submit(version_checkpoint, repo_root, checkpoint_path, remote, True, staged)
+    future = pool.submit(version_checkpoint, repo_root, checkpoint_path, remote, True, staged)
+    if own:
+        pool.shutdown(wait=False)  # the submitted call still runs; the thread ends after it
     return PendingVersion(Path(checkpoint_path).name, future, staged)
 
 
@@ -446,19 +451,37 @@ def remote_label(repo: Any, name: str | None, source: str) -> str:
     return f"remote {name!r} ({url}, from {source})" if source else f"remote {name!r} ({url})"
 
 
-def version_async(config: RunConfig, run_dir: Path, step: int, only_if_missing: bool = False) -> PendingVersion | None:
-    """Start DVC-versioning a committed chunk checkpoint on a background thread, overlapping the
-    next chunk's training.  Safe against retention: the checkpoint is hard-linked into a private
-    staging folder before ``dvc add`` (:func:`_snapshot`).  Returns the pending versioning, or None
-    if off (or, ``only_if_missing``, if the checkpoint is gone or already has its ``.dvc`` file)."""
-    if not config.tracking.dvc:
-        return None
-    path = RunPaths(run_dir).checkpoint(step)
-    if only_if_missing and (not path.is_dir() or path.with_name(path.name + ".dvc").exists()):
-        return None
-    return version_checkpoint_async(None, str(path), config.tracking.dvc_remote or None)
+class Versioning:
+    """A run's chunk-boundary versioning: one background thread (checkpoints are versioned in
+    submission order) and what is still in flight.  Held by the flow's run resources; the flow
+    submits each committed boundary and :meth:`collect` waits for them once, as the run closes."""
 
+    def __init__(self, config: RunConfig, run_dir: Path) -> None:
+        self.config, self.run_dir = config, Path(run_dir)
+        self.pending: list[PendingVersion] = []
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
-def collect_versions(pending: list[PendingVersion]) -> list[Versioned | NotVersioned]:
-    """Wait for the background versioning; a failure is a warning (the checkpoint is safe on disk)."""
-    return [p.outcome() for p in pending]
+    def submit(self, step: int, only_if_missing: bool = False) -> PendingVersion | None:
+        """Start DVC-versioning a committed chunk checkpoint, overlapping the next chunk's training.
+        Safe against retention: the checkpoint is hard-linked into a private staging folder before
+        ``dvc add`` (:func:`_snapshot`).  None if versioning is off (or, ``only_if_missing``, if the
+        checkpoint is gone or already has its ``.dvc`` file)."""
+        if not self.config.tracking.dvc:
+            return None
+        path = RunPaths(self.run_dir).checkpoint(step)
+        if only_if_missing and (not path.is_dir() or path.with_name(path.name + ".dvc").exists()):
+            return None
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="convoy-dvc")
+        pending = version_checkpoint_async(None, str(path), self.config.tracking.dvc_remote or None, self._executor)
+        self.pending.append(pending)
+        return pending
+
+    def collect(self) -> list[Versioned | NotVersioned]:
+        """Wait for every versioning in flight and end the thread; a failure is a warning (the
+        checkpoint is safe on disk)."""
+        done, self.pending = [p.outcome() for p in self.pending], []
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        return done

@@ -3,15 +3,16 @@
 With ``tracking.dvc`` on, a run needs no shared disk and no manual step to continue on another
 machine:
 
-* **Upload** (:class:`Uploader`, one per run in the process that supervises its workers): a
-  thread follows the run's ``LATEST`` and uploads the newest committed checkpoint whenever it is
-  free, through :func:`tasks.remote.dvc_version.version_checkpoint` (hard-linked stage, the store's own
-  verification, ``dvc add`` + ``dvc push``: content-addressed, so unchanged files cost nothing;
-  then the remote index, :mod:`tasks.remote.remote_index`).  Policy: the newest wins; checkpoints
-  committed while an upload runs are passed over, except the newest, so the lag stays about one
-  upload and the remote never falls further behind.  It runs beside the worker, never in it: a
-  step is never held up beyond the snapshot the worker already takes.  The stage is a set of hard
-  links, so retention deletes the checkpoint as usual (invariant 3 is untouched).
+* **Upload** (:class:`Uploader`, one per run, held by the run's resources in the process that
+  supervises its workers): a thread follows the run's ``LATEST`` and uploads the newest committed
+  checkpoint whenever it is free, through :func:`tasks.remote.dvc_version.version_checkpoint`
+  (hard-linked stage, the store's own verification, ``dvc add`` + ``dvc push``: content-addressed,
+  so unchanged files cost nothing; then the remote index, :mod:`tasks.remote.remote_index`).
+  Policy: the newest wins; checkpoints committed while an upload runs are passed over, except the
+  newest, so the lag stays about one upload and the remote never falls further behind.  It runs
+  beside the worker, never in it: a step is never held up beyond the snapshot the worker already
+  takes.  The stage is a set of hard links, so retention deletes the checkpoint as usual
+  (invariant 3 is untouched).
 * **Fetch** (:func:`fetch_newest`, before a worker restores: the flow's start, every chunk
   attempt, so also a standby's hand-over and a pool chunk on a new node): when the remote's
   newest uploaded checkpoint is newer than anything that verifies here, it is downloaded straight
@@ -28,8 +29,6 @@ Never imported by ``training/`` (the worker knows nothing of DVC: it restores wh
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import logging
 import os
 import shutil
@@ -295,37 +294,7 @@ class Uploader:
         self._stop.set()
         self._thread.join(timeout=300)
 
-
-_UPLOADERS: dict[str, Uploader] = {}
-_LOCK = threading.Lock()
-
-
-def follow(config: RunConfig, run_dir: Path) -> Uploader | None:
-    """Start (once per run and process) the run's uploader; None when versioning is off."""
-    if not config.tracking.dvc:
-        return None
-    key = str(Path(run_dir).resolve())
-    with _LOCK:
-        if key not in _UPLOADERS:
-            _UPLOADERS[key] = Uploader(config, Path(run_dir))
-        return _UPLOADERS[key]
-
-
-def stop(run_dir: Path, drain: bool = False) -> Versioned | None:
-    """Stop the run's uploader; ``drain``: upload the newest committed checkpoint first."""
-    with _LOCK:
-        uploader = _UPLOADERS.pop(str(Path(run_dir).resolve()), None)
-    if uploader is None:
-        return None
-    uploader.stop()
-    return uploader.drain() if drain else None
-
-
-@atexit.register
-def _stop_all() -> None:
-    with _LOCK:
-        uploaders = list(_UPLOADERS.values())
-        _UPLOADERS.clear()
-    for uploader in uploaders:
-        with contextlib.suppress(Exception):
-            uploader.stop()
+    def close(self, drain: bool = False) -> Versioned | None:
+        """Stop following; ``drain``: upload the newest committed checkpoint first."""
+        self.stop()
+        return self.drain() if drain else None

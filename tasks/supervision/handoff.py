@@ -11,19 +11,18 @@ Failures are unchanged: the task watching the worker stops its whole group and r
 retry starts a fresh worker from the newest verified checkpoint.  A worker that died between two
 tasks is adopted dead and reported as the next chunk's failure (that is where its steps were).
 Between the two tasks (the flow versions the boundary, refreshes the audit, Prefect starts the
-next task: about a second) no task watches the worker, so the registry does: a thread waits on
+next task: about a second) no task watches the worker, so the parking does: a thread waits on
 its pidfd and notes the moment it died, which the adopting task reports as the detection.
-The registry lives in the flow process (tasks are threads there); pool mode never uses it.
+The :class:`Parking` lives in the flow process (tasks are threads there), one per run, held by
+the run's resources; pool mode never uses it.
 The protocol around the boundary (what the worker waits for, what the flow acknowledges, what
 retention keeps): :mod:`training.chunk_boundary`.
 """
 
 from __future__ import annotations
 
-import atexit
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tasks.supervision.worker_handle import WorkerHandle
 
@@ -56,57 +55,50 @@ class Parked:
         return self.worker
 
 
-_LIVE: dict[str, Parked] = {}
-_LOCK = threading.Lock()
+class Parking:
+    """The one place a run's worker waits between two chunk tasks (at most one worker at a time).
 
+    One per run, held by the flow's :class:`tasks.run_resources.RunResources` and handed to each
+    chunk attempt explicitly: the parking chunk and the adopting one share this object, not a
+    process-wide registry.  Thread-safe: chunk tasks are threads of the flow process."""
 
-def _key(run_dir: str | Path) -> str:
-    return str(Path(run_dir).resolve())
+    def __init__(self) -> None:
+        self._parked: Parked | None = None
+        self._lock = threading.Lock()
 
+    def _take(self) -> Parked | None:
+        with self._lock:
+            parked, self._parked = self._parked, None
+        return parked
 
-def park(run_dir: str | Path, worker: WorkerHandle, cmd: list[str]) -> None:
-    """Keep a running worker for the next chunk task of this run, watched until it is adopted."""
-    parked = Parked(worker, list(cmd))
-    with _LOCK:
-        old = _LIVE.pop(_key(run_dir), None)
-        _LIVE[_key(run_dir)] = parked
-    if old is not None and old.worker is not worker:
-        old.hand_over().stop(5.0)
+    def park(self, worker: WorkerHandle, cmd: list[str]) -> None:
+        """Keep a running worker for the next chunk task, watched until it is adopted."""
+        parked = Parked(worker, list(cmd))
+        with self._lock:
+            old, self._parked = self._parked, parked
+        if old is not None and old.worker is not worker:
+            old.hand_over().stop(5.0)
 
+    def adopt(self, cmd: list[str]) -> WorkerHandle | None:
+        """The parked worker if it runs ``cmd`` (else it is stopped and None returned)."""
+        parked = self._take()
+        if parked is None:
+            return None
+        worker = parked.hand_over()
+        if parked.cmd != list(cmd):
+            worker.stop(5.0)
+            return None
+        return worker
 
-def adopt(run_dir: str | Path, cmd: list[str]) -> WorkerHandle | None:
-    """The parked worker of this run if it runs ``cmd`` (else it is stopped and None returned)."""
-    with _LOCK:
-        parked = _LIVE.pop(_key(run_dir), None)
-    if parked is None:
-        return None
-    worker = parked.hand_over()
-    if parked.cmd != list(cmd):
-        worker.stop(5.0)
-        return None
-    return worker
+    def parked_pid(self) -> int | None:
+        with self._lock:
+            parked = self._parked
+        return parked.worker.pid if parked is not None and parked.worker.poll() is None else None
 
-
-def parked_pid(run_dir: str | Path) -> int | None:
-    with _LOCK:
-        parked = _LIVE.get(_key(run_dir))
-    return parked.worker.pid if parked is not None and parked.worker.poll() is None else None
-
-
-def release(run_dir: str | Path, grace_s: float = 10.0) -> bool:
-    """Stop the parked worker of this run, if any (the flow ends or fails).  True if one was."""
-    with _LOCK:
-        parked = _LIVE.pop(_key(run_dir), None)
-    if parked is None:
-        return False
-    parked.hand_over().stop(grace_s)
-    return True
-
-
-@atexit.register
-def _release_all() -> None:
-    with _LOCK:
-        parked = list(_LIVE.values())
-        _LIVE.clear()
-    for p in parked:
-        p.hand_over().stop(5.0)
+    def release(self, grace_s: float = 10.0) -> bool:
+        """Stop the parked worker, if any (the flow ends or fails).  True if there was one."""
+        parked = self._take()
+        if parked is None:
+            return False
+        parked.hand_over().stop(grace_s)
+        return True

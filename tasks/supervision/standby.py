@@ -11,16 +11,16 @@ newest verified checkpoint and trains exactly as a fresh worker would (same buil
 so resumes stay bitwise exact.
 
 Lifetime: one standby per run in the flow process (chunk tasks are threads there, like
-:mod:`tasks.supervision.handoff`).  Its stdin is a pipe from this process: if the flow dies the pipe closes
-and the standby, still waiting, exits (the parent-death signal covers it too); when the flow ends
-:func:`release` closes it.  Single process runs only: a multi-rank worker is a torchrun group
-whose rendezvous is part of its start, so a spare group would have to join the live one's
-rendezvous; not attempted (``standby`` is ignored for more than one rank, said in the log).
+:mod:`tasks.supervision.handoff`), in the run's :class:`StandbySlot`.  Its stdin is a pipe from
+this process: if the flow dies the pipe closes and the standby, still waiting, exits (the
+parent-death signal covers it too); when the flow ends :meth:`StandbySlot.release` closes it.
+Single process runs only: a multi-rank worker is a torchrun group whose rendezvous is part of its
+start, so a spare group would have to join the live one's rendezvous; not attempted (``standby``
+is ignored for more than one rank, said in the log).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import subprocess
 import sys
@@ -36,66 +36,71 @@ from training.paths import RunPaths
 #: (its ``offset``: where its output starts, read from there once it is called).
 StartFn = Callable[[list[str], Path], WorkerHandle]
 
-_STANDBY: dict[str, WorkerHandle] = {}
-_LOCK = threading.Lock()
-
-
-def _key(run_dir: str | Path) -> str:
-    return str(Path(run_dir).resolve())
-
 
 def standby_command(run_dir: str | Path) -> list[str]:
     return [sys.executable, "-m", "training.worker", "--run-dir", str(Path(run_dir).resolve()), "--standby"]
 
 
-def ensure(run_dir: str | Path, start: StartFn) -> WorkerHandle:
-    """The run's standby; started with ``start(cmd, log_path)`` if there is none alive."""
-    rd = Path(run_dir)
-    with _LOCK:
-        current = _STANDBY.get(_key(rd))
+class StandbySlot:
+    """The run's one warm standby worker (or none), held by the run's resources and handed to each
+    chunk attempt explicitly.  Thread-safe: chunk tasks are threads of the flow process."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self._standby: WorkerHandle | None = None
+        self._lock = threading.Lock()
+
+    def _take(self) -> WorkerHandle | None:
+        with self._lock:
+            standby, self._standby = self._standby, None
+        return standby
+
+    def ensure(self, start: StartFn) -> WorkerHandle:
+        """The run's standby; started with ``start(cmd, log_path)`` if there is none alive."""
+        with self._lock:
+            current = self._standby
         if current is not None and current.poll() is None:
             return current
-        _STANDBY.pop(_key(rd), None)
-    paths = RunPaths(rd)
-    n = len(list(paths.logs.glob("standby-*.log"))) + 1
-    standby = start(standby_command(rd), paths.standby_log(n))
-    with _LOCK:
-        old = _STANDBY.pop(_key(rd), None)
-        _STANDBY[_key(rd)] = standby
-    if old is not None:
-        old.stop(2.0)
-    return standby
+        paths = RunPaths(self.run_dir)
+        n = len(list(paths.logs.glob("standby-*.log"))) + 1
+        standby = start(standby_command(self.run_dir), paths.standby_log(n))
+        with self._lock:
+            old, self._standby = self._standby, standby
+        if old is not None:
+            old.stop(2.0)
+        return standby
 
+    def take(self, order: StandbyOrder) -> WorkerHandle | None:
+        """Hand the standby its order and give it to the caller to watch; None if there is no
+        standby alive (it died, or was never started): the caller spawns a worker as usual."""
+        standby = self._take()
+        if standby is None:
+            return None
+        stdin = standby.proc.stdin
+        if standby.poll() is not None or stdin is None:
+            standby.stop(1.0)
+            return None
+        try:
+            stdin.write(order.as_line().encode())
+            stdin.flush()
+            stdin.close()
+        except OSError:  # it died between the poll and the write
+            standby.stop(1.0)
+            return None
+        return standby
 
-def take(run_dir: str | Path, order: StandbyOrder) -> WorkerHandle | None:
-    """Hand the run's standby its order and give it to the caller to watch; None if there is no
-    standby alive (it died, or was never started): the caller spawns a worker as usual."""
-    with _LOCK:
-        standby = _STANDBY.pop(_key(run_dir), None)
-    if standby is None:
-        return None
-    stdin = standby.proc.stdin
-    if standby.poll() is not None or stdin is None:
-        standby.stop(1.0)
-        return None
-    try:
-        stdin.write(order.as_line().encode())
-        stdin.flush()
-        stdin.close()
-    except OSError:  # it died between the poll and the write
-        standby.stop(1.0)
-        return None
-    return standby
+    def release(self, grace_s: float = 2.0) -> bool:
+        """Stop the standby (the flow ends).  True if there was one."""
+        standby = self._take()
+        if standby is None:
+            return False
+        _stop(standby, grace_s)
+        return True
 
-
-def release(run_dir: str | Path, grace_s: float = 2.0) -> bool:
-    """Stop the run's standby (the flow ends).  True if there was one."""
-    with _LOCK:
-        standby = _STANDBY.pop(_key(run_dir), None)
-    if standby is None:
-        return False
-    _stop(standby, grace_s)
-    return True
+    def pid(self) -> int | None:
+        with self._lock:
+            standby = self._standby
+        return standby.pid if standby is not None and standby.poll() is None else None
 
 
 def _stop(standby: WorkerHandle, grace_s: float) -> None:
@@ -107,18 +112,3 @@ def _stop(standby: WorkerHandle, grace_s: float) -> None:
     except subprocess.TimeoutExpired:
         pass
     standby.stop(grace_s)
-
-
-def pid(run_dir: str | Path) -> int | None:
-    with _LOCK:
-        standby = _STANDBY.get(_key(run_dir))
-    return standby.pid if standby is not None and standby.poll() is None else None
-
-
-@atexit.register
-def _release_all() -> None:
-    with _LOCK:
-        standbys = list(_STANDBY.values())
-        _STANDBY.clear()
-    for standby in standbys:
-        _stop(standby, 2.0)

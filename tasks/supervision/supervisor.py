@@ -21,11 +21,12 @@ from __future__ import annotations
 import collections
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from tasks.supervision.attempt import AttemptSpec
 from tasks.supervision.failure_details import FailureDetails
 from tasks.supervision.failure_kinds import (
     NOT_RETRYABLE,
@@ -39,11 +40,11 @@ from tasks.supervision.failure_kinds import (
     signame,
 )
 from tasks.supervision.multinode import failed_node, launcher_command
-from tasks.supervision.worker_liveness import DetectionLimits, Watch, failure_verdict, fresh_beats
+from tasks.supervision.worker_liveness import Watch, failure_verdict, fresh_beats
 from tasks.supervision.worker_log import LogFollower
-from tasks.supervision.worker_source import Launch, Source, WorkerSource, clock
+from tasks.supervision.worker_source import Source, WorkerSource, clock
 from training import chunk_boundary
-from training.events import EXIT_CONFIG, Event, FailureKind, Phase, StandbyOrder, append_event
+from training.events import EXIT_CONFIG, Event, FailureKind, Phase, append_event
 from training.heartbeat import read_heartbeat
 from training.paths import RunPaths
 from training.tracking.resume_audit import resume_point, steps_lost, trained_high_water
@@ -128,35 +129,6 @@ def _size(path: Path) -> int:
         return 0
 
 
-@dataclass(frozen=True)
-class AttemptSpec:
-    """What one worker attempt runs and how it is watched: the input of :class:`WorkerAttempt`.
-
-    Where the worker comes from (spawned from ``cmd``, adopted from the previous chunk, or the
-    warm standby given ``standby_order``) is :mod:`tasks.supervision.worker_source`'s business.
-    ``boundary_step`` (pipelined, every chunk but the last): once that step's checkpoint is
-    committed the attempt ends with the worker still training, parked for the next chunk (rule 2
-    of :mod:`training.chunk_boundary`)."""
-
-    cmd: Sequence[str]
-    run_dir: Path
-    limits: DetectionLimits
-    log_path: Path
-    ranks: int = 1
-    chunk: int | None = None
-    attempt: int | None = None
-    env: dict[str, str] | None = None
-    cwd: str | Path | None = None
-    on_line: Callable[[str], None] | None = None
-    tail_lines: int = 80
-    boundary_step: int | None = None
-    standby_order: StandbyOrder | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "run_dir", Path(self.run_dir))
-        object.__setattr__(self, "log_path", Path(self.log_path))
-
-
 def supervise(spec: AttemptSpec) -> Outcome:
     """Run one attempt to completion under watch; return on exit 0 (or a parked hand-off), raise
     :class:`ChunkFailed` otherwise.  See :class:`WorkerAttempt`."""
@@ -179,19 +151,7 @@ class WorkerAttempt:
         self.failure: Verdict | None = None
         self.handed_off = False
         self.leftover: list[int] = []
-        self.source = WorkerSource(
-            Launch(
-                spec.cmd,
-                spec.run_dir,
-                spec.log_path,
-                spec.ranks,
-                spec.chunk,
-                spec.attempt,
-                spec.cwd,
-                spec.env,
-                spec.standby_order,
-            )
-        )
+        self.source = WorkerSource(spec)
 
     def run(self) -> Outcome:
         self.start()

@@ -21,17 +21,15 @@ started behind it) and, at a committed boundary, leaves the worker to the next c
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from tasks.supervision import handoff, standby
+from tasks.supervision.attempt import AttemptSpec
 from tasks.supervision.worker_handle import WorkerHandle, spawn
-from training.events import Event, StandbyOrder, append_event
+from training.events import Event, append_event
 from training.heartbeat import heartbeat_path
 
 
@@ -41,25 +39,6 @@ class Source(StrEnum):
     ADOPTED = "adopted"
     STANDBY = "standby"
     SPAWNED = "spawned"
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What an attempt needs from a worker: the command a fresh one runs, where its output goes,
-    and the order a standby would be given instead (None: no standby for this run)."""
-
-    cmd: Sequence[str]
-    run_dir: Path
-    log_path: Path
-    ranks: int
-    chunk: int | None
-    attempt: int | None
-    cwd: str | Path | None
-    env: dict[str, str] | None
-    standby_order: StandbyOrder | None
-
-    def environment(self) -> dict[str, str]:
-        return {**os.environ, **(self.env or {})}
 
 
 @dataclass(frozen=True)
@@ -76,14 +55,15 @@ def clock(t: float) -> str:
 class WorkerSource:
     """Where one attempt's worker comes from and goes to (see the module docstring)."""
 
-    def __init__(self, launch: Launch) -> None:
-        self.launch = launch
+    def __init__(self, spec: AttemptSpec) -> None:
+        self.launch = spec
+        self.slots = spec.slots
         self.standby_checked = False
 
     def acquire(self, started: float) -> Acquired:
         """This attempt's worker: the parked one, else the standby, else a fresh spawn."""
         launch = self.launch
-        parked = handoff.adopt(launch.run_dir, list(launch.cmd))  # None unless the previous chunk parked it
+        parked = self.slots.parking.adopt(list(launch.cmd))  # None unless the previous chunk parked it
         if parked is not None:
             return Acquired(parked, Source.ADOPTED)
         for r in range(launch.ranks):  # stale beats of an earlier attempt must not count as liveness
@@ -101,7 +81,7 @@ class WorkerSource:
         launch = self.launch
         if launch.standby_order is None:
             return None
-        ready = standby.take(launch.run_dir, launch.standby_order)
+        ready = self.slots.standby.take(launch.standby_order)
         if ready is None:
             return None
         with open(ready.log_path, "ab") as log:
@@ -131,8 +111,8 @@ class WorkerSource:
             header = f"standby started {clock(time.time())}"
             return spawn(cmd, log_path, header, cwd=launch.cwd, env=launch.environment(), stdin=subprocess.PIPE)
 
-        standby.ensure(launch.run_dir, start)
+        self.slots.standby.ensure(start)
 
     def park(self, worker: WorkerHandle) -> None:
         """Leave the worker, alive or not, to the next chunk's attempt (which judges it)."""
-        handoff.park(self.launch.run_dir, worker, list(self.launch.cmd))
+        self.slots.parking.park(worker, list(self.launch.cmd))

@@ -1,0 +1,69 @@
+"""What lives across the chunk tasks of one run, in one object the flow holds and passes on.
+
+A flow run trains its chunks as Prefect tasks in its own process (threads), and four things
+outlive a single chunk task: the pipelined worker parked at a chunk boundary for the next task
+(:class:`tasks.supervision.handoff.Parking`), the warm standby (:class:`tasks.supervision.standby.StandbySlot`),
+the thread that uploads committed checkpoints (:class:`tasks.remote.remote_checkpoints.Uploader`)
+and the boundary versioning still in flight (:class:`tasks.remote.dvc_version.Versioning`).
+
+:class:`RunResources` is created when the flow opens the run, handed to every chunk task as a
+parameter (a plain object: Prefect passes it through, the task's cache policy is ``NO_CACHE`` so
+it is never hashed), and released once by :meth:`RunResources.close` on the flow's one exit path,
+whatever happened.  A chunk task called on its own (a pool node's chunk flow, a test) makes its
+own and closes it when it ends.  Nothing is looked up by run directory in a module registry, so a
+signature says what a piece depends on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from tasks.remote.dvc_version import NotVersioned, Versioned, Versioning
+from tasks.remote.remote_checkpoints import Uploader
+from tasks.supervision.attempt import WorkerSlots
+from tasks.supervision.handoff import Parking
+from tasks.supervision.standby import StandbySlot
+from training.config import RunConfig
+
+log = logging.getLogger("convoy.run")
+
+
+class RunResources:
+    """One run's long-lived helpers in the flow process (see the module docstring)."""
+
+    def __init__(self, config: RunConfig, run_dir: Path) -> None:
+        self.config, self.run_dir = config, Path(run_dir).resolve()
+        self.slots = WorkerSlots(Parking(), StandbySlot(self.run_dir))
+        self.versioning = Versioning(config, self.run_dir)
+        self._uploader: Uploader | None = None
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def __repr__(self) -> str:  # what Prefect shows for the task parameter
+        return f"RunResources({self.run_dir.name})"
+
+    def follow_uploads(self) -> Uploader | None:
+        """The run's uploader, started on first use; None when versioning is off."""
+        if not self.config.tracking.dvc:
+            return None
+        with self._lock:
+            if self._uploader is None:
+                self._uploader = Uploader(self.config, self.run_dir)
+            return self._uploader
+
+    def close(self, grace_s: float = 10.0) -> tuple[bool, list[Versioned | NotVersioned], Versioned | None]:
+        """Release everything, in the order that loses nothing: stop the parked worker (only one a
+        failure left: the last chunk's worker exits by itself) and the standby, wait for the
+        boundary versioning, then upload the newest committed checkpoint and stop the uploader.
+        Returns (a worker was stopped, the versioning results, the final upload).  Idempotent."""
+        if self.closed:
+            return False, [], None
+        self.closed = True
+        stopped = self.slots.release(grace_s)
+        versioned = self.versioning.collect()
+        with self._lock:
+            uploader, self._uploader = self._uploader, None
+        final = uploader.close(drain=True) if uploader is not None else None
+        return stopped, versioned, final

@@ -1,0 +1,74 @@
+"""The one attempt object: what a worker attempt runs, how it is watched, where its worker may
+come from.  The supervisor (:mod:`tasks.supervision.supervisor`) watches it, the worker source
+(:mod:`tasks.supervision.worker_source`) starts or finds its worker from it; neither copies it.
+
+:class:`WorkerSlots` is the part that outlives one attempt: the run's parking spot (a pipelined
+worker between chunk tasks) and its standby slot.  The flow holds them for the whole run
+(:class:`tasks.run_resources.RunResources`) and every attempt of the run gets the same pair, passed
+explicitly, so nothing about a run lives in a module-level registry.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tasks.supervision.handoff import Parking
+from tasks.supervision.standby import StandbySlot
+from tasks.supervision.worker_liveness import DetectionLimits
+from training.events import StandbyOrder
+
+
+@dataclass(frozen=True)
+class WorkerSlots:
+    """A run's parking spot and standby slot (see the module docstring)."""
+
+    parking: Parking
+    standby: StandbySlot
+
+    @classmethod
+    def empty(cls, run_dir: str | Path = ".") -> WorkerSlots:
+        return cls(Parking(), StandbySlot(run_dir))
+
+    def release(self, grace_s: float = 5.0) -> bool:
+        """Stop the parked worker, then the standby; True if a worker was parked."""
+        stopped = self.parking.release(grace_s)
+        self.standby.release()
+        return stopped
+
+
+@dataclass(frozen=True)
+class AttemptSpec:
+    """What one worker attempt runs and how it is watched: the input of :class:`WorkerAttempt`.
+
+    Where the worker comes from (spawned from ``cmd``, adopted from the previous chunk, or the
+    warm standby given ``standby_order``) is :mod:`tasks.supervision.worker_source`'s business.
+    ``boundary_step`` (pipelined, every chunk but the last): once that step's checkpoint is
+    committed the attempt ends with the worker still training, parked for the next chunk (rule 2
+    of :mod:`training.chunk_boundary`)."""
+
+    cmd: Sequence[str]
+    run_dir: Path
+    limits: DetectionLimits
+    log_path: Path
+    ranks: int = 1
+    chunk: int | None = None
+    attempt: int | None = None
+    env: dict[str, str] | None = None
+    cwd: str | Path | None = None
+    on_line: Callable[[str], None] | None = None
+    tail_lines: int = 80
+    boundary_step: int | None = None
+    standby_order: StandbyOrder | None = None
+    #: Where a worker waits between chunks and the warm standby: the run's, shared by its chunk
+    #: attempts; a fresh pair (nothing parked, no standby) for an attempt on its own.
+    slots: WorkerSlots = field(default_factory=lambda: WorkerSlots.empty())
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, **(self.env or {})}
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "run_dir", Path(self.run_dir))
+        object.__setattr__(self, "log_path", Path(self.log_path))
