@@ -39,7 +39,6 @@ from tasks.supervision.process_group import reap_stale_worker
 from tasks.supervision.supervisor import ChunkFailed
 from tasks.takeover import mlflow_flow_tags, take_over
 from training import chunk_boundary
-from training.checkpointing.store import newest_verified_step
 from training.config import ConfigError, RunConfig, load_config
 from training.corpus import entropy_floor
 from training.events import Event, append_event, read_events
@@ -153,7 +152,7 @@ class TrainingRun:
             logger.warning("stopped a worker of this run left over from a flow that died")
         run = cls(cfg, run_dir, flow_run_id, logger)
         run.flow_run_name = flow_run_name
-        run.taken_over = take_over(cfg, run_dir, flow_run, logger)
+        run.taken_over = take_over(cfg, run_dir, flow_run, logger, run.resources.checkpoints)
         run.committed = run.newest_committed()
         append_event(
             run_dir,
@@ -181,7 +180,7 @@ class TrainingRun:
         cfg, run_dir = self.cfg, self.run_dir
         if cfg.tracking.dvc and cfg.orchestration.mode == "local":
             self.fetched = remote_checkpoints.fetch_before_resume(cfg, run_dir, self.logger.info)
-        committed = newest_verified_step(run_dir) or 0
+        committed = self.resources.checkpoints.resume_point().step or 0
         if cfg.tracking.dvc and cfg.orchestration.mode == "pool":
             committed = max(committed, self.uploaded_final()[0])
         return committed
@@ -206,7 +205,9 @@ class TrainingRun:
         if self.committed >= end:
             # What the chunk went through in the flow runs that trained it, and what it committed.
             row.update(self.history(chunk), status="skipped (committed)")
-            row.update(digest=committed_digest(self.run_dir, end), loss=loss_at(self.run_dir, end))
+            row.update(
+                digest=committed_digest(self.run_dir, end, self.resources.checkpoints), loss=loss_at(self.run_dir, end)
+            )
             # A flow that died after the commit but before versioning left it unversioned
             # (a pipelined worker can commit the last chunk before its flow handles it).
             self.version(end, only_if_missing=True)
@@ -278,12 +279,10 @@ class TrainingRun:
         row already holds the digest its chunk task (or the skip) verified at the final step.  Only
         a row without one (a skipped chunk whose checkpoint is not on this machine: pool mode
         without shared storage) asks the store, then the remote index."""
-        from training.checkpointing.store import CheckpointStore
-
         last = self.rows[-1] if self.rows else None
         if last is not None and last["digest"] is not None:
             return last["end_step"], last["digest"]
-        latest = CheckpointStore(self.run_dir).latest_valid(record=False)
+        latest = self.resources.checkpoints.resume_point().checkpoint
         return (latest.step, latest.digest) if latest is not None else self.uploaded_final()
 
     def summary(self) -> dict[str, Any]:

@@ -52,14 +52,13 @@ from tasks.supervision.process_group import reap_stale_worker
 from tasks.supervision.repeated import repeated_failure
 from tasks.supervision.supervisor import ChunkFailed, Outcome, supervise, worker_command
 from tasks.supervision.worker_liveness import DetectionLimits
-from training.checkpointing.store import newest_verified_step
+from training.checkpointing.store import CheckpointStore, checkpoint_name
 from training.chunk_boundary import boundary_step
 from training.config import ConfigError, RunConfig
 from training.events import Event, FailureKind, StandbyOrder, WorkerSays, append_event, read_events
 from training.paths import RunPaths
 from training.rundir import load_run_config
 from training.tracking.attempts import chunk_history, next_attempt
-from training.tracking.resume_audit import resume_point
 
 #: Worker output lines echoed to the Prefect log (everything goes to the chunk's log file).
 _ECHO = tuple(m for m in WorkerSays if m != WorkerSays.STANDBY_READY)
@@ -114,12 +113,12 @@ def loss_at(run_dir: Path, step: int) -> float | None:
     return rows[0].get("loss") if rows else None
 
 
-def committed_digest(run_dir: Path, step: int) -> str | None:
-    """Digest of the verified checkpoint at exactly ``step`` (None if missing or invalid)."""
+def committed_digest(run_dir: Path, step: int, store: CheckpointStore | None = None) -> str | None:
+    """Digest of the verified checkpoint at exactly ``step`` (None if missing or invalid);
+    ``store``: the run's (its verdicts are reused), else a fresh one."""
     from training.checkpointing.errors import CheckpointRejected
-    from training.checkpointing.store import CheckpointStore, checkpoint_name
 
-    store = CheckpointStore(run_dir)
+    store = store or CheckpointStore(run_dir)
     try:
         return store.verify(store.root / checkpoint_name(step)).digest
     except CheckpointRejected:
@@ -140,10 +139,10 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int, resource
     rd = Path(run_dir)
     cfg = load_run_config(rd)
     ctx = TaskRunContext.get()
-    if ctx is not None:
-        remember_run(ctx.task_run.id, run_dir=rd, run_name=cfg.run_name, chunk=chunk)
     own = resources is None
     held = resources or RunResources(cfg, rd)
+    if ctx is not None:
+        remember_run(ctx.task_run.id, run_dir=rd, run_name=cfg.run_name, chunk=chunk, checkpoints=held.checkpoints)
     try:
         return ChunkRun(cfg, rd, (chunk, start_step, end_step), held, get_run_logger()).run()
     finally:
@@ -224,8 +223,9 @@ class ChunkRun:
         cfg, rd = self.cfg, self.run_dir
         if self.parking.parked_pid() is None:  # a worker about to restore: the remote may hold a newer checkpoint
             remote_checkpoints.fetch_before_resume(cfg, rd, lambda m: self.logger.info("chunk %d: %s", self.chunk, m))
-        step, passed_over = resume_point(rd)
-        self.resumed_from = step or 0
+        point = self.resources.checkpoints.resume_point()
+        passed_over = point.passed_over_dicts()
+        self.resumed_from = point.step or 0
         if self.resumed_from < self.start:
             self.logger.warning(
                 "chunk %d: newest valid checkpoint is step %d, before the chunk start %d%s",
@@ -306,6 +306,7 @@ class ChunkRun:
             boundary_step=boundary_step(self.end, cfg.train.total_steps, self.pipelined),
             standby_order=StandbyOrder(until, self.pipelined) if self.standby else None,
             slots=self.resources.slots,
+            checkpoints=self.resources.checkpoints,
         )
 
     def echo(self, line: str) -> None:
@@ -316,7 +317,7 @@ class ChunkRun:
     def committed(self, started: float, outcome: Outcome) -> State:
         """Verify the chunk's end checkpoint and record the chunk (``chunk_done`` event)."""
         rd, chunk = self.run_dir, self.chunk
-        digest = committed_digest(rd, self.end)
+        digest = committed_digest(rd, self.end, self.resources.checkpoints)
         if digest is None:
             # A pipelined worker went on from this boundary and is parked for the next chunk: the
             # retry must not adopt it (it would report the same boundary again, every retry), but
@@ -325,7 +326,9 @@ class ChunkRun:
             raise ChunkFailed(
                 FailureKind.CRASH,
                 f"chunk {chunk}: worker exited 0 but no valid checkpoint at step {self.end}",
-                FailureDetails(last_committed_step=newest_verified_step(rd), log=str(outcome.log_path)),
+                FailureDetails(
+                    last_committed_step=self.resources.checkpoints.resume_point().step, log=str(outcome.log_path)
+                ),
             )
         record = ChunkRecord(
             chunk=chunk,

@@ -20,10 +20,11 @@ from typing import Any
 
 from tasks.artifacts import publish_failure_note
 from tasks.supervision.supervisor import ChunkFailed
-from training.checkpointing.store import newest_verified_step
+from training.checkpointing.store import CheckpointStore
 from training.events import append_event
 
 log = logging.getLogger("convoy.hooks")
+
 
 @dataclass(frozen=True)
 class HookTarget:
@@ -33,14 +34,21 @@ class HookTarget:
     run_name: str
     chunk: int | None = None
     flow_run_id: str | None = None
+    #: The run's store when the caller holds one (its verdicts are reused), else None.
+    checkpoints: CheckpointStore | None = None
+
+    def resume_step(self) -> int | None:
+        return (self.checkpoints or CheckpointStore(self.run_dir)).resume_point().step
 
 
 #: Prefect run id (str) → its target.
 _RUNS: dict[str, HookTarget] = {}
 
 
-def remember_run(run_id: Any, run_dir: Path, run_name: str, chunk: int | None = None) -> None:
-    _RUNS[str(run_id)] = HookTarget(Path(run_dir), run_name, chunk)
+def remember_run(
+    run_id: Any, run_dir: Path, run_name: str, chunk: int | None = None, checkpoints: CheckpointStore | None = None
+) -> None:
+    _RUNS[str(run_id)] = HookTarget(Path(run_dir), run_name, chunk, checkpoints=checkpoints)
 
 
 def _exception(state: Any) -> BaseException | None:
@@ -81,7 +89,7 @@ def _audit(kind: str, info: HookTarget, exc: BaseException | None, state: Any) -
     run_dir = info.run_dir
     failure, message = _describe(exc, state)
     try:
-        resume = newest_verified_step(run_dir) or 0
+        resume = info.resume_step() or 0
     except Exception:  # noqa: BLE001
         resume = None
     append_event(

@@ -1,10 +1,12 @@
 """What lives across the chunk tasks of one run, in one object the flow holds and passes on.
 
-A flow run trains its chunks as Prefect tasks in its own process (threads), and four things
-outlive a single chunk task: the pipelined worker parked at a chunk boundary for the next task
-(:class:`tasks.supervision.handoff.Parking`), the warm standby (:class:`tasks.supervision.standby.StandbySlot`),
-the thread that uploads committed checkpoints (:class:`tasks.remote.remote_checkpoints.Uploader`)
-and the boundary versioning still in flight (:class:`tasks.remote.dvc_version.Versioning`).
+A flow run trains its chunks as Prefect tasks in its own process (threads), and five things
+outlive a single chunk task: the run's checkpoint store with its verdicts (each unchanged
+checkpoint hashed once, :mod:`training.checkpointing.verified`), the pipelined worker parked at a
+chunk boundary for the next task (:class:`tasks.supervision.handoff.Parking`), the warm standby
+(:class:`tasks.supervision.standby.StandbySlot`), the thread that uploads committed checkpoints
+(:class:`tasks.remote.remote_checkpoints.Uploader`) and the boundary versioning still in flight
+(:class:`tasks.remote.dvc_version.Versioning`).
 
 :class:`RunResources` is created when the flow opens the run, handed to every chunk task as a
 parameter (a plain object: Prefect passes it through, the task's cache policy is ``NO_CACHE`` so
@@ -25,6 +27,7 @@ from tasks.remote.remote_checkpoints import Uploader
 from tasks.supervision.attempt import WorkerSlots
 from tasks.supervision.handoff import Parking
 from tasks.supervision.standby import StandbySlot
+from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
 
 log = logging.getLogger("convoy.run")
@@ -36,6 +39,9 @@ class RunResources:
     def __init__(self, config: RunConfig, run_dir: Path) -> None:
         self.config, self.run_dir = config, Path(run_dir).resolve()
         self.slots = WorkerSlots(Parking(), StandbySlot(self.run_dir))
+        #: The run's checkpoints as this process sees them: one store, so each unchanged checkpoint
+        #: is verified once however many callers ask for the resume point.
+        self.checkpoints = CheckpointStore(self.run_dir)
         self.versioning = Versioning(config, self.run_dir)
         self._uploader: Uploader | None = None
         self._lock = threading.Lock()

@@ -31,11 +31,12 @@ from typing import Any
 
 from tasks.artifacts import artifact_key, prefect_ui_url
 from tasks.records import run_records
+from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
 from training.events import Event, FailureKind, append_event, read_events
 from training.heartbeat import read_heartbeat
 from training.tracking.attempts import open_attempts
-from training.tracking.resume_audit import resume_point, steps_lost, trained_high_water
+from training.tracking.resume_audit import steps_lost, trained_high_water
 
 log = logging.getLogger("convoy.takeover")
 
@@ -50,12 +51,13 @@ def unfinished_flow_runs(events: list[dict[str, Any]], current: str | None) -> l
     return list(dict.fromkeys(i for i in ids if i and i != current and i not in settled))
 
 
-def record_orphans(run_dir: Path, current: str | None) -> list[dict[str, Any]]:
+def record_orphans(run_dir: Path, current: str | None, checkpoints: CheckpointStore) -> list[dict[str, Any]]:
     """A ``failure`` event (kind ``orphaned``) for each attempt whose flow died under it."""
     orphans = open_attempts(read_events(run_dir))
     if not orphans:
         return []
-    resumes, passed = resume_point(run_dir)
+    point = checkpoints.resume_point()
+    resumes, passed = point.step, point.passed_over_dicts()
     beat = read_heartbeat(run_dir, 0)
     beat_step, beat_time = (beat.step, beat.time) if beat else (None, None)
     out = []
@@ -84,14 +86,18 @@ def record_orphans(run_dir: Path, current: str | None) -> list[dict[str, Any]]:
 
 
 def take_over(
-    config: RunConfig, run_dir: Path, flow_run: tuple[str | None, str | None], logger: Any
+    config: RunConfig,
+    run_dir: Path,
+    flow_run: tuple[str | None, str | None],
+    logger: Any,
+    checkpoints: CheckpointStore | None = None,
 ) -> dict[str, Any] | None:
     """Close what the run's earlier, dead flow runs left open (see the module docstring);
-    ``flow_run``: (id, name) of this flow run.  Returns the ``flow_taken_over`` event, or None
-    when there was nothing to close."""
+    ``flow_run``: (id, name) of this flow run; ``checkpoints``: the run's store (else a fresh
+    one).  Returns the ``flow_taken_over`` event, or None when there was nothing to close."""
     current, name = flow_run
     previous = unfinished_flow_runs(read_events(run_dir), current)
-    orphans = record_orphans(run_dir, current)
+    orphans = record_orphans(run_dir, current, checkpoints or CheckpointStore(run_dir))
     if not previous and not orphans:
         return None
     closed = run_records.close_orphaned_attempts(config, run_dir, orphans)

@@ -8,12 +8,15 @@ means any chunking and any number of failures must land on the same bytes.
 
 from __future__ import annotations
 
+import collections
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +46,36 @@ def task_runs(flow_run_id: str) -> dict[str, Any]:
     return {r.name: r for r in runs}
 
 
+@pytest.fixture
+def verified() -> Iterator[collections.Counter[str]]:
+    """How often this process really verified each checkpoint (the store's debug line; Prefect's
+    logging set-up bypasses caplog, so a handler of our own counts)."""
+    counts: collections.Counter[str] = collections.Counter()
+    logger = logging.getLogger("convoy.checkpoint")
+
+    class Count(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if str(record.msg).startswith("verified") and record.args:
+                counts[str(record.args[0])] += 1  # type: ignore[index]
+
+    handler, level = Count(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield counts
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
 def test_sigkill_mid_chunk_3_retries_only_chunk_3(
-    prefect_api: str, data_dir: Path, tmp_path: Path, reference_digest: str, monkeypatch: pytest.MonkeyPatch
+    prefect_api: str,
+    data_dir: Path,
+    tmp_path: Path,
+    reference_digest: str,
+    monkeypatch: pytest.MonkeyPatch,
+    verified: collections.Counter[str],
 ) -> None:
+    """Also: the flow process verifies each checkpoint once (the run's one store), although the
+    failed attempt's report, the retry's start and the summary all ask for the resume point."""
     from flows.train import run_training
 
     # A 20-step chunk can finish between two heartbeats; stall the step after 2*CHUNK+8 for 2 s
@@ -82,6 +112,8 @@ def test_sigkill_mid_chunk_3_retries_only_chunk_3(
         f"\nSIGKILL at step {killed['step']}: detected after {fail[0]['detected_after_s']} s, "
         f"resumed from step {resumed[-1]}, {fail[0]['steps_lost']} step(s) lost"
     )
+    boundaries = {f"step-{s:09d}" for s in (CHUNK, 2 * CHUNK, 3 * CHUNK)}
+    assert boundaries <= set(verified) and set(verified.values()) == {1}, verified
     table, note = artifacts("convoy-kill9-chunks"), artifacts("convoy-kill9-failures")
     text = table[0].data if isinstance(table[0].data, str) else json.dumps(table[0].data)
     assert len(table) == 1 and '"failures": "killed"' in text and summary["digest"] in text

@@ -14,11 +14,15 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tasks.supervision.handoff import Parking
 from tasks.supervision.standby import StandbySlot
 from tasks.supervision.worker_liveness import DetectionLimits
 from training.events import StandbyOrder
+
+if TYPE_CHECKING:  # the store imports torch; an attempt is described without it
+    from training.checkpointing.store import CheckpointStore
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,16 @@ class AttemptSpec:
     #: Where a worker waits between chunks and the warm standby: the run's, shared by its chunk
     #: attempts; a fresh pair (nothing parked, no standby) for an attempt on its own.
     slots: WorkerSlots = field(default_factory=lambda: WorkerSlots.empty())
+    #: The run's checkpoints as the flow process sees them (one store per run, so a checkpoint the
+    #: attempt's start verified is not hashed again by its failure report); None: a fresh store.
+    checkpoints: CheckpointStore | None = None
+
+    def store(self) -> CheckpointStore:
+        if self.checkpoints is not None:
+            return self.checkpoints
+        from training.checkpointing.store import CheckpointStore
+
+        return CheckpointStore(self.run_dir)
 
     def environment(self) -> dict[str, str]:
         return {**os.environ, **(self.env or {})}

@@ -47,7 +47,7 @@ from training import chunk_boundary
 from training.events import EXIT_CONFIG, Event, FailureKind, Phase, append_event
 from training.heartbeat import read_heartbeat
 from training.paths import RunPaths
-from training.tracking.resume_audit import resume_point, steps_lost, trained_high_water
+from training.tracking.resume_audit import steps_lost, trained_high_water
 
 #: Failure kinds whose reason says it all (no "first to fail" node appended).
 _SAYS_WHY = (FailureKind.CONFIG, FailureKind.PREEMPTED, FailureKind.DISKFULL)
@@ -305,7 +305,8 @@ class WorkerAttempt:
     def failure_report(self, rc: int, seconds: float) -> ChunkFailed:
         """Audit the failure (one ``failure`` event, steps lost by their one definition) and say it."""
         verdict = self.classify(rc)
-        committed, passed_over = resume_point(self.run_dir)
+        point = self.spec.store().resume_point()
+        committed, passed_over = point.step, point.passed_over_dicts()
         trained_to = trained_high_water(self.run_dir, self.watched.last_step, self.metrics_offset)
         details = FailureDetails(
             detected_after_s=round(verdict.detected_after_s, 3),

@@ -33,6 +33,7 @@ from training.checkpointing import sharded
 from training.checkpointing.codec import split_tree
 from training.checkpointing.errors import CheckpointError, CheckpointRejected
 from training.checkpointing.install import install, point_latest
+from training.checkpointing.verified import PassedOver, ResumePoint, Verdicts
 from training.checkpointing.verify import (
     FORMAT_VERSION,
     MANIFEST,
@@ -56,6 +57,8 @@ __all__ = [
     "MANIFEST",
     "Candidate",
     "Checkpoint",
+    "PassedOver",
+    "ResumePoint",
     "CheckpointError",
     "CheckpointRejected",
     "CheckpointStore",
@@ -140,6 +143,8 @@ class CheckpointStore:
         self.validator = validator
         #: Checkpoint name -> why it was refused (by this process), see :meth:`refuse`.
         self.refused: dict[str, str] = {}
+        #: Each unchanged checkpoint verified once by this store (see :meth:`verify`).
+        self.verdicts = Verdicts()
 
     # ------------------------------------------------------------------ listing / verifying
     def step_dirs(self) -> list[tuple[int, Path]]:
@@ -158,8 +163,21 @@ class CheckpointStore:
 
     def verify(self, path: Path, step: int | None = None) -> Checkpoint:
         """The one validation (``convoy verify``/``inspect``, the flow, versioning, the resume):
-        :meth:`load` without keeping the tensors.  Raises CheckpointRejected with the reason."""
-        return self.load(path, step)[0]
+        :meth:`load` without keeping the tensors, once per unchanged directory for this store
+        (:class:`~training.checkpointing.verified.Verdicts`).  Raises CheckpointRejected with the reason."""
+        return self.verdicts.verify(path, step, lambda p, s: self.load(p, s)[0])
+
+    def resume_point(self) -> ResumePoint:
+        """THE newest usable checkpoint: the first, newest first, that verifies, and the newer ones
+        passed over with their reasons.  Nothing recorded; every caller in the flow process asks
+        the run's one store, so an unchanged checkpoint is hashed once."""
+        passed: list[PassedOver] = []
+        for step, path in self.step_dirs():
+            try:
+                return ResumePoint(self.verify(path), tuple(passed))
+            except CheckpointRejected as exc:
+                passed.append(PassedOver(path.name, step, str(exc)))
+        return ResumePoint(None, tuple(passed))
 
     def refuse(self, path: Path, reason: str) -> None:
         """Record that ``path`` was not restored (events.jsonl) and remember why: if the run
@@ -169,14 +187,13 @@ class CheckpointStore:
         append_event(self.run_dir, Event.CHECKPOINT_SKIPPED, checkpoint=path.name, reason=reason)
 
     def latest_valid(self, record: bool = True) -> Checkpoint | None:
-        """Newest checkpoint that verifies; invalid newer ones are recorded and left alone."""
-        for _step, path in self.step_dirs():
-            try:
-                return self.verify(path)
-            except CheckpointRejected as exc:
-                if record:
-                    self.refuse(path, str(exc))
-        return None
+        """:meth:`resume_point`'s checkpoint; with ``record`` the passed-over ones are recorded
+        (``checkpoint_skipped``) and left alone."""
+        point = self.resume_point()
+        if record:
+            for passed in point.passed_over:
+                self.refuse(self.root / passed.checkpoint, passed.reason)
+        return point.checkpoint
 
     def inspect(self) -> list[dict[str, Any]]:
         """Every checkpoint directory with its verification result (for ``convoy inspect``),
@@ -476,6 +493,6 @@ class CheckpointStore:
 
 
 def newest_verified_step(run_dir: str | Path) -> int | None:
-    """Step of the newest checkpoint that verifies (nothing recorded): the one a resume takes."""
-    newest = CheckpointStore(run_dir).latest_valid(record=False)
-    return newest.step if newest is not None else None
+    """Step of the newest checkpoint that verifies (nothing recorded): the one a resume takes.
+    A fresh store, so a fresh walk: a caller that holds the run's store asks it instead."""
+    return CheckpointStore(run_dir).resume_point().step

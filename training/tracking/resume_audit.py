@@ -52,23 +52,6 @@ def trained_high_water(run_dir: str | Path, beat_step: int | None, metrics_offse
     return max(steps) if steps else None
 
 
-def resume_point(run_dir: str | Path) -> tuple[int | None, list[dict[str, Any]]]:
-    """(step of the checkpoint a resume takes, the newer ones it passes over): each passed-over
-    one as ``{"checkpoint", "step", "reason"}``, newest first.  The same validation as the
-    resume (imported lazily: it pulls in torch); nothing is recorded."""
-    from training.checkpointing.errors import CheckpointRejected
-    from training.checkpointing.store import CheckpointStore
-
-    store = CheckpointStore(run_dir)
-    passed: list[dict[str, Any]] = []
-    for step, path in store.step_dirs():
-        try:
-            return store.verify(path).step, passed
-        except CheckpointRejected as exc:
-            passed.append({"checkpoint": path.name, "step": step, "reason": str(exc)})
-    return None, passed
-
-
 # ---------------------------------------------------------------------------------- events → rows
 def _rank0(ev: dict[str, Any]) -> bool:
     return int(ev.get("rank", 0) or 0) == 0
