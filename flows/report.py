@@ -13,6 +13,8 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from flows.run_summary import RunSummary
+
 #: MLflow 3 opens on its GenAI pages; this query selects the classic machine-learning view.
 ML_VIEW = "workflowType=machine_learning"
 LOG_LINES = 8
@@ -55,54 +57,46 @@ def prefect_link(flow_run_id: str | None) -> str | None:
     return prefect_ui_url(flow_run_id)
 
 
-def final_loss(summary: dict[str, Any]) -> float | None:
-    losses = summary.get("losses") or {}
-    return losses[max(losses)] if losses else None
-
-
-def summary_table(summary: dict[str, Any]) -> Table:
+def summary_table(summary: RunSummary) -> Table:
     """The end-of-run table: steps, time, chunks, attempts, failures, resumes, steps lost, loss, digest."""
-    audit = summary.get("audit") or {}
-    attempts = summary.get("attempts") or {}
-    kinds = [k for f in summary.get("failures", []) for k in f["kinds"]]
-    table = Table(title=f"convoy train: {escape(summary['run_name'])}", show_header=False, highlight=False)
+    audit, attempts, kinds = summary.audit, summary.attempts, summary.failure_kinds
+    table = Table(title=f"convoy train: {escape(summary.run_name)}", show_header=False, highlight=False)
     table.add_column("", style="bold")
     table.add_column("")
-    table.add_row("steps", f"{summary['final_step']} (run dir {escape(summary['run_dir'])})")
-    table.add_row("time", f"{summary['seconds']:.1f} s")
-    table.add_row("chunks", f"{summary['trained_chunks']} trained, {summary['skipped_chunks']} already committed")
+    table.add_row("steps", f"{summary.final_step} (run dir {escape(summary.run_dir)})")
+    table.add_row("time", f"{summary.seconds:.1f} s")
+    table.add_row("chunks", f"{summary.trained_chunks} trained, {summary.skipped_chunks} already committed")
     table.add_row("attempts", f"{sum(attempts.values())} for {len(attempts)} chunk(s)")
     table.add_row(
         "failures / resumes",
         f"{audit.get('failures') or 0} / {audit.get('resumes') or 0}" + (f" ({', '.join(kinds)})" if kinds else ""),
     )
     table.add_row("steps lost", str(audit.get("steps_lost") or 0))
-    for row in summary.get("passed_over") or []:
+    for row in summary.passed_over:
         table.add_row("passed over", escape(f"{row['passed_over']}; resumed from step {row['resumed_from_step']}"))
-    if summary.get("taken_over"):
-        table.add_row("took over", escape(f"dead flow run(s) {', '.join(summary['taken_over'])} (now Crashed)"))
-    table.add_row("final loss", loss_text(final_loss(summary), summary.get("entropy_floor")))
-    table.add_row("digest", escape(str(summary.get("digest"))))
+    if summary.taken_over:
+        table.add_row("took over", escape(f"dead flow run(s) {', '.join(summary.taken_over)} (now Crashed)"))
+    table.add_row("final loss", loss_text(summary.final_loss, summary.entropy_floor))
+    table.add_row("digest", escape(str(summary.digest)))
     for name, value in travel_rows(summary):
         table.add_row(name, escape(value))
-    if (summary.get("model") or {}).get("registered"):
-        table.add_row("model", escape(f"MLflow registered model {summary['model']['registered']}"))
+    if summary.registered_model:
+        table.add_row("model", escape(f"MLflow registered model {summary.registered_model}"))
     return table
 
 
-def travel_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+def travel_rows(summary: RunSummary) -> list[tuple[str, str]]:
     """Where checkpoints came from (``tracking.dvc``): the flow's fetch at its start and, in pool
     mode, each chunk whose attempts ran on more than one node, with what the later one fetched."""
     rows = []
-    got = summary.get("fetched") or {}
+    got = summary.fetched or {}
     if got.get("step") is not None:
         rows.append(("fetched from the remote", f"step {got['step']} in {got['fetch_s']:.2f} s"))
-    for r in summary.get("chunks", []):
-        nodes = [str(n) for n in r.get("nodes") or []]
+    for r in summary.chunks:
+        nodes = [str(n) for n in r.nodes or []]
         if len(set(nodes)) > 1:
-            fetched = r.get("fetched", [])
-            fetches = ", ".join(f"step {f['step']} on {f['node']} in {f['fetch_s']:.2f} s" for f in fetched)
-            rows.append((f"chunk {r['chunk']} nodes", " → ".join(nodes) + (f" (fetched {fetches})" if fetches else "")))
+            fetches = ", ".join(f"step {f['step']} on {f['node']} in {f['fetch_s']:.2f} s" for f in r.fetched or [])
+            rows.append((f"chunk {r.chunk} nodes", " → ".join(nodes) + (f" (fetched {fetches})" if fetches else "")))
     return rows
 
 
@@ -114,13 +108,13 @@ def loss_text(loss: float | None, floor: float | None) -> str:
     return f"{loss:.4f}" + (f" (entropy floor {floor:.4f}, {loss - floor:+.4f})" if floor is not None else "")
 
 
-def link_lines(summary: dict[str, Any]) -> list[str]:
+def link_lines(summary: RunSummary) -> list[str]:
     """Where to look next: the MLflow run (machine-learning view) and the Prefect flow run."""
     lines = []
-    url, hint = mlflow_link(summary["run_dir"])
+    url, hint = mlflow_link(summary.run_dir)
     if url:
         lines.append(f"MLflow run: {url}" + (f"  (serve it with: {hint})" if hint else ""))
-    flow = prefect_link(summary.get("flow_run_id"))
+    flow = prefect_link(summary.flow_run_id)
     if flow:
         lines.append(f"Prefect flow run: {flow}")
     return lines

@@ -26,11 +26,12 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from flows.report import mlflow_link
+from flows.run_summary import RunSummary
 from tasks.artifacts import publish_chunk_table
 from tasks.chunk import chunk_record, committed_digest, loss_at, retrying_chunk_task
 from tasks.hooks import flow_crashed, flow_failed, remember_run
 from tasks.records import run_records
-from tasks.records.chunk_record import ChunkRecord
+from tasks.records.chunk_record import ChunkRecord, ChunkRow
 from tasks.remote import dvc_version as version
 from tasks.remote import remote_checkpoints
 from tasks.remote.dvc_version import VersioningError
@@ -129,7 +130,7 @@ class TrainingRun:
         self.task = retrying_chunk_task(cfg)
         #: What lives across the chunk tasks (parked worker, standby, uploader, versioning).
         self.resources = RunResources(cfg, run_dir)
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[ChunkRow] = []
         self.versioned: list[version.Versioned | version.NotVersioned] = []
         self.audit: dict[str, Any] | None = None
         self.chunks = plan_chunks(cfg.train.total_steps, cfg.train.chunk_steps)
@@ -191,23 +192,14 @@ class TrainingRun:
         return self.resources.versioning.submit(end, only_if_missing=only_if_missing)
 
     def chunk(self, chunk: int, start: int, end: int) -> None:
-        row: dict[str, Any] = {
-            "chunk": chunk,
-            "start_step": start,
-            "end_step": end,
-            "attempts": 0,
-            "failure_kinds": [],
-            "seconds": 0.0,
-            "digest": None,
-            "loss": None,
-        }
+        row = ChunkRow(chunk, start, end)
         self.rows.append(row)
         if self.committed >= end:
             # What the chunk went through in the flow runs that trained it, and what it committed.
-            row.update(self.history(chunk), status="skipped (committed)")
-            row.update(
-                digest=committed_digest(self.run_dir, end, self.resources.checkpoints), loss=loss_at(self.run_dir, end)
-            )
+            self.record_history(row)
+            row.status = "skipped (committed)"
+            row.digest = committed_digest(self.run_dir, end, self.resources.checkpoints)
+            row.loss = loss_at(self.run_dir, end)
             # A flow that died after the commit but before versioning left it unversioned
             # (a pipelined worker can commit the last chunk before its flow handles it).
             self.version(end, only_if_missing=True)
@@ -216,22 +208,22 @@ class TrainingRun:
         try:
             rec = self.train_chunk(chunk, start, end)
         except BaseException:
-            row.update(self.history(chunk), status="failed", seconds=time.time() - c0)
+            self.record_history(row)
+            row.status, row.seconds = "failed", time.time() - c0
             raise
-        row.update(self.history(chunk), status="trained", seconds=time.time() - c0, digest=rec.digest)
-        row.update(loss=rec.loss)
+        self.record_history(row)
+        row.status, row.seconds, row.digest, row.loss = "trained", time.time() - c0, rec.digest, rec.loss
         if rec.failure_kinds:  # pool mode: its chunk flows' failures, which no event may name
-            row.update(failure_kinds=rec.failure_kinds, attempts=max(row["attempts"], rec.attempt))
-        for key in ("flow_runs", "nodes", "fetched"):  # pool mode: per attempt, its flow run, node, download
-            if getattr(rec, key) is not None:
-                row[key] = getattr(rec, key)
+            row.record_history(max(row.attempts, rec.attempt), rec.failure_kinds)
+        row.flow_runs, row.nodes, row.fetched = rec.flow_runs, rec.nodes, rec.fetched  # pool mode: per attempt
         self.hand_over_boundary(end)
 
-    def history(self, chunk: int) -> dict[str, Any]:
+    def record_history(self, row: ChunkRow) -> None:
         """The chunk's attempts and failure kinds in every flow run of this training run (a
         restarted flow's table must not say "1 attempt, no failures" of a chunk the dead flow
         tried three times)."""
-        return chunk_history(read_events(self.run_dir), chunk)
+        history = chunk_history(read_events(self.run_dir), row.chunk)
+        row.record_history(history.attempts, list(history.failure_kinds))
 
     def train_chunk(self, chunk: int, start: int, end: int) -> ChunkRecord:
         if self.cfg.orchestration.mode == "pool":
@@ -255,7 +247,7 @@ class TrainingRun:
         if stopped:  # only after a failure: the last chunk's worker exits itself
             self.logger.info("stopped the pipelined worker of run %s", self.cfg.run_name)
         self.versioned.extend(versioned)
-        publish_chunk_table(self.cfg.run_name, self.rows, mlflow_link(self.run_dir)[0])
+        publish_chunk_table(self.cfg.run_name, [r.as_dict() for r in self.rows], mlflow_link(self.run_dir)[0])
         if ok:
             self.model = run_records.log_model(self.cfg, self.run_dir)
         self.audit = run_records.finish_run(self.cfg, self.run_dir, ok)
@@ -280,50 +272,52 @@ class TrainingRun:
         a row without one (a skipped chunk whose checkpoint is not on this machine: pool mode
         without shared storage) asks the store, then the remote index."""
         last = self.rows[-1] if self.rows else None
-        if last is not None and last["digest"] is not None:
-            return last["end_step"], last["digest"]
+        if last is not None and last.digest is not None:
+            return last.end_step, last.digest
         latest = self.resources.checkpoints.resume_point().checkpoint
         return (latest.step, latest.digest) if latest is not None else self.uploaded_final()
 
     def summary(self) -> dict[str, Any]:
+        """The flow's result (:class:`flows.run_summary.RunSummary`, as a mapping)."""
         rows, audit = self.rows, self.audit or {}
         final_step, digest = self.final_checkpoint()
-        summary = {
-            "run_name": self.cfg.run_name,
-            "run_dir": str(self.run_dir),
-            "flow_run_id": self.flow_run_id,
-            "final_step": final_step,
-            "digest": digest,
-            "trained_chunks": sum(r["status"] == "trained" for r in rows),
-            "skipped_chunks": sum(r["status"].startswith("skipped") for r in rows),
-            "attempts": {r["chunk"]: r["attempts"] for r in rows},
-            "losses": {r["chunk"]: r["loss"] for r in rows if r["loss"] is not None},
-            "failures": [{"chunk": r["chunk"], "kinds": r["failure_kinds"]} for r in rows if r["failure_kinds"]],
-            "chunks": rows,
-            "versioned": [v.as_dict() for v in self.versioned],
-            "fetched": self.fetched,
-            "audit": {k: audit.get(k) for k in ("resumes", "failures", "steps_lost", "nondeterministic")},
-            "passed_over": [
+        taken = self.taken_over or {}
+        summary = RunSummary(
+            run_name=self.cfg.run_name,
+            run_dir=str(self.run_dir),
+            flow_run_id=self.flow_run_id,
+            final_step=final_step,
+            digest=digest,
+            trained_chunks=sum(r.status == "trained" for r in rows),
+            skipped_chunks=sum(r.status.startswith("skipped") for r in rows),
+            attempts={r.chunk: r.attempts for r in rows},
+            losses={r.chunk: r.loss for r in rows if r.loss is not None},
+            failures=[{"chunk": r.chunk, "kinds": r.failure_kinds} for r in rows if r.failure_kinds],
+            chunks=rows,
+            versioned=[v.as_dict() for v in self.versioned],
+            fetched=self.fetched,
+            audit={k: audit.get(k) for k in ("resumes", "failures", "steps_lost", "nondeterministic")},
+            passed_over=[
                 {"resumed_from_step": r["resumed_from_step"], "passed_over": r["passed_over"]}
                 for r in audit.get("rows", [])
                 if r.get("passed_over")
             ],
-            "entropy_floor": entropy_floor(self.cfg.data),
-            "taken_over": (self.taken_over or {}).get("previous_names") or (self.taken_over or {}).get("previous"),
-            "model": self.model,
-            "seconds": round(time.time() - self.t0, 3),
-        }
+            entropy_floor=entropy_floor(self.cfg.data),
+            taken_over=taken.get("previous_names") or taken.get("previous"),
+            model=self.model,
+            seconds=round(time.time() - self.t0, 3),
+        )
         append_event(
             self.run_dir,
             Event.FLOW_DONE,
-            final_step=summary["final_step"],
-            digest=summary["digest"],
-            trained_chunks=summary["trained_chunks"],
+            final_step=summary.final_step,
+            digest=summary.digest,
+            trained_chunks=summary.trained_chunks,
             flow_run_id=self.flow_run_id,
         )
         tags = mlflow_flow_tags(self.run_dir, self.flow_run_id, self.flow_run_name)  # this flow run: finished
         run_records.link_flow_run(self.cfg, self.run_dir, tags)
-        return summary
+        return summary.as_dict()
 
 
 @flow(name="train", flow_run_name=flow_run_name, on_failure=[flow_failed], on_crashed=[flow_crashed], log_prints=True)

@@ -355,7 +355,7 @@ def _done_message(run_dir: Path, chunk: int, start: int, end: int, attempt: int)
     """The task run's state message: a retried chunk says so in Prefect's task list, which
     otherwise shows only "Completed".  Failures of earlier flow runs count too (the attempt
     numbers do)."""
-    kinds = chunk_history(read_events(run_dir), chunk)["failure_kinds"]
+    kinds = chunk_history(read_events(run_dir), chunk).failure_kinds
     after = f" after {', '.join(kinds)}" if kinds else ""
     return f"steps [{start}, {end}) committed on attempt {attempt}{after}"
 

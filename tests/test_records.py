@@ -74,3 +74,26 @@ def test_the_standby_order_is_one_line_both_sides_read() -> None:
     assert line.endswith("\n") and json.loads(line) == {"until_step": 120, "pipelined": True}
     assert StandbyOrder.from_line(line) == order
     assert StandbyOrder.from_line('{"until_step": 40}') == StandbyOrder(40, False)  # an older order
+
+
+def test_the_flow_summary_and_its_chunk_rows_round_trip_through_json() -> None:
+    """What ``convoy train --json`` prints reads back as the same summary (chunk keys become
+    strings in JSON); a local row has no pool-only keys, a pool row keeps them; unknown keys of
+    a newer version are kept aside, not lost."""
+    from flows.run_summary import RunSummary
+    from tasks.records.chunk_record import ChunkRow
+
+    local = ChunkRow(1, 0, 20, "trained", 2, ["killed"], 3.5, "d1", 2.5)
+    pool = ChunkRow(2, 20, 40, "trained", 1, [], 2.0, "d2", 2.25, ["fr"], ["node-a"], [{"step": 30}])
+    assert set(local.as_dict()) == {
+        "chunk", "start_step", "end_step", "status", "attempts", "failure_kinds", "seconds", "digest", "loss"
+    }  # fmt: skip
+    assert ChunkRow.from_dict(pool.as_dict()) == pool and ChunkRow.from_dict(local.as_dict()) == local
+    summary = RunSummary(
+        "r", "/runs/r", "f", 40, "d2", 2, 0, {1: 2, 2: 1}, {1: 2.5, 2: 2.25}, [{"chunk": 1, "kinds": ["killed"]}],
+        [local, pool], [], None, {"resumes": 1}, [], 1.1, None, {"registered": "m v1"}, 9.0,
+    )  # fmt: skip
+    data = json.loads(json.dumps(summary.as_dict() | {"later_key": 1}))
+    back = RunSummary.from_dict(data)
+    assert back == RunSummary(**{**summary.__dict__, "extra": {"later_key": 1}})
+    assert (back.final_loss, back.failure_kinds, back.registered_model) == (2.25, ["killed"], "m v1")

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from flows.report import PLAIN_EVERY_S, failure_lines, plain_due, progress_line, travel_rows
+from flows.run_summary import RunSummary
 from tasks.supervision.supervisor import ChunkFailed
 from tests.flow_util import REPO, params
 
@@ -44,11 +45,14 @@ def test_travel_rows_name_the_fetch_and_the_node_change() -> None:
         "fetched": {"step": 25, "fetch_s": 0.3},
         "chunks": [{"chunk": 1, "nodes": ["node-a"]}, {"chunk": 2, "nodes": ["node-a", "node-b"], "fetched": [fetch]}],
     }
-    assert travel_rows(summary) == [
+    for key in ("chunks",):
+        summary[key] = [{"start_step": 0, "end_step": 10, **c} for c in summary[key]]
+    assert travel_rows(RunSummary.from_dict(summary)) == [
         ("fetched from the remote", "step 25 in 0.30 s"),
         ("chunk 2 nodes", "node-a → node-b (fetched step 30 on node-b in 0.40 s)"),
     ]
-    assert travel_rows({"fetched": None, "chunks": [{"chunk": 1}]}) == []
+    quiet = {"fetched": None, "chunks": [{"chunk": 1, "start_step": 0, "end_step": 10}]}
+    assert travel_rows(RunSummary.from_dict(quiet)) == []
 
 
 def test_classified_failures_log_no_traceback() -> None:
@@ -148,6 +152,7 @@ def test_attempts_are_numbered_per_chunk_across_flow_runs_and_named_by_outcome()
     """Numbers come from every event of the chunk (attempts of a dead flow, preemption re-spawns),
     so a new flow's first attempt of chunk 2 is attempt 4, not a second "attempt 1"."""
     from training.tracking.attempts import (
+        ChunkHistory,
         attempt_name,
         chunk_history,
         next_attempt,
@@ -165,7 +170,7 @@ def test_attempts_are_numbered_per_chunk_across_flow_runs_and_named_by_outcome()
         {"kind": "attempt_started", "chunk": 2, "attempt": 3},  # its flow was SIGKILLed: never ended
     ]
     assert next_attempt(events, 1) == 2 and next_attempt(events, 2) == 4 and next_attempt(events, 3) == 1
-    assert chunk_history(events, 2) == {"attempts": 3, "failure_kinds": ["killed", "preempted"]}
+    assert chunk_history(events, 2) == ChunkHistory(3, ("killed", "preempted"))
     assert [(e["chunk"], e["attempt"]) for e in open_attempts(events)] == [(2, 3)]
     name = attempt_name(2, 3, outcome_label("killed", 290, 200))
     assert name == "c2·a3 killed@290→200" and name[:16] == "c2·a3 killed@290"  # what MLflow's table shows

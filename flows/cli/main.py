@@ -104,6 +104,7 @@ def train(
     if from_ is not None:
         cfg = _child_config(cfg, from_)
     from flows.report import LiveProgress, failure_lines, link_lines, summary_table
+    from flows.run_summary import RunSummary
     from flows.train import run_training
     from tasks.supervision.supervisor import ChunkFailed
     from training.rundir import keyed_config
@@ -122,8 +123,9 @@ def train(
     if as_json:
         sys.stdout.write(json.dumps(summary, default=str, indent=1) + "\n")
         return
-    console.print(summary_table(summary))
-    for line in link_lines(summary):
+    typed = RunSummary.from_dict(summary)
+    console.print(summary_table(typed))
+    for line in link_lines(typed):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 

@@ -46,3 +46,41 @@ class ChunkRecord:
 
 _FIELDS = {f.name for f in dataclasses.fields(ChunkRecord)}
 _ALWAYS = {f.name for f in dataclasses.fields(ChunkRecord) if f.default is dataclasses.MISSING}
+
+
+@dataclass
+class ChunkRow:
+    """The flow's row for one chunk of this flow run: the chunks table artifact, the summary's
+    ``chunks`` and the end-of-run table.  Filled in as the chunk is skipped, trained or fails;
+    ``attempts`` and ``failure_kinds`` count every flow run of the training run
+    (:func:`training.tracking.attempts.chunk_history`), so a restarted flow does not say "1 attempt,
+    no failures" of a chunk a dead flow tried three times."""
+
+    chunk: int
+    start_step: int
+    end_step: int
+    status: str = "pending"
+    attempts: int = 0
+    failure_kinds: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    digest: str | None = None
+    loss: float | None = None
+    #: Pool mode only: per attempt, its chunk flow run, node and download.
+    flow_runs: list[str] | None = None
+    nodes: list[str | None] | None = None
+    fetched: list[dict[str, Any]] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The written form (artifact, summary JSON): the pool-only fields only when set."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k in _ROW_ALWAYS}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ChunkRow:
+        return cls(**{k: v for k, v in data.items() if k in _ROW_FIELDS})
+
+    def record_history(self, attempts: int, failure_kinds: list[str]) -> None:
+        self.attempts, self.failure_kinds = attempts, list(failure_kinds)
+
+
+_ROW_FIELDS = {f.name for f in dataclasses.fields(ChunkRow)}
+_ROW_ALWAYS = {f.name for f in dataclasses.fields(ChunkRow) if f.name not in ("flow_runs", "nodes", "fetched")}

@@ -13,6 +13,7 @@ because MLflow's runs table shows about sixteen.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from training.events import Event
@@ -27,11 +28,19 @@ def next_attempt(events: list[dict[str, Any]], chunk: int) -> int:
     return max((int(e["attempt"]) for e in numbered if e.get("attempt")), default=0) + 1
 
 
-def chunk_history(events: list[dict[str, Any]], chunk: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ChunkHistory:
     """What a chunk went through in every flow run so far: its attempts (the highest number
     used) and the kinds of its failures, oldest first."""
+
+    attempts: int
+    failure_kinds: tuple[str, ...]
+
+
+def chunk_history(events: list[dict[str, Any]], chunk: int) -> ChunkHistory:
+    """The chunk's :class:`ChunkHistory`, read from the run's events."""
     kinds = [str(e["failure"]) for e in events if e["kind"] == Event.FAILURE and e.get("chunk") == chunk]
-    return {"attempts": next_attempt(events, chunk) - 1, "failure_kinds": kinds}
+    return ChunkHistory(next_attempt(events, chunk) - 1, tuple(kinds))
 
 
 def open_attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
