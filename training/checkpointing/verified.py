@@ -99,7 +99,7 @@ class Verdicts:
             with self._lock:
                 self._memo[key] = seen
         if isinstance(seen[1], CheckpointRejected):
-            raise CheckpointRejected(str(seen[1]))
+            raise _again(seen[1])
         return seen[1]
 
     def _check(
@@ -113,3 +113,11 @@ class Verdicts:
             verdict = exc
         log.debug("verified %s: %s", path.name, "ok" if isinstance(verdict, Checkpoint) else verdict)
         return verdict
+
+
+def _again(rejected: CheckpointRejected) -> CheckpointRejected:
+    """A fresh copy of a remembered rejection, with its cause (an OSError says the file could not
+    be read): raising the remembered object itself would grow its traceback at every raise."""
+    copy = CheckpointRejected(*rejected.args)
+    copy.__cause__ = rejected.__cause__
+    return copy
