@@ -117,7 +117,8 @@ def test_state_rules() -> None:
 
 def test_flow_summary_verifies_the_newest_checkpoint_once(tmp_path: Path, monkeypatch: Any) -> None:
     """The summary's final step and digest come from the last chunk's row, which already verified
-    that checkpoint (verifying hashes every file); the store is asked only when the row has none."""
+    that checkpoint (verifying hashes every file); when the row has none the run's store is asked,
+    and it remembers its verdict: still one verification."""
     import logging
 
     from flows.train import TrainingRun
@@ -140,5 +141,5 @@ def test_flow_summary_verifies_the_newest_checkpoint_once(tmp_path: Path, monkey
     run.chunk(1, 0, 20)  # committed already: skipped, its checkpoint verified for the row
     assert run.final_checkpoint() == (20, newest.digest)
     assert loaded == [run_dir / "checkpoints" / "step-000000020"]
-    run.rows[-1]["digest"] = None  # a row without a digest: the store is asked
-    assert run.final_checkpoint() == (20, newest.digest) and len(loaded) == 2
+    run.rows[-1].digest = None  # a row without a digest: the run's store is asked
+    assert run.final_checkpoint() == (20, newest.digest) and len(loaded) == 1
