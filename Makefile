@@ -28,9 +28,11 @@ check: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-## The whole test suite (what CI runs): the checks, then every test.
+## The whole test suite (what CI runs): the checks, then every test, one test module per worker
+## process (TEST_WORKERS of them): most end-to-end time is waiting on subprocesses and servers.
+TEST_WORKERS ?= 2
 test: check
-	$(BIN)/python -m pytest -q -ra --durations=15
+	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 ## The quick tests only (no end-to-end runs marked slow): a few minutes.
 test-fast: install

@@ -125,8 +125,19 @@ def test_one_writer_locks_refuse_a_second_holder_by_name(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-def test_param_change_under_dvc_repro_trains_a_new_run(tmp_path: Path, prefect_api: str) -> None:
+def test_param_change_under_dvc_repro_and_exp_run_train_their_own_runs(tmp_path: Path, prefect_api: str) -> None:
+    """One clone for both DVC entry points (a clone and its first run cost as much as the checks):
+    `dvc repro` after a param change, then `dvc exp run` twice."""
     clone, env = clone_project(tmp_path)
+    _param_change_under_dvc_repro_trains_a_new_run(tmp_path, clone, env)
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params.update(on_config_change="new_run")
+    params["train"]["lr"] = 0.003
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    _dvc_exp_run_twice_gives_two_experiments_with_their_own_runs(clone, env)
+
+
+def _param_change_under_dvc_repro_trains_a_new_run(tmp_path: Path, clone: Path, env: dict[str, str]) -> None:
     run(clone, env, sys.executable, "-m", "dvc", "repro")
     first = keyed_config(load_config(clone / "params.yaml")).run_name
     old_dir = clone / "runs" / first
@@ -327,9 +338,8 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     assert tags["convoy.parent_digest"] == lineage["digest"]
 
 
-@pytest.mark.slow
-def test_dvc_exp_run_twice_gives_two_experiments_with_their_own_runs(tmp_path: Path, prefect_api: str) -> None:
-    clone, env = clone_project(tmp_path)
+def _dvc_exp_run_twice_gives_two_experiments_with_their_own_runs(clone: Path, env: dict[str, str]) -> None:
+    """lr 0.002 is a run `dvc repro` trained above (reused, not trained again); 0.001 is new."""
     for lr in ("0.002", "0.001"):
         run(clone, env, sys.executable, "-m", "dvc", "exp", "run", "-S", f"train.lr={lr}")
     shown = json.loads(run(clone, env, sys.executable, "-m", "dvc", "exp", "show", "--json"))
