@@ -47,7 +47,6 @@ from tasks.remote import remote_checkpoints
 from tasks.remote.remote_index import node_name
 from tasks.run_resources import RunResources
 from tasks.supervision.attempt import AttemptSpec
-from tasks.supervision.failure_details import FailureDetails
 from tasks.supervision.process_group import reap_stale_worker
 from tasks.supervision.repeated import repeated_failure
 from tasks.supervision.supervisor import ChunkFailed, Outcome, supervise, worker_command
@@ -59,6 +58,7 @@ from training.events import Event, FailureKind, StandbyOrder, WorkerSays, append
 from training.paths import RunPaths
 from training.rundir import load_run_config
 from training.tracking.attempts import chunk_history, next_attempt
+from training.tracking.failure_record import FailureDetails
 
 #: Worker output lines echoed to the Prefect log (everything goes to the chunk's log file).
 _ECHO = tuple(m for m in WorkerSays if m != WorkerSays.STANDBY_READY)

@@ -43,8 +43,8 @@ def test_a_beat_of_another_machine_is_not_local_and_garbage_is_no_beat(tmp_path:
 
 
 def test_a_failure_event_reads_back_as_a_typed_failure(tmp_path: Path) -> None:
-    from tasks.supervision.failure_details import FailureDetails, RecordedFailure
     from training.events import Event, append_event, read_events
+    from training.tracking.failure_record import FailureDetails, RecordedFailure
 
     details = FailureDetails(detected_after_s=0.4, trained_to=17, last_committed_step=15, error="E: x", log="l")
     written = RecordedFailure("crash", 2, 3, details)

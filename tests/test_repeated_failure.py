@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.supervision.failure_details import RecordedFailure
 from tasks.supervision.repeated import same_failure
 from tests.flow_util import assert_no_leftovers, config, in_thread, params, wait_for_step
 from training.events import read_events
+from training.tracking.failure_record import RecordedFailure
 
 
 def failure(kind: str, step: int, error: str = "RuntimeError: boom", committed: int = 4) -> RecordedFailure:

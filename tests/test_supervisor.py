@@ -18,13 +18,13 @@ import psutil
 import pytest
 
 from tasks.supervision.attempt import AttemptSpec, WorkerSlots
-from tasks.supervision.failure_details import FailureDetails
 from tasks.supervision.failure_kinds import classify_exit
 from tasks.supervision.supervisor import ChunkFailed, supervise
 from tasks.supervision.worker_liveness import RANK_GONE_GRACE_S, DetectionLimits, Watch, failure_verdict, lost_rank
 from training.config import load_config
 from training.events import read_events
 from training.heartbeat import Beat, read_heartbeat
+from training.tracking.failure_record import FailureDetails
 
 STANDIN = textwrap.dedent(
     r'''

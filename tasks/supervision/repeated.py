@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tasks.supervision.failure_details import FailureDetails, RecordedFailure
 from training.events import Event, FailureKind, read_events
+from training.tracking.failure_record import FailureDetails, RecordedFailure
 
 #: Failure kinds that a deterministic bug produces (the attempt ended by itself, non-zero).
 DETERMINISTIC_KINDS = frozenset({FailureKind.CRASH})

@@ -12,7 +12,7 @@ only that chunk.
 This module never imports Prefect, so it is unit-tested with stand-in scripts.
 
 The liveness rules: :mod:`tasks.supervision.worker_liveness`.  Failure kinds and the rules that name an exit:
-:mod:`tasks.supervision.failure_kinds`.  What a failure report carries: :mod:`tasks.supervision.failure_details`.
+:mod:`tasks.supervision.failure_kinds`.  What a failure report carries: :mod:`training.tracking.failure_record`.
 Process-group lifecycle (die with the supervisor, stop, reap): :mod:`tasks.supervision.process_group`.
 """
 
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from tasks.supervision.attempt import AttemptSpec
-from tasks.supervision.failure_details import FailureDetails
 from tasks.supervision.failure_kinds import (
     NOT_RETRYABLE,
     Verdict,
@@ -47,6 +46,7 @@ from training import chunk_boundary
 from training.events import EXIT_CONFIG, Event, FailureKind, Phase, append_event
 from training.heartbeat import read_heartbeat
 from training.paths import RunPaths
+from training.tracking.failure_record import FailureDetails
 from training.tracking.resume_audit import steps_lost, trained_high_water
 
 #: Failure kinds whose reason says it all (no "first to fail" node appended).

@@ -1,11 +1,12 @@
-"""What is known about a failed chunk attempt: the details a :class:`tasks.supervision.supervisor.ChunkFailed` carries.
+"""A failed chunk attempt's facts: what a ``ChunkFailed`` carries, and the ``failure`` event read back.
 
 Why a type: the supervisor, the chunk task, the failure hooks, the pool flow and the report all
 read the same facts (when it was detected, how far it trained, where a retry resumes, its log).
 Named fields say which facts exist; :meth:`FailureDetails.as_dict` is the one place they become
 the mapping that the ``failure`` audit event, a pool node's Prefect artifact and the MLflow
 attempt run record, and :meth:`FailureDetails.from_dict` reads such a mapping back (a pool node's
-artifact, written by another process).
+artifact, written by another process).  It lives in ``training/tracking`` because every room that
+reads a ``failure`` event (supervision, the run records, the resume audit) may import from here.
 """
 
 from __future__ import annotations
