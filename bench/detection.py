@@ -37,6 +37,7 @@ from training.corpus import prepare
 from training.events import read_events
 from training.heartbeat import read_heartbeat
 from training.rundir import open_run
+from training.tracking.attempts import AttemptId
 
 SMALL = [
     "train.total_steps=400",
@@ -98,7 +99,7 @@ def one(root: Path, kind: str, i: int, ranks: int, nnodes: int = 1) -> dict:
 
     try:
         supervise(
-            AttemptSpec(command(400), run_dir, limits, run_dir / "logs" / "bench.log", ranks=world, chunk=1, attempt=1)
+            AttemptSpec(command(400), run_dir, limits, run_dir / "logs" / "bench.log", ranks=world, id=AttemptId(1, 1))
         )
         raise RuntimeError("worker finished without the injected failure")
     except ChunkFailed as exc:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ from training.config import ConfigError, RunConfig
 from training.events import Event, FailureKind, StandbyOrder, WorkerSays, append_event, read_events
 from training.paths import RunPaths
 from training.rundir import load_run_config
-from training.tracking.attempts import chunk_history, next_attempt
+from training.tracking.attempts import AttemptId, chunk_history, next_attempt
 from training.tracking.failure_record import FailureDetails
 
 #: Worker output lines echoed to the Prefect log (everything goes to the chunk's log file).
@@ -166,7 +167,8 @@ class ChunkRun:
         #: Prefect's run count in this flow run (what the retry policy counts); ``attempt``: this
         #: chunk's attempt number across every flow run, one per worker attempt.
         self.try_number, self.flow_run_id, self.task_run_id = _prefect_ids()
-        self.attempt = 0
+        #: The worker attempt under way (numbered by :meth:`begin_attempt`).
+        self.id = AttemptId(self.chunk, 0, self.start, self.end, self.flow_run_id, self.task_run_id)
         self.pipelined = cfg.orchestration.pipeline and cfg.orchestration.mode == "local"
         self.standby = cfg.orchestration.standby and cfg.orchestration.mode == "local" and cfg.train.world_size == 1
         self.preemptions = 0
@@ -192,6 +194,10 @@ class ChunkRun:
                 shipper.stop(self.cfg.tracking.ship_drain_s if last else min(2.0, self.cfg.tracking.ship_drain_s))
         return self.committed(started, outcome)
 
+    @property
+    def attempt(self) -> int:
+        return self.id.attempt
+
     def say(self, line: str) -> None:
         self.logger.info("chunk %d: %s", self.chunk, line)
 
@@ -199,10 +205,8 @@ class ChunkRun:
         """Number this worker attempt, open its MLflow run and record it (``attempt_started``);
         returns the MLflow run id."""
         rd = self.run_dir
-        self.attempt = next_attempt(read_events(rd), self.chunk)
-        child = run_records.start_attempt(
-            self.cfg, rd, self.chunk, self.attempt, self.start, self.end, self.flow_run_id, self.task_run_id
-        )
+        self.id = replace(self.id, attempt=next_attempt(read_events(rd), self.chunk))
+        child = run_records.start_attempt(self.cfg, rd, self.id)
         metrics = RunPaths(rd).metrics
         append_event(
             rd,
@@ -246,9 +250,8 @@ class ChunkRun:
                 cfg,
                 rd,
                 child,
-                run_records.attempt_outcome(False, exc.kind, trained, time.time() - t_attempt, exc.details.as_dict()),
-                self.chunk,
-                self.attempt,
+                run_records.attempt_outcome(False, exc.kind, trained, time.time() - t_attempt, exc.details),
+                self.id,
             )
             if exc.kind == FailureKind.PREEMPTED and self.preemptions < cfg.orchestration.retries:
                 self.preemptions += 1
@@ -268,7 +271,7 @@ class ChunkRun:
             raise exc from None
         outcome_seconds = time.time() - t_attempt
         done = run_records.attempt_outcome(True, None, self.end - self.resumed_from, outcome_seconds, end_step=self.end)
-        run_records.end_attempt(cfg, rd, child, done, self.chunk, self.attempt)
+        run_records.end_attempt(cfg, rd, child, done, self.id)
         return outcome
 
     def unless_repeated(self, exc: ChunkFailed) -> ChunkFailed:
@@ -300,8 +303,7 @@ class ChunkRun:
             DetectionLimits.from_config(cfg),
             log_path,
             ranks=cfg.train.world_size,
-            chunk=self.chunk,
-            attempt=self.attempt,
+            id=self.id,
             on_line=self.echo,
             boundary_step=boundary_step(self.end, cfg.train.total_steps, self.pipelined),
             standby_order=StandbyOrder(until, self.pipelined) if self.standby else None,

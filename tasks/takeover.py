@@ -36,6 +36,7 @@ from training.config import RunConfig
 from training.events import Event, FailureKind, append_event, read_events
 from training.heartbeat import read_heartbeat
 from training.tracking.attempts import open_attempts
+from training.tracking.failure_record import RecordedFailure
 from training.tracking.resume_audit import steps_lost, trained_high_water
 
 log = logging.getLogger("convoy.takeover")
@@ -51,7 +52,7 @@ def unfinished_flow_runs(events: list[dict[str, Any]], current: str | None) -> l
     return list(dict.fromkeys(i for i in ids if i and i != current and i not in settled))
 
 
-def record_orphans(run_dir: Path, current: str | None, checkpoints: CheckpointStore) -> list[dict[str, Any]]:
+def record_orphans(run_dir: Path, current: str | None, checkpoints: CheckpointStore) -> list[RecordedFailure]:
     """A ``failure`` event (kind ``orphaned``) for each attempt whose flow died under it."""
     orphans = open_attempts(read_events(run_dir))
     if not orphans:
@@ -63,25 +64,24 @@ def record_orphans(run_dir: Path, current: str | None, checkpoints: CheckpointSt
     out = []
     for att in orphans:
         trained_to = trained_high_water(run_dir, beat_step, int(att.get("metrics_offset") or 0))
-        out.append(
-            append_event(
-                run_dir,
-                Event.FAILURE,
-                failure=FailureKind.ORPHANED,
-                chunk=att.get("chunk"),
-                attempt=att.get("attempt"),
-                reason=f"its flow run died while it ran (no hook ran: the flow process was killed); "
-                f"found by flow run {current}",
-                flow_run_id=att.get("flow_run_id"),
-                mlflow_run_id=att.get("mlflow_run_id"),
-                last_seen=beat_time,
-                last_beat_step=beat_step,
-                trained_to=trained_to,
-                last_committed_step=resumes,
-                steps_lost=steps_lost(trained_to, resumes),
-                passed_over=passed,
-            )
+        event = append_event(
+            run_dir,
+            Event.FAILURE,
+            failure=FailureKind.ORPHANED,
+            chunk=att.get("chunk"),
+            attempt=att.get("attempt"),
+            reason=f"its flow run died while it ran (no hook ran: the flow process was killed); "
+            f"found by flow run {current}",
+            flow_run_id=att.get("flow_run_id"),
+            mlflow_run_id=att.get("mlflow_run_id"),
+            last_seen=beat_time,
+            last_beat_step=beat_step,
+            trained_to=trained_to,
+            last_committed_step=resumes,
+            steps_lost=steps_lost(trained_to, resumes),
+            passed_over=passed,
         )
+        out.append(RecordedFailure.from_event(event))
     return out
 
 
@@ -108,7 +108,7 @@ def take_over(
         flow_run_id=current,
         previous=previous,
         previous_names=[c["name"] for c in crashed],
-        orphaned=[{"chunk": o["chunk"], "attempt": o["attempt"], "trained_to": o["trained_to"]} for o in orphans],
+        orphaned=[{"chunk": o.chunk, "attempt": o.attempt, "trained_to": o.details.trained_to} for o in orphans],
         mlflow_runs_closed=closed,
         crashed_task_runs=[t for c in crashed for t in c["crashed_task_runs"]],
     )
@@ -116,10 +116,10 @@ def take_over(
     for o in orphans:
         logger.warning(
             "chunk %s attempt %s was orphaned by a flow run that died (trained to step %s); it resumes from step %s",
-            o["chunk"],
-            o["attempt"],
-            o["trained_to"],
-            o["last_committed_step"] or 0,
+            o.chunk,
+            o.attempt,
+            o.details.trained_to,
+            o.details.last_committed_step or 0,
         )
     if crashed:
         logger.warning("marked the dead flow run(s) %s Crashed", ", ".join(c["name"] for c in crashed))
@@ -169,15 +169,15 @@ def _link(flow_run_id: str | None, name: str | None) -> str:
 
 
 def _publish_links(
-    run_name: str, crashed: list[dict[str, Any]], current: tuple[str | None, str | None], orphans: list[dict[str, Any]]
+    run_name: str, crashed: list[dict[str, Any]], current: tuple[str | None, str | None], orphans: list[RecordedFailure]
 ) -> None:
     """A markdown artifact on the new flow run naming the dead ones, and one on each dead flow
     run naming the one that continued it."""
     from prefect.artifacts import create_markdown_artifact
 
     lines = [
-        f"- attempt {o['attempt']} of chunk {o['chunk']}: orphaned after step {o['trained_to']}; "
-        f"resumes from step {o['last_committed_step'] or 0}"
+        f"- attempt {o.attempt} of chunk {o.chunk}: orphaned after step {o.details.trained_to}; "
+        f"resumes from step {o.details.last_committed_step or 0}"
         for o in orphans
     ]
     took = ", ".join(f"{_link(c['id'], c['name'])} (was {c['state']}, now Crashed)" for c in crashed) or "none found"

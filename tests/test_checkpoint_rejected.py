@@ -31,6 +31,7 @@ from training.events import Event, FailureKind, read_events
 from training.examples import char_gpt
 from training.state import TrainState
 from training.task import TaskParts
+from training.tracking.attempts import AttemptId
 
 BUG_ENV = "CONVOY_TEST_RESTORE_BUG"
 NEWEST = "step-000000020"
@@ -73,8 +74,7 @@ def test_a_bug_while_restoring_crashes_the_attempt_and_leaves_the_checkpoint_alo
         run_dir,
         limits,
         run_dir / "logs" / "bug.log",
-        chunk=0,
-        attempt=1,
+        id=AttemptId(0, 1),
         env={BUG_ENV: "1"},
     )
     with pytest.raises(ChunkFailed) as failed:

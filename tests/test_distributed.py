@@ -132,6 +132,7 @@ def test_sigstop_one_rank_is_a_hang_and_all_ranks_are_reaped(tmp_path: Path) -> 
     from tasks.supervision.worker_liveness import DetectionLimits
     from training.heartbeat import read_heartbeat
     from training.rundir import load_run_config
+    from training.tracking.attempts import AttemptId
 
     run = make_run(
         tmp_path,
@@ -159,7 +160,7 @@ def test_sigstop_one_rank_is_a_hang_and_all_ranks_are_reaped(tmp_path: Path) -> 
     limits = DetectionLimits.from_config(load_run_config(run))
     with pytest.raises(ChunkFailed) as info:
         supervise(
-            AttemptSpec(worker_command(run, TOTAL, 2), run, limits, run / "logs" / "t.log", ranks=2, chunk=1, attempt=1)
+            AttemptSpec(worker_command(run, TOTAL, 2), run, limits, run / "logs" / "t.log", ranks=2, id=AttemptId(1, 1))
         )
     assert info.value.kind == "hang"
     fail = read_events(run, "failure")[-1]

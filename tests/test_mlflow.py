@@ -23,6 +23,7 @@ from tasks.records.mlflow_runs import ensure_mlflow_run
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
 from training.events import append_event, read_events
 from training.rundir import load_run_config, run_info
+from training.tracking.attempts import AttemptId
 from training.tracking.metrics import metric_rows
 from training.tracking.resume_audit import analyse_events
 
@@ -89,7 +90,7 @@ def kill_at(run_dir: Path, until: int, step: int) -> None:
 def attempt(cfg, run_dir: Path, chunk: int, number: int, start: int, end: int, kill_step: int | None) -> None:
     """What the chunk task does around one attempt, with a real worker (killed or not): the
     attempt's MLflow run, the metric shipper following ``metrics.jsonl``, the audit refresh."""
-    child = start_attempt(cfg, run_dir, chunk, number, start, end)
+    child = start_attempt(cfg, run_dir, AttemptId(chunk, number, start, end))
     shipper = MetricShipper.for_run(cfg, run_dir)
     assert shipper is not None
     t0 = time.time()

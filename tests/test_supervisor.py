@@ -24,6 +24,7 @@ from tasks.supervision.worker_liveness import RANK_GONE_GRACE_S, DetectionLimits
 from training.config import load_config
 from training.events import read_events
 from training.heartbeat import Beat, read_heartbeat
+from training.tracking.attempts import AttemptId
 from training.tracking.failure_record import FailureDetails
 
 STANDIN = textwrap.dedent(
@@ -145,7 +146,7 @@ def run(
     t0 = time.monotonic()
     try:
         cmd = standin(tmp_path, run_dir, mode, steps)
-        supervise(AttemptSpec(cmd, run_dir, limits, run_dir / "logs" / "x.log", chunk=0, attempt=1))
+        supervise(AttemptSpec(cmd, run_dir, limits, run_dir / "logs" / "x.log", id=AttemptId(0, 1)))
     except ChunkFailed as exc:
         assert not leftovers(run_dir), f"processes left after {mode}"
         return exc
@@ -326,13 +327,13 @@ def test_a_worker_that_dies_between_chunk_tasks_is_reported_with_its_last_words(
     cmd = [sys.executable, str(script), str(run_dir)]
     log = run_dir / "logs" / "chunk-1.log"
     slots = WorkerSlots.empty(run_dir)  # the run's: chunk 1 parks in it, chunk 2 adopts from it
-    out = supervise(AttemptSpec(cmd, run_dir, FAST, log, chunk=1, attempt=1, boundary_step=10, slots=slots))
+    out = supervise(AttemptSpec(cmd, run_dir, FAST, log, id=AttemptId(1, 1), boundary_step=10, slots=slots))
     assert out.returncode == 0  # the boundary was committed: chunk 1 is done, the worker parked
     time.sleep(1.5)  # the worker dies while no task watches it
     with pytest.raises(ChunkFailed) as info:
         supervise(
             AttemptSpec(
-                cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, attempt=1, boundary_step=20, slots=slots
+                cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", id=AttemptId(2, 1), boundary_step=20, slots=slots
             )
         )
     assert info.value.kind == "crash" and "boom between the two chunk tasks" in str(info.value), info.value
@@ -350,7 +351,7 @@ def test_a_worker_stopped_between_chunk_tasks_is_a_hang_not_a_worker_that_never_
     cmd = [sys.executable, str(script), str(run_dir)]
     slots = WorkerSlots.empty(run_dir)  # the run's: chunk 1 parks in it, chunk 2 adopts from it
     out = supervise(
-        AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c1.log", chunk=1, attempt=1, boundary_step=10, slots=slots)
+        AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c1.log", id=AttemptId(1, 1), boundary_step=10, slots=slots)
     )
     assert out.returncode == 0
     beat = read_heartbeat(run_dir, 0)
@@ -360,7 +361,7 @@ def test_a_worker_stopped_between_chunk_tasks_is_a_hang_not_a_worker_that_never_
     with pytest.raises(ChunkFailed) as info:
         supervise(
             AttemptSpec(
-                cmd, run_dir, FAST, run_dir / "logs" / "c2.log", chunk=2, attempt=1, boundary_step=20, slots=slots
+                cmd, run_dir, FAST, run_dir / "logs" / "c2.log", id=AttemptId(2, 1), boundary_step=20, slots=slots
             )
         )
     assert info.value.kind == "hang", info.value
@@ -395,12 +396,16 @@ def test_a_worker_dead_by_the_time_its_boundary_is_seen_is_classified_by_the_nex
     cmd = [sys.executable, str(script), str(run_dir)]
     slots = WorkerSlots.empty(run_dir)  # the run's: chunk 1 parks in it, chunk 2 adopts from it
     out = supervise(
-        AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "chunk-1.log", chunk=1, boundary_step=10, slots=slots)
+        AttemptSpec(
+            cmd, run_dir, FAST, run_dir / "logs" / "chunk-1.log", id=AttemptId(1, 1), boundary_step=10, slots=slots
+        )
     )
     assert out.returncode == 0
     with pytest.raises(ChunkFailed) as info:
         supervise(
-            AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", chunk=2, boundary_step=20, slots=slots)
+            AttemptSpec(
+                cmd, run_dir, FAST, run_dir / "logs" / "chunk-2.log", id=AttemptId(2, 1), boundary_step=20, slots=slots
+            )
         )
     assert info.value.kind == "diskfull", info.value
     assert not leftovers(run_dir)
@@ -442,7 +447,7 @@ def test_a_parked_worker_killed_between_chunk_tasks_is_detected_when_it_dies(tmp
     cmd = [sys.executable, str(script), str(run_dir)]
     slots = WorkerSlots.empty(run_dir)  # the run's: chunk 1 parks in it, chunk 2 adopts from it
     out = supervise(
-        AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c1.log", chunk=1, attempt=1, boundary_step=10, slots=slots)
+        AttemptSpec(cmd, run_dir, FAST, run_dir / "logs" / "c1.log", id=AttemptId(1, 1), boundary_step=10, slots=slots)
     )
     assert out.returncode == 0
     killed_at = time.time()
@@ -451,7 +456,7 @@ def test_a_parked_worker_killed_between_chunk_tasks_is_detected_when_it_dies(tmp
     with pytest.raises(ChunkFailed) as info:
         supervise(
             AttemptSpec(
-                cmd, run_dir, FAST, run_dir / "logs" / "c2.log", chunk=2, attempt=1, boundary_step=20, slots=slots
+                cmd, run_dir, FAST, run_dir / "logs" / "c2.log", id=AttemptId(2, 1), boundary_step=20, slots=slots
             )
         )
     assert info.value.kind == "killed", info.value

@@ -22,14 +22,16 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from training.config import RunConfig
-from training.events import read_events
+from training.events import FailureKind, read_events
 from training.fsutil import atomic_write_json
-from training.tracking.attempts import attempt_name, outcome_label
+from training.tracking.attempts import AttemptId, attempt_name, outcome_label
+from training.tracking.failure_record import FailureDetails, RecordedFailure
 from training.tracking.resume_audit import analyse_events, describe_passed_over, read_loss, render_timeline
 
 AUDIT_DIR = "audit"
@@ -78,18 +80,10 @@ def client_and_parent(config: RunConfig, run_dir: Path) -> tuple[Any, str, str]:
     return client_for(uri), run_id, uri
 
 
-def start_attempt(
-    config: RunConfig,
-    run_dir: str | Path,
-    chunk: int,
-    attempt: int,
-    start_step: int,
-    end_step: int,
-    prefect: dict[str, str | None] | None = None,
-) -> str | None:
-    """Create the nested child run of one chunk attempt (steps ``[start_step, end_step)``), named
-    ``c<chunk>·a<attempt> running`` until :func:`end_attempt` names its outcome; ``prefect``:
-    the flow and task run ids it runs in (tags).  Returns its id (None without MLflow)."""
+def start_attempt(config: RunConfig, run_dir: str | Path, attempt: AttemptId) -> str | None:
+    """Create the nested child run of one chunk attempt (its chunk's steps), named
+    ``c<chunk>·a<attempt> running`` until :func:`end_attempt` names its outcome, tagged with the
+    flow and task run ids it runs in.  Returns its id (None without MLflow)."""
     if not config.tracking.mlflow:
         return None
     run_dir = Path(run_dir)
@@ -100,14 +94,14 @@ def start_attempt(
     tags = {
         "mlflow.parentRunId": parent_id,
         "convoy.role": "attempt",
-        "convoy.chunk": str(chunk),
-        "convoy.attempt": str(attempt),
-        "convoy.start_step": str(start_step),
-        "convoy.end_step": str(end_step),
+        "convoy.chunk": str(attempt.chunk),
+        "convoy.attempt": str(attempt.attempt),
+        "convoy.start_step": str(attempt.start),
+        "convoy.end_step": str(attempt.end),
         "convoy.fingerprint": config.fingerprint(),
-        **{f"convoy.prefect_{k}": v for k, v in (prefect or {}).items() if v},
+        **{f"convoy.prefect_{k}": v for k, v in attempt.prefect_tags().items() if v},
     }
-    child = client.create_run(parent.info.experiment_id, run_name=attempt_name(chunk, attempt), tags=tags)
+    child = client.create_run(parent.info.experiment_id, run_name=attempt.name(), tags=tags)
     _child_uris[child.info.run_id] = uri
     return child.info.run_id
 
@@ -131,25 +125,18 @@ def log_tail(path: str | Path | None, lines: int = LOG_TAIL_LINES, max_bytes: in
     return text[-lines:]
 
 
-def failure_tags(failure: dict[str, Any]) -> dict[str, str]:
+def failure_tags(failure: FailureDetails) -> dict[str, str]:
     """The facts of a failed attempt as MLflow tags (static facts are tags, not metric charts)."""
-    resumed_from = failure.get("last_committed_step") or 0
     facts = {
-        "failed_at_step": failed_at_step(failure),
-        "resumed_from_step": resumed_from,
-        "steps_lost": failure.get("steps_lost"),
-        "detected_after_s": failure.get("detected_after_s"),
-        "failure_reason": str(failure.get("reason") or "")[:500],
-        "passed_over": describe_passed_over(failure.get("passed_over") or [], limit=300) or None,
-        "log": failure.get("log"),
+        "failed_at_step": failure.failed_at_step,
+        "resumed_from_step": failure.last_committed_step or 0,
+        "steps_lost": failure.steps_lost,
+        "detected_after_s": failure.detected_after_s,
+        "failure_reason": (failure.reason or "")[:500],
+        "passed_over": describe_passed_over(failure.passed_over or [], limit=300) or None,
+        "log": failure.log,
     }
     return {f"convoy.{k}": str(v) for k, v in facts.items() if v is not None}
-
-
-def failed_at_step(failure: dict[str, Any]) -> int | None:
-    """How far the failed attempt trained (its high-water step, else its last beat)."""
-    at = failure.get("trained_to")
-    return at if at is not None else failure.get("last_beat_step")
 
 
 @dataclass(frozen=True)
@@ -166,16 +153,15 @@ class AttemptOutcome:
     failure_kind: str | None = None
     steps: int = 0
     seconds: float = 0.0
-    failure: dict[str, Any] | None = None
+    failure: FailureDetails | None = None
     end_step: int | None = None
 
     def label(self) -> str:
         """The outcome in the attempt's name: ``killed@290→200``, ``done→400``."""
         if self.failure is None and self.failure_kind is None:
             return outcome_label(None, resumed_from=self.end_step)
-        failure = self.failure or {}
-        resumed = failure.get("last_committed_step")
-        return outcome_label(self.failure_kind or "failed", failed_at_step(failure), resumed or 0)
+        failure = self.failure or FailureDetails()
+        return outcome_label(self.failure_kind or "failed", failure.failed_at_step, failure.last_committed_step or 0)
 
 
 def _outcome_tags(outcome: AttemptOutcome) -> dict[str, str]:
@@ -187,7 +173,7 @@ def _outcome_tags(outcome: AttemptOutcome) -> dict[str, str]:
     }
     if outcome.failure_kind:
         tags["convoy.failure_kind"] = outcome.failure_kind
-    if outcome.failure:
+    if outcome.failure is not None:
         tags.update(failure_tags(outcome.failure))
         passed = tags.get("convoy.passed_over")
         detected = tags.get("convoy.detected_after_s")
@@ -229,7 +215,7 @@ def end_attempt(
     client.log_batch(child_run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
     if name is not None:
         client.update_run(child_run_id, name=attempt_name(*name, outcome.label()))
-    tail = log_tail((outcome.failure or {}).get("log"))
+    tail = log_tail(outcome.failure.log if outcome.failure else None)
     if tail:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / Path(LOG_TAIL_ARTIFACT).name
@@ -239,7 +225,7 @@ def end_attempt(
     _child_uris.pop(child_run_id, None)
 
 
-def close_running_attempts(config: RunConfig, run_dir: str | Path, orphans: list[dict[str, Any]]) -> list[str]:
+def close_running_attempts(config: RunConfig, run_dir: str | Path, orphans: Sequence[RecordedFailure]) -> list[str]:
     """End every RUNNING attempt run of the training run KILLED (the caller holds the run's lock:
     none of them is alive), each named and described from its ``orphaned`` failure event (matched
     by chunk and attempt).  Returns the ids it ended."""
@@ -248,13 +234,15 @@ def close_running_attempts(config: RunConfig, run_dir: str | Path, orphans: list
     client, parent_id, _ = client_and_parent(config, Path(run_dir))
     experiment = client.get_run(parent_id).info.experiment_id
     query = f"tags.mlflow.parentRunId = '{parent_id}' and attributes.status = 'RUNNING'"
-    by_attempt = {(str(o.get("chunk")), str(o.get("attempt"))): o for o in orphans}
+    by_attempt = {(str(o.chunk), str(o.attempt)): o for o in orphans}
+    unknown = FailureDetails(reason="its flow run died while it ran")
     closed = []
     for child in client.search_runs([experiment], filter_string=query):
         chunk, attempt = child.data.tags.get("convoy.chunk"), child.data.tags.get("convoy.attempt")
-        failure = by_attempt.get((str(chunk), str(attempt))) or {"reason": "its flow run died while it ran"}
+        orphan = by_attempt.get((str(chunk), str(attempt)))
         seconds = time.time() - child.info.start_time / 1000
-        outcome = AttemptOutcome("KILLED", failure.get("failure", "orphaned"), 0, seconds, failure)
+        kind = (orphan.kind if orphan else None) or FailureKind.ORPHANED
+        outcome = AttemptOutcome("KILLED", kind, 0, seconds, orphan.details if orphan else unknown)
         name = (int(chunk), int(attempt)) if chunk and attempt else None
         end_attempt(child.info.run_id, outcome, config=config, run_dir=run_dir, name=name)
         closed.append(child.info.run_id)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from tasks.records.mlflow_audit import AttemptOutcome
 from training.config import RunConfig
+from training.tracking.attempts import AttemptId
+from training.tracking.failure_record import FailureDetails, RecordedFailure
 
 log = logging.getLogger("convoy.tracking")
 
@@ -31,16 +33,7 @@ def begin_run(config: RunConfig, run_dir: Path) -> str | None:
     return ensure_mlflow_run(config, run_dir)
 
 
-def start_attempt(
-    config: RunConfig,
-    run_dir: Path,
-    chunk: int,
-    attempt: int,
-    start: int,
-    end: int,
-    flow_run_id: str | None = None,
-    task_run_id: str | None = None,
-) -> str | None:
+def start_attempt(config: RunConfig, run_dir: Path, attempt: AttemptId) -> str | None:
     """Nested MLflow run of one chunk attempt, tagged with its Prefect flow and task run (best
     effort)."""
     if not config.tracking.mlflow:
@@ -48,10 +41,9 @@ def start_attempt(
     try:
         from tasks.records.mlflow_audit import start_attempt as _start
 
-        prefect = {"flow_run_id": flow_run_id, "task_run_id": task_run_id}
-        return _start(config, run_dir, chunk, attempt, start, end, prefect)
+        return _start(config, run_dir, attempt)
     except Exception as exc:  # noqa: BLE001 - audit only
-        log.warning("MLflow: could not start the attempt run of chunk %d: %s", chunk, exc)
+        log.warning("MLflow: could not start the attempt run of chunk %d: %s", attempt.chunk, exc)
         return None
 
 
@@ -60,7 +52,7 @@ def attempt_outcome(
     kind: str | None = None,
     steps: int = 0,
     seconds: float = 0.0,
-    failure: dict[str, Any] | None = None,
+    failure: FailureDetails | None = None,
     end_step: int | None = None,
 ) -> AttemptOutcome:
     """The outcome of a chunk attempt as the chunk task knows it (ok or not, and the supervisor's
@@ -70,27 +62,22 @@ def attempt_outcome(
 
 
 def end_attempt(
-    config: RunConfig,
-    run_dir: Path,
-    child: str | None,
-    outcome: AttemptOutcome,
-    chunk: int | None = None,
-    attempt: int | None = None,
+    config: RunConfig, run_dir: Path, child: str | None, outcome: AttemptOutcome, attempt: AttemptId | None = None
 ) -> None:
-    """End the attempt's MLflow run, named after its outcome when ``chunk`` and ``attempt`` are
-    given (best effort); ``outcome``: see :func:`attempt_outcome`."""
+    """End the attempt's MLflow run, named after its outcome when ``attempt`` is given (best
+    effort); ``outcome``: see :func:`attempt_outcome`."""
     if child is None:
         return
     try:
         from tasks.records.mlflow_audit import end_attempt as _end
 
-        name = (chunk, attempt) if chunk is not None and attempt is not None else None
+        name = (attempt.chunk, attempt.attempt) if attempt is not None else None
         _end(child, outcome, config=config, run_dir=run_dir, name=name)
     except Exception as exc:  # noqa: BLE001
         log.warning("MLflow: could not end attempt run %s: %s", child, exc)
 
 
-def close_orphaned_attempts(config: RunConfig, run_dir: Path, orphans: list[dict[str, Any]]) -> list[str]:
+def close_orphaned_attempts(config: RunConfig, run_dir: Path, orphans: Sequence[RecordedFailure]) -> list[str]:
     """End the MLflow runs of attempts whose flow died KILLED, named and described from their
     ``orphaned`` failure events (best effort); returns their ids."""
     if not config.tracking.mlflow:

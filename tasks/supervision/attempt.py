@@ -20,6 +20,7 @@ from tasks.supervision.handoff import Parking
 from tasks.supervision.standby import StandbySlot
 from tasks.supervision.worker_liveness import DetectionLimits
 from training.events import StandbyOrder
+from training.tracking.attempts import AttemptId
 
 if TYPE_CHECKING:  # the store imports torch; an attempt is described without it
     from training.checkpointing.store import CheckpointStore
@@ -58,8 +59,8 @@ class AttemptSpec:
     limits: DetectionLimits
     log_path: Path
     ranks: int = 1
-    chunk: int | None = None
-    attempt: int | None = None
+    #: Which attempt of which chunk (None: an attempt on its own, as in a bench).
+    id: AttemptId | None = None
     env: dict[str, str] | None = None
     cwd: str | Path | None = None
     on_line: Callable[[str], None] | None = None
@@ -72,6 +73,14 @@ class AttemptSpec:
     #: The run's checkpoints as the flow process sees them (one store per run, so a checkpoint the
     #: attempt's start verified is not hashed again by its failure report); None: a fresh store.
     checkpoints: CheckpointStore | None = None
+
+    @property
+    def chunk(self) -> int | None:
+        return self.id.chunk if self.id else None
+
+    @property
+    def attempt(self) -> int | None:
+        return self.id.attempt if self.id else None
 
     def store(self) -> CheckpointStore:
         if self.checkpoints is not None:

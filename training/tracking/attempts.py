@@ -29,6 +29,31 @@ def next_attempt(events: list[dict[str, Any]], chunk: int) -> int:
 
 
 @dataclass(frozen=True)
+class AttemptId:
+    """Which worker attempt this is: the one attempt record the chunk task builds and the
+    supervisor (:class:`tasks.supervision.attempt.AttemptSpec`), the worker source, the events and
+    the MLflow records (:mod:`tasks.records.run_records`) all take, instead of each copying the
+    chunk, the attempt number, the chunk's steps and the Prefect runs positionally.
+
+    ``start``/``end``: the chunk's steps ``(start, end]``; ``flow_run_id``/``task_run_id``: the
+    Prefect runs the attempt runs in (None outside a flow)."""
+
+    chunk: int
+    attempt: int
+    start: int = 0
+    end: int = 0
+    flow_run_id: str | None = None
+    task_run_id: str | None = None
+
+    def name(self, outcome: str = "running") -> str:
+        """Its MLflow run name (:func:`attempt_name`)."""
+        return attempt_name(self.chunk, self.attempt, outcome)
+
+    def prefect_tags(self) -> dict[str, str | None]:
+        return {"flow_run_id": self.flow_run_id, "task_run_id": self.task_run_id}
+
+
+@dataclass(frozen=True)
 class ChunkHistory:
     """What a chunk went through in every flow run so far: its attempts (the highest number
     used) and the kinds of its failures, oldest first."""
