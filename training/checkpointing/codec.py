@@ -12,15 +12,19 @@ Markers in the skeleton: ``{"__t__": key}`` a tensor, ``{"__nd__": key}`` a nump
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported by split_tree, which meets tensors: joining a tree needs none
+    import torch
 
 _MARKERS = ("__t__", "__nd__", "__tuple__", "__map__", "__float__")
 
 
 def split_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    import torch
+
     tensors: dict[str, torch.Tensor] = {}
 
     def sub(path: str, key: object) -> str:

@@ -14,29 +14,48 @@ import mmap
 import os
 import struct
 import threading
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
 from training.checkpointing.errors import CheckpointRejected
 
-_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
+if TYPE_CHECKING:  # torch is imported where tensors are made: hashing a file needs none
+    import torch
+
+#: safetensors' dtype names, in torch's terms.
+_DTYPE_NAMES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
 }
-_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+
+
+@cache
+def _dtypes() -> dict[torch.dtype, str]:
+    """torch dtype -> safetensors name; built on first use, so that verifying a checkpoint (a
+    read-only command, the flow's resume point) does not pay ``import torch``."""
+    import torch
+
+    return {getattr(torch, name): code for name, code in _DTYPE_NAMES.items()}
+
+
+@cache
+def _from_name() -> dict[str, torch.dtype]:
+    return {v: k for k, v in _dtypes().items()}
+
+
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -48,6 +67,8 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     flat = t.contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
+    import torch
+
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
@@ -71,10 +92,10 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
     names = sorted(tensors)
     for name in names:
         t = tensors[name]
-        if t.dtype not in _DTYPES:
+        if t.dtype not in _dtypes():
             raise TypeError(f"tensor {name!r}: dtype {t.dtype} cannot be checkpointed")
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": _dtypes()[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     if metadata:
         header["__metadata__"] = dict(sorted(metadata.items()))
@@ -152,6 +173,8 @@ def hash_file_and_content(path: Path) -> tuple[int, str, str]:
 
 def parse(buf: mmap.mmap | bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Build tensors over ``buf`` (no copy); never executes anything from the file."""
+    import torch
+
     if len(buf) < 8:
         raise SafetensorsFormatError("file too short for a safetensors header")
     (hlen,) = struct.unpack("<Q", bytes(buf[:8]))
@@ -168,7 +191,7 @@ def parse(buf: mmap.mmap | bytes | bytearray) -> tuple[dict[str, torch.Tensor], 
     tensors: dict[str, torch.Tensor] = {}
     for name, info in header.items():
         try:
-            dtype = _FROM_NAME[info["dtype"]]
+            dtype = _from_name()[info["dtype"]]
             start, end = info["data_offsets"]
             shape = [int(s) for s in info["shape"]]
         except (KeyError, TypeError, ValueError):

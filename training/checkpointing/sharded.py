@@ -21,9 +21,7 @@ import os
 import struct
 import warnings
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from training.checkpointing import safetensors_io as safetensors
 from training.checkpointing.codec import join_tree, split_tree, tensor_refs
@@ -33,6 +31,9 @@ from training.fsutil import atomic_write_bytes, fsync_dir
 SHARD_DIR = "dcp"
 SKELETON = "dcp.json"
 LAYOUT = "sharded"
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint is imported where shards are written or read
+    import torch
 
 
 def _trees(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

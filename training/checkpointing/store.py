@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from training import faults
 from training.checkpointing import safetensors_io as safetensors
@@ -45,12 +43,16 @@ from training.checkpointing.verify import (
     parse_step,
     read_manifest,
     state_digest,
+    writer_versions,
 )
 from training.chunk_boundary import boundary_to_keep
 from training.config import CheckpointConfig
 from training.events import Event, append_event, read_events
 from training.fsutil import atomic_write_bytes, atomic_write_json, read_json
 from training.paths import RunPaths, checkpoint_name
+
+if TYPE_CHECKING:  # torch is imported where a snapshot is taken: finding the resume point needs none
+    import torch
 
 #: Names other modules import from the store (it was the one module before ``verify`` split off).
 __all__ = [
@@ -82,10 +84,6 @@ class Candidate:
     path: Path
     reason: str
     loaded: tuple[Checkpoint, dict[str, Any]] | None
-
-
-def _versions() -> dict[str, str]:
-    return {"torch": torch.__version__, "python": platform.python_version(), "format": str(FORMAT_VERSION)}
 
 
 @dataclass
@@ -284,7 +282,7 @@ class CheckpointStore:
             return t  # the caller waits for the write: no copy needed (CUDA still needs host memory)
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            buf = sys.modules["torch"].empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)  # a plain host tensor
             self._buffers[key] = buf
         buf.copy_(t, non_blocking=t.is_cuda)
         return buf
@@ -325,7 +323,7 @@ class CheckpointStore:
         extra = {**(extra_manifest or {}), **({"layout": sharded.LAYOUT} if prewritten is not None else {})}
         snap = _Snapshot(step, skeletons, tensors, extra, prewritten=prewritten)
         if any_cuda:
-            snap.cuda_event = torch.cuda.Event()
+            snap.cuda_event = sys.modules["torch"].cuda.Event()  # tensors exist: torch is imported
             snap.cuda_event.record()
         if blocking or not self.policy.async_save:
             self._persist(snap)
@@ -374,7 +372,7 @@ class CheckpointStore:
                 "world_size": self.world_size,
                 "files": files,
                 "digest": state_digest(files),
-                "versions": _versions(),
+                "versions": writer_versions(),
                 **snap.extra_manifest,
             }
             atomic_write_bytes(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())

@@ -16,7 +16,9 @@ walks directories and records what it passes over; this module judges one direct
 from __future__ import annotations
 
 import json
+import platform
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,18 @@ from training.fsutil import read_json
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+
+
+def writer_versions() -> dict[str, str]:
+    """What wrote a checkpoint (its manifest's ``versions``); called at a save, where tensors
+    exist, so torch is imported already and verifying never imports it."""
+    return {
+        "torch": sys.modules["torch"].__version__,
+        "python": platform.python_version(),
+        "format": str(FORMAT_VERSION),
+    }
+
+
 #: What a manifest may name: a plain file of the checkpoint directory, or one in its ``dcp/``
 #: sub-directory.  No leading dot, so no ``..``, no hidden temp files, no absolute paths.
 _MEMBER_NAME = re.compile(rf"(?:{sharded.SHARD_DIR}/)?[A-Za-z0-9_][A-Za-z0-9_.-]*")
