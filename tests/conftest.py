@@ -27,6 +27,15 @@ from typing import IO
 
 import pytest
 
+# One intra-op thread for every training process the tests start, unless the caller chose a count.
+# Why: the suite runs two test workers on CI's 2 cores, each starting workers (sometimes 2 ranks)
+# beside servers; torch's default (one thread per core) oversubscribes the cores and OpenMP's
+# spin-waits burn what is left: a 200-step run of the tiny model took 20.9 s of CPU with the default
+# and 14.3 s with one thread, on this 2-core machine.  The tests compare runs with runs started
+# the same way, never with a thread count; tests/test_resume.py keeps its kills at several
+# threads (where MKL's dynamic threading could break a bitwise resume).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def _free_port() -> int:
     with socket.socket() as s:

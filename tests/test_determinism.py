@@ -7,6 +7,7 @@ uninterrupted trajectory.  Checked in a fresh interpreter: the MKL setting is pr
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -22,7 +23,9 @@ print(before, mkl.mkl_serv_get_dynamic(), threads, torch.get_num_threads())
 
 
 def _probe(mode: str) -> list[int]:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120, check=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # several threads: where MKL's dynamic mode matters
+    cmd = [sys.executable, "-c", PROBE, mode]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True, env=env)
     return [int(x) for x in out.stdout.split()]
 
 

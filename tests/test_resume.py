@@ -29,6 +29,13 @@ pytestmark = pytest.mark.slow
 TOTAL = 120
 
 
+@pytest.fixture(autouse=True)
+def several_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers at two intra-op threads (the suite's default is one, see conftest.py): resumes must
+    be bitwise where a GEMM is split across threads too."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_sigkill_at_random_moments_ends_bitwise_equal(tmp_path: Path, num_workers: int) -> None:
     extra = [f"data.num_workers={num_workers}"]
