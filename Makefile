@@ -36,7 +36,7 @@ test: check
 
 ## The quick tests only (no end-to-end runs marked slow): a few minutes.
 test-fast: install
-	$(BIN)/python -m pytest -q -ra -m "not slow"
+	$(BIN)/python -m pytest -q -ra -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 lint: check
 
