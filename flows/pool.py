@@ -24,9 +24,11 @@ caps chunk tasks per GPU slot: ``run_chunk`` carries the tag in pool mode.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ from tasks.supervision.supervisor import ChunkFailed
 from training.config import ConfigError, RunConfig
 from training.events import Event, FailureKind, append_event, carry_events, read_events
 from training.rundir import open_run, run_info, update_run_info
+from training.tracking.failure_record import FailureDetails
 
 CHUNK_FLOW = "train-chunk"
 #: Prefect artifact type of a chunk flow run's outcome (one per flow run, read by the parent).
@@ -66,23 +69,66 @@ def open_node_run(config: RunConfig, mlflow_run: dict[str, Any] | None) -> Path:
     return run_dir
 
 
-def failure_of(exc: BaseException) -> dict[str, Any]:
-    """How a chunk flow run failed, in the words the parent needs to decide on a retry."""
-    if isinstance(exc, ChunkFailed):
-        return {"kind": exc.kind, "message": exc.message, "details": exc.details.as_dict()}
-    if isinstance(exc, ConfigError):
-        return {"kind": FailureKind.CONFIG, "message": str(exc), "details": {}}
-    return {"kind": FailureKind.CRASH, "message": f"{type(exc).__name__}: {exc}", "details": {}}
+@dataclass
+class NodeOutcome:
+    """What a chunk flow run on a node reports to the parent (its Prefect artifact): where it
+    ran, the committed chunk's record or how it failed, and the node's events of the chunk.
+
+    Why a type: it is written by :func:`train_chunk` in the node's process and read by
+    :func:`dispatch_chunk` in the parent's; the artifact's JSON keeps these field names."""
+
+    node: str | None
+    ok: bool = False
+    run_dir: str | None = None
+    record: ChunkRecord | None = None
+    kind: str | None = None
+    message: str | None = None
+    details: FailureDetails = field(default_factory=FailureDetails)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def failed(self, exc: BaseException) -> None:
+        """How the chunk flow run failed, in the words the parent needs to decide on a retry."""
+        if isinstance(exc, ChunkFailed):
+            self.kind, self.message, self.details = exc.kind, exc.message, exc.details
+        elif isinstance(exc, ConfigError):
+            self.kind, self.message = FailureKind.CONFIG, str(exc)
+        else:
+            self.kind, self.message = FailureKind.CRASH, f"{type(exc).__name__}: {exc}"
+
+    def fetches(self) -> list[dict[str, Any]]:
+        """The node's checkpoint downloads of the chunk (its ``checkpoint_fetched`` events)."""
+        keep = ("step", "fetch_s", "bytes", "from_node", "node", "refused")
+        return [{k: e.get(k) for k in keep} for e in self.events if e.get("kind") == Event.CHECKPOINT_FETCHED]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out.update(record=self.record.as_dict() if self.record else None, details=self.details.as_dict())
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> NodeOutcome:
+        """Read an artifact back (one written before this type, too: the same keys)."""
+        record = data.get("record")
+        return cls(
+            node=data.get("node"),
+            ok=bool(data.get("ok")),
+            run_dir=data.get("run_dir"),
+            record=ChunkRecord.from_dict(record) if record else None,
+            kind=data.get("kind"),
+            message=data.get("message"),
+            details=FailureDetails.from_dict(data.get("details") or {}),
+            events=list(data.get("events") or []),
+        )
 
 
-def publish_outcome(run_name: str, outcome: dict[str, Any]) -> None:
+def publish_outcome(run_name: str, outcome: NodeOutcome) -> None:
     """The chunk flow run's outcome as an artifact of that flow run (best effort: without it the
     parent treats the run as a node that went away)."""
     from prefect.artifacts import Artifact
 
     try:
-        data = json.loads(json.dumps(outcome, default=str))
-        description = f"convoy chunk outcome on node {outcome.get('node')}: {'ok' if outcome.get('ok') else 'failed'}"
+        data = json.loads(json.dumps(outcome.as_dict(), default=str))
+        description = f"convoy chunk outcome on node {outcome.node}: {'ok' if outcome.ok else 'failed'}"
         key = artifact_key(run_name, "chunk-outcome")
         Artifact(type=OUTCOME_TYPE, key=key, description=description, data=data).create()
     except Exception as exc:  # noqa: BLE001
@@ -97,13 +143,13 @@ def train_chunk(
     retries (the parent re-dispatches); the outcome and this node's events of the chunk go to the
     parent as an artifact, after the newest committed checkpoint went to the remote."""
     t0 = time.time()
-    outcome: dict[str, Any] = {"node": node_name(), "ok": False}
+    outcome = NodeOutcome(node_name())
     run_dir: Path | None = None
     resources: RunResources | None = None
     try:
         run_dir = open_node_run(config, mlflow_run)
         resources = RunResources(config, run_dir)
-        outcome["run_dir"] = str(run_dir)
+        outcome.run_dir = str(run_dir)
         task = run_chunk.with_options(
             retries=0,
             retry_condition_fn=should_retry,
@@ -111,20 +157,20 @@ def train_chunk(
         )
         with run_records.system_metrics(config, run_dir):  # sampled on the node that trains
             record = chunk_record(task(str(run_dir), chunk, start_step, end_step, resources))
-        outcome.update(ok=True, record=record.as_dict())
+        outcome.ok, outcome.record = True, record
         return record.as_dict()
     except BaseException as exc:
-        outcome.update(failure_of(exc))
+        outcome.failed(exc)
         raise
     finally:
         if resources is not None:
             resources.close()  # the newest checkpoint uploaded before the parent hears of it (tracking.dvc)
         if run_dir is not None:
-            outcome["events"] = [e for e in read_events(run_dir) if e.get("time", 0) >= t0]
+            outcome.events = [e for e in read_events(run_dir) if e.get("time", 0) >= t0]
         publish_outcome(config.run_name, outcome)
 
 
-def read_outcome(flow_run_id: Any) -> dict[str, Any] | None:
+def read_outcome(flow_run_id: Any) -> NodeOutcome | None:
     """The outcome artifact of a chunk flow run (None: the node died before it could report)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
@@ -137,7 +183,7 @@ def read_outcome(flow_run_id: Any) -> dict[str, Any] | None:
     if not found:
         return None
     data = found[-1].data
-    return json.loads(data) if isinstance(data, str) else data
+    return NodeOutcome.from_dict(json.loads(data) if isinstance(data, str) else data)
 
 
 def _parameters(config: RunConfig, run_dir: Path, chunk: int, start: int, end: int) -> dict[str, Any]:
@@ -151,15 +197,10 @@ def _parameters(config: RunConfig, run_dir: Path, chunk: int, start: int, end: i
     }
 
 
-def _fetches(outcome: dict[str, Any]) -> list[dict[str, Any]]:
-    keep = ("step", "fetch_s", "bytes", "from_node", "node", "refused")
-    return [{k: e.get(k) for k in keep} for e in outcome.get("events", []) if e.get("kind") == Event.CHECKPOINT_FETCHED]
-
-
-def _record_failure(run_dir: Path, chunk: int, attempt: int, fr: Any, outcome: dict[str, Any]) -> tuple[str, str]:
+def _record_failure(run_dir: Path, chunk: int, attempt: int, fr: Any, outcome: NodeOutcome) -> tuple[str, str]:
     """Audit a failed chunk flow run (``chunk_flow_run_failed``); returns its kind and message."""
-    kind = outcome.get("kind") or FailureKind.CRASH  # no outcome: the node itself went away
-    message = outcome.get("message") or f"chunk {chunk} {kind}: its flow run ended {fr.state} without an outcome"
+    kind = outcome.kind or FailureKind.CRASH  # no outcome: the node itself went away
+    message = outcome.message or f"chunk {chunk} {kind}: its flow run ended {fr.state} without an outcome"
     append_event(
         run_dir,
         Event.CHUNK_FLOW_RUN_FAILED,
@@ -168,7 +209,7 @@ def _record_failure(run_dir: Path, chunk: int, attempt: int, fr: Any, outcome: d
         flow_run_id=str(fr.id),
         state=str(fr.state.type if fr.state else None),
         failure=kind,
-        node=outcome.get("node"),
+        node=outcome.node,
     )
     return kind, message
 
@@ -190,17 +231,17 @@ def dispatch_chunk(config: RunConfig, run_dir: Path, chunk: int, start: int, end
             tags=["convoy", f"run:{config.run_name}"],
         )
         seen["flow_runs"].append(str(fr.id))
-        outcome = read_outcome(fr.id) or {}
-        carry_events(run_dir, outcome.get("events", []))
-        seen["nodes"].append(outcome.get("node"))
-        seen["fetched"].extend({"attempt": attempt, **f} for f in _fetches(outcome))
-        if fr.state is not None and fr.state.is_completed() and outcome.get("ok"):
-            return ChunkRecord.from_dict({**outcome["record"], "attempt": attempt, **seen})
+        outcome = read_outcome(fr.id) or NodeOutcome(None)
+        carry_events(run_dir, outcome.events)
+        seen["nodes"].append(outcome.node)
+        seen["fetched"].extend({"attempt": attempt, **f} for f in outcome.fetches())
+        if fr.state is not None and fr.state.is_completed() and outcome.ok and outcome.record is not None:
+            return dataclasses.replace(outcome.record, attempt=attempt, **seen)
         kind, message = _record_failure(run_dir, chunk, attempt, fr, outcome)
         seen["failure_kinds"].append(kind)
-        details = outcome.get("details") or {}
+        details = outcome.details
         if kind in NOT_RETRYABLE or attempt > o.retries:
-            raise ChunkFailed(kind, message, {**details, "flow_runs": seen["flow_runs"]})
+            raise ChunkFailed(kind, message, dataclasses.replace(details, flow_runs=seen["flow_runs"]))
         delay = 0.0 if kind == FailureKind.PREEMPTED else delays[min(attempt - 1, len(delays) - 1)]
         delay *= 1 + random.uniform(-o.jitter, o.jitter)
         logger.warning(
@@ -208,10 +249,10 @@ def dispatch_chunk(config: RunConfig, run_dir: Path, chunk: int, start: int, end
             "or a newer uploaded checkpoint",
             chunk,
             kind,
-            outcome.get("node") or "?",
+            outcome.node or "?",
             fr.name,
             delay,
-            details.get("last_committed_step") or 0,
+            details.last_committed_step or 0,
         )
         time.sleep(max(delay, 0.0))
     raise AssertionError("unreachable")  # pragma: no cover

@@ -97,3 +97,30 @@ def test_the_flow_summary_and_its_chunk_rows_round_trip_through_json() -> None:
     back = RunSummary.from_dict(data)
     assert back == RunSummary(**{**summary.__dict__, "extra": {"later_key": 1}})
     assert (back.final_loss, back.failure_kinds, back.registered_model) == (2.25, ["killed"], "m v1")
+
+
+def test_a_pool_nodes_outcome_round_trips_and_an_old_artifact_still_reads() -> None:
+    """The outcome a chunk flow run on a node publishes for the parent (flows/pool.py): written
+    as an artifact's JSON, read back as the same record; an artifact of the dict era reads too."""
+    import json
+
+    from flows.pool import NodeOutcome
+    from tasks.records.chunk_record import ChunkRecord
+    from tasks.supervision.supervisor import ChunkFailed
+    from training.tracking.failure_record import FailureDetails
+
+    failed = NodeOutcome("node-a", run_dir="/runs/r")
+    failed.failed(ChunkFailed("killed", "chunk 2 killed", FailureDetails(last_committed_step=25, trained_to=31)))
+    failed.events = [{"kind": "checkpoint_fetched", "step": 25, "fetch_s": 0.1, "node": "node-a", "time": 1.0}]
+    back = NodeOutcome.from_dict(json.loads(json.dumps(failed.as_dict(), default=str)))
+    assert back == failed and back.details.last_committed_step == 25
+    assert back.fetches() == [
+        {"step": 25, "fetch_s": 0.1, "bytes": None, "from_node": None, "node": "node-a", "refused": None}
+    ]
+
+    record = {"chunk": 1, "start_step": 0, "end_step": 20, "attempt": 1, "preemptions": 0, "resumed_from": 0}
+    record |= {"digest": "d", "loss": 1.5, "seconds": 2.0, "worker_seconds": 1.5, "node": "node-b"}
+    old = {"node": "node-b", "ok": True, "run_dir": "/runs/r", "record": record, "events": []}
+    done = NodeOutcome.from_dict(old)
+    assert done.ok and done.record == ChunkRecord.from_dict(record) and done.kind is None
+    assert NodeOutcome.from_dict(json.loads(json.dumps(done.as_dict()))) == done
