@@ -51,11 +51,13 @@ def test_two_kills_in_a_row_are_taken_over_by_standbys_bitwise(
 ) -> None:
     from flows.train import run_training
 
-    # 50 ms a step: chunks last >= 1 s, so the first kill lands where it is aimed on any machine.
-    # After it the flag stalls the next step long enough for the second standby to get ready,
-    # and the second kill lands in that stall (below the raised hang limit).
+    # 50 ms a step, and the first worker stalls 10 s early in chunk 2 (once: the replacements
+    # resume past that step), so the first standby is ready before the first kill lands where it
+    # is aimed, in chunk 2, however slowly a loaded machine starts it.  After the kill the flag
+    # stalls the next step long enough for the second standby to get ready, and the second kill
+    # lands in that stall (below the raised hang limit).
     flag = tmp_path / "stall-after-first-kill"
-    monkeypatch.setenv("CONVOY_FAULTS", f"step_delay=0.05,slow_flag={flag}:60")
+    monkeypatch.setenv("CONVOY_FAULTS", f"step_delay=0.05,slow_step={CHUNK + 2}:10,slow_flag={flag}:60")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     cfg = config(
         params(
