@@ -1,4 +1,5 @@
-"""Shared fixtures: ONE real Prefect API server for the whole test session.
+"""Shared fixtures: ONE real Prefect API server for the whole test session (per xdist worker:
+`make test` runs two, each a session of its own with its own servers).
 
 Why not Prefect's ephemeral mode: every process that runs a flow would start its own uvicorn
 server (12–28 s each, migrations may outlast the default start-up timeout, and a killed flow
