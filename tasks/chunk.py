@@ -166,9 +166,9 @@ class ChunkRun:
         self.parking = resources.slots.parking
         #: Prefect's run count in this flow run (what the retry policy counts); ``attempt``: this
         #: chunk's attempt number across every flow run, one per worker attempt.
-        self.try_number, self.flow_run_id, self.task_run_id = _prefect_ids()
-        #: The worker attempt under way (numbered by :meth:`begin_attempt`).
-        self.id = AttemptId(self.chunk, 0, self.start, self.end, self.flow_run_id, self.task_run_id)
+        self.try_number, flow_run_id, task_run_id = _prefect_ids()
+        #: The worker attempt under way (numbered by :meth:`begin_attempt`), with the Prefect runs.
+        self.id = AttemptId(self.chunk, 0, self.start, self.end, flow_run_id, task_run_id)
         self.pipelined = cfg.orchestration.pipeline and cfg.orchestration.mode == "local"
         self.standby = cfg.orchestration.standby and cfg.orchestration.mode == "local" and cfg.train.world_size == 1
         self.preemptions = 0
@@ -211,10 +211,10 @@ class ChunkRun:
         append_event(
             rd,
             Event.ATTEMPT_STARTED,
-            chunk=self.chunk,
-            attempt=self.attempt,
-            flow_run_id=self.flow_run_id,
-            task_run_id=self.task_run_id,
+            chunk=self.id.chunk,
+            attempt=self.id.attempt,
+            flow_run_id=self.id.flow_run_id,
+            task_run_id=self.id.task_run_id,
             mlflow_run_id=child,
             resumes_from=self.resumed_from,
             metrics_offset=metrics.stat().st_size if metrics.exists() else 0,  # where its steps begin
