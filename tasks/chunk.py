@@ -28,6 +28,7 @@ checkpoint is still verified here and is the chunk's artifact.  The protocol, en
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import replace
@@ -52,7 +53,7 @@ from tasks.supervision.process_group import reap_stale_worker
 from tasks.supervision.repeated import repeated_failure
 from tasks.supervision.supervisor import ChunkFailed, Outcome, supervise, worker_command
 from tasks.supervision.worker_liveness import DetectionLimits
-from training.checkpointing.store import CheckpointStore, checkpoint_name
+from training.checkpointing.store import CheckpointStore, ResumePoint, checkpoint_name
 from training.chunk_boundary import boundary_step
 from training.config import ConfigError, RunConfig
 from training.events import Event, FailureKind, StandbyOrder, WorkerSays, append_event, read_events
@@ -228,6 +229,7 @@ class ChunkRun:
         if self.parking.parked_pid() is None:  # a worker about to restore: the remote may hold a newer checkpoint
             remote_checkpoints.fetch_before_resume(cfg, rd, lambda m: self.logger.info("chunk %d: %s", self.chunk, m))
         point = self.resources.checkpoints.resume_point()
+        self.set_aside_bad_boundary(point)
         passed_over = point.passed_over_dicts()
         self.resumed_from = point.step or 0
         if self.resumed_from < self.start:
@@ -273,6 +275,22 @@ class ChunkRun:
         done = run_records.attempt_outcome(True, None, self.end - self.resumed_from, outcome_seconds, end_step=self.end)
         run_records.end_attempt(cfg, rd, child, done, self.id)
         return outcome
+
+    def set_aside_bad_boundary(self, point: ResumePoint) -> None:
+        """This chunk's boundary checkpoint exists but does not verify (corrupted after its
+        commit): move it aside before the attempt starts.  The attempt judges the boundary by its
+        manifest alone, so left in place it would end every retry at once; a parked worker went on
+        from it and is released, and the retry trains to the boundary again."""
+        bad = [p for p in point.passed_over if p.step == self.end]
+        if not bad:
+            return
+        self.parking.release(grace_s=5.0)
+        store = self.resources.checkpoints
+        with contextlib.suppress(FileNotFoundError):  # already gone: nothing to set aside
+            store.quarantine(store.root / bad[0].checkpoint, bad[0].reason)
+        self.logger.warning(
+            "chunk %d: boundary %s does not verify, set aside: %s", self.chunk, bad[0].checkpoint, bad[0].reason
+        )
 
     def unless_repeated(self, exc: ChunkFailed) -> ChunkFailed:
         """``exc``, or the ``repeated`` failure it makes with the attempt before (:mod:`tasks.supervision.repeated`),

@@ -180,7 +180,11 @@ def test_two_machines_pool_mode_resume_on_the_other_node(
     pfile = origin / f"params-{kind}.yaml"
     pfile.write_text(yaml.safe_dump(p, sort_keys=False))
     slow = {**env, "CONVOY_FAULTS": "step_delay=0.3"}
-    workers = [_start_node({**m, "env": slow}, "node-a", {})]
+    # Node A holds its chunk-2 worker at step 38 for up to 60 s, so a mid-chunk upload (25, 30 or
+    # 35) is published while it still trains, however slow the remote: CI once saw the upload of
+    # an S3 remote come after the worker had finished chunk 2, and nothing was ever killed.
+    held = {**slow, "CONVOY_FAULTS": "step_delay=0.3,slow_step=39:60"}
+    workers = [_start_node({**m, "env": held}, "node-a", {})]
     seen: dict[str, Any] = {}
     killer = threading.Thread(
         target=_kill_mid_chunk,

@@ -16,6 +16,8 @@ from tasks.chunk import ChunkRun
 from tasks.run_resources import RunResources
 from tasks.supervision.supervisor import ChunkFailed, Outcome
 from tasks.supervision.worker_handle import spawn
+from training.checkpointing.store import CheckpointStore
+from training.events import Event, read_events
 from training.rundir import load_run_config
 
 
@@ -47,3 +49,34 @@ def test_a_boundary_that_does_not_verify_releases_the_parked_worker(tmp_path: Pa
     assert failed.value.details.last_committed_step == 10
     assert parking.parked_pid() is None and parking.adopt(cmd) is None
     assert parked.wait_exit(10), "the parked worker still runs"
+
+
+def test_a_retry_sets_a_corrupt_boundary_aside_and_trains_to_it_again(tmp_path: Path) -> None:
+    """The boundary checkpoint of the chunk is corrupt when the attempt starts (the previous
+    attempt found it so and failed): the attempt moves it aside, its worker resumes from the
+    newest checkpoint that verifies and commits the boundary again, with the same digest.  Left in
+    place, its manifest made every retry "commit" the boundary at once and fail (bench/conformance.py,
+    map-aug, corrupt just after the commit of step 20: all five attempts failed in 0.1 s)."""
+    run_dir = make_run(tmp_path, extra=["train.chunk_steps=20", "orchestration.pipeline=true"])
+    code, out = run_worker(run_dir, 20)
+    assert code == 0, out
+    boundary = run_dir / "checkpoints" / "step-000000020"
+    digest = CheckpointStore(run_dir).verify(boundary).digest
+    data = bytearray((boundary / "state.safetensors").read_bytes())
+    data[-7] ^= 0x40
+    (boundary / "state.safetensors").write_bytes(bytes(data))
+    cfg = load_run_config(run_dir)
+    resources = RunResources(cfg, run_dir)
+    try:
+        run = ChunkRun(cfg, run_dir, (1, 0, 20), resources, _Log())
+        assert run.pipelined
+        outcome = run.supervised_attempt()
+        assert outcome is not None and outcome.seconds > 0.5, outcome  # a worker trained 10 -> 20
+        assert run.resumed_from == 10
+        assert CheckpointStore(run_dir).verify(boundary).digest == digest
+        aside = [p.name for p in boundary.parent.glob("step-000000020.invalid-*")]
+        assert len(aside) == 1, aside
+        invalid = read_events(run_dir, Event.CHECKPOINT_INVALID)
+        assert [e["moved_to"] for e in invalid] == aside and "content hash" in invalid[0]["reason"]
+    finally:
+        resources.close()

@@ -34,7 +34,10 @@ def test_status_of_a_fresh_run_dir_is_never_started(tmp_path: Path) -> None:
 def test_status_follows_a_running_worker_then_sees_it_dead(tmp_path: Path) -> None:
     """While the worker trains (before its first checkpoint), status reports the step of its
     heartbeat, at most two beats old; after a SIGKILL with no flow around, ``dead``."""
-    run_dir = make_run(tmp_path, "live", ["checkpoint.every_steps=100"])
+    # One chunk, one save at its end: a worker also saves at every chunk boundary, and a status
+    # call slowed by a loaded machine once let it reach step 60 (a boundary of 60-step chunks)
+    # before the kill.
+    run_dir = make_run(tmp_path, "live", ["checkpoint.every_steps=120", "train.chunk_steps=120"])
     p = start_worker(run_dir, 120, {"CONVOY_FAULTS": "step_delay=0.05"})
     try:
         assert wait_for_step(run_dir, p, 3) is not None

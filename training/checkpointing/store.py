@@ -425,18 +425,19 @@ class CheckpointStore:
             else:
                 event, old = Event.CHECKPOINT_REPLACED, existing.digest
                 reason = "same step, different state digest (non-deterministic replay)"
-        aside = final.with_name(f"{final.name}.{event.removeprefix('checkpoint_')}-{int(time.time() * 1000)}")
-        os.rename(final, aside)
-        append_event(
-            self.run_dir,
-            event,
-            checkpoint=final.name,
-            moved_to=aside.name,
-            reason=reason,
-            old_digest=old,
-            new_digest=new_digest,
-        )
+        self._move_aside(final, event, reason, old_digest=old, new_digest=new_digest)
         return False
+
+    def quarantine(self, path: Path, reason: str) -> None:
+        """Move a committed checkpoint that does not verify aside (``step-….invalid-<ms>``, never
+        deleted, recorded as ``checkpoint_invalid``), so nothing takes its directory for a commit:
+        a pipelined chunk task judges its boundary by the directory's manifest alone."""
+        self._move_aside(path, Event.CHECKPOINT_INVALID, reason)
+
+    def _move_aside(self, path: Path, event: Event, reason: str, **digests: str | None) -> None:
+        aside = path.with_name(f"{path.name}.{event.removeprefix('checkpoint_')}-{int(time.time() * 1000)}")
+        os.rename(path, aside)
+        append_event(self.run_dir, event, checkpoint=path.name, moved_to=aside.name, reason=reason, **digests)
 
     # ------------------------------------------------------------------ retention
     def apply_retention(self, protect: Checkpoint) -> list[str]:
