@@ -1,10 +1,11 @@
 """What lives across the chunk tasks of one run, in one object the flow holds and passes on.
 
-A flow run trains its chunks as Prefect tasks in its own process (threads), and five things
+A flow run trains its chunks as Prefect tasks in its own process (threads), and six things
 outlive a single chunk task: the run's checkpoint store with its verdicts (each unchanged
 checkpoint hashed once, :mod:`training.checkpointing.verified`), the pipelined worker parked at a
 chunk boundary for the next task (:class:`tasks.supervision.handoff.Parking`), the warm standby
-(:class:`tasks.supervision.standby.StandbySlot`), the thread that uploads committed checkpoints
+(:class:`tasks.supervision.standby.StandbySlot`), the worker zygote that forks every worker
+(:class:`tasks.supervision.zygote.WorkerZygote`), the thread that uploads committed checkpoints
 (:class:`tasks.remote.remote_checkpoints.Uploader`) and the boundary versioning still in flight
 (:class:`tasks.remote.dvc_version.Versioning`).
 
@@ -27,10 +28,20 @@ from tasks.remote.remote_checkpoints import Uploader
 from tasks.supervision.attempt import WorkerSlots
 from tasks.supervision.handoff import Parking
 from tasks.supervision.standby import StandbySlot
+from tasks.supervision.zygote import WorkerZygote
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
 
 log = logging.getLogger("convoy.run")
+
+
+def zygote_for(config: RunConfig, run_dir: Path) -> WorkerZygote | None:
+    """The run's worker zygote, started now so its imports overlap the flow's start-up; None where
+    workers are not forked (``orchestration.zygote`` off, pool mode, more than one rank)."""
+    o, t = config.orchestration, config.train
+    if not o.zygote or o.mode != "local" or t.world_size != 1 or t.nnodes != 1:
+        return None
+    return WorkerZygote(run_dir)
 
 
 class RunResources:
@@ -38,7 +49,7 @@ class RunResources:
 
     def __init__(self, config: RunConfig, run_dir: Path) -> None:
         self.config, self.run_dir = config, Path(run_dir).resolve()
-        self.slots = WorkerSlots(Parking(), StandbySlot(self.run_dir))
+        self.slots = WorkerSlots(Parking(), StandbySlot(self.run_dir), zygote_for(config, self.run_dir))
         #: The run's checkpoints as this process sees them: one store, so each unchanged checkpoint
         #: is verified once however many callers ask for the resume point.
         self.checkpoints = CheckpointStore(self.run_dir)

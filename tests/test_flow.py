@@ -494,5 +494,5 @@ def test_pipelined_worker_never_outruns_the_flow_and_chunks_are_identical(
     assert len(digests[True]) == TOTAL // 10 and all(digests[True])
     assert digests[True] == digests[False]
     assert summaries[True]["digest"] == summaries[False]["digest"] == reference_digest
-    logs = sorted(p.name for p in (tmp_path / "runs" / "pipe-True" / "logs").iterdir())
+    logs = sorted(p.name for p in (tmp_path / "runs" / "pipe-True" / "logs").glob("chunk-*.log"))
     assert logs == ["chunk-1-attempt-1.log"]  # one worker trained all six chunks

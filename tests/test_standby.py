@@ -9,6 +9,7 @@ the proof); the standby dies with a killed flow.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,11 +40,12 @@ def wait_for_ready_standby(run_dir: Path, n: int, timeout: float = 120) -> int:
 
 
 def _pid_of(log: Path) -> int:
-    for p in psutil.process_iter(["cmdline", "pid"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "--standby" in cmd and str(log.parent.parent) in cmd:
-            return p.pid
-    raise AssertionError("no standby process")
+    """The pid the standby says it has (forked by the run's zygote, its command line is the zygote's)."""
+    found = re.findall(rf"{WorkerSays.STANDBY_READY} \(pid (\d+)\)", log.read_text(errors="replace"))
+    assert found, f"no standby pid in {log}"
+    pid = int(found[-1])
+    assert psutil.pid_exists(pid), "no standby process"
+    return pid
 
 
 def test_two_kills_in_a_row_are_taken_over_by_standbys_bitwise(

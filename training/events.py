@@ -7,7 +7,7 @@ The vocabulary the worker and the processes watching it share is named here, onc
 kinds (:class:`Event`), the heartbeat phases (:class:`Phase`), the failure kinds a ``failure``
 event carries (:class:`FailureKind`) and the openings of the worker's output lines that others
 read (:class:`WorkerSays`) — and the worker's exit codes that mean more than "failed"
-(:data:`EXIT_CONFIG`, :data:`EXIT_PREEMPTED`).
+(:data:`EXIT_CONFIG`, :data:`EXIT_PREEMPTED`), and the variables a forked worker is given.
 """
 
 from __future__ import annotations
@@ -44,6 +44,12 @@ class StandbyOrder:
 EXIT_CONFIG = 78
 #: Exit code of a worker that was preempted (SIGTERM) and saved an emergency checkpoint.
 EXIT_PREEMPTED = 75
+#: Set in a worker forked by the run's zygote (:mod:`training.zygote`) to the zygote's pid; the
+#: worker records where it came from in its ``started``/``resumed`` event (``origin``).
+FORKED_BY_ENV = "CONVOY_FORKED_BY"
+#: The fd of a forked worker's lifeline (:mod:`training.lifeline`): the read end of a pipe only the
+#: flow process can write to, so its hang-up says the flow is gone.
+LIFELINE_FD_ENV = "CONVOY_LIFELINE_FD"
 
 
 class Event(StrEnum):
@@ -86,6 +92,7 @@ class Event(StrEnum):
     STARTED = "started"
     WORKER_DONE = "worker_done"
     WORLD_SIZE_CHANGED = "world_size_changed"
+    ZYGOTE_REPLACED = "zygote_replaced"
 
 
 class Phase(StrEnum):

@@ -30,6 +30,11 @@ def _faults() -> dict[str, str]:
     return out
 
 
+def reset() -> None:
+    """Read ``CONVOY_FAULTS`` afresh: a worker forked by the zygote has another environment."""
+    _faults.cache_clear()
+
+
 def persist_delay() -> None:
     if "persist_delay" in _faults():
         time.sleep(float(_faults()["persist_delay"]))

@@ -94,6 +94,14 @@ class RunPaths:
     def standby_log(self, n: int) -> Path:
         return self.logs / f"standby-{n}.log"
 
+    def zygote_log(self, n: int) -> Path:
+        return self.logs / f"zygote-{n}.log"
+
+    def exit_status(self, token: int) -> Path:
+        """Where a worker forked by the zygote leaves its exit code (read, then removed, by the
+        flow when the zygote that would report it is gone; :mod:`tasks.supervision.zygote`)."""
+        return self.heartbeats / f"exit-{token}.json"
+
     @property
     def ack(self) -> Path:
         return self.root / ACK_FILE

@@ -36,7 +36,16 @@ from training.checkpointing.schedule import SaveSchedule
 from training.chunk_boundary import wait_for_previous_boundary
 from training.claim import Claim, claim_run
 from training.config import ConfigError
-from training.events import EXIT_CONFIG, EXIT_PREEMPTED, Event, Phase, StandbyOrder, WorkerSays, append_event
+from training.events import (
+    EXIT_CONFIG,
+    EXIT_PREEMPTED,
+    FORKED_BY_ENV,
+    Event,
+    Phase,
+    StandbyOrder,
+    WorkerSays,
+    append_event,
+)
 from training.heartbeat import Heartbeat
 from training.paths import RunPaths
 from training.restore import Restored, restore_newest
@@ -166,7 +175,7 @@ class Worker:
         """Standby: build everything a restart would (the task), then wait for the ``order`` line;
         False if none came (released).  Until the order a SIGTERM just ends it."""
         self.prepare()
-        self.log(WorkerSays.STANDBY_READY)
+        self.log(f"{WorkerSays.STANDBY_READY} (pid {os.getpid()})")  # a forked one shows the zygote's command line
         line = order().strip()
         if not line:
             return False
@@ -223,6 +232,8 @@ class Worker:
             "until_step": self.until,
             "previous_beat_step": claimed.previous_beat_step,
             "intraop_threads": torch.get_num_threads(),  # another count sums in another order
+            # A new interpreter, or forked by the run's zygote (pid): which recovery path this was.
+            "forked_by": int(os.environ[FORKED_BY_ENV]) if os.environ.get(FORKED_BY_ENV) else None,
         }
         if checkpoint is None:
             self.log(f"{WorkerSays.NO_CHECKPOINT}: starting from step 0")

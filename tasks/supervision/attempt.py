@@ -3,7 +3,7 @@ come from.  The supervisor (:mod:`tasks.supervision.supervisor`) watches it, the
 (:mod:`tasks.supervision.worker_source`) starts or finds its worker from it; neither copies it.
 
 :class:`WorkerSlots` is the part that outlives one attempt: the run's parking spot (a pipelined
-worker between chunk tasks) and its standby slot.  The flow holds them for the whole run
+worker between chunk tasks), its standby slot and its worker zygote.  The flow holds them for the whole run
 (:class:`tasks.run_resources.RunResources`) and every attempt of the run gets the same pair, passed
 explicitly, so nothing about a run lives in a module-level registry.
 """
@@ -23,24 +23,29 @@ from training.events import StandbyOrder
 from training.tracking.attempts import AttemptId
 
 if TYPE_CHECKING:  # the store imports torch; an attempt is described without it
+    from tasks.supervision.zygote import WorkerZygote
     from training.checkpointing.store import CheckpointStore
 
 
 @dataclass(frozen=True)
 class WorkerSlots:
-    """A run's parking spot and standby slot (see the module docstring)."""
+    """A run's parking spot, standby slot and worker zygote (see the module docstring)."""
 
     parking: Parking
     standby: StandbySlot
+    #: Forks the run's workers (:mod:`tasks.supervision.zygote`); None: every worker is spawned.
+    zygote: WorkerZygote | None = None
 
     @classmethod
     def empty(cls, run_dir: str | Path = ".") -> WorkerSlots:
         return cls(Parking(), StandbySlot(run_dir))
 
     def release(self, grace_s: float = 5.0) -> bool:
-        """Stop the parked worker, then the standby; True if a worker was parked."""
+        """Stop the parked worker, then the standby, then the zygote; True if a worker was parked."""
         stopped = self.parking.release(grace_s)
         self.standby.release()
+        if self.zygote is not None:
+            self.zygote.close()
         return stopped
 
 

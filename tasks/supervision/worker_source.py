@@ -1,6 +1,6 @@
 """Where a chunk attempt's worker comes from: the one seam between the supervisor and its sources.
 
-Three sources, tried in this order, each giving the supervisor the same
+Four sources, tried in this order, each giving the supervisor the same
 :class:`tasks.supervision.worker_handle.WorkerHandle` (pid, a death it can wait for, a stop, its log):
 
 1. **adopted** — the worker the previous chunk parked at its boundary (``orchestration.pipeline``,
@@ -8,7 +8,10 @@ Three sources, tried in this order, each giving the supervisor the same
    its log is read on from where the previous chunk stopped.
 2. **standby** — the run's warm standby (``orchestration.standby``, :mod:`tasks.supervision.standby`), given
    this attempt's order.
-3. **spawned** — a fresh process (after removing stale beats of an earlier attempt).
+3. **forked** — by the run's worker zygote (:mod:`tasks.supervision.zygote`): a ready interpreter
+   with torch imported forks it in milliseconds (after removing stale beats of an earlier attempt);
+4. **spawned** — a fresh process, when there is no zygote ready (or the command is not a local
+   one-rank worker).
 
 Every source is watched equally well: the handle waits on the process's pidfd, so the death of
 a worker this task did not start is seen as fast as that of one it did.  The supervisor
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -38,6 +42,8 @@ class Source(StrEnum):
 
     ADOPTED = "adopted"
     STANDBY = "standby"
+    #: By the run's zygote (:mod:`tasks.supervision.zygote`): no interpreter start.
+    FORKED = "forked"
     SPAWNED = "spawned"
 
 
@@ -73,8 +79,19 @@ class WorkerSource:
         if called is not None:
             return Acquired(called, Source.STANDBY)
         header = f"chunk={launch.chunk} attempt={launch.attempt} started {clock(started)}"
+        forked = self._fork(launch.cmd, launch.log_path, header)
+        if forked is not None:
+            return Acquired(forked, Source.FORKED)
         fresh = spawn(launch.cmd, launch.log_path, header, cwd=launch.cwd, env=launch.environment())
         return Acquired(fresh, Source.SPAWNED)
+
+    def _fork(self, cmd: Sequence[str], log_path: Path, header: str, stdin: bool = False) -> WorkerHandle | None:
+        """A worker forked by the run's zygote; None when there is none ready (then it is spawned)."""
+        zygote = self.slots.zygote
+        if zygote is None:
+            return None
+        launch = self.launch
+        return zygote.fork(cmd, log_path, header, cwd=launch.cwd, env=launch.environment(), stdin=stdin)
 
     def _call_standby(self, started: float) -> WorkerHandle | None:
         """Give the run's warm standby this attempt's order; None when there is none."""
@@ -109,6 +126,9 @@ class WorkerSource:
 
         def start(cmd: list[str], log_path: Path) -> WorkerHandle:
             header = f"standby started {clock(time.time())}"
+            forked = self._fork(cmd, log_path, header, stdin=True)
+            if forked is not None:
+                return forked
             return spawn(cmd, log_path, header, cwd=launch.cwd, env=launch.environment(), stdin=subprocess.PIPE)
 
         self.slots.standby.ensure(start)

@@ -1,0 +1,153 @@
+"""The worker zygote (issue: no interpreter start on any recovery path).
+
+A worker forked by the run's zygote trains bitwise what a spawned one does (with and without
+loader workers); the zygote is fork-safe (no CUDA, no thread but its main one); a killed worker's
+status comes back through the zygote, a killed zygote is replaced while its workers train on, and
+every recovery of a real flow run — a kill in chunk 1, a kill of the adopted pipelined worker, two
+kills 5 s apart, the zygote itself killed — is a fork of the zygote, ending on the uninterrupted
+digest with no process left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from engine_util import make_run, run_worker
+
+from tasks.supervision.zygote import WorkerZygote
+from tests.flow_util import CHUNK, TOTAL, assert_no_leftovers, config, in_thread, params, wait_for_step
+from training.checkpointing.store import CheckpointStore
+from training.events import Event, read_events
+
+
+def _cmd(run_dir: Path, until: int) -> list[str]:
+    return [sys.executable, "-m", "training.worker", "--run-dir", str(run_dir), "--until-step", str(until)]
+
+
+def _fork(zygote: WorkerZygote, run_dir: Path, until: int, env: dict[str, str] | None = None) -> Any:
+    handle = zygote.fork(
+        _cmd(run_dir, until),
+        run_dir / "logs" / "forked.log",
+        "test",
+        cwd=os.getcwd(),
+        env={**os.environ, **(env or {})},
+    )
+    assert handle is not None, "the zygote did not fork"
+    return handle
+
+
+def _digest(run_dir: Path) -> str:
+    checkpoint = CheckpointStore(run_dir).latest_valid(record=False)
+    assert checkpoint is not None
+    return checkpoint.digest
+
+
+CNN = ["task=tests.pipeline_tasks:build_cnn", "data.num_workers=2", "train.batch_size=16"]
+
+
+@pytest.mark.parametrize("extra", [[], CNN], ids=["char-gpt", "cnn-2-loader-workers"])
+def test_a_forked_worker_trains_bitwise_what_a_spawned_one_does(tmp_path: Path, extra: list[str]) -> None:
+    forked, spawned = make_run(tmp_path / "f", extra=extra), make_run(tmp_path / "s", extra=extra)
+    zygote = WorkerZygote(forked)
+    try:
+        ready = zygote.wait_ready(120)
+        assert ready is not None and ready.pid == zygote.pid
+        assert ready.cuda_initialized is False and ready.hazards == [], ready  # the fork-safety rules
+        t0 = time.monotonic()
+        handle = _fork(zygote, forked, 30)
+        fork_s = time.monotonic() - t0
+        assert psutil.Process(handle.pid).ppid() == zygote.pid  # no interpreter was started for it
+        assert handle.proc.wait(300) == 0, (forked / "logs" / "forked.log").read_text()
+    finally:
+        zygote.close()
+    code, out = run_worker(spawned, 30)
+    assert code == 0, out
+    assert _digest(forked) == _digest(spawned)
+    started = read_events(forked, Event.STARTED)
+    assert [e["forked_by"] for e in started] == [ready.pid] and read_events(spawned, Event.STARTED)[0][
+        "forked_by"
+    ] is None
+    print(f"\nfork took {fork_s * 1000:.1f} ms, the zygote's imports {ready.import_s:.2f} s")
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "training.zygote" in " ".join(p.info["cmdline"] or [])]
+
+
+def test_a_killed_zygote_is_replaced_and_its_worker_trains_on(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path)
+    zygote = WorkerZygote(run_dir)
+    try:
+        first = zygote.wait_ready(120)
+        assert first is not None
+        slow = _fork(zygote, run_dir, 60, {"CONVOY_FAULTS": "step_delay=0.05"})
+        wait_for_step(run_dir, 5)
+        os.kill(first.pid, signal.SIGKILL)  # the worker's parent: it goes on training
+        deadline = time.monotonic() + 120
+        while zygote.pid == first.pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = zygote.wait_ready(120)
+        assert second is not None and second.pid != first.pid
+        assert slow.proc.wait(300) == 0  # its own word: the zygote that would have reported it is gone
+        assert _digest(run_dir) and read_events(run_dir, Event.ZYGOTE_REPLACED)[0]["pid"] == first.pid
+        victim = _fork(zygote, run_dir, 120, {"CONVOY_FAULTS": "step_delay=0.05"})
+        assert psutil.Process(victim.pid).ppid() == second.pid
+        wait_for_step(run_dir, 65)
+        os.kill(victim.pid, signal.SIGKILL)
+        assert victim.proc.wait(30) == -signal.SIGKILL  # reported by the new zygote
+    finally:
+        zygote.close()
+    assert_no_leftovers(run_dir)
+
+
+def test_every_recovery_of_a_flow_run_is_a_fork_of_the_zygote(
+    prefect_api: str, data_dir: Path, tmp_path: Path, reference_digest: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kills: in chunk 1 (the worker the first attempt forked), in chunk 2 (the pipelined worker
+    chunk 2 adopted), the zygote itself in chunk 2, and two in chunk 3, 5 s apart (the second lands
+    in a stall of the replacement, armed by the first).  Every worker start is a fork (``forked_by``),
+    the run ends on the uninterrupted digest, and nothing is left running."""
+    from flows.train import run_training
+
+    flag = tmp_path / "stall"
+    monkeypatch.setenv("CONVOY_FAULTS", f"step_delay=0.05,slow_flag={flag}:20")
+    cfg = config(params(tmp_path, data_dir, "zygote", heartbeat={"stall_s": 30}, orchestration={"retries": 3}))
+    run_dir = cfg.run_dir.resolve()
+    kills: list[tuple[str, int]] = []
+
+    def kill(step: int, what: str) -> float:
+        beat = wait_for_step(run_dir, step)
+        os.kill(beat.pid, signal.SIGKILL)
+        kills.append((what, beat.step))
+        return time.monotonic()
+
+    def killer() -> None:
+        kill(8, "chunk 1")
+        kill(CHUNK + 6, "adopted")
+        wait_for_step(run_dir, CHUNK + 8)  # the retry trains: forked by the first zygote
+        first_zygote = read_events(run_dir, Event.STARTED)[0]["forked_by"]
+        os.kill(first_zygote, signal.SIGKILL)
+        kills.append(("zygote", first_zygote))
+        first = kill(2 * CHUNK + 3, "chunk 3")
+        flag.touch()  # the replacement stalls at its next step: the second kill lands there
+        time.sleep(max(0.0, first + 5.0 - time.monotonic()))
+        beat = wait_for_step(run_dir, 2 * CHUNK)
+        os.kill(beat.pid, signal.SIGKILL)
+        kills.append(("5 s later", beat.step))
+
+    t = in_thread(killer)
+    summary = run_training(cfg)
+    t.join(timeout=5)
+    assert not t.errors, t.errors  # type: ignore[attr-defined]
+    assert [k[0] for k in kills] == ["chunk 1", "adopted", "zygote", "chunk 3", "5 s later"], kills
+    assert summary["final_step"] == TOTAL and summary["digest"] == reference_digest
+    starts = read_events(run_dir, Event.STARTED) + read_events(run_dir, Event.RESUMED)
+    assert len(starts) == 5 and all(e["forked_by"] for e in starts), starts
+    assert len({e["forked_by"] for e in starts}) == 2  # the killed zygote, then its replacement
+    assert [e["failure"] for e in read_events(run_dir, Event.FAILURE)] == ["killed"] * 4
+    assert len(read_events(run_dir, Event.ZYGOTE_REPLACED)) == 1
+    assert_no_leftovers(run_dir)
