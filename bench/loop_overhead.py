@@ -155,6 +155,7 @@ def parse_args() -> argparse.Namespace:
         help="torch intra-op threads for both sides (0 = torch's default); on a small shared "
         "machine more than one thread per process makes step times swing by tens of %%",
     )
+    ap.add_argument("--memory-every", default="auto", help="the memory tier's interval for its pair (steps or auto)")
     ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
     return ap.parse_args()
 
@@ -180,6 +181,25 @@ def measure_blocks(args: argparse.Namespace, base: list[str], blocks: int) -> di
             convoy += convoy_steps(run_dir, (b + 1) * args.block)
         results[name] = {"bare": bare, "convoy": convoy}
     return results
+
+
+def measure_memory_tier(args: argparse.Namespace, base: list[str], blocks: int) -> dict[str, list[float]]:
+    """convoy's loop with the memory tier (``--memory-every``, ``auto`` by default) against the
+    same loop without it, in interleaved blocks: what the snapshots cost the loop (goal <= 3 %)."""
+    from training.config import load_config
+    from training.corpus import prepare
+    from training.rundir import open_run
+
+    runs = {}
+    for side, every in (("off", "null"), ("on", args.memory_every)):
+        cfg = load_config(None, [*base, f"run_name=memory-{side}", f"checkpoint.memory_every_steps={every}"])
+        prepare(cfg.data, cfg.train.seed)
+        runs[side] = open_run(cfg)
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for b in range(blocks):
+        for side in ("off", "on") if b % 2 else ("on", "off"):
+            times[side] += convoy_steps(runs[side], (b + 1) * args.block)
+    return times
 
 
 def print_row(name: str, bare: list[float], convoy: list[float], note: str = "") -> None:
@@ -209,6 +229,7 @@ def main() -> int:
         f"train.total_steps={total}",
         f"train.chunk_steps={total}",
         "checkpoint.every_steps=null",
+        "checkpoint.memory_every_steps=null",
         "tracking.mlflow=false",
         "checkpoint.async_save=false",
         *args.overrides,
@@ -234,6 +255,13 @@ def main() -> int:
     ratio = statistics.fmean(results["no eval"]["convoy"]) / statistics.fmean(results["no eval"]["bare"])
     print(
         f"VERDICT loop overhead without saves: {100 * (ratio - 1):+.1f} % (goal <= 3 %): "
+        f"{'ok' if ratio <= 1.03 else 'over'}"
+    )
+    memory = measure_memory_tier(args, base, blocks)
+    print_row("memory", memory["off"], memory["on"], f"   (tier every {args.memory_every} vs off; columns: off, on)")
+    ratio = statistics.median(memory["on"]) / statistics.median(memory["off"])
+    print(
+        f"VERDICT memory tier slowdown: {100 * (ratio - 1):+.1f} % (median; goal <= 3 %): "
         f"{'ok' if ratio <= 1.03 else 'over'}"
     )
     return 0

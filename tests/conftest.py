@@ -13,8 +13,10 @@ MLflow server of ``mlflow_server``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,6 +38,11 @@ import pytest
 # the same way, never with a thread count; tests/test_resume.py keeps its kills at several
 # threads (where MKL's dynamic threading could break a bitwise resume).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The memory tier of every run the tests start lives in one temporary directory, not in /dev/shm
+# (a test that kills a worker leaves its tier behind, as a user's abandoned run would).
+if "CONVOY_MEMORY_DIR" not in os.environ:
+    os.environ["CONVOY_MEMORY_DIR"] = tempfile.mkdtemp(prefix="convoy-memory-tier-")
+    atexit.register(shutil.rmtree, os.environ["CONVOY_MEMORY_DIR"], ignore_errors=True)
 
 
 def _free_port() -> int:

@@ -156,11 +156,11 @@ class TrainConfig(_Strict):
 class CheckpointConfig(_Strict):
     """When to save and what to keep.  Never part of the fingerprint."""
 
-    @field_validator("every_steps")
+    @field_validator("every_steps", "memory_every_steps")
     @classmethod
-    def _positive(cls, v: int | str | None) -> int | str | None:
+    def _positive(cls, v: int | str | None, info: Any) -> int | str | None:
         if isinstance(v, int) and v <= 0:
-            raise ValueError(f"checkpoint.every_steps = {v}: must be a positive number of steps, auto, or null")
+            raise ValueError(f"checkpoint.{info.field_name} = {v}: must be a positive number of steps, auto, or null")
         return v
 
     #: Save every N steps, or ``auto`` (interval from measured save cost and MTBF), or null.
@@ -180,6 +180,13 @@ class CheckpointConfig(_Strict):
     keep_every: int = Field(0, ge=0)
     #: Byte cap over all checkpoints (0 = no cap); the newest verified one is always kept.
     max_bytes: int = Field(0, ge=0)
+    #: The memory tier (``training.checkpointing.memory_tier``): snapshot the state into RAM
+    #: (``/dev/shm``) every N steps, restored after a kill when newer than the disk tier; ``auto``:
+    #: as often as ``memory_max_overhead`` of the step time allows (every step on the demo); null:
+    #: off.  Never durable, never "the last verified checkpoint".
+    memory_every_steps: int | Literal["auto"] | None = Field("auto")
+    #: For ``memory_every_steps: auto``: the share of the step time the snapshots may cost.
+    memory_max_overhead: float = Field(0.03, gt=0, lt=1)
 
 
 class HeartbeatConfig(_Strict):

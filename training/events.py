@@ -77,6 +77,7 @@ class Event(StrEnum):
     FOREIGN_THREADS = "foreign_threads"
     FORKED = "forked"
     INTERVAL_CHOSEN = "interval_chosen"
+    MEMORY_SNAPSHOT_REFUSED = "memory_snapshot_refused"
     NONDETERMINISTIC_RESUME = "nondeterministic_resume"
     PREEMPTED = "preempted"
     REAP_FAILED = "reap_failed"

@@ -18,6 +18,10 @@ from __future__ import annotations
 import re
 import sys
 import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from training.events import Event, append_event
 
 #: Thread names of the worker process and what each may touch.  None draws random numbers.
 KNOWN_THREADS: dict[str, str] = {
@@ -67,3 +71,23 @@ def foreign_threads(declared: tuple[str, ...] = ()) -> list[str]:
 def loaded_network_clients() -> list[str]:
     """The network client libraries imported in this process (a worker must have none)."""
     return [name for name in NETWORK_CLIENTS if name in sys.modules]
+
+
+class ThreadWatch:
+    """Once per worker: warn (log line and ``foreign_threads`` event) when a thread of no known
+    purpose runs beside training at a save (:func:`foreign_threads`): a library the task imported
+    started it, and it may draw from the generators the checkpoint saves."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.run_dir, self.rank = run_dir, rank
+        self.warned = False
+
+    def check(self, train_data: object, log: Callable[[str], None]) -> None:
+        foreign = foreign_threads(declared_threads(train_data))
+        if foreign and not self.warned:
+            self.warned = True
+            log(
+                f"WARNING: thread(s) {', '.join(foreign)} run beside training; if they draw from random, "
+                "numpy or torch generators the saved state differs from an uninterrupted run's"
+            )
+            append_event(self.run_dir, Event.FOREIGN_THREADS, rank=self.rank, threads=foreign)

@@ -27,6 +27,7 @@ import torch
 
 from training import distributed
 from training.checkpointing.errors import CheckpointRejected
+from training.checkpointing.memory_tier import merged
 from training.checkpointing.store import Checkpoint
 from training.config import ConfigError
 from training.data import mix_seed
@@ -50,29 +51,34 @@ class Restored:
     world_changed: bool
     #: Seconds from the first candidate to the restored state.
     load_s: float
+    #: Restored from the memory tier's snapshot, not from a disk checkpoint.
+    from_memory: bool = False
 
 
 def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) -> Restored:
-    """Walk the candidates newest first; see the module docstring for what happens to each."""
+    """Walk the candidates newest first — the memory tier's snapshot among the disk checkpoints
+    where its step puts it (:func:`~training.checkpointing.memory_tier.merged`); see the module
+    docstring for what happens to each."""
     t0 = time.perf_counter()
-    for candidate in runtime.store.candidates():
+    memory = runtime.memory.newest() if runtime.memory is not None else None
+    for candidate, in_memory in merged(memory, runtime.store):
         if candidate.loaded is None:
-            log(f"skipping checkpoint {candidate.path.name}: {candidate.reason}")
+            refuse(runtime, run_dir, candidate.path, candidate.reason, in_memory, log, recorded=not in_memory)
             continue
         checkpoint, parts = candidate.loaded
-        check_fingerprint(runtime, run_dir, checkpoint)
+        if not in_memory:  # a snapshot of another trajectory never reaches here (memory tier rule 3)
+            check_fingerprint(runtime, run_dir, checkpoint)
         try:
             world_changed = apply(runtime, checkpoint, parts, run_dir, log)
         except CheckpointRejected as exc:
             if runtime.world_size > 1:
                 raise  # every rank must fall back together; a crash makes the retry do it
-            runtime.store.refuse(checkpoint.path, f"restore failed: {exc}")
-            log(f"skipping checkpoint {checkpoint.path.name}: restore failed: {exc}")
+            refuse(runtime, run_dir, checkpoint.path, f"restore failed: {exc}", in_memory, log)
             runtime = runtime.rebuilt()
             continue
         if checkpoint.manifest.get("forked_from"):
             adopt_child_settings(runtime, checkpoint.manifest["forked_from"], log)
-        return Restored(runtime, checkpoint, world_changed, time.perf_counter() - t0)
+        return Restored(runtime, checkpoint, world_changed, time.perf_counter() - t0, in_memory)
     parent = (run_info(run_dir) or {}).get("parent")
     if parent:  # a child trained from scratch would be another run under the child's name
         raise ConfigError(
@@ -80,6 +86,27 @@ def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) 
             "checkpoint here restores (see the skipped checkpoints above); fork it again"
         )
     return Restored(runtime, None, False, time.perf_counter() - t0)
+
+
+def refuse(
+    runtime: Runtime,
+    run_dir: Path,
+    path: Path,
+    reason: str,
+    in_memory: bool,
+    log: Callable[[str], None],
+    recorded: bool = False,
+) -> None:
+    """Pass a candidate over: said in the log, and recorded — a disk checkpoint as
+    ``checkpoint_skipped`` (unless the store already did), the memory snapshot as
+    ``memory_snapshot_refused`` (memory tier rule 4)."""
+    if in_memory:
+        log(f"skipping the memory snapshot of step {path.name}: {reason}")
+        append_event(run_dir, Event.MEMORY_SNAPSHOT_REFUSED, rank=runtime.rank, checkpoint=path.name, reason=reason)
+        return
+    log(f"skipping checkpoint {path.name}: {reason}")
+    if not recorded:
+        runtime.store.refuse(path, reason)
 
 
 def check_fingerprint(runtime: Runtime, run_dir: Path, checkpoint: Checkpoint) -> None:

@@ -20,11 +20,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from training import distributed
+from training.checkpointing import sharded
+from training.checkpointing.memory_tier import MemoryStore, open_tier
+from training.checkpointing.schedule import MemorySchedule, SaveSchedule
 from training.checkpointing.store import CheckpointStore, WriterGroup
 from training.config import ConfigError, RunConfig
 from training.data import mix_seed
@@ -71,6 +74,28 @@ def start_device(config: RunConfig, world_size: int) -> torch.device:
     return device
 
 
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Session:
+    """What :meth:`training.worker.Worker.setup` decided for this attempt, beyond the runtime."""
+
+    #: Recorded in each checkpoint's manifest (a clone without ``run.json`` finds the MLflow run).
+    mlflow_run_id: str | None
+    #: When the loop saves (the adaptive interval, with ``every_steps: auto``, learns as it goes).
+    schedule: SaveSchedule
+    #: When the loop snapshots into the memory tier (its own interval, ``memory_every_steps``).
+    memory: MemorySchedule
+
+
+def reached(result: T | None, stage: str) -> T:
+    """A stage's result, or an error naming the stage that has not run yet."""
+    if result is None:
+        raise RuntimeError(f"the worker has not reached this yet: {stage}() first")
+    return result
+
+
 @dataclass(frozen=True)
 class FreshSettings:
     """The optimisation settings the config asks for, taken before a restore overwrites them
@@ -101,6 +126,8 @@ class Runtime:
     state: TrainState
     store: CheckpointStore
     fresh: FreshSettings
+    #: The memory tier's store (:mod:`training.checkpointing.memory_tier`); None when off.
+    memory: MemoryStore | None = None
 
     @property
     def amp(self) -> bool:
@@ -111,9 +138,18 @@ class Runtime:
         """What ``torch.autocast`` is given (unused when AMP is off, but it must be a dtype)."""
         return self.autocast or torch.float16
 
+    def save_checkpoint(self, blocking: bool, extra: dict[str, Any] | None) -> float:
+        """This rank's state into the store (persisted in the background unless ``blocking``;
+        sharded: model and optimizer written collectively first); returns the loop's stall."""
+        rank, shard = self.rank, self.config.checkpoint.format == "sharded"
+        parts = self.state.checkpoint_parts(rank, include_replicated=rank == 0, sharded=shard)
+        model, optimizer = self.parts.model, self.parts.optimizer
+        writer = (lambda tmp: sharded.save_shards(tmp, model, optimizer, rank)) if shard else None
+        return self.store.save(self.state.step, parts, blocking=blocking, extra_manifest=extra, collective_write=writer)
+
     def rebuilt(self) -> Runtime:
         """A fresh runtime on the same device with the same store (the restore's fallback)."""
-        return build_runtime(self.config, self.device, self.rank, self.world_size, store=self.store)
+        return build_runtime(self.config, self.device, self.rank, self.world_size, store=self.store, memory=self.memory)
 
 
 def build_runtime(
@@ -124,6 +160,7 @@ def build_runtime(
     *,
     run_dir: Path | None = None,
     store: CheckpointStore | None = None,
+    memory: MemoryStore | None = None,
 ) -> Runtime:
     """Seeded task parts, DDP wrapper, AMP scaler, an empty train state and the checkpoint store
     (``store``: the one to keep, else a new one for ``run_dir``, validating against these parts)."""
@@ -147,6 +184,7 @@ def build_runtime(
     if store is None:
         assert run_dir is not None, "a new store needs the run directory"
         store = open_store(config, run_dir, parts, rank, world_size)
+        memory = open_memory_tier(config, store)
     return Runtime(
         config=config,
         device=device,
@@ -159,6 +197,7 @@ def build_runtime(
         state=TrainState(parts, scaler, device=device),
         store=store,
         fresh=fresh,
+        memory=memory,
     )
 
 
@@ -172,3 +211,15 @@ def open_store(config: RunConfig, run_dir: Path, parts: TaskParts, rank: int, wo
         boundary_every=config.train.chunk_steps,
         validator=checkpoint_validator(ExpectedState.of(parts)),
     )
+
+
+def open_memory_tier(config: RunConfig, store: CheckpointStore) -> MemoryStore | None:
+    """The memory tier beside ``store`` (same writers, same validation), or None: off, more than
+    one node, sharded checkpoints (their big state is written collectively), no ``/dev/shm``."""
+    if config.checkpoint.format == "sharded":
+        return None
+    writers = WriterGroup(store.world_size, store.rank, gather_timeout_s=store.gather_timeout_s)
+    memory = open_tier(store.run_dir, config, writers)
+    if memory is not None:
+        memory.validator = store.validator
+    return memory

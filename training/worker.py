@@ -23,16 +23,16 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from filelock import FileLock
 
 from training import distributed, faults, hermetic
-from training.checkpointing import sharded
-from training.checkpointing.schedule import SaveSchedule
+from training.checkpointing.errors import CheckpointError
+from training.checkpointing.schedule import MemorySchedule, SaveSchedule
 from training.chunk_boundary import wait_for_previous_boundary
 from training.claim import Claim, claim_run
 from training.config import ConfigError
@@ -50,7 +50,7 @@ from training.heartbeat import Heartbeat
 from training.paths import RunPaths
 from training.restore import Restored, restore_newest
 from training.rundir import RunBusy, load_run_config, run_info
-from training.runtime import Runtime, amp_dtype, build_runtime, pick_device, start_device
+from training.runtime import Runtime, Session, amp_dtype, build_runtime, pick_device, reached, start_device
 from training.state import TrainState
 from training.step import micro_batches, train_step, validation_enabled, validation_loss
 from training.streams import is_stream
@@ -59,25 +59,6 @@ from training.tracking.metrics import JsonlBackend, MetricBackend, StepMetricLog
 
 #: Re-exported: tests and benchmarks import them from here.
 __all__ = ["Worker", "amp_dtype", "main", "pick_device"]
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Session:
-    """What :meth:`Worker.setup` decided for this attempt, beyond the runtime."""
-
-    #: Recorded in each checkpoint's manifest (a clone without ``run.json`` finds the MLflow run).
-    mlflow_run_id: str | None
-    #: When the loop saves (the adaptive interval, with ``every_steps: auto``, learns as it goes).
-    schedule: SaveSchedule
-
-
-def _reached(result: T | None, stage: str) -> T:
-    """A stage's result, or an error naming the stage that has not run yet."""
-    if result is None:
-        raise RuntimeError(f"the worker has not reached this yet: {stage}() first")
-    return result
 
 
 class Worker:
@@ -121,26 +102,27 @@ class Worker:
         self._runtime: Runtime | None = None
         self._session: Session | None = None
         self._restored: Restored | None = None
-        self._warned_threads = False
+        #: Warns once of a thread of no known purpose beside training (invariant 12).
+        self.threads = hermetic.ThreadWatch(run_dir, rank)
         if not standby:
             self.claim()
 
     # ------------------------------------------------------------------ stage results
     @property
     def claimed(self) -> Claim:
-        return _reached(self._claim, "claim")
+        return reached(self._claim, "claim")
 
     @property
     def runtime(self) -> Runtime:
-        return _reached(self._runtime, "prepare")
+        return reached(self._runtime, "prepare")
 
     @property
     def session(self) -> Session:
-        return _reached(self._session, "setup")
+        return reached(self._session, "setup")
 
     @property
     def restored(self) -> Restored:
-        return _reached(self._restored, "restore")
+        return reached(self._restored, "restore")
 
     @property
     def lease(self) -> FileLock | None:
@@ -213,10 +195,13 @@ class Worker:
         cfg = self.config
         if self.rank == 0:
             runtime.store.cleanup_stale_temp()
+            if runtime.memory is not None:
+                runtime.memory.cleanup_stale_temp()
         mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")
         distributed.barrier()  # no rank starts saving before rank 0 cleaned up
         schedule = SaveSchedule.for_run(cfg.checkpoint, cfg.train.chunk_steps, self.run_dir)
-        self._session = Session(mlflow_run_id, schedule)
+        memory = MemorySchedule(cfg.checkpoint.memory_every_steps, cfg.checkpoint.memory_max_overhead)
+        self._session = Session(mlflow_run_id, schedule, memory)
         return self._session
 
     def restore(self) -> Restored:
@@ -240,7 +225,8 @@ class Worker:
             append_event(self.run_dir, Event.STARTED, **said)
             return restored
         dt = restored.load_s
-        where = f"checkpoint {checkpoint.path.name}, verified in {dt:.2f} s"
+        tier = "the memory snapshot" if restored.from_memory else "checkpoint"
+        where = f"{tier} {checkpoint.path.name}, verified in {dt:.2f} s"
         self.log(f"{WorkerSays.RESUMED_FROM} step {checkpoint.step} ({where})")
         append_event(
             self.run_dir,
@@ -249,6 +235,7 @@ class Worker:
             checkpoint=checkpoint.path.name,
             digest=checkpoint.digest,
             load_s=round(dt, 4),
+            tier="memory" if restored.from_memory else "disk",
             **said,
         )
         return restored
@@ -267,20 +254,24 @@ class Worker:
         # Said at once, not at the next interval: a worker that fails in its first step has still
         # reached the step it resumed at, and the repeated-failure rule compares that step.
         self.hb.beat()
-        schedule = self.session.schedule
+        schedule, memory = self.session.schedule, self.session.memory
         schedule.start(state.step)
+        memory.start(state.step)
         loss = None
         while state.step < self.until:
             (stop,) = distributed.agree_any(self.claimed.preempt.requested)
             if stop:
                 return self.emergency_exit(metrics)
             loss = self.take_step(batches, metrics, evaluating)
-            (due,) = distributed.agree_any(state.step < self.until and schedule.due(state.step))
+            more = state.step < self.until
+            due, snap = distributed.agree_any(more and schedule.due(state.step), more and self.memory_due())
             if due:
                 if state.step % self.config.train.chunk_steps == 0:
                     self.await_previous_boundary()
                 self.tune_interval(self.checkpoint_now(metrics, blocking=False), metrics)
                 schedule.saved(state.step)
+            elif snap:  # a disk save of this step makes a snapshot of it redundant (memory tier rule 2)
+                self.snapshot_to_memory(metrics)
         self.await_previous_boundary()  # the final save retires older checkpoints too
         self.final_save(metrics)
         return self.finish(loss=loss)
@@ -304,13 +295,9 @@ class Worker:
         returns the stall: how long the loop was held up."""
         runtime, rank = self.runtime, self.rank
         self.hb.set(phase=Phase.SAVE)
-        shard = self.config.checkpoint.format == "sharded"
-        parts = runtime.state.checkpoint_parts(rank, include_replicated=rank == 0, sharded=shard)
         extra = {"mlflow_run_id": self.session.mlflow_run_id} if rank == 0 else None
-        model, optimizer = runtime.parts.model, runtime.parts.optimizer
-        writer = (lambda tmp: sharded.save_shards(tmp, model, optimizer, rank)) if shard else None
+        stall = runtime.save_checkpoint(blocking, extra)
         store = runtime.store
-        stall = store.save(runtime.state.step, parts, blocking=blocking, extra_manifest=extra, collective_write=writer)
         self.hb.set(phase=Phase.TRAIN)
         if rank == 0:
             append_event(
@@ -323,24 +310,27 @@ class Worker:
             )
         return stall
 
+    def memory_due(self) -> bool:
+        return self.runtime.memory is not None and self.session.memory.due(self.runtime.state.step)
+
+    def snapshot_to_memory(self, metrics: StepMetricLogger) -> None:
+        """The state into the memory tier, its metrics first as before a disk save; a tier that
+        fails (``/dev/shm`` full) is dropped with one line: training never depends on it."""
+        runtime = self.runtime
+        assert runtime.memory is not None
+        metrics.flush()
+        try:
+            runtime.memory.snapshot(runtime.state, self.session.memory)
+        except (OSError, CheckpointError) as exc:
+            self.log(f"memory tier off: {exc}")
+            self._runtime = replace(runtime, memory=None)
+
     def checkpoint_now(self, metrics: StepMetricLogger, blocking: bool) -> float:
         """Metrics up to the step made durable, then the save: a committed step's metrics are never
         behind it.  Returns the save's stall."""
         metrics.flush()
-        self.warn_foreign_threads()
+        self.threads.check(self.runtime.parts.train_data, self.log)
         return self.save(blocking=blocking)
-
-    def warn_foreign_threads(self) -> None:
-        """Once per worker: a thread of no known purpose beside training (a library the task
-        imported started it) may draw from the generators the checkpoint saves (invariant 12)."""
-        foreign = hermetic.foreign_threads(hermetic.declared_threads(self.runtime.parts.train_data))
-        if foreign and not self._warned_threads:
-            self._warned_threads = True
-            self.log(
-                f"WARNING: thread(s) {', '.join(foreign)} run beside training; if they draw from random, "
-                "numpy or torch generators the saved state differs from an uninterrupted run's"
-            )
-            append_event(self.run_dir, Event.FOREIGN_THREADS, rank=self.rank, threads=foreign)
 
     def final_save(self, metrics: StepMetricLogger) -> None:
         """The last save of this worker (end of its range, or preemption): blocking, then the
@@ -410,6 +400,7 @@ class Worker:
         if state.step == self.resumed_step() + 1 and self.rank == 0:  # recovery ends here (MTTR)
             append_event(self.run_dir, Event.FIRST_STEP, step=state.step, step_s=round(dt, 4))
         self.session.schedule.observe_step(dt, runtime.store.in_flight)
+        self.session.memory.observe_step(dt)
         return out["loss"]
 
     def await_previous_boundary(self) -> None:
@@ -439,6 +430,8 @@ class Worker:
     def finish(self, loss: float | None) -> int:
         store, step = self.runtime.store, self.runtime.state.step
         store.wait()
+        if self.runtime.memory is not None:  # the run's last step on disk: nothing resumes from it
+            self.runtime.memory.release_when_done(self.rank, step, self.config.train.total_steps)
         committed = (store.last_committed or store.latest_valid(record=False)) if self.rank == 0 else None
         digest = committed.digest if committed else None
         append_event(

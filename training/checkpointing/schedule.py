@@ -8,6 +8,7 @@ interval (``checkpoint.every_seconds``).  Every rank asks; the loop agrees on th
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -72,3 +73,46 @@ class SaveSchedule:
             "step_s": self.adaptive.step_s,
             "mtbf_s": self.adaptive.mtbf_s,
         }
+
+
+class MemorySchedule:
+    """When the loop snapshots into the memory tier (``checkpoint.memory_every_steps``).
+
+    A fixed N, or ``auto``: as often as the snapshots' measured cost stays within
+    ``memory_max_overhead`` of the step time.  Not Young/Daly, as the disk interval is: there the
+    expected loss to failures is traded against a costly save, but a memory snapshot costs next to
+    nothing, so the interval is set by what the loop can afford, and a kill loses at most the steps
+    of one interval (every step on the demo).  Cost = the loop's stall (the copy into reused
+    buffers) + the background write of the previous snapshot (counted whole: on a busy machine it
+    competes with training for cores), both as moving averages."""
+
+    def __init__(self, every: int | str | None, max_overhead: float, alpha: float = 0.3) -> None:
+        self.fixed = every if isinstance(every, int) else None
+        self.auto = every == "auto"
+        self.max_overhead, self.alpha = max_overhead, alpha
+        self.step_s: float | None = None
+        self.cost_s: float | None = None
+        self.last_step = 0
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def start(self, step: int) -> None:
+        self.last_step = step
+
+    def interval_steps(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if self.cost_s is None or not self.step_s:
+            return 1  # measure first
+        return max(1, math.ceil(self.cost_s / (self.max_overhead * self.step_s)))
+
+    def due(self, step: int) -> bool:
+        return (self.fixed is not None or self.auto) and step - self.last_step >= self.interval_steps()
+
+    def observe_step(self, seconds: float) -> None:
+        self.step_s = self._ema(self.step_s, seconds)
+
+    def saved(self, step: int, stall_s: float, previous_persist_s: float) -> None:
+        self.last_step = step
+        self.cost_s = self._ema(self.cost_s, stall_s + previous_persist_s)

@@ -119,9 +119,11 @@ class CheckpointStore:
         writers: WriterGroup | None = None,
         boundary_every: int = 0,
         validator: Validator | None = None,
+        root: Path | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
-        self.root = RunPaths(self.run_dir).checkpoints
+        #: ``checkpoints/`` of the run; another root for the memory tier (its own store).
+        self.root = root if root is not None else RunPaths(self.run_dir).checkpoints
         self.root.mkdir(parents=True, exist_ok=True)
         self.policy = policy or CheckpointConfig()
         self.fingerprint = fingerprint
@@ -147,12 +149,8 @@ class CheckpointStore:
     # ------------------------------------------------------------------ listing / verifying
     def step_dirs(self) -> list[tuple[int, Path]]:
         """Committed-looking checkpoint directories, newest first (validity not checked)."""
-        out = []
-        for p in self.root.iterdir():
-            step = parse_step(p.name)
-            if step is not None and p.is_dir():
-                out.append((step, p))
-        return sorted(out, reverse=True)
+        steps = ((parse_step(p.name), p) for p in self.root.iterdir())
+        return sorted(((step, p) for step, p in steps if step is not None and p.is_dir()), reverse=True)
 
     def read_manifest(self, path: Path, step: int | None = None) -> dict[str, Any]:
         """``path``'s manifest, checked against its file list and the step in the directory name
@@ -252,13 +250,16 @@ class CheckpointStore:
         The resume walks this so a checkpoint that loads but cannot be restored still falls back
         to an older one.  Only a rejection is passed over: any other error propagates."""
         for step, path in self.step_dirs():
-            try:
-                loaded = self.load(path)
-            except CheckpointRejected as exc:
-                self.refuse(path, str(exc))
-                yield Candidate(step, path, str(exc), None)
-            else:
-                yield Candidate(step, path, "", loaded)
+            yield self.candidate(step, path)
+
+    def candidate(self, step: int, path: Path) -> Candidate:
+        """One checkpoint as the resume meets it: loaded, or rejected (recorded) with the reason."""
+        try:
+            loaded = self.load(path)
+        except CheckpointRejected as exc:
+            self.refuse(path, str(exc))
+            return Candidate(step, path, str(exc), None)
+        return Candidate(step, path, "", loaded)
 
     # ------------------------------------------------------------------ saving
     def check(self) -> None:
@@ -425,16 +426,15 @@ class CheckpointStore:
             else:
                 event, old = Event.CHECKPOINT_REPLACED, existing.digest
                 reason = "same step, different state digest (non-deterministic replay)"
-        self._move_aside(final, event, reason, old_digest=old, new_digest=new_digest)
+        self.quarantine(final, reason, event, old_digest=old, new_digest=new_digest)
         return False
 
-    def quarantine(self, path: Path, reason: str) -> None:
-        """Move a committed checkpoint that does not verify aside (``step-….invalid-<ms>``, never
-        deleted, recorded as ``checkpoint_invalid``), so nothing takes its directory for a commit:
-        a pipelined chunk task judges its boundary by the directory's manifest alone."""
-        self._move_aside(path, Event.CHECKPOINT_INVALID, reason)
-
-    def _move_aside(self, path: Path, event: Event, reason: str, **digests: str | None) -> None:
+    def quarantine(
+        self, path: Path, reason: str, event: Event = Event.CHECKPOINT_INVALID, **digests: str | None
+    ) -> None:
+        """Move a committed checkpoint aside (``step-….invalid-<ms>``, never deleted, recorded), so
+        nothing takes its directory for a commit: a pipelined chunk task judges its boundary by
+        the directory's manifest alone."""
         aside = path.with_name(f"{path.name}.{event.removeprefix('checkpoint_')}-{int(time.time() * 1000)}")
         os.rename(path, aside)
         append_event(self.run_dir, event, checkpoint=path.name, moved_to=aside.name, reason=reason, **digests)
