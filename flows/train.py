@@ -238,7 +238,7 @@ class TrainingRun:
         pending = self.version(end)
         staged = pending.staged if pending is not None else None
         chunk_boundary.acknowledge(self.run_dir, end, staged, timeout_s=self.cfg.heartbeat.save_timeout_s)
-        run_records.refresh(self.cfg, self.run_dir)  # audit table + timeline picture at each chunk end
+        self.resources.audit.request()  # audit table + timeline picture, on a thread: off the recovery path
         self.committed = end
 
     def close(self, ok: bool) -> None:

@@ -23,6 +23,7 @@ import logging
 import threading
 from pathlib import Path
 
+from tasks.records.run_records import AuditRefresher
 from tasks.remote.dvc_version import NotVersioned, Versioned, Versioning
 from tasks.remote.remote_checkpoints import Uploader
 from tasks.supervision.attempt import WorkerSlots
@@ -54,6 +55,8 @@ class RunResources:
         #: is verified once however many callers ask for the resume point.
         self.checkpoints = CheckpointStore(self.run_dir)
         self.versioning = Versioning(config, self.run_dir)
+        #: The resume audit in MLflow, refreshed at each chunk end off the path between two tasks.
+        self.audit = AuditRefresher(config, self.run_dir)
         self._uploader: Uploader | None = None
         self._lock = threading.Lock()
         self.closed = False
@@ -79,6 +82,7 @@ class RunResources:
             return False, [], None
         self.closed = True
         stopped = self.slots.release(grace_s)
+        self.audit.join()
         versioned = self.versioning.collect()
         with self._lock:
             uploader, self._uploader = self._uploader, None
