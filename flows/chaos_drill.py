@@ -275,16 +275,20 @@ class ChaosRunner:
         failures = [e for e in events if e["kind"] == Event.FAILURE]
         resumes = [e for e in events if e["kind"] == Event.RESUMED and e.get("rank", 0) == 0]
         rows = [{"step": s, "metrics": m} for s, m in read_metric_lines(RunPaths(self.run_dir).metrics)]
+        # Each failure belongs to one fault: the first fault injected before it that has none yet.
+        # A recovery takes a fraction of a second now, so the next fault can follow the previous
+        # failure closer than any fixed tolerance, and must not be scored with it.
+        unclaimed = list(failures)
         for f in report.faults:
             if f.injected_at is None:
                 f.survived = False
                 f.note = f.note or "never injected (the run ended or failed before this step)"
                 continue
-            nxt = next((e for e in failures if e["time"] >= f.injected_at - 0.5), None)
+            nxt = next((e for e in unclaimed if e["time"] >= f.injected_at - 0.5), None)
             if f.kind == "slow":
                 later = [g.injected_at for g in report.faults if g.injected_at and g.injected_at > f.injected_at]
                 end = min([*later, f.injected_at + self.slow_s + self.cfg.heartbeat.stall_s + 5])
-                window = [e for e in failures if f.injected_at - 0.5 <= e["time"] < end]
+                window = [e for e in unclaimed if f.injected_at - 0.5 <= e["time"] < end]
                 delivered = Path(f"{self.slow_flag}.done").exists()
                 f.survived = not window and delivered
                 f.detected_as = window[0]["failure"] if window else "no failure (correct)"
@@ -294,6 +298,7 @@ class ChaosRunner:
             if f.kind == "flowkill":
                 nxt = None
             if nxt is not None:
+                unclaimed = unclaimed[unclaimed.index(nxt) + 1 :]
                 f.detected_as, f.detected_after_s = nxt["failure"], nxt.get("detected_after_s")
                 f.steps_lost = failure_steps_lost(nxt, audit_rows)
             res = next((e for e in resumes if e["time"] >= f.injected_at), None)
