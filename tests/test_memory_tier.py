@@ -56,34 +56,52 @@ def test_a_killed_worker_resumes_from_its_memory_snapshot_and_ends_bitwise(tmp_p
     assert memory_tier.tier_root(run_dir) is not None and not memory_tier.tier_root(run_dir).exists()  # freed
 
 
-def test_a_stale_foreign_or_corrupt_snapshot_is_never_restored(tmp_path: Path) -> None:
-    run_dir = make_run(tmp_path, extra=TIERS)
-    _kill_at(run_dir, 56)  # disk: step 50; memory: ~56
+def _slots(run_dir: Path) -> list[tuple[int, Path, Path]]:
+    """(step, header, data) of rank 0's two memory slots, newest first."""
     root = memory_tier.tier_root(run_dir)
     assert root is not None
-    (newest,) = [p for p in root.iterdir() if p.name.startswith("step-")]
+    out = []
+    for k in memory_tier.SLOTS:
+        header = root / f"rank-0.slot-{k}.json"
+        out.append((json.loads(header.read_text())["step"], header, root / f"rank-0.slot-{k}.bin"))
+    return sorted(out, reverse=True)
 
-    manifest = newest / "manifest.json"  # another trajectory's snapshot: ignored, not an error
-    saved = manifest.read_text()
-    manifest.write_text(json.dumps({**json.loads(saved), "fingerprint": "0123456789abcdef"}))
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_a_stale_foreign_or_corrupt_snapshot_is_never_restored(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, extra=TIERS)
+    _kill_at(run_dir, 56)  # disk: step 50; memory: ~55 and ~56, one in each slot
+    for _step, header, _data in _slots(run_dir):  # another trajectory's snapshots: ignored, not an error
+        saved = json.loads(header.read_text())
+        header.write_text(json.dumps({**saved, "fingerprint": "0123456789abcdef"}))
     assert memory_tier.newest_step(run_dir, _fingerprint(run_dir)) is None
     code, out = run_worker(run_dir, 60)
     assert code == 0, out
     assert _resumed(run_dir)["tier"] == "disk" and _resumed(run_dir)["step"] == 50
 
-    run_dir = make_run(tmp_path / "corrupt", extra=TIERS)  # bytes flipped: the hashes refuse it
+    run_dir = make_run(tmp_path / "corrupt", extra=TIERS)  # bytes flipped: the hashes refuse them
     _kill_at(run_dir, 56)
-    root = memory_tier.tier_root(run_dir)
-    (newest,) = [p for p in root.iterdir() if p.name.startswith("step-")]
-    state = newest / "state.safetensors"
-    data = bytearray(state.read_bytes())
-    data[-9] ^= 0x10
-    state.write_bytes(bytes(data))
+    (newest, _h, newest_data), (older, _h2, older_data) = _slots(run_dir)
+    _flip(newest_data)
+    code, out = run_worker(run_dir, 60)  # the newest refused, the older slot restores
+    assert code == 0, out
+    assert _resumed(run_dir)["tier"] == "memory" and _resumed(run_dir)["step"] == older == newest - 1
+    (refused,) = read_events(run_dir, Event.MEMORY_SNAPSHOT_REFUSED)
+    assert refused["checkpoint"] == f"step-{newest:09d}" and "hash" in refused["reason"], refused
+
+    run_dir = make_run(tmp_path / "both", extra=TIERS)  # both slots corrupt: the disk tier decides
+    _kill_at(run_dir, 56)
+    for _step, _header, data in _slots(run_dir):
+        _flip(data)
     code, out = run_worker(run_dir, 60)
     assert code == 0, out
     assert _resumed(run_dir)["tier"] == "disk" and _resumed(run_dir)["step"] == 50
-    (refused,) = read_events(run_dir, Event.MEMORY_SNAPSHOT_REFUSED)
-    assert refused["checkpoint"] == newest.name and "hash" in refused["reason"], refused
+    assert len(read_events(run_dir, Event.MEMORY_SNAPSHOT_REFUSED)) == 2
 
     # Older than disk: a worker killed after the disk save at 50 but before its next snapshot
     # (every 16 steps: 48, then 64) leaves 48 in memory; its successor resumes 50 from disk.

@@ -60,8 +60,7 @@ def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) 
     where its step puts it (:func:`~training.checkpointing.memory_tier.merged`); see the module
     docstring for what happens to each."""
     t0 = time.perf_counter()
-    memory = runtime.memory.newest() if runtime.memory is not None else None
-    for candidate, in_memory in merged(memory, runtime.store):
+    for candidate, in_memory in merged(runtime.memory, runtime.store):
         if candidate.loaded is None:
             refuse(runtime, run_dir, candidate.path, candidate.reason, in_memory, log, recorded=not in_memory)
             continue

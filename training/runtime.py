@@ -26,7 +26,7 @@ import torch
 
 from training import distributed
 from training.checkpointing import sharded
-from training.checkpointing.memory_tier import MemoryStore, open_tier
+from training.checkpointing.memory_tier import MemoryTier, open_tier
 from training.checkpointing.schedule import MemorySchedule, SaveSchedule
 from training.checkpointing.store import CheckpointStore, WriterGroup
 from training.config import ConfigError, RunConfig
@@ -127,7 +127,7 @@ class Runtime:
     store: CheckpointStore
     fresh: FreshSettings
     #: The memory tier's store (:mod:`training.checkpointing.memory_tier`); None when off.
-    memory: MemoryStore | None = None
+    memory: MemoryTier | None = None
 
     @property
     def amp(self) -> bool:
@@ -160,7 +160,7 @@ def build_runtime(
     *,
     run_dir: Path | None = None,
     store: CheckpointStore | None = None,
-    memory: MemoryStore | None = None,
+    memory: MemoryTier | None = None,
 ) -> Runtime:
     """Seeded task parts, DDP wrapper, AMP scaler, an empty train state and the checkpoint store
     (``store``: the one to keep, else a new one for ``run_dir``, validating against these parts)."""
@@ -213,13 +213,10 @@ def open_store(config: RunConfig, run_dir: Path, parts: TaskParts, rank: int, wo
     )
 
 
-def open_memory_tier(config: RunConfig, store: CheckpointStore) -> MemoryStore | None:
-    """The memory tier beside ``store`` (same writers, same validation), or None: off, more than
-    one node, sharded checkpoints (their big state is written collectively), no ``/dev/shm``."""
-    if config.checkpoint.format == "sharded":
-        return None
-    writers = WriterGroup(store.world_size, store.rank, gather_timeout_s=store.gather_timeout_s)
-    memory = open_tier(store.run_dir, config, writers)
+def open_memory_tier(config: RunConfig, store: CheckpointStore) -> MemoryTier | None:
+    """The memory tier beside ``store`` (this rank, same validation), or None where the run
+    keeps none (:func:`training.checkpointing.memory_tier.enabled`)."""
+    memory = open_tier(store.run_dir, config, store.rank, store.world_size)
     if memory is not None:
         memory.validator = store.validator
     return memory

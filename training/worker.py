@@ -31,7 +31,6 @@ import torch
 from filelock import FileLock
 
 from training import distributed, faults, hermetic
-from training.checkpointing.errors import CheckpointError
 from training.checkpointing.schedule import MemorySchedule, SaveSchedule
 from training.chunk_boundary import wait_for_previous_boundary
 from training.claim import Claim, claim_run
@@ -321,7 +320,7 @@ class Worker:
         metrics.flush()
         try:
             runtime.memory.snapshot(runtime.state, self.session.memory)
-        except (OSError, CheckpointError) as exc:
+        except OSError as exc:
             self.log(f"memory tier off: {exc}")
             self._runtime = replace(runtime, memory=None)
 
@@ -431,7 +430,7 @@ class Worker:
         store, step = self.runtime.store, self.runtime.state.step
         store.wait()
         if self.runtime.memory is not None:  # the run's last step on disk: nothing resumes from it
-            self.runtime.memory.release_when_done(self.rank, step, self.config.train.total_steps)
+            self.runtime.memory.release_when_done(step, self.config.train.total_steps)
         committed = (store.last_committed or store.latest_valid(record=False)) if self.rank == 0 else None
         digest = committed.digest if committed else None
         append_event(

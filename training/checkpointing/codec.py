@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # imported by split_tree, which meets tensors: joining a tree
     import torch
 
 _MARKERS = ("__t__", "__nd__", "__tuple__", "__map__", "__float__")
+_MARKER_SET = frozenset(_MARKERS)
 
 
 def split_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
@@ -31,18 +32,28 @@ def split_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor
         return f"{path}.{key}" if path else str(key)
 
     def walk(node: Any, path: str) -> Any:
+        kind = type(node)  # exact types first: the memory tier splits the state at every snapshot
+        if kind is dict and all(type(k) is str for k in node) and _MARKER_SET.isdisjoint(node):
+            return {k: walk(v, sub(path, k)) for k, v in node.items()}
+        if kind is dict and all(type(k) is int for k in node):  # optimizer state, keyed by parameter index
+            return {"__map__": [[k, walk(v, sub(path, k))] for k, v in node.items()]}
+        if kind is int or kind is str or kind is bool or node is None:
+            return node
         if isinstance(node, torch.Tensor):
             tensors[path] = node.detach()
             return {"__t__": path}
         if isinstance(node, np.ndarray):
             tensors[path] = torch.from_numpy(np.ascontiguousarray(node))
             return {"__nd__": path}
-        if isinstance(node, bool | int | str) or node is None:
+        if isinstance(node, bool | int | str):
             return node
         if isinstance(node, float):
             return node if math.isfinite(node) else {"__float__": repr(node)}
         if isinstance(node, np.integer | np.floating):
             return walk(node.item(), path)
+        if isinstance(node, tuple | list) and all(type(v) is int for v in node):
+            # Python's RNG state is 625 ints: the same skeleton as walking each, ~20x faster.
+            return {"__tuple__": list(node)} if isinstance(node, tuple) else list(node)
         if isinstance(node, tuple):
             return {"__tuple__": [walk(v, sub(path, i)) for i, v in enumerate(node)]}
         if isinstance(node, list):

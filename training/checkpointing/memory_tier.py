@@ -2,47 +2,70 @@
 
 Why: a worker killed ``every_steps`` after its last durable checkpoint loses up to that many
 steps (50 on the demo), because disk and the remote are the only tiers.  Gemini (SOSP'23), NVRx's
-local checkpointing and multi-tier checkpointing put a fast tier in front of them.  Here the
-worker snapshots its state every ``checkpoint.memory_every_steps`` into a checkpoint directory on
-a RAM file system (``/dev/shm``), in the same format, with the same hashes and manifest, written
-by the same code as a disk checkpoint (:class:`MemoryStore` is a
-:class:`~training.checkpointing.store.CheckpointStore` with another root).  It survives the
-worker's death — tmpfs belongs to the machine, not to a process — and a resume restores from it
-when it is newer than every disk checkpoint that verifies: at most the step in flight is lost.
+local checkpointing and multi-tier checkpointing put a fast tier in front of them.  Here each rank
+snapshots its state every ``checkpoint.memory_every_steps`` into memory-mapped files on a RAM file
+system (``/dev/shm``).  They survive the worker's death — tmpfs belongs to the machine, not to a
+process — and a resume restores from them when they are newer than every disk checkpoint that
+verifies: at most the step in flight is lost.
+
+Why not a checkpoint directory on tmpfs: written by the store's background thread (files, fsyncs,
+manifest, rename, retention: mostly Python), every-step snapshots slowed the demo's loop by 30 %,
+the thread fighting the loop for the interpreter lock.  A snapshot here is a few C-level copies
+on the loop's own thread — split the state, copy its tensors into a mapped slot, hash the slot
+with the checkpoints' hash (xxh3-128), rename a small header in — about 1 ms on the demo.
+
+Layout, per rank ``r``: two slots, ``rank-<r>.slot-<k>.bin`` (every tensor's bytes, one after the
+other) and ``rank-<r>.slot-<k>.json`` (step, fingerprint, world size, the tensors' places, the
+JSON skeletons of the state, the hash).  A snapshot writes the slot not written last: it removes
+that slot's header first and renames the new one in last, so a worker killed in the middle of a
+snapshot leaves the other slot, one snapshot older, intact.
 
 Rules (numbered; cited in code):
 
 1. **Never the last verified checkpoint.**  Retention and "the newest verified checkpoint" of the
    run (``convoy verify``, the chunk's artifact, DVC, the remote) are the disk tier's; the memory
-   tier keeps only its own newest snapshot and is never counted as durable.
+   tier is never counted as durable.
 2. **Only when newer.**  A disk checkpoint at the same or a later step wins; the memory snapshot is
    a candidate only ahead of the first disk checkpoint older than it (:func:`merged`).
-3. **Only this run, this trajectory.**  The directory is keyed by the run directory *and* its
-   creation time (``run.json``: a run directory deleted and created again is another run), and a
-   snapshot whose manifest holds another fingerprint is ignored, never an error.
-4. **Verified like any checkpoint.**  A snapshot that does not verify (bit flips, a half-written
-   one) is passed over, said in the log and recorded (``memory_snapshot_refused``), and the disk
-   tier decides.
+3. **Only this run, this trajectory, this layout.**  The directory is keyed by the run directory
+   *and* its creation time (``run.json``: a run directory deleted and created again is another
+   run), and a snapshot of another fingerprint or another world size is ignored, never an error.
+4. **Verified like any checkpoint.**  Every rank's slot of the chosen step is hashed on every rank
+   (all ranks decide alike); one that does not verify (bit flips, a slot half written) is passed
+   over, said in the log and recorded (``memory_snapshot_refused``), and the disk tier decides.
 5. **The machine is the limit.**  When the machine goes (reboot, a node lost), so does the tier;
-   the disk and remote tiers decide, as without it.  Multi-node runs do not use it (every node has
-   its own RAM), nor do machines without ``/dev/shm``.
+   the disk and remote tiers decide, as without it.  Multi-node runs and sharded checkpoints do
+   not use it, nor do machines without ``/dev/shm``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
+import math
+import mmap
 import os
 import shutil
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
+from training.checkpointing.codec import join_tree, split_tree
 from training.checkpointing.errors import CheckpointRejected
-from training.checkpointing.store import Candidate, CheckpointStore, WriterGroup
-from training.config import CheckpointConfig, RunConfig
+from training.checkpointing.store import Candidate, CheckpointStore
+from training.checkpointing.verify import Checkpoint, Validator
+from training.config import RunConfig
+from training.paths import checkpoint_name
 from training.rundir import run_info
 
 if TYPE_CHECKING:  # the loop's types: the tier is built before them
+    import torch
+
     from training.checkpointing.schedule import MemorySchedule
     from training.state import TrainState
 
@@ -50,6 +73,8 @@ if TYPE_CHECKING:  # the loop's types: the tier is built before them
 SHM = Path("/dev/shm")
 #: Another place for it (a tmpfs of your own; the tests keep theirs in a temporary directory).
 DIR_ENV = "CONVOY_MEMORY_DIR"
+FORMAT = 1
+SLOTS = (0, 1)
 
 
 def tier_root(run_dir: str | Path) -> Path | None:
@@ -64,93 +89,284 @@ def tier_root(run_dir: str | Path) -> Path | None:
 
 
 def enabled(config: RunConfig) -> bool:
-    """Whether this run keeps a memory tier (``checkpoint.memory_every_steps`` set, one node)."""
-    return bool(config.checkpoint.memory_every_steps) and config.train.nnodes == 1
+    """Whether this run keeps a memory tier (rule 5)."""
+    c = config.checkpoint
+    return bool(c.memory_every_steps) and config.train.nnodes == 1 and c.format != "sharded"
 
 
-class MemoryStore(CheckpointStore):
-    """The memory tier's store: a checkpoint store on ``tier_root``, keeping its newest snapshot
-    only and writing nothing to the run's audit (a snapshot a step would flood ``events.jsonl``)."""
+def _hash(*buffers: Any) -> str:
+    import xxhash
 
-    def __init__(self, run_dir: str | Path, root: Path, fingerprint: str, writers: WriterGroup | None = None) -> None:
-        policy = CheckpointConfig(every_steps=None, keep_last=1, async_save=True)
-        super().__init__(run_dir, policy, fingerprint, writers=writers, root=root)
+    h = xxhash.xxh3_128()
+    for b in buffers:
+        h.update(b)
+    return h.hexdigest()
 
-    def _keep_existing(self, final: Path, new_digest: str) -> bool:
-        """A snapshot of this step is there already (a resumed worker re-reached it): replace it."""
-        shutil.rmtree(final, ignore_errors=True)
-        return False
 
-    def _delete(self, path: Path, reason: str) -> None:
-        shutil.rmtree(path, ignore_errors=True)
+@dataclass(frozen=True)
+class Header:
+    """A slot's header (``rank-<r>.slot-<k>.json``): what the slot holds and its hash."""
 
-    def snapshot(self, state: TrainState, schedule: MemorySchedule) -> None:
-        """Snapshot ``state`` (this rank's parts, as a replicated disk checkpoint holds them) and
-        persist it in the background; the schedule learns what it cost.  Raises a previous
-        snapshot's write error (the caller drops the tier)."""
-        self.check()
-        previous_persist = self.last_persist_s
-        parts = state.checkpoint_parts(self.rank, include_replicated=self.rank == 0, sharded=False)
-        stall = self.save(state.step, parts, blocking=False)
-        schedule.saved(state.step, stall, previous_persist)
+    step: int
+    fingerprint: str
+    world_size: int
+    rank: int
+    #: (part, key, dtype name, shape, offset, bytes) of each tensor, in the slot's order.
+    tensors: list[tuple[str, str, str, list[int], int, int]]
+    #: Where in the slot the JSON skeletons of the parts are (:mod:`training.checkpointing.codec`):
+    #: [start, end), after the tensors' bytes.
+    skeletons: list[int]
+    size: int
+    digest: str
 
-    def release_when_done(self, rank: int, step: int, total_steps: int) -> None:
-        """At a worker's end: once the run's last step is trained (on disk), free the tier's RAM."""
-        self.wait()
-        if rank == 0 and step >= total_steps:
-            remove(self.run_dir)
+    def as_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, **self.__dict__}
 
-    def newest(self) -> Candidate | None:
-        """The newest snapshot, loaded and verified (rule 4: ``reason`` says why not); None if
-        there is none or it belongs to another trajectory (rule 3)."""
-        dirs = self.step_dirs()
-        if not dirs:
-            return None
-        step, path = dirs[0]
+    @classmethod
+    def read(cls, path: Path) -> Header | None:
         try:
-            if self.read_manifest(path).get("fingerprint") != self.fingerprint:
-                return None
-            return Candidate(step, path, "", self.load(path))
+            d = json.loads(path.read_bytes())
+            fields = {k: d[k] for k in cls.__dataclass_fields__}
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return cls(**fields) if d.get("format") == FORMAT else None
+
+
+class MemoryTier:
+    """One rank's memory tier (see the module docstring)."""
+
+    def __init__(self, root: Path, fingerprint: str, rank: int = 0, world_size: int = 1) -> None:
+        self.root, self.fingerprint, self.rank, self.world_size = root, fingerprint, rank, world_size
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.validator: Validator | None = None
+        self._maps: dict[int, mmap.mmap] = {}
+        #: The slot layout, the same at every snapshot of a run (:func:`_layout`).
+        self._plans: dict[tuple[Any, ...], tuple[list[Any], list[Any], int]] = {}
+        self.last_stall_s = 0.0
+        steps = {k: h.step for k in SLOTS if (h := Header.read(self._header(rank, k))) is not None}
+        self.next_slot = min(SLOTS, key=lambda k: steps.get(k, -1))  # overwrite the older one first
+
+    def _header(self, rank: int, slot: int) -> Path:
+        return self.root / f"rank-{rank}.slot-{slot}.json"
+
+    def _data(self, rank: int, slot: int) -> Path:
+        return self.root / f"rank-{rank}.slot-{slot}.bin"
+
+    # ------------------------------------------------------------------ writing
+    def snapshot(self, state: TrainState, schedule: MemorySchedule) -> None:
+        """This rank's state at its step into the next slot, on the calling thread; the schedule
+        learns what it cost."""
+        t0 = time.perf_counter()
+        parts = state.checkpoint_parts(self.rank, include_replicated=self.rank == 0, sharded=False)
+        self.write(state.step, parts)
+        self.last_stall_s = time.perf_counter() - t0
+        schedule.saved(state.step, self.last_stall_s)
+
+    def write(self, step: int, parts: dict[str, Any]) -> None:
+        slot = self.next_slot
+        self._header(self.rank, slot).unlink(missing_ok=True)  # a half-written slot has no header
+        skeletons, flat = {}, []
+        for part in sorted(parts):
+            skeletons[part], tensors = split_tree(parts[part])
+            flat += [(part, key, tensors[key]) for key in sorted(tensors)]
+        groups, places, offset = _layout(flat, self._plans)
+        skeleton = orjson.dumps(skeletons, option=orjson.OPT_SORT_KEYS)
+        buf = self._map(slot, offset + len(skeleton))
+        _copy_into(buf, groups)
+        buf[offset : offset + len(skeleton)] = skeleton
+        size = offset + len(skeleton)
+        digest = _hash(memoryview(buf)[:size])
+        header = Header(step, self.fingerprint, self.world_size, self.rank, places, [offset, size], size, digest)
+        path = self._header(self.rank, slot)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(orjson.dumps(header.as_dict()))
+        os.replace(tmp, path)  # the commit: atomic; no fsync, the tier does not outlive the machine
+        self.next_slot = 1 - slot
+
+    def _map(self, slot: int, size: int) -> mmap.mmap:
+        """The slot's data file mapped, at least ``size`` bytes (grown when the state grows)."""
+        current = self._maps.get(slot)
+        if current is not None and len(current) >= size:
+            return current
+        if current is not None:
+            current.close()
+        with open(self._data(self.rank, slot), "a+b") as f:
+            # Allocated now, not on first touch: a full tmpfs is an OSError here, where a write
+            # into a mapped hole would be a SIGBUS that kills the worker.
+            os.posix_fallocate(f.fileno(), 0, max(size, 1))
+            self._maps[slot] = mmap.mmap(f.fileno(), max(size, 1))
+        return self._maps[slot]
+
+    # ------------------------------------------------------------------ reading
+    def headers(self) -> dict[int, dict[int, tuple[int, Header]]]:
+        """Step -> rank -> (slot, header), of the slots of this run's trajectory and layout (rule 3)."""
+        found: dict[int, dict[int, tuple[int, Header]]] = {}
+        for r in range(self.world_size):
+            for k in SLOTS:
+                h = Header.read(self._header(r, k))
+                if h is not None and h.fingerprint == self.fingerprint and h.world_size == self.world_size:
+                    found.setdefault(h.step, {})[r] = (k, h)
+        return found
+
+    def newest_step(self) -> int | None:
+        """The newest step every rank holds a slot of (by the headers alone, no hashing)."""
+        return max(self.complete_steps(), default=None)
+
+    def complete_steps(self) -> list[int]:
+        """The steps every rank holds a slot of, newest first."""
+        return sorted((s for s, ranks in self.headers().items() if len(ranks) == self.world_size), reverse=True)
+
+    def candidate(self, step: int) -> Candidate:
+        """The snapshot of ``step`` (one of :meth:`complete_steps`), verified on every rank alike
+        and loaded for this one, or refused with the reason (rule 4)."""
+        slots = self.headers().get(step, {})
+        headers = {r: h for r, (_k, h) in slots.items()}
+        path = self.root / checkpoint_name(step)
+        try:
+            if len(slots) != self.world_size:
+                raise CheckpointRejected(f"memory snapshot of step {step}: overwritten before it was read")
+            data = {r: self._read_verified(k, headers[r]) for r, (k, _h) in sorted(slots.items())}
+            parts = {}
+            for r in {0, self.rank}:  # the replicated state is rank 0's
+                parts.update(_parts(headers[r], data[r]))
+            manifest = _manifest(step, headers)
+            if self.validator is not None:
+                self.validator(manifest, parts)
         except CheckpointRejected as exc:
             return Candidate(step, path, str(exc), None)
+        return Candidate(step, path, "", (Checkpoint(step, path, manifest), parts))
+
+    def _read_verified(self, slot: int, header: Header) -> bytearray:
+        try:
+            data = bytearray(self._data(header.rank, slot).read_bytes()[: header.size])
+        except OSError as exc:
+            raise CheckpointRejected(f"memory slot of rank {header.rank}: unreadable ({exc})") from exc
+        digest = _hash(memoryview(data))
+        if len(data) != header.size or digest != header.digest:
+            said = f"content hash {digest[:12]}… != header {header.digest[:12]}…"
+            raise CheckpointRejected(f"memory slot of rank {header.rank}: {said} (corrupt)")
+        return data
+
+    # ------------------------------------------------------------------ end
+    def release_when_done(self, step: int, total_steps: int) -> None:
+        """At a worker's end: unmap; once the run's last step is trained (on disk), free the RAM."""
+        for m in self._maps.values():
+            with contextlib.suppress(BufferError):
+                m.close()
+        self._maps.clear()
+        if self.rank == 0 and step >= total_steps:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def cleanup_stale_temp(self) -> None:
+        for p in self.root.glob(".*.tmp"):
+            p.unlink(missing_ok=True)
 
 
-def open_tier(run_dir: str | Path, config: RunConfig, writers: WriterGroup | None = None) -> MemoryStore | None:
-    """The run's memory store for a worker, or None when the run keeps no memory tier here."""
+def _layout(flat: list[tuple[str, str, torch.Tensor]], plans: dict[Any, Any]) -> tuple[list[Any], list[Any], int]:
+    """Where each tensor goes in a slot: grouped by dtype (one copy a group), each group aligned
+    to 64 bytes.  Returns the groups (dtype, offset, numel, tensors), the places the header
+    lists, and the end of the tensor bytes.  The plan is the same at every snapshot of a run,
+    so it is kept, keyed by the tensors' names, dtypes and shapes."""
+    signature = tuple((part, key, t.dtype, t.shape) for part, key, t in flat)
+    plan = plans.get(signature)
+    if plan is None:
+        plan = _plan(signature)
+        plans.clear()  # one run's state: a new plan replaces the old one
+        plans[signature] = plan
+    order, places, end = plan
+    groups = [(dtype, offset, numel, [flat[i][2] for i in idx]) for dtype, offset, numel, idx in order]
+    return groups, places, end
+
+
+def _plan(signature: tuple[Any, ...]) -> tuple[list[Any], list[Any], int]:
+    by_dtype: dict[Any, list[int]] = {}
+    for i, (_part, _key, dtype, _shape) in enumerate(signature):
+        by_dtype.setdefault(dtype, []).append(i)
+    order, places, offset = [], [], 0
+    for dtype in sorted(by_dtype, key=str):
+        offset += -offset % 64
+        start, size = offset, dtype.itemsize
+        for i in by_dtype[dtype]:
+            part, key, _dtype, shape = signature[i]
+            nbytes = math.prod(shape) * size
+            places.append((part, key, str(dtype).removeprefix("torch."), list(shape), offset, nbytes))
+            offset += nbytes
+        order.append((dtype, start, (offset - start) // size, by_dtype[dtype]))
+    return order, places, offset
+
+
+def _copy_into(buf: mmap.mmap, groups: list[Any]) -> None:
+    """Each dtype group's tensors into the mapped slot with one concatenation (a CUDA group is
+    concatenated on its device, then copied to the host once)."""
+    import torch
+
+    for dtype, offset, numel, tensors in groups:
+        if not numel:
+            continue
+        dst = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
+        flat = [t.reshape(-1) for t in tensors]
+        if flat[0].is_cuda:
+            dst.copy_(torch.cat(flat))
+        else:
+            torch.cat(flat, out=dst)
+
+
+def _parts(header: Header, data: bytearray) -> dict[str, Any]:
+    """The state parts a verified slot holds (tensors over a private copy of its bytes)."""
+    import torch
+
+    start, end = header.skeletons
+    skeletons = json.loads(bytes(data[start:end]))
+    tensors: dict[str, dict[str, Any]] = {part: {} for part in skeletons}
+    for part, key, dtype, shape, offset, nbytes in header.tensors:
+        flat = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else None
+        dt = getattr(torch, dtype)
+        tensors[part][key] = flat.view(dt).reshape(shape) if flat is not None else torch.empty(shape, dtype=dt)
+    return {part: join_tree(skel, tensors[part]) for part, skel in skeletons.items()}
+
+
+def _manifest(step: int, headers: dict[int, Header]) -> dict[str, Any]:
+    """What a restore reads of a checkpoint's manifest, for a snapshot."""
+    h0 = headers[0]
+    return {
+        "step": step,
+        "fingerprint": h0.fingerprint,
+        "world_size": h0.world_size,
+        "digest": _hash(*(h.digest.encode() for _, h in sorted(headers.items()))),
+        "files": {f"rank-{r}.slot": {"size": h.size} for r, h in headers.items()},
+        "tier": "memory",
+    }
+
+
+def open_tier(run_dir: str | Path, config: RunConfig, rank: int = 0, world_size: int = 1) -> MemoryTier | None:
+    """The run's memory tier for one rank of a worker, or None when the run keeps none here."""
     root = tier_root(run_dir)
     if root is None or not enabled(config):
         return None
-    return MemoryStore(run_dir, root, config.fingerprint(), writers)
+    return MemoryTier(root, config.fingerprint(), rank, world_size)
 
 
-def merged(memory: Candidate | None, disk: CheckpointStore) -> Iterator[tuple[Candidate, bool]]:
-    """The resume's candidates newest first, each with whether it is the memory snapshot: the
-    memory one goes just before the first disk checkpoint older than it (rule 2).  A disk
-    checkpoint is loaded only when it is reached, so one older than the snapshot costs nothing."""
-    pending = memory
+def merged(memory: MemoryTier | None, disk: CheckpointStore) -> Iterator[tuple[Candidate, bool]]:
+    """The resume's candidates newest first, each with whether it is a memory snapshot: each of
+    the tier's snapshots (at most two, its slots) goes just before the first disk checkpoint older
+    than it (rule 2).  Each is verified and loaded only when it is reached, so a disk checkpoint
+    older than a snapshot that restores costs nothing."""
+    pending = memory.complete_steps() if memory is not None else []
     for step, path in disk.step_dirs():
-        if pending is not None and pending.step > step:
-            yield pending, True
-            pending = None
+        while pending and pending[0] > step:
+            yield memory.candidate(pending.pop(0)), True  # type: ignore[union-attr]
         yield disk.candidate(step, path), False
-    if pending is not None:
-        yield pending, True
+    for snapshot in pending:
+        yield memory.candidate(snapshot), True  # type: ignore[union-attr]
 
 
-def newest_step(run_dir: str | Path, fingerprint: str) -> int | None:
-    """Step of the tier's newest snapshot by its manifest alone (no hashing): what the flow reports
+def newest_step(run_dir: str | Path, fingerprint: str, world_size: int = 1) -> int | None:
+    """Step of the tier's newest snapshot by its headers alone (no hashing): what the flow reports
     a worker will resume from; the worker verifies it before it restores."""
     root = tier_root(run_dir)
     if root is None or not root.is_dir():
         return None
-    store = MemoryStore(run_dir, root, fingerprint)
-    for step, path in store.step_dirs():
-        try:
-            if store.read_manifest(path).get("fingerprint") == fingerprint:
-                return step
-        except CheckpointRejected:
-            continue
-    return None
+    return MemoryTier(root, fingerprint, 0, world_size).newest_step()
 
 
 def resume_step(run_dir: str | Path, disk_step: int | None) -> int | None:
@@ -165,7 +381,7 @@ def resume_step(run_dir: str | Path, disk_step: int | None) -> int | None:
         return disk_step
     if not enabled(config):
         return disk_step
-    memory = newest_step(run_dir, config.fingerprint())
+    memory = newest_step(run_dir, config.fingerprint(), config.train.world_size)
     return memory if memory is not None and memory > (disk_step or 0) else disk_step
 
 
@@ -176,7 +392,3 @@ def remove(run_dir: str | Path) -> bool:
         return False
     shutil.rmtree(root, ignore_errors=True)
     return True
-
-
-def describe(candidate: Candidate) -> dict[str, Any]:
-    return {"step": candidate.step, "path": str(candidate.path), "reason": candidate.reason}

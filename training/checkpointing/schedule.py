@@ -82,9 +82,8 @@ class MemorySchedule:
     ``memory_max_overhead`` of the step time.  Not Young/Daly, as the disk interval is: there the
     expected loss to failures is traded against a costly save, but a memory snapshot costs next to
     nothing, so the interval is set by what the loop can afford, and a kill loses at most the steps
-    of one interval (every step on the demo).  Cost = the loop's stall (the copy into reused
-    buffers) + the background write of the previous snapshot (counted whole: on a busy machine it
-    competes with training for cores), both as moving averages."""
+    of one interval (every step on the demo).  Cost = the snapshot's time on the loop's thread,
+    where all of it runs; step time and cost as moving averages."""
 
     def __init__(self, every: int | str | None, max_overhead: float, alpha: float = 0.3) -> None:
         self.fixed = every if isinstance(every, int) else None
@@ -113,6 +112,6 @@ class MemorySchedule:
     def observe_step(self, seconds: float) -> None:
         self.step_s = self._ema(self.step_s, seconds)
 
-    def saved(self, step: int, stall_s: float, previous_persist_s: float) -> None:
+    def saved(self, step: int, cost_s: float) -> None:
         self.last_step = step
-        self.cost_s = self._ema(self.cost_s, stall_s + previous_persist_s)
+        self.cost_s = self._ema(self.cost_s, cost_s)

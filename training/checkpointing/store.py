@@ -119,11 +119,9 @@ class CheckpointStore:
         writers: WriterGroup | None = None,
         boundary_every: int = 0,
         validator: Validator | None = None,
-        root: Path | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
-        #: ``checkpoints/`` of the run; another root for the memory tier (its own store).
-        self.root = root if root is not None else RunPaths(self.run_dir).checkpoints
+        self.root = RunPaths(self.run_dir).checkpoints
         self.root.mkdir(parents=True, exist_ok=True)
         self.policy = policy or CheckpointConfig()
         self.fingerprint = fingerprint
