@@ -20,7 +20,9 @@ flowkill   SIGKILL the flow process itself (and its Prefect API), then run ``con
 =========  =================================================================================
 
 The verdict: the chaos run's final state digest equals the reference's, every (metric, step) was
-logged exactly once, and goodput (useful step time / wall time).
+logged exactly once, and goodput with its badput by bucket (:mod:`training.tracking.goodput`: the
+time of the steps the run kept over its wall-clock from its first flow start; ``wall_s`` here is
+the drill's own, Prefect's first start-up included).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from training.events import Event, Phase, read_events
 from training.heartbeat import read_heartbeat
 from training.paths import RunPaths
 from training.rundir import keyed_config
+from training.tracking.goodput import run_goodput
 from training.tracking.metrics import read_metric_lines
 from training.tracking.resume_audit import analyse_events, steps_lost
 
@@ -70,7 +73,10 @@ class ChaosReport:
     final_digest: str | None = None
     final_step: int = 0
     metrics_exactly_once: bool = False
+    #: :mod:`training.tracking.goodput` of the chaos run: its kept step time over its wall-clock
+    #: (from its first ``flow_started``), and the rest by badput bucket
     goodput: float | None = None
+    badput_s: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
     exit_code: int | None = None
     #: Why the flow ended without finishing the run: its last output lines and the run's last
@@ -310,8 +316,11 @@ class ChaosRunner:
         steps = [r["step"] for r in rows]
         total = self.cfg.train.total_steps
         report.metrics_exactly_once = steps == list(range(1, total + 1))
-        useful = sum(r["metrics"].get("step_time_s", 0.0) for r in rows)
-        report.goodput = round(useful / report.wall_s, 4) if report.wall_s else None
+        measured = run_goodput(self.run_dir)  # over the run's own wall-clock, from its first flow start
+        report.goodput = measured.goodput if measured is not None else None
+        report.badput_s = measured.badput_s if measured is not None else {}
+        if measured is not None:
+            self.log(f"goodput {measured.describe(n=len(measured.badput_s))}")
 
     def run(self) -> ChaosReport:
         report = ChaosReport(faults=self.faults)

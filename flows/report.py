@@ -58,7 +58,8 @@ def prefect_link(flow_run_id: str | None) -> str | None:
 
 
 def summary_table(summary: RunSummary) -> Table:
-    """The end-of-run table: steps, time, chunks, attempts, failures, resumes, steps lost, loss, digest."""
+    """The end-of-run table: steps, time, chunks, attempts, failures, resumes, steps lost, goodput
+    and its largest badput buckets, loss, digest."""
     audit, attempts, kinds = summary.audit, summary.attempts, summary.failure_kinds
     table = Table(title=f"convoy train: {escape(summary.run_name)}", show_header=False, highlight=False)
     table.add_column("", style="bold")
@@ -72,6 +73,8 @@ def summary_table(summary: RunSummary) -> Table:
         f"{audit.get('failures') or 0} / {audit.get('resumes') or 0}" + (f" ({', '.join(kinds)})" if kinds else ""),
     )
     table.add_row("steps lost", str(audit.get("steps_lost") or 0))
+    if (goodput := summary.measured_goodput) is not None:
+        table.add_row("goodput", escape(goodput.describe()))
     for row in summary.passed_over:
         table.add_row("passed over", escape(f"{row['passed_over']}; resumed from step {row['resumed_from_step']}"))
     if summary.taken_over:
@@ -218,7 +221,8 @@ class LiveProgress:
         if not (run_dir / "config.json").exists():
             return None
         try:
-            st = run_status(self.config, run_dir, verify=False)  # the worker verifies what it restores
+            # The worker verifies what it restores; the line shows no goodput (it reads the whole journal).
+            st = run_status(self.config, run_dir, verify=False, goodput=False)
         except Exception:  # noqa: BLE001 - a progress line must never break training
             return None
         return progress_line(st, self.config.train.chunk_steps), st["step"]

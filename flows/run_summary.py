@@ -9,10 +9,15 @@ so the keys are spelled in this one place.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tasks.records.chunk_record import ChunkRow
+from training.tracking.goodput import Goodput, run_goodput
+
+log = logging.getLogger("convoy.flow")
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,21 @@ class RunSummary:
     taken_over: list[str] | None
     model: dict[str, Any] | None
     seconds: float
+    #: the run's goodput so far (a fraction; :mod:`training.tracking.goodput`), its wall-clock
+    #: seconds, productive seconds and badput seconds by bucket; None / empty when not measured
+    goodput: float | None = None
+    wall_s: float | None = None
+    productive_s: float | None = None
+    badput_s: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def measured_goodput(self) -> Goodput | None:
+        """The goodput fields as one :class:`~training.tracking.goodput.Goodput` (None if absent)."""
+        if self.goodput is None or self.wall_s is None:
+            return None
+        productive = self.productive_s if self.productive_s is not None else self.goodput * self.wall_s
+        return Goodput(self.goodput, self.wall_s, productive, dict(self.badput_s), self.final_step)
 
     @property
     def final_loss(self) -> float | None:
@@ -75,4 +94,23 @@ class RunSummary:
         for key in ("failures", "versioned", "passed_over"):
             values[key] = list(data.get(key) or [])
         values["audit"] = dict(data.get("audit") or {})
+        values["badput_s"] = dict(data.get("badput_s") or {})
         return cls(**values, extra={k: v for k, v in data.items() if k not in known})
+
+
+def goodput_fields(run_dir: Path, until: float | None) -> dict[str, Any]:
+    """The summary's goodput fields for the run up to ``until`` (empty if it cannot be measured:
+    the summary never fails for it)."""
+    try:
+        measured = run_goodput(run_dir, until=until)
+    except (OSError, ValueError) as exc:  # a damaged journal: the summary says so elsewhere
+        log.warning("goodput: could not measure run %s: %s", run_dir, exc)
+        return {}
+    if measured is None:
+        return {}
+    return {
+        "goodput": measured.goodput,
+        "wall_s": measured.wall_s,
+        "productive_s": measured.productive_s,
+        "badput_s": measured.badput_s,
+    }

@@ -26,11 +26,11 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from flows.report import mlflow_link
-from flows.run_summary import RunSummary
+from flows.run_summary import RunSummary, goodput_fields
 from tasks.artifacts import publish_chunk_table
 from tasks.chunk import chunk_record, committed_digest, loss_at, retrying_chunk_task
 from tasks.hooks import flow_crashed, flow_failed, remember_run
-from tasks.records import run_records
+from tasks.records import goodput_metrics, run_records
 from tasks.records.chunk_record import ChunkRecord, ChunkRow
 from tasks.remote import dvc_version as version
 from tasks.remote import remote_checkpoints
@@ -239,6 +239,7 @@ class TrainingRun:
         staged = pending.staged if pending is not None else None
         chunk_boundary.acknowledge(self.run_dir, end, staged, timeout_s=self.cfg.heartbeat.save_timeout_s)
         self.resources.audit.request()  # audit table + timeline picture, on a thread: off the recovery path
+        goodput_metrics.request(self.cfg, self.run_dir)  # goodput at this chunk end in MLflow, once; a thread
         self.committed = end
 
     def close(self, ok: bool) -> None:
@@ -306,7 +307,9 @@ class TrainingRun:
             taken_over=taken.get("previous_names") or taken.get("previous"),
             model=self.model,
             seconds=round(time.time() - self.t0, 3),
+            **goodput_fields(self.run_dir, until=time.time()),
         )
+        goodput_metrics.flush(self.cfg, self.run_dir)  # every chunk end's goodput point, once
         append_event(
             self.run_dir,
             Event.FLOW_DONE,

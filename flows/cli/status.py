@@ -74,6 +74,10 @@ def _status_table(facts: dict) -> Table:
     kinds = f" ({', '.join(facts['failure_kinds'])})" if facts["failure_kinds"] else ""
     table.add_row("failures / resumes", f"{facts['failures']} / {facts['resumes']}{kinds}")
     table.add_row("steps lost", str(facts["steps_lost"]))
+    if facts.get("goodput") is not None:
+        from training.tracking.goodput import Goodput
+
+        table.add_row("goodput", escape(Goodput.from_dict(facts).describe()))
     return table
 
 
@@ -91,7 +95,7 @@ def status(
 
     State (running / finished / failed / dead / stopped / never started), the worker's step from
     its heartbeat, heartbeat age, pid and host, loss, speed, ETA, the newest verified checkpoint,
-    failures, resumes and steps lost.
+    failures, resumes, steps lost, and goodput so far with its largest badput buckets.
 
     Example: convoy status runs/demo --follow
     """

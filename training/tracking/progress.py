@@ -34,6 +34,7 @@ from training.events import Event, read_events
 from training.heartbeat import HOST, Beat, read_heartbeat
 from training.paths import RunPaths, owner_note
 from training.tracking.attempts import latest_attempts
+from training.tracking.goodput import compute, journal_steps
 from training.tracking.metrics import read_metric_lines
 from training.tracking.resume_audit import analyse_events
 
@@ -178,6 +179,18 @@ def describe_upload(st: dict[str, Any]) -> str | None:
     return f"{up}, {st['upload_lag_steps']} steps behind{after}"
 
 
+def _goodput_fields(run_dir: Path, events: list[dict[str, Any]], until: float | None) -> dict[str, Any]:
+    """Goodput so far (:mod:`training.tracking.goodput`) up to ``until`` (None: the run's last
+    event or row, for a run nobody is running); all None when it cannot be measured."""
+    try:
+        measured = compute(events, journal_steps(run_dir), until)
+    except (OSError, ValueError):  # a damaged journal: status shows the rest
+        measured = None
+    if measured is None:
+        return {"goodput": None, "wall_s": None, "productive_s": None, "badput_s": {}}
+    return {k: getattr(measured, k) for k in ("goodput", "wall_s", "productive_s", "badput_s")}
+
+
 def _beat_fields(beat: Beat | None, now: float) -> dict[str, Any]:
     """What the newest heartbeat says of the worker (all None without one)."""
     return {
@@ -200,9 +213,12 @@ def _checkpoint_fields(newest: tuple[int, str, str] | None, verify: bool, step: 
     }
 
 
-def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None, verify: bool = True) -> dict[str, Any]:
+def run_status(
+    config: RunConfig, run_dir: str | Path, now: float | None = None, verify: bool = True, goodput: bool = True
+) -> dict[str, Any]:
     """Everything ``convoy status`` shows, as one JSON-able dict; ``verify=False``: the newest
-    checkpoint by its manifest only (the live line of ``convoy train``)."""
+    checkpoint by its manifest only, and ``goodput=False``: without the goodput fields, which read
+    the whole journal (the live line of ``convoy train``)."""
     run_dir = Path(run_dir)
     now = time.time() if now is None else now
     total = config.train.total_steps
@@ -223,10 +239,11 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
     last = rows[-1]["metrics"] if rows else {}
     val = last_logged(run_dir, "val_loss")
     clean_end = beat is None or beat.done
+    running = worker_alive or flow_pid is not None
     return {
         "run_name": config.run_name,
         "run_dir": str(run_dir),
-        "state": _state(worker_alive or flow_pid is not None, finished, events, started, clean_end=clean_end),
+        "state": _state(running, finished, events, started, clean_end=clean_end),
         "step": step,
         "total_steps": total,
         **_beat_fields(beat, now),
@@ -245,4 +262,5 @@ def run_status(config: RunConfig, run_dir: str | Path, now: float | None = None,
         **_checkpoint_fields(newest, verify, step),
         **_upload_fields(config, events, ck_step),
         **_audit_fields(events),
+        **(_goodput_fields(run_dir, events, now if running else None) if goodput else {}),
     }

@@ -1,0 +1,126 @@
+"""Goodput in the run's MLflow run: step-aligned metrics at each chunk end, exactly once.
+
+At each chunk's end step the run's MLflow run (the parent run, ``run.json``'s ``mlflow_run_id``)
+gets ``goodput`` (cumulative: the run as it stood at that chunk's end), ``goodput_interval`` (the
+goodput of the wall-clock since the previous chunk end) and ``badput/<bucket>`` (cumulative
+seconds), computed by :mod:`training.tracking.goodput` from the run's files cut at the chunk's
+``chunk_done``: the same values whichever process computes them, and when.
+
+Exactly once per (metric, step), across resumes and flow runs: before logging, the ``goodput``
+history of the MLflow run says which chunk end steps have their point, and only the others are
+logged, each point's metrics in one ``log_batch`` stamped with the chunk end's time.  A chunk end
+whose flow died before logging it is logged by the next flow at its next chunk end (or its
+summary).  Off the path between two chunk tasks: the flow asks (:func:`request`) and a thread
+logs; :func:`flush` waits for it and logs what is left, before the summary.  Best effort: a
+tracking failure is a warning, never a failed run; ``tracking.mlflow: false`` logs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from training.config import RunConfig
+from training.events import read_events
+from training.rundir import run_info
+from training.tracking.goodput import chunk_ends, chunk_points, journal_steps
+
+log = logging.getLogger("convoy.tracking")
+
+#: The metric whose history says which chunk ends are logged.
+GOODPUT = "goodput"
+#: One logging pass at a time in this process (the flow's thread and its summary).
+_passing = threading.Lock()
+
+
+def log_points(config: RunConfig, run_dir: Path) -> list[int]:
+    """Log the point of each chunk end the MLflow run does not have yet; returns their steps."""
+    if not config.tracking.mlflow:
+        return []
+    with _passing:
+        try:
+            run_id = (run_info(run_dir) or {}).get("mlflow_run_id")
+            return _log_missing(config, run_dir, run_id) if run_id else []
+        except Exception as exc:  # noqa: BLE001 - audit only
+            log.warning("MLflow: could not log the goodput of run %s: %s", config.run_name, exc)
+            return []
+
+
+def _log_missing(config: RunConfig, run_dir: Path, run_id: str) -> list[int]:
+    from mlflow.entities import Metric
+
+    from tasks.records.mlflow_client import client_for, resolve_tracking_uri
+
+    events = read_events(run_dir)
+    ends = [step for step, _ in chunk_ends(events)]
+    if not ends:
+        return []
+    client = client_for(resolve_tracking_uri(config, run_dir))
+    have = {m.step for m in client.get_metric_history(run_id, GOODPUT)}
+    missing = [step for step in ends if step not in have]
+    logged = []
+    for point in chunk_points(events, journal_steps(run_dir), only=missing) if missing else []:
+        stamp = int(point.time * 1000)
+        metrics = [Metric(k, float(v), stamp, point.step) for k, v in sorted(point.metrics().items())]
+        client.log_batch(run_id, metrics=metrics, synchronous=True)  # the point whole, or not at all
+        logged.append(point.step)
+    return logged
+
+
+class _Requests:
+    """:func:`log_points` on a thread of its own per run: at most one pass runs, and a request
+    while it runs makes one more pass after it (it may have read the files before this chunk's
+    end)."""
+
+    def __init__(self, config: RunConfig, run_dir: Path) -> None:
+        self.config, self.run_dir = config, run_dir
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.again = False
+
+    def request(self) -> None:
+        with self.lock:
+            if self.thread is not None and self.thread.is_alive():
+                self.again = True
+                return
+            self.thread = threading.Thread(target=self._run, name="convoy-goodput", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            log_points(self.config, self.run_dir)
+            with self.lock:
+                if not self.again:
+                    return
+                self.again = False
+
+    def join(self, timeout_s: float) -> None:
+        with self.lock:
+            thread = self.thread
+        if thread is not None:
+            thread.join(timeout_s)
+
+
+_requests: dict[str, _Requests] = {}
+_registry = threading.Lock()
+
+
+def request(config: RunConfig, run_dir: Path) -> None:
+    """At a chunk's end: log the goodput points MLflow lacks, on a thread."""
+    if not config.tracking.mlflow:
+        return
+    with _registry:
+        pending = _requests.setdefault(str(run_dir), _Requests(config, run_dir))
+    pending.request()
+
+
+def flush(config: RunConfig, run_dir: Path, timeout_s: float = 60.0) -> list[int]:
+    """Wait for the run's logging thread, then log what is still missing (the run's end)."""
+    if not config.tracking.mlflow:
+        return []
+    with _registry:
+        pending = _requests.pop(str(run_dir), None)
+    if pending is not None:
+        pending.join(timeout_s)
+    return log_points(config, run_dir)
