@@ -6,9 +6,13 @@ supervisor and records each kill as a ``failure`` event, which is what ``auto`` 
 from).  Goodput = committed steps × median fault-free step time / wall time.  The policies:
 ``auto``; fixed at 10× and 0.1× the interval auto settled on; and a sweep of fixed intervals to
 find the best one (by default 0.5× and 2× auto's choice besides 0.1× and 10×).
-Ratios are printed against the best fixed interval of the same run.
+Ratios are printed against the best fixed interval of the same run.  Each policy's run is also
+measured by ``training/tracking/goodput.py`` (the script writes the events a flow would:
+``flow_started``, ``attempt_started`` before each worker, a ``failure`` with its time and resume
+step per kill): each kept step's own time over the wall-clock, and the badput by bucket.
 
     .venv/bin/python bench/goodput.py --minutes 10 --kill-every 60
+    .venv/bin/python bench/goodput.py --minutes 3 --kill-every 60 --only-auto   # the breakdown only
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from training.config import load_config
 from training.corpus import prepare
 from training.events import append_event, read_events
 from training.rundir import open_run
+from training.tracking.goodput import Goodput, run_goodput
 
 MODEL = [
     "task_args.d_model=128",
@@ -61,14 +66,29 @@ def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: fl
     t0 = time.time()
     end = t0 + minutes * 60
     cmd = [sys.executable, "-m", "training.worker", "--run-dir", str(run_dir), "--until-step", "1000000"]
+    append_event(run_dir, "flow_started", flow_run_id=None)  # the script plays the flow: goodput's clock
+    attempt = 0
     while time.time() < end:
+        attempt += 1
+        append_event(run_dir, "attempt_started", chunk=1, attempt=attempt)  # a worker's start-up begins
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             p.wait(timeout=min(kill_every, end - time.time()))
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
+            killed_at = time.time()
             p.wait()
-            append_event(run_dir, "failure", failure="killed", chunk=0, attempt=0, detected_after_s=0)
+            resumes = CheckpointStore(run_dir).latest_valid(record=False)
+            append_event(
+                run_dir,
+                "failure",
+                failure="killed",
+                chunk=1,
+                attempt=attempt,
+                detected_at=round(killed_at, 3),
+                detected_after_s=0,
+                last_committed_step=resumes.step if resumes else 0,
+            )
     wall = time.time() - t0
     newest = CheckpointStore(run_dir).latest_valid(record=False)
     committed = newest.step if newest else 0
@@ -77,6 +97,7 @@ def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: fl
     step_s = statistics.median(r["metrics"]["step_time_s"] for r in rows) if rows else float("nan")
     picks = read_events(run_dir, "interval_chosen")
     interval = picks[-1]["interval_steps"] if picks else every
+    measured = run_goodput(run_dir)
     return {
         "policy": name,
         "every": every,
@@ -85,6 +106,8 @@ def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: fl
         "wall_s": round(wall, 1),
         "median_step_s": step_s,
         "goodput": committed * step_s / wall,
+        # training/tracking/goodput.py: each kept step's own time over the wall-clock, and the rest by bucket
+        "measured": measured.as_dict() if measured else None,
     }
 
 
@@ -94,6 +117,7 @@ def main() -> None:
     ap.add_argument("--kill-every", type=float, default=60)
     ap.add_argument("--sweep", default="", help="extra fixed intervals in steps, e.g. 5,20,80,320")
     ap.add_argument("--sweep-factors", default="0.5,2", help="extra fixed intervals as multiples of auto's choice")
+    ap.add_argument("--only-auto", action="store_true", help="measure the auto policy only (no fixed intervals)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="convoy-goodput-", dir=Path(__file__).resolve().parent.parent))
     print(f"workspace {root}; {args.minutes} min per policy, kill every {args.kill_every} s", flush=True)
@@ -102,15 +126,18 @@ def main() -> None:
     print(json.dumps(results[-1]), flush=True)
     factors = [0.1, 10, *(float(x) for x in args.sweep_factors.split(",") if x)]
     fixed = sorted({max(1, round(auto * f)) for f in factors} | {int(x) for x in args.sweep.split(",") if x})
+    fixed = [] if args.only_auto else fixed
     for n in fixed:
         results.append(run_policy(root, f"fixed-{n}", str(n), args.minutes, args.kill_every))
         print(json.dumps(results[-1]), flush=True)
-    best = max((r for r in results if r["policy"] != "auto"), key=lambda r: r["goodput"])
-    print(f"\n{'policy':>12} {'interval':>9} {'committed':>10} {'goodput':>8} {'vs best fixed':>14}")
+    fixed_runs = [r for r in results if r["policy"] != "auto"] or results
+    best = max(fixed_runs, key=lambda r: r["goodput"])
+    print(f"\n{'policy':>12} {'interval':>9} {'committed':>10} {'goodput':>8} {'vs best fixed':>14} {'measured':>9}")
     for r in results:
+        m = Goodput.from_dict(r["measured"]) if r["measured"] else None
         print(
             f"{r['policy']:>12} {r['interval_steps']!s:>9} {r['committed_steps']:>10} {r['goodput']:>8.3f} "
-            f"{r['goodput'] / best['goodput']:>13.3f}x"
+            f"{r['goodput'] / best['goodput']:>13.3f}x {m.describe(n=4) if m else '-':>9}"
         )
     print(f"\nauto / best fixed ({best['policy']}) = {results[0]['goodput'] / best['goodput']:.3f} (goal >= 0.98)")
 
