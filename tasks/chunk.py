@@ -60,7 +60,7 @@ from training.config import ConfigError, RunConfig
 from training.events import Event, FailureKind, StandbyOrder, WorkerSays, append_event, read_events
 from training.paths import RunPaths
 from training.rundir import load_run_config
-from training.tracking.attempts import AttemptId, chunk_history, next_attempt
+from training.tracking.attempts import AttemptId, chunk_history, failures_without_progress, next_attempt
 from training.tracking.failure_record import FailureDetails
 
 #: Worker output lines echoed to the Prefect log (everything goes to the chunk's log file).
@@ -89,7 +89,10 @@ def should_retry(task: Any, task_run: Any, state: Any) -> bool:
 
 def retry_wait(config: RunConfig, try_number: int) -> float:
     """Seconds a task run waits before its worker starts: 0 for the first run and the first
-    retry, then ``retry_delays`` with ``jitter`` (uniform, ±jitter of the delay)."""
+    retry, then ``retry_delays`` with ``jitter`` (uniform, ±jitter of the delay).  ``try_number``
+    counts the failures in a row that made no progress, plus one
+    (:func:`training.tracking.attempts.failures_without_progress`): a worker that trained, then
+    died, is replaced at once however many failures the chunk had before."""
     delays = retry_delays(config)
     if try_number < 2:
         return 0.0
@@ -177,7 +180,8 @@ class ChunkRun:
         self.resumed_from = 0
 
     def run(self) -> State:
-        wait = retry_wait(self.cfg, self.try_number)
+        stuck = failures_without_progress(read_events(self.run_dir), self.chunk) if self.try_number > 1 else 0
+        wait = retry_wait(self.cfg, stuck + 1)
         if wait > 0:
             self.logger.info("chunk %d: retry %d waits %.1f s (backoff)", self.chunk, self.try_number - 1, wait)
             time.sleep(wait)

@@ -236,6 +236,24 @@ def test_retry_delays_are_waited_by_convoy_and_prefect_is_given_one_number() -> 
     assert 0.9 <= retry_wait(cfg, 3) <= 1.1 and 1.8 <= retry_wait(cfg, 4) <= 2.2 and 3.6 <= retry_wait(cfg, 5) <= 4.4
 
 
+def test_only_failures_without_progress_count_toward_the_backoff() -> None:
+    """A crash loop (attempts that fail before training a step) is slowed down; a worker that
+    trained and then died is replaced at once, however many failures the chunk had before
+    (issue 30: the second of two kills 5 s apart waited the 1 s backoff)."""
+    from training.tracking.attempts import failures_without_progress
+
+    def attempt(n: int, resumes: int, trained_to: int | None, chunk: int = 2) -> list[dict[str, object]]:
+        started = {"kind": "attempt_started", "chunk": chunk, "attempt": n, "resumes_from": resumes}
+        return [started, {"kind": "failure", "chunk": chunk, "attempt": n, "trained_to": trained_to}]
+
+    killed_twice = attempt(1, 20, 45) + attempt(2, 40, 61)
+    assert failures_without_progress(killed_twice, 2) == 0
+    crash_loop = attempt(1, 20, 45) + attempt(2, 40, 40) + attempt(3, 40, None)
+    assert failures_without_progress(crash_loop, 2) == 2
+    assert failures_without_progress(crash_loop + attempt(4, 40, 47), 2) == 0  # progress resets it
+    assert failures_without_progress(crash_loop, 3) == 0
+
+
 def test_only_flow_runs_that_died_unseen_are_taken_over() -> None:
     """A flow that finished, failed or crashed with its hooks running ended; one SIGKILLed left
     only its ``flow_started``; one taken over once is not taken over again."""

@@ -68,6 +68,26 @@ def chunk_history(events: list[dict[str, Any]], chunk: int) -> ChunkHistory:
     return ChunkHistory(next_attempt(events, chunk) - 1, tuple(kinds))
 
 
+def failures_without_progress(events: list[dict[str, Any]], chunk: int) -> int:
+    """How many of the chunk's newest attempts, in a row, failed without training a step past the
+    one they resumed from: a crash loop, which the retry backoff slows down.  A worker that
+    trained and then died (a kill, a lost node) is not one: its successor starts at once."""
+    resumed = {
+        e.get("attempt"): e.get("resumes_from")
+        for e in events
+        if e["kind"] == Event.ATTEMPT_STARTED and e.get("chunk") == chunk
+    }
+    streak = 0
+    for e in events:
+        if e["kind"] == Event.CHUNK_DONE and e.get("chunk") == chunk:
+            streak = 0
+        elif e["kind"] == Event.FAILURE and e.get("chunk") == chunk:
+            start, reached = resumed.get(e.get("attempt")), e.get("trained_to")
+            progressed = start is not None and reached is not None and int(reached) > int(start)
+            streak = 0 if progressed else streak + 1
+    return streak
+
+
 def open_attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``attempt_started`` events whose attempt never ended (no ``failure`` and no ``chunk_done``
     names it): under the run's lock, attempts of a flow that died."""
