@@ -5,7 +5,7 @@ outlive a single chunk task: the run's checkpoint store with its verdicts (each 
 checkpoint hashed once, :mod:`training.checkpointing.verified`), the pipelined worker parked at a
 chunk boundary for the next task (:class:`tasks.supervision.handoff.Parking`), the warm standby
 (:class:`tasks.supervision.standby.StandbySlot`), the worker zygote that forks every worker
-(:class:`tasks.supervision.zygote.WorkerZygote`), the thread that uploads committed checkpoints
+(:class:`tasks.supervision.worker_zygote.WorkerZygote`), the thread that uploads committed checkpoints
 (:class:`tasks.remote.remote_checkpoints.Uploader`) and the boundary versioning still in flight
 (:class:`tasks.remote.dvc_version.Versioning`).
 
@@ -29,7 +29,7 @@ from tasks.remote.remote_checkpoints import Uploader
 from tasks.supervision.attempt import WorkerSlots
 from tasks.supervision.handoff import Parking
 from tasks.supervision.standby import StandbySlot
-from tasks.supervision.zygote import WorkerZygote
+from tasks.supervision.worker_zygote import WorkerZygote
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
 

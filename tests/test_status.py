@@ -37,7 +37,10 @@ def test_status_follows_a_running_worker_then_sees_it_dead(tmp_path: Path) -> No
     # One chunk, one save at its end: a worker also saves at every chunk boundary, and a status
     # call slowed by a loaded machine once let it reach step 60 (a boundary of 60-step chunks)
     # before the kill.
-    run_dir = make_run(tmp_path, "live", ["checkpoint.every_steps=120", "train.chunk_steps=120"])
+    # No memory tier either: the worker must resume from step 0 (steps lost = its last beat).
+    run_dir = make_run(
+        tmp_path, "live", ["checkpoint.every_steps=120", "train.chunk_steps=120", "checkpoint.memory_every_steps=null"]
+    )
     p = start_worker(run_dir, 120, {"CONVOY_FAULTS": "step_delay=0.05"})
     try:
         assert wait_for_step(run_dir, p, 3) is not None

@@ -21,7 +21,7 @@ import psutil
 import pytest
 from engine_util import make_run, run_worker
 
-from tasks.supervision.zygote import WorkerZygote
+from tasks.supervision.worker_zygote import WorkerZygote
 from tests.flow_util import CHUNK, TOTAL, assert_no_leftovers, config, in_thread, params, wait_for_step
 from training.checkpointing.store import CheckpointStore
 from training.events import Event, read_events

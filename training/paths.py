@@ -99,7 +99,7 @@ class RunPaths:
 
     def exit_status(self, token: int) -> Path:
         """Where a worker forked by the zygote leaves its exit code (read, then removed, by the
-        flow when the zygote that would report it is gone; :mod:`tasks.supervision.zygote`)."""
+        flow when the zygote that would report it is gone; :mod:`tasks.supervision.worker_zygote`)."""
         return self.heartbeats / f"exit-{token}.json"
 
     @property

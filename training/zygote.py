@@ -8,7 +8,7 @@ needed (first start, every retry, a standby): a few milliseconds, after which th
 :func:`training.worker.main` exactly as ``python -m training.worker`` would.  NVIDIA
 resiliency-ext's in-process restart exists for the same reason.
 
-``python -m training.zygote --run-dir D`` is started by the flow (:mod:`tasks.supervision.zygote`)
+``python -m training.zygote --run-dir D`` is started by the flow (:mod:`tasks.supervision.worker_zygote`)
 with one end of a ``SOCK_SEQPACKET`` socket pair on the fd named by ``CONVOY_ZYGOTE_FD``.  Messages
 are JSON, one per packet: the zygote says :class:`Ready` once its imports are done; each
 :class:`ForkRequest` (with the fds of the worker's log and, for a standby, its stdin) is answered

@@ -23,7 +23,7 @@ from training.events import StandbyOrder
 from training.tracking.attempts import AttemptId
 
 if TYPE_CHECKING:  # the store imports torch; an attempt is described without it
-    from tasks.supervision.zygote import WorkerZygote
+    from tasks.supervision.worker_zygote import WorkerZygote
     from training.checkpointing.store import CheckpointStore
 
 
@@ -33,7 +33,7 @@ class WorkerSlots:
 
     parking: Parking
     standby: StandbySlot
-    #: Forks the run's workers (:mod:`tasks.supervision.zygote`); None: every worker is spawned.
+    #: Forks the run's workers (:mod:`tasks.supervision.worker_zygote`); None: every worker is spawned.
     zygote: WorkerZygote | None = None
 
     @classmethod

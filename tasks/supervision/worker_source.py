@@ -8,7 +8,7 @@ Four sources, tried in this order, each giving the supervisor the same
    its log is read on from where the previous chunk stopped.
 2. **standby** — the run's warm standby (``orchestration.standby``, :mod:`tasks.supervision.standby`), given
    this attempt's order.
-3. **forked** — by the run's worker zygote (:mod:`tasks.supervision.zygote`): a ready interpreter
+3. **forked** — by the run's worker zygote (:mod:`tasks.supervision.worker_zygote`): a ready interpreter
    with torch imported forks it in milliseconds (after removing stale beats of an earlier attempt);
 4. **spawned** — a fresh process, when there is no zygote ready (or the command is not a local
    one-rank worker).
@@ -42,7 +42,7 @@ class Source(StrEnum):
 
     ADOPTED = "adopted"
     STANDBY = "standby"
-    #: By the run's zygote (:mod:`tasks.supervision.zygote`): no interpreter start.
+    #: By the run's zygote (:mod:`tasks.supervision.worker_zygote`): no interpreter start.
     FORKED = "forked"
     SPAWNED = "spawned"
 
