@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch
 from training import distributed
 from training.checkpointing.errors import CheckpointRejected
 from training.checkpointing.memory_tier import merged
-from training.checkpointing.store import Checkpoint
+from training.checkpointing.store import Candidate, Checkpoint
 from training.config import ConfigError
 from training.data import mix_seed
 from training.events import Event, append_event
@@ -61,6 +61,7 @@ def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) 
     docstring for what happens to each."""
     t0 = time.perf_counter()
     for candidate, in_memory in merged(runtime.memory, runtime.store):
+        candidate = agreed(candidate) if in_memory else candidate
         if candidate.loaded is None:
             refuse(runtime, run_dir, candidate.path, candidate.reason, in_memory, log, recorded=not in_memory)
             continue
@@ -85,6 +86,15 @@ def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) 
             "checkpoint here restores (see the skipped checkpoints above); fork it again"
         )
     return Restored(runtime, None, False, time.perf_counter() - t0)
+
+
+def agreed(snapshot: Candidate) -> Candidate:
+    """A memory snapshot every rank loaded, or refused on every rank (memory tier rule 4): ranks
+    that restored different steps could not train on together."""
+    (refused_somewhere,) = distributed.agree_any(snapshot.loaded is None)
+    if refused_somewhere and snapshot.loaded is not None:
+        return replace(snapshot, reason="refused by another rank", loaded=None)
+    return snapshot
 
 
 def refuse(
