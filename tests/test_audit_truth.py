@@ -51,7 +51,8 @@ def test_steps_lost_agree_everywhere_and_failed_attempts_explain_themselves(
             data_dir,
             "truth",
             train={"total_steps": TOTAL, "chunk_steps": TOTAL},
-            checkpoint={"every_steps": EVERY, "keep_last": 3},
+            # The disk tier only, so that each kill loses steps (with the memory tier: at most one).
+            checkpoint={"every_steps": EVERY, "keep_last": 3, "memory_every_steps": None},
             tracking={"mlflow": True, "mlflow_uri": uri},
         )
     )

@@ -57,7 +57,10 @@ def test_a_retry_sets_a_corrupt_boundary_aside_and_trains_to_it_again(tmp_path: 
     newest checkpoint that verifies and commits the boundary again, with the same digest.  Left in
     place, its manifest made every retry "commit" the boundary at once and fail (bench/conformance.py,
     map-aug, corrupt just after the commit of step 20: all five attempts failed in 0.1 s)."""
-    run_dir = make_run(tmp_path, extra=["train.chunk_steps=20", "orchestration.pipeline=true"])
+    # The disk tier only: the retry resumes from the checkpoint of step 10 (not a snapshot in RAM).
+    run_dir = make_run(
+        tmp_path, extra=["train.chunk_steps=20", "orchestration.pipeline=true", "checkpoint.memory_every_steps=null"]
+    )
     code, out = run_worker(run_dir, 20)
     assert code == 0, out
     boundary = run_dir / "checkpoints" / "step-000000020"

@@ -50,6 +50,9 @@ def mlflow_run(tmp: Path, name: str, uri: str, extra: list[str] | None = None) -
         f"train.chunk_steps={TOTAL // 2}",
         f"checkpoint.every_steps={EVERY}",
         "checkpoint.keep_last=3",
+        # Resumes from disk checkpoints: the replayed steps are what these tests compare (the memory
+        # tier would resume at the kill and replay nothing; tests/test_memory_tier.py covers it).
+        "checkpoint.memory_every_steps=null",
         "tracking.mlflow=true",
         f"tracking.mlflow_uri={uri}",
         "tracking.experiment=convoy-test",

@@ -218,7 +218,11 @@ def test_grad_accum_kill_inside_window_bitwise_and_close_to_big_batch(tmp_path: 
     for ref in refs:
         out, _ = ref.communicate(timeout=300)
         assert ref.returncode == 0, out
-    assert [e["step"] for e in read_events(run_dir, "resumed")] == [10]  # step 13's window was redone
+    # Step 13's window was redone: the resume is from a whole optimizer step before it — the memory
+    # tier's snapshot of step 12, or the disk checkpoint of step 10 (of 5 when a loaded machine had
+    # not committed 10 yet at the kill).
+    (resumed,) = [e["step"] for e in read_events(run_dir, "resumed")]
+    assert resumed in (5, 10, 12), resumed
     assert final_digest(run_dir) == final_digest(ref_dir)
     assert deterministic(run_dir) == deterministic(ref_dir)
 
@@ -262,6 +266,7 @@ def test_eval_leaves_the_trajectory_alone_and_logs_val_loss_once(tmp_path: Path,
             "tracking.mlflow=true",
             f"tracking.mlflow_uri={uri}",
             "checkpoint.every_steps=10",
+            "checkpoint.memory_every_steps=null",  # resumes from disk: the evaluated steps are replayed
         ],
     )
     cfg = load_run_config(run_dir)
