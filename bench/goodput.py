@@ -27,7 +27,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+from tasks.supervision.worker_zygote import WorkerZygote
+from training.checkpointing import memory_tier
 from training.checkpointing.store import CheckpointStore
 from training.config import load_config
 from training.corpus import prepare
@@ -49,7 +52,9 @@ MODEL = [
 ]
 
 
-def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: float) -> dict:
+def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: float, fork: bool = True) -> dict:
+    """One policy's run; ``fork``: every worker forked by a zygote, as a flow does (else a new
+    interpreter per worker, the way before issue 30)."""
     cfg = load_config(
         None,
         MODEL
@@ -67,11 +72,12 @@ def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: fl
     end = t0 + minutes * 60
     cmd = [sys.executable, "-m", "training.worker", "--run-dir", str(run_dir), "--until-step", "1000000"]
     append_event(run_dir, "flow_started", flow_run_id=None)  # the script plays the flow: goodput's clock
+    zygote = WorkerZygote(run_dir) if fork else None
     attempt = 0
     while time.time() < end:
         attempt += 1
         append_event(run_dir, "attempt_started", chunk=1, attempt=attempt)  # a worker's start-up begins
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        p = start_worker(zygote, cmd, run_dir / "logs" / f"worker-{attempt}.log")
         try:
             p.wait(timeout=min(kill_every, end - time.time()))
         except subprocess.TimeoutExpired:
@@ -87,9 +93,11 @@ def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: fl
                 attempt=attempt,
                 detected_at=round(killed_at, 3),
                 detected_after_s=0,
-                last_committed_step=resumes.step if resumes else 0,
+                last_committed_step=memory_tier.resume_step(run_dir, resumes.step if resumes else 0),
             )
     wall = time.time() - t0
+    if zygote is not None:
+        zygote.close()
     newest = CheckpointStore(run_dir).latest_valid(record=False)
     committed = newest.step if newest else 0
     mpath = run_dir / "metrics.jsonl"
@@ -111,6 +119,14 @@ def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: fl
     }
 
 
+def start_worker(zygote: WorkerZygote | None, cmd: list[str], log: Path) -> Any:
+    """A worker forked by ``zygote`` (a ``ForkedProcess``), else a new process."""
+    handle = zygote.fork(cmd, log, "bench", cwd=os.getcwd(), env=dict(os.environ)) if zygote else None
+    if handle is not None:
+        return handle.proc
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=10)
@@ -118,17 +134,18 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="extra fixed intervals in steps, e.g. 5,20,80,320")
     ap.add_argument("--sweep-factors", default="0.5,2", help="extra fixed intervals as multiples of auto's choice")
     ap.add_argument("--only-auto", action="store_true", help="measure the auto policy only (no fixed intervals)")
+    ap.add_argument("--spawn", action="store_true", help="a new interpreter per worker (before the zygote)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="convoy-goodput-", dir=Path(__file__).resolve().parent.parent))
     print(f"workspace {root}; {args.minutes} min per policy, kill every {args.kill_every} s", flush=True)
-    results = [run_policy(root, "auto", "auto", args.minutes, args.kill_every)]
+    results = [run_policy(root, "auto", "auto", args.minutes, args.kill_every, not args.spawn)]
     auto = int(results[0]["interval_steps"])
     print(json.dumps(results[-1]), flush=True)
     factors = [0.1, 10, *(float(x) for x in args.sweep_factors.split(",") if x)]
     fixed = sorted({max(1, round(auto * f)) for f in factors} | {int(x) for x in args.sweep.split(",") if x})
     fixed = [] if args.only_auto else fixed
     for n in fixed:
-        results.append(run_policy(root, f"fixed-{n}", str(n), args.minutes, args.kill_every))
+        results.append(run_policy(root, f"fixed-{n}", str(n), args.minutes, args.kill_every, not args.spawn))
         print(json.dumps(results[-1]), flush=True)
     fixed_runs = [r for r in results if r["policy"] != "auto"] or results
     best = max(fixed_runs, key=lambda r: r["goodput"])
