@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -190,16 +191,42 @@ def test_hang_is_detected_and_group_stopped(tmp_path: Path, run_dir: Path) -> No
     assert exc.details.last_beat_step == 10
 
 
-def test_silent_worker_is_dead(tmp_path: Path, run_dir: Path) -> None:
-    # stall_s > timeout_s so the missing beat, not the missing progress, is what fires.
+def test_a_silent_worker_whose_process_lives_is_a_hang(tmp_path: Path, run_dir: Path) -> None:
+    # stall_s > timeout_s so the missing beat, not the missing progress, is what fires; its
+    # process is alive (asleep), so it is hung, not dead (issue 31: a hang is a hang).
     exc = run(tmp_path, run_dir, "silent", limits("heartbeat.stall_s=5"))
-    assert isinstance(exc, ChunkFailed) and exc.kind == "dead", exc
+    assert isinstance(exc, ChunkFailed) and exc.kind == "hang", exc
+    assert "no heartbeat for" in exc.message and "alive but silent" in exc.message, exc.message
 
 
-def test_never_beating_worker_is_dead(tmp_path: Path, run_dir: Path) -> None:
+def test_a_worker_that_stops_beating_after_its_first_beat_is_a_hang(tmp_path: Path, run_dir: Path) -> None:
     exc = run(tmp_path, run_dir, "no-beat", limits("heartbeat.timeout_s=0.5", "heartbeat.init_timeout_s=60"))
-    # The first beat is written before the beat thread starts; after that silence = dead.
-    assert isinstance(exc, ChunkFailed) and exc.kind == "dead", exc
+    # The first beat is written before the beat thread starts; after that, silence from a live process.
+    assert isinstance(exc, ChunkFailed) and exc.kind == "hang", exc
+
+
+def test_sigstop_with_the_default_limits_is_a_hang_and_sigkill_is_killed(tmp_path: Path, run_dir: Path) -> None:
+    """The defaults have stall_s (20) > timeout_s (10), so a stopped worker's beats stop before
+    its steps look stalled: still a hang, and the text names the missing signal of life."""
+    defaults = limits("heartbeat.stall_s=3", "heartbeat.timeout_s=1")  # the defaults' order, in seconds
+    for sig, kind, said in ((signal.SIGSTOP, "hang", "stopped"), (signal.SIGKILL, "killed", "SIGKILL")):
+        threading.Thread(target=_signal_at_step, args=(run_dir, 10, sig), daemon=True).start()
+        exc = run(tmp_path, run_dir, "hang", defaults)
+        assert isinstance(exc, ChunkFailed) and exc.kind == kind, exc
+        assert said in exc.message, exc.message
+        if sig == signal.SIGSTOP:
+            assert "no heartbeat for" in exc.message, exc.message
+
+
+def _signal_at_step(run_dir: Path, step: int, sig: int) -> None:
+    """Signal the stand-in once its beat reports ``step`` (where the "hang" mode stops stepping)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        beat = read_heartbeat(run_dir, 0)
+        if beat is not None and beat.step >= step and beat.phase == "train":
+            os.kill(beat.pid, sig)
+            return
+        time.sleep(0.01)
 
 
 def test_save_phase_has_its_own_limit(tmp_path: Path, run_dir: Path) -> None:

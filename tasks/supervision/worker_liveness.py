@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from tasks.supervision.failure_kinds import Verdict
 from tasks.supervision.process_group import pid_gone
 from training.config import RunConfig
@@ -137,7 +139,11 @@ def failure_verdict(w: Watch, beats: list[Beat], ranks: int, lim: DetectionLimit
         return Verdict(FailureKind.HANG, reason, now - w.progress)
     finished = all(b.done for b in beats)  # a finished rank stops beating by design
     if not finished and now - oldest > lim.timeout_s:
-        return Verdict(FailureKind.DEAD, f"no heartbeat for {now - oldest:.1f} s (phase {phase})", now - oldest)
+        silent = f"no heartbeat for {now - oldest:.1f} s in phase {phase}"
+        state = silent_state(beats)
+        if state is not None:  # alive but silent: a hang, whatever the order of the limits
+            return Verdict(FailureKind.HANG, f"{silent}; {state}", now - oldest)
+        return Verdict(FailureKind.DEAD, f"{silent}; the process is gone", now - oldest)
     if len(beats) < ranks and now - w.started > lim.init_timeout_s:
         reason = f"only {len(beats)}/{ranks} ranks beat within {lim.init_timeout_s:g} s"
         return Verdict(FailureKind.DEAD, reason, now - w.started)
@@ -146,6 +152,32 @@ def failure_verdict(w: Watch, beats: list[Beat], ranks: int, lim: DetectionLimit
         reason = f"stuck in phase {phase} for {now - w.phase_since:.1f} s (limit {limit:g} s)"
         return Verdict(FailureKind.HANG, reason, now - w.phase_since - limit)
     return None
+
+
+#: What a process's state says about a worker that stopped beating (psutil's status names).
+_SILENT = {
+    "stopped": "its process is alive but stopped (SIGSTOP or a debugger)",
+    "tracing-stop": "its process is alive but stopped by a tracer",
+    "disk-sleep": "its process is alive but stuck in the kernel (uninterruptible I/O)",
+}
+
+
+def silent_state(beats: list[Beat]) -> str | None:
+    """Why a worker whose beats stopped is not dead: what its process is doing, when every beating
+    process is on this machine and still there; None when one is gone or cannot be checked (a
+    remote node's rank: judged by its beats alone, so dead)."""
+    states = []
+    for b in beats:
+        if not b.is_local:
+            return None
+        try:
+            status = psutil.Process(b.pid).status()
+        except psutil.Error:
+            return None
+        if status == psutil.STATUS_ZOMBIE:
+            return None
+        states.append(_SILENT.get(status, "its process is alive but silent (every thread blocked or frozen)"))
+    return states[0] if states else None
 
 
 def lost_rank(w: Watch, beats: list[Beat], ranks: int, now: float) -> Verdict | None:
