@@ -48,3 +48,21 @@ def test_a_fresh_store_verifies_again(tmp_path: Path) -> None:
     first, second = CheckpointStore(tmp_path), CheckpointStore(tmp_path)
     assert first.resume_point().step == second.resume_point().step == 10
     assert first.verdicts.counts == second.verdicts.counts == {checkpoint_name(10): 1}
+
+
+def test_a_committed_checkpoint_that_is_gone_is_passed_over_as_missing(tmp_path: Path) -> None:
+    """Issue 31: a checkpoint deleted by hand (not by retention, not moved aside by convoy) is named
+    wherever the resume point's passed-over checkpoints are (failure events, the resume table,
+    Prefect's warning, the summary): "missing", not silently skipped."""
+    fill(CheckpointStore(tmp_path), [10, 20, 30, 40])  # keep_last 3 by default: step 10 retired
+    store = CheckpointStore(tmp_path)
+    assert store.resume_point().passed_over == ()  # retired by retention: not missing
+    shutil.rmtree(store.root / checkpoint_name(40))
+    store.quarantine(store.root / checkpoint_name(30), "bit rot")  # moved aside by convoy: not missing
+    point = store.resume_point()
+    assert point.step == 20
+    assert [(p.step, p.reason.split(":")[0]) for p in point.passed_over] == [(40, "missing")], point
+    assert point.passed_over_dicts()[0]["checkpoint"] == checkpoint_name(40)
+    shutil.rmtree(store.root / checkpoint_name(20))  # the last one: the run would start over, and says why
+    point = store.resume_point()
+    assert point.step is None and [p.step for p in point.passed_over] == [40, 20], point

@@ -56,6 +56,7 @@ class Event(StrEnum):
     """Every kind of audit event, named once (a StrEnum: equal to its string, written as it)."""
 
     ATTEMPT_STARTED = "attempt_started"
+    CHECKPOINT_COMMITTED = "checkpoint_committed"
     CHECKPOINT_FETCHED = "checkpoint_fetched"
     CHECKPOINT_INVALID = "checkpoint_invalid"
     CHECKPOINT_PUBLISHED = "checkpoint_published"

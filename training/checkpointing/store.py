@@ -31,7 +31,7 @@ from training.checkpointing import sharded
 from training.checkpointing.codec import split_tree
 from training.checkpointing.errors import CheckpointError, CheckpointRejected
 from training.checkpointing.install import install, point_latest
-from training.checkpointing.verified import PassedOver, ResumePoint, Verdicts
+from training.checkpointing.verified import PassedOver, ResumePoint, Verdicts, with_missing
 from training.checkpointing.verify import (
     FORMAT_VERSION,
     MANIFEST,
@@ -168,10 +168,10 @@ class CheckpointStore:
         passed: list[PassedOver] = []
         for step, path in self.step_dirs():
             try:
-                return ResumePoint(self.verify(path), tuple(passed))
+                return ResumePoint(self.verify(path), with_missing(passed, self.run_dir, step))
             except CheckpointRejected as exc:
                 passed.append(PassedOver(path.name, step, str(exc)))
-        return ResumePoint(None, tuple(passed))
+        return ResumePoint(None, with_missing(passed, self.run_dir, 0))
 
     def refuse(self, path: Path, reason: str) -> None:
         """Record that ``path`` was not restored (events.jsonl) and remember why: if the run
@@ -383,6 +383,7 @@ class CheckpointStore:
             else:
                 install(tmp, final, files_synced=True)  # each file was fsynced as it was written
             committed = Checkpoint(snap.step, final, self.read_manifest(final))
+            append_event(self.run_dir, Event.CHECKPOINT_COMMITTED, step=snap.step, checkpoint=final.name)
             self.last_committed = committed
             self.last_persist_s = time.perf_counter() - t0
             self.apply_retention(protect=committed)

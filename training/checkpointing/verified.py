@@ -121,3 +121,31 @@ def _again(rejected: CheckpointRejected) -> CheckpointRejected:
     copy = CheckpointRejected(*rejected.args)
     copy.__cause__ = rejected.__cause__
     return copy
+
+
+#: What a committed checkpoint that is no longer there is passed over as.
+MISSING = "missing: it was committed and is gone (removed by something other than retention)"
+
+
+def missing_commits(run_dir: Path, newer_than: int) -> list[PassedOver]:
+    """Checkpoints newer than ``newer_than`` that were committed (``checkpoint_committed``) and
+    are gone, not retired by retention nor moved aside by convoy: someone deleted them."""
+    from training.events import Event, read_events
+    from training.paths import RunPaths
+
+    committed: dict[str, int] = {}
+    for e in read_events(run_dir):
+        kind, name = e.get("kind"), e.get("checkpoint")
+        if kind == Event.CHECKPOINT_COMMITTED and int(e.get("step", 0)) > newer_than:
+            committed[str(name)] = int(e["step"])
+        elif kind == Event.CHECKPOINT_RETIRED or (
+            kind in (Event.CHECKPOINT_INVALID, Event.CHECKPOINT_REPLACED) and e.get("moved_to")
+        ):
+            committed.pop(str(name), None)
+    root = RunPaths(run_dir).checkpoints
+    return [PassedOver(name, step, MISSING) for name, step in committed.items() if not (root / name).is_dir()]
+
+
+def with_missing(passed: list[PassedOver], run_dir: Path, resumed_step: int) -> tuple[PassedOver, ...]:
+    """``passed`` and the missing commits newer than the resume point, newest first."""
+    return tuple(sorted([*passed, *missing_commits(run_dir, resumed_step)], key=lambda p: p.step, reverse=True))
