@@ -69,10 +69,20 @@ def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: fl
     prepare(cfg.data, cfg.train.seed)
     run_dir = open_run(cfg)
     t0 = time.time()
-    end = t0 + minutes * 60
-    cmd = [sys.executable, "-m", "training.worker", "--run-dir", str(run_dir), "--until-step", "1000000"]
-    append_event(run_dir, "flow_started", flow_run_id=None)  # the script plays the flow: goodput's clock
     zygote = WorkerZygote(run_dir) if fork else None
+    try:
+        train_with_kills(run_dir, zygote, t0 + minutes * 60, kill_every)
+    finally:
+        if zygote is not None:
+            zygote.close()
+    return policy_result(run_dir, name, every, time.time() - t0)
+
+
+def train_with_kills(run_dir: Path, zygote: WorkerZygote | None, end: float, kill_every: float) -> None:
+    """Workers one after the other until ``end``, each SIGKILLed ``kill_every`` s after its start;
+    the events a flow would write (the script plays the flow: goodput's clock)."""
+    cmd = [sys.executable, "-m", "training.worker", "--run-dir", str(run_dir), "--until-step", "1000000"]
+    append_event(run_dir, "flow_started", flow_run_id=None)
     attempt = 0
     while time.time() < end:
         attempt += 1
@@ -95,9 +105,9 @@ def run_policy(root: Path, name: str, every: str, minutes: float, kill_every: fl
                 detected_after_s=0,
                 last_committed_step=memory_tier.resume_step(run_dir, resumes.step if resumes else 0),
             )
-    wall = time.time() - t0
-    if zygote is not None:
-        zygote.close()
+
+
+def policy_result(run_dir: Path, name: str, every: str, wall: float) -> dict:
     newest = CheckpointStore(run_dir).latest_valid(record=False)
     committed = newest.step if newest else 0
     mpath = run_dir / "metrics.jsonl"

@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,11 @@ def kill_at(run_dir: Path, ranks: int, step: int) -> int:
     p = start(run_dir, TOTAL, ranks, {"CONVOY_FAULTS": f"slow_step={step + 1}:60"})
     reached = wait_for_step(run_dir, p, step)
     assert reached is not None, p.communicate()[0][-3000:]
+    # The stall leaves time for a save still being written to commit: on a loaded machine the kill
+    # once came first, and the next layout started from step 0 instead of from a checkpoint.
+    deadline = time.monotonic() + 30
+    while list((run_dir / "checkpoints").glob(".tmp-*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
     kill_tree(p)
     assert p.returncode == -9, p.returncode  # killed, not finished
     return reached

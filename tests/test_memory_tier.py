@@ -19,6 +19,7 @@ from training.checkpointing import memory_tier
 from training.checkpointing.store import CheckpointStore
 from training.events import Event, read_events
 from training.heartbeat import read_heartbeat
+from training.tracking.resume_audit import trained_high_water
 
 #: Disk checkpoints every 50 steps; the memory tier every step (the demo's ``auto`` choice, pinned
 #: here so a loaded machine cannot widen it).
@@ -26,14 +27,16 @@ TIERS = ["checkpoint.every_steps=50", "checkpoint.memory_every_steps=1"]
 
 
 def _kill_at(run_dir: Path, step: int) -> int:
-    """Start a worker to 120, SIGKILL it once it reached ``step``; the step of its last beat."""
+    """Start a worker to 120, SIGKILL it once it reached ``step``; how far it trained (its last
+    beat may be a step behind its last journal row: trained_high_water takes the larger)."""
     p = start_worker(run_dir, 120, {"CONVOY_FAULTS": "step_delay=0.02"})
     assert wait_for_step(run_dir, p, step) is not None
     kill_group(p, signal.SIGKILL)
     p.wait()
     beat = read_heartbeat(run_dir, 0)
-    assert beat is not None
-    return beat.step
+    trained = trained_high_water(run_dir, beat.step if beat else None)
+    assert trained is not None
+    return trained
 
 
 def _resumed(run_dir: Path) -> dict:
