@@ -239,7 +239,7 @@ class TrainingRun:
         staged = pending.staged if pending is not None else None
         chunk_boundary.acknowledge(self.run_dir, end, staged, timeout_s=self.cfg.heartbeat.save_timeout_s)
         self.resources.audit.request()  # audit table + timeline picture, on a thread: off the recovery path
-        goodput_metrics.request(self.cfg, self.run_dir)  # goodput at this chunk end in MLflow, once; a thread
+        self.resources.goodput.request()  # goodput at this chunk end in MLflow, once; on a thread
         self.committed = end
 
     def close(self, ok: bool) -> None:
@@ -309,7 +309,8 @@ class TrainingRun:
             seconds=round(time.time() - self.t0, 3),
             **goodput_fields(self.run_dir, until=time.time()),
         )
-        goodput_metrics.flush(self.cfg, self.run_dir)  # every chunk end's goodput point, once
+        self.resources.goodput.join()
+        goodput_metrics.log_points(self.cfg, self.run_dir)  # every chunk end's goodput point, once
         append_event(
             self.run_dir,
             Event.FLOW_DONE,

@@ -23,7 +23,8 @@ import logging
 import threading
 from pathlib import Path
 
-from tasks.records.run_records import AuditRefresher
+from tasks.records import goodput_metrics, run_records
+from tasks.records.background import OneAtATime
 from tasks.remote.dvc_version import NotVersioned, Versioned, Versioning
 from tasks.remote.remote_checkpoints import Uploader
 from tasks.supervision.attempt import WorkerSlots
@@ -55,8 +56,10 @@ class RunResources:
         #: is verified once however many callers ask for the resume point.
         self.checkpoints = CheckpointStore(self.run_dir)
         self.versioning = Versioning(config, self.run_dir)
-        #: The resume audit in MLflow, refreshed at each chunk end off the path between two tasks.
-        self.audit = AuditRefresher(config, self.run_dir)
+        #: The resume audit in MLflow and the goodput points, written at each chunk end on threads
+        #: of their own: off the path between two chunk tasks (:mod:`tasks.records.background`).
+        self.audit = OneAtATime(lambda: run_records.refresh(config, self.run_dir), "convoy-audit-refresh")
+        self.goodput = OneAtATime(lambda: goodput_metrics.log_points(config, self.run_dir), "convoy-goodput")
         self._uploader: Uploader | None = None
         self._lock = threading.Lock()
         self.closed = False
@@ -83,6 +86,7 @@ class RunResources:
         self.closed = True
         stopped = self.slots.release(grace_s)
         self.audit.join()
+        self.goodput.join()
         versioned = self.versioning.collect()
         with self._lock:
             uploader, self._uploader = self._uploader, None

@@ -247,6 +247,7 @@ def test_each_chunk_end_is_logged_once_however_often_it_is_asked(tmp_path: Path)
     from mlflow.tracking import MlflowClient
 
     from tasks.records import goodput_metrics
+    from tasks.records.background import OneAtATime
     from training.rundir import update_run_info
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -260,13 +261,14 @@ def test_each_chunk_end_is_logged_once_however_often_it_is_asked(tmp_path: Path)
     update_run_info(run_dir, mlflow_run_id=run_id)
 
     off = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"mlflow": False})})
-    assert goodput_metrics.log_points(off, run_dir) == [] and goodput_metrics.flush(off, run_dir) == []
+    assert goodput_metrics.log_points(off, run_dir) == []
     assert client.get_metric_history(run_id, "goodput") == []
     assert goodput_metrics.log_points(cfg, run_dir) == [4]
     write_run(run_dir, events, steps)  # the run went on: chunk 2 ended too
-    goodput_metrics.request(cfg, run_dir)  # at the chunk end, on a thread
-    assert goodput_metrics.flush(cfg, run_dir) == []  # the thread logged step 12
-    assert goodput_metrics.log_points(cfg, run_dir) == []
+    logger = OneAtATime(lambda: goodput_metrics.log_points(cfg, run_dir), "goodput")  # as the run's resources hold it
+    logger.request()  # at the chunk end, on a thread
+    logger.join()
+    assert goodput_metrics.log_points(cfg, run_dir) == []  # the thread logged step 12
     keys = client.get_run(run_id).data.metrics
     history = {key: [(m.step, m.value) for m in client.get_metric_history(run_id, key)] for key in keys}
     expected = {p.step: p.metrics() for p in chunk_points(events, steps)}
@@ -317,7 +319,7 @@ def test_a_real_sigkill_adds_up_and_mlflow_has_one_goodput_point_per_chunk_end(
     steps = sorted(m.step for m in client.get_metric_history(run_id, "goodput"))
     assert steps == [CHUNK, 2 * CHUNK, TOTAL]
     assert sorted(m.step for m in client.get_metric_history(run_id, "badput/wasted_progress")) == steps
-    assert goodput_metrics.flush(cfg, run_dir) == []  # asked again (a later flow): nothing logged twice
+    assert goodput_metrics.log_points(cfg, run_dir) == []  # asked again (a later flow): nothing logged twice
     assert sorted(m.step for m in client.get_metric_history(run_id, "goodput_interval")) == steps
     final = {m.step: m.value for m in client.get_metric_history(run_id, "goodput")}[TOTAL]
     assert 0 < final < 1

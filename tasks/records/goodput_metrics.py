@@ -10,9 +10,10 @@ Exactly once per (metric, step), across resumes and flow runs: before logging, t
 history of the MLflow run says which chunk end steps have their point, and only the others are
 logged, each point's metrics in one ``log_batch`` stamped with the chunk end's time.  A chunk end
 whose flow died before logging it is logged by the next flow at its next chunk end (or its
-summary).  Off the path between two chunk tasks: the flow asks (:func:`request`) and a thread
-logs; :func:`flush` waits for it and logs what is left, before the summary.  Best effort: a
-tracking failure is a warning, never a failed run; ``tracking.mlflow: false`` logs nothing.
+summary).  Off the path between two chunk tasks: the run's resources run :func:`log_points` on
+a thread of their own (``RunResources.goodput``, :class:`tasks.records.background.OneAtATime`),
+and the flow joins it and logs what is left before its summary.  Best effort: a tracking
+failure is a warning, never a failed run; ``tracking.mlflow: false`` logs nothing.
 """
 
 from __future__ import annotations
@@ -66,61 +67,3 @@ def _log_missing(config: RunConfig, run_dir: Path, run_id: str) -> list[int]:
         client.log_batch(run_id, metrics=metrics, synchronous=True)  # the point whole, or not at all
         logged.append(point.step)
     return logged
-
-
-class _Requests:
-    """:func:`log_points` on a thread of its own per run: at most one pass runs, and a request
-    while it runs makes one more pass after it (it may have read the files before this chunk's
-    end)."""
-
-    def __init__(self, config: RunConfig, run_dir: Path) -> None:
-        self.config, self.run_dir = config, run_dir
-        self.lock = threading.Lock()
-        self.thread: threading.Thread | None = None
-        self.again = False
-
-    def request(self) -> None:
-        with self.lock:
-            if self.thread is not None and self.thread.is_alive():
-                self.again = True
-                return
-            self.thread = threading.Thread(target=self._run, name="convoy-goodput", daemon=True)
-            self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            log_points(self.config, self.run_dir)
-            with self.lock:
-                if not self.again:
-                    return
-                self.again = False
-
-    def join(self, timeout_s: float) -> None:
-        with self.lock:
-            thread = self.thread
-        if thread is not None:
-            thread.join(timeout_s)
-
-
-_requests: dict[str, _Requests] = {}
-_registry = threading.Lock()
-
-
-def request(config: RunConfig, run_dir: Path) -> None:
-    """At a chunk's end: log the goodput points MLflow lacks, on a thread."""
-    if not config.tracking.mlflow:
-        return
-    with _registry:
-        pending = _requests.setdefault(str(run_dir), _Requests(config, run_dir))
-    pending.request()
-
-
-def flush(config: RunConfig, run_dir: Path, timeout_s: float = 60.0) -> list[int]:
-    """Wait for the run's logging thread, then log what is still missing (the run's end)."""
-    if not config.tracking.mlflow:
-        return []
-    with _registry:
-        pending = _requests.pop(str(run_dir), None)
-    if pending is not None:
-        pending.join(timeout_s)
-    return log_points(config, run_dir)

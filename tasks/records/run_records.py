@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -178,44 +177,6 @@ def refresh(config: RunConfig, run_dir: Path) -> None:
         refresh_audit(config, run_dir)
     except Exception as exc:  # noqa: BLE001
         log.warning("audit: could not refresh: %s", exc)
-
-
-class AuditRefresher:
-    """:func:`refresh` on a thread of its own, so that the ~1 s it takes (MLflow tags, the resume
-    table, the timeline picture) is not spent between two chunk tasks, where a worker that dies
-    waits for the next task to be replaced.  At most one refresh runs; a request while one runs
-    makes one more after it (the newest state is always drawn).  :meth:`join` before the run's
-    final audit."""
-
-    def __init__(self, config: RunConfig, run_dir: Path) -> None:
-        self.config, self.run_dir = config, run_dir
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._again = False
-
-    def request(self) -> None:
-        if not self.config.tracking.mlflow:
-            return
-        with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                self._again = True
-                return
-            self._thread = threading.Thread(target=self._run, name="convoy-audit-refresh", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            refresh(self.config, self.run_dir)
-            with self._lock:
-                if not self._again:
-                    return
-                self._again = False
-
-    def join(self, timeout_s: float = 60.0) -> None:
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
 
 
 def log_upload_lag(run_dir: Path, step: int, lag: dict[str, float]) -> None:
