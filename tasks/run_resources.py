@@ -60,6 +60,8 @@ class RunResources:
         #: of their own: off the path between two chunk tasks (:mod:`tasks.records.background`).
         self.audit = OneAtATime(lambda: run_records.refresh(config, self.run_dir), "convoy-audit-refresh")
         self.goodput = OneAtATime(lambda: goodput_metrics.log_points(config, self.run_dir), "convoy-goodput")
+        if config.tracking.mlflow:  # the refresh's imports, now, while the run's first worker starts
+            OneAtATime(run_records.warm_up, "convoy-records-warm-up").request()
         self._uploader: Uploader | None = None
         self._lock = threading.Lock()
         self.closed = False

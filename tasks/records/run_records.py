@@ -179,6 +179,16 @@ def refresh(config: RunConfig, run_dir: Path) -> None:
         log.warning("audit: could not refresh: %s", exc)
 
 
+def warm_up() -> None:
+    """Import what the first audit refresh needs (matplotlib for the timeline picture, ~1 s), when
+    the run opens: otherwise the first chunk end pays it on the refresh thread, whose interpreter
+    lock then slows a recovery that happens at that moment (bench/mttr.py's first kill: 2.3 s)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
+
 def log_upload_lag(run_dir: Path, step: int, lag: dict[str, float]) -> None:
     """Record a published checkpoint's upload lag (``upload_lag_steps``, ``upload_lag_s``) in the
     run's MLflow run at the checkpoint's step; once per published step, so one point per step.
