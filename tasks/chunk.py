@@ -44,7 +44,6 @@ from tasks.artifacts import publish_failure_note
 from tasks.hooks import chunk_failed, remember_run
 from tasks.records import run_records
 from tasks.records.chunk_record import ChunkRecord
-from tasks.records.metric_shipping import MetricShipper
 from tasks.remote import remote_checkpoints
 from tasks.remote.remote_index import node_name
 from tasks.run_resources import RunResources
@@ -188,16 +187,11 @@ class ChunkRun:
         if self.parking.parked_pid() is None:  # our own parked worker is not stale
             reap_stale_worker(self.run_dir, self.cfg.train.world_size)
         self.resources.follow_uploads()  # uploads committed checkpoints (tracking.dvc)
-        shipper = MetricShipper.for_run(self.cfg, self.run_dir, say=self.say)  # the worker never talks to MLflow
+        self.resources.follow_metrics(say=self.say)  # the worker never talks to MLflow; the run's shipper does
         started = time.time()
-        try:
-            outcome = None
-            while outcome is None:
-                outcome = self.supervised_attempt()
-        finally:
-            if shipper is not None:
-                last = self.end >= self.cfg.train.total_steps
-                shipper.stop(self.cfg.tracking.ship_drain_s if last else min(2.0, self.cfg.tracking.ship_drain_s))
+        outcome = None
+        while outcome is None:
+            outcome = self.supervised_attempt()
         return self.committed(started, outcome)
 
     @property

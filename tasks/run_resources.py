@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from tasks.records import goodput_metrics, run_records
 from tasks.records.background import OneAtATime
+from tasks.records.metric_shipping import MetricShipper
 from tasks.remote.dvc_version import NotVersioned, Versioned, Versioning
 from tasks.remote.remote_checkpoints import Uploader
 from tasks.supervision.attempt import WorkerSlots
@@ -63,6 +65,7 @@ class RunResources:
         if config.tracking.mlflow:  # the refresh's imports, now, while the run's first worker starts
             OneAtATime(run_records.warm_up, "convoy-records-warm-up").request()
         self._uploader: Uploader | None = None
+        self._shipper: MetricShipper | None = None
         self._lock = threading.Lock()
         self.closed = False
 
@@ -78,6 +81,18 @@ class RunResources:
                 self._uploader = Uploader(self.config, self.run_dir)
             return self._uploader
 
+    def follow_metrics(self, say: Callable[[str], None]) -> MetricShipper | None:
+        """The run's metric shipper (:mod:`tasks.records.metric_shipping`), started by the first
+        chunk task and kept for the run: a shipper per chunk made each chunk's end wait up to 2 s
+        for it and each chunk's start read the MLflow history again, between two chunk tasks,
+        where a worker that dies waits to be replaced.  ``say``: the current chunk's log."""
+        with self._lock:
+            if self._shipper is None:
+                self._shipper = MetricShipper.for_run(self.config, self.run_dir, say=say)
+            else:
+                self._shipper.say = say
+            return self._shipper
+
     def close(self, grace_s: float = 10.0) -> tuple[bool, list[Versioned | NotVersioned], Versioned | None]:
         """Release everything, in the order that loses nothing: stop the parked worker (only one a
         failure left: the last chunk's worker exits by itself) and the standby, wait for the
@@ -87,6 +102,10 @@ class RunResources:
             return False, [], None
         self.closed = True
         stopped = self.slots.release(grace_s)
+        with self._lock:
+            shipper, self._shipper = self._shipper, None
+        if shipper is not None:  # what the last worker logged, before the run's final records
+            shipper.stop(self.config.tracking.ship_drain_s)
         self.audit.join()
         self.goodput.join()
         versioned = self.versioning.collect()

@@ -252,9 +252,9 @@ class TrackingConfig(_Strict):
     #: MLflow's own system metrics (CPU, memory, disk, network, GPU) every this many seconds
     #: while a chunk trains; 0 = off.
     system_metrics_s: float = Field(5.0, ge=0)
-    #: How long the run's last chunk waits at its end for MLflow to take the metrics not yet sent
-    #: (the worker never sends them itself: they are shipped from ``metrics.jsonl`` by the chunk
-    #: task).  Other chunks wait at most 2 s: the next chunk's shipper sends the rest.
+    #: How long the flow waits at the run's end for MLflow to take the metrics not yet sent (the
+    #: worker never sends them itself: the run's one shipper in the flow process follows
+    #: ``metrics.jsonl`` from the first chunk to the last, so no chunk end waits for it).
     ship_drain_s: float = Field(60.0, ge=0)
     #: Log the final model (safetensors + config, nothing pickled) as an MLflow logged model...
     log_model: bool = True

@@ -147,10 +147,15 @@ def set_run_tags(config: RunConfig, run_dir: str | Path, tags: dict[str, str]) -
 
 
 def _run_exists(client: MlflowClient, run_id: str) -> bool:
+    """Whether the store knows ``run_id``.  Only the store's "no such run" says no: a store that
+    cannot be reached raises.  (Taking an outage for "not there" created a second MLflow run for
+    one training run when the server came back between the two calls: tests/test_hermetic.py.)"""
     try:
         run = client.get_run(run_id)
-    except MlflowException:
-        return False
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
     if run.info.lifecycle_stage == "deleted":
         client.restore_run(run_id)
     return True
