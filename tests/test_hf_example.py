@@ -57,7 +57,10 @@ def test_hf_causal_lm_killed_resumes_bitwise(tmp_path: Path) -> None:
     assert code == 0, out
     out, _ = ref.communicate(timeout=300)
     assert ref.returncode == 0, out
-    assert read_events(run_dir, "resumed")[0]["step"] == 3
+    # Step 5's window was redone from a whole optimizer step before it: the disk checkpoint of 3, or
+    # a memory-tier snapshot (the auto interval follows the load; a loaded machine may not have
+    # committed 3's async save at the kill).
+    assert 0 < read_events(run_dir, "resumed")[0]["step"] <= 4
     assert final_digest(run_dir) == final_digest(ref_dir)
 
     rows = metric_rows(ref_dir)

@@ -218,11 +218,11 @@ def test_grad_accum_kill_inside_window_bitwise_and_close_to_big_batch(tmp_path: 
     for ref in refs:
         out, _ = ref.communicate(timeout=300)
         assert ref.returncode == 0, out
-    # Step 13's window was redone: the resume is from a whole optimizer step before it — the memory
-    # tier's snapshot of step 12, or the disk checkpoint of step 10 (of 5 when a loaded machine had
-    # not committed 10 yet at the kill).
+    # Step 13's window was redone: the resume is from a whole optimizer step before it — a memory
+    # tier snapshot (its auto interval follows the machine's load, so any step up to 12), or a disk
+    # checkpoint (10, or 5 when a loaded machine had not committed 10 yet at the kill).
     (resumed,) = [e["step"] for e in read_events(run_dir, "resumed")]
-    assert resumed in (5, 10, 12), resumed
+    assert 0 < resumed <= 12, resumed
     assert final_digest(run_dir) == final_digest(ref_dir)
     assert deterministic(run_dir) == deterministic(ref_dir)
 

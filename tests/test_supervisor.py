@@ -209,8 +209,9 @@ def test_sigstop_with_the_default_limits_is_a_hang_and_sigkill_is_killed(tmp_pat
     """The defaults have stall_s (20) > timeout_s (10), so a stopped worker's beats stop before
     its steps look stalled: still a hang, and the text names the missing signal of life."""
     defaults = limits("heartbeat.stall_s=3", "heartbeat.timeout_s=1")  # the defaults' order, in seconds
+    signalled: set[int] = set()  # the first run's beat file stays behind: never signal its pid again
     for sig, kind, said in ((signal.SIGSTOP, "hang", "stopped"), (signal.SIGKILL, "killed", "SIGKILL")):
-        threading.Thread(target=_signal_at_step, args=(run_dir, 10, sig), daemon=True).start()
+        threading.Thread(target=_signal_at_step, args=(run_dir, 10, sig, signalled), daemon=True).start()
         exc = run(tmp_path, run_dir, "hang", defaults)
         assert isinstance(exc, ChunkFailed) and exc.kind == kind, exc
         assert said in exc.message, exc.message
@@ -218,12 +219,14 @@ def test_sigstop_with_the_default_limits_is_a_hang_and_sigkill_is_killed(tmp_pat
             assert "no heartbeat for" in exc.message, exc.message
 
 
-def _signal_at_step(run_dir: Path, step: int, sig: int) -> None:
-    """Signal the stand-in once its beat reports ``step`` (where the "hang" mode stops stepping)."""
+def _signal_at_step(run_dir: Path, step: int, sig: int, signalled: set[int]) -> None:
+    """Signal the stand-in once its beat reports ``step`` (where the "hang" mode stops stepping);
+    a beat from a pid in ``signalled`` is an earlier run's and is waited past."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         beat = read_heartbeat(run_dir, 0)
-        if beat is not None and beat.step >= step and beat.phase == "train":
+        if beat is not None and beat.step >= step and beat.phase == "train" and beat.pid not in signalled:
+            signalled.add(beat.pid)
             os.kill(beat.pid, sig)
             return
         time.sleep(0.01)
