@@ -135,6 +135,37 @@ def test_a_run_directory_made_again_is_another_run(tmp_path: Path) -> None:
     shutil.rmtree(first, ignore_errors=True)
 
 
+def test_a_snapshot_past_a_boundary_that_never_reached_disk_is_passed_over(tmp_path: Path) -> None:
+    """Rule 6 (found by bench/conformance.py, disk full at a chunk boundary): the boundary's save
+    never commits (here the kill lands while it persists), with snapshots past it in memory.  A
+    resume from them would never write the boundary (the chunk's artifact, which every retry
+    would then miss); they are passed over, the disk tier decides and the boundary is trained to
+    and committed again, bitwise as an uninterrupted run."""
+    chunks = ["checkpoint.every_steps=25", "checkpoint.memory_every_steps=1", "train.chunk_steps=50"]
+    reference = make_run(tmp_path / "ref", extra=chunks)
+    assert run_worker(reference, 120)[0] == 0
+    run_dir = make_run(tmp_path / "run", extra=chunks)
+    # Each persist takes 1 s: step 25's commits by step ~45 at 0.05 s a step; step 50's is in
+    # flight when the kill lands two steps after it.
+    p = start_worker(run_dir, 120, {"CONVOY_FAULTS": "step_delay=0.05,persist_delay=1.0"})
+    assert wait_for_step(run_dir, p, 52) is not None
+    kill_group(p, signal.SIGKILL)
+    p.wait()
+    disk = [step for step, _ in CheckpointStore(run_dir).step_dirs()]
+    snapshot = memory_tier.newest_step(run_dir, _fingerprint(run_dir))
+    assert 50 not in disk and snapshot is not None and snapshot > 50, (disk, snapshot)
+    newest_disk = max(disk, default=0)
+    assert memory_tier.resume_step(run_dir, newest_disk) == newest_disk  # what the flow reports agrees
+
+    code, out = run_worker(run_dir, 120)
+    assert code == 0, out
+    assert _resumed(run_dir)["tier"] == "disk" and _resumed(run_dir)["step"] == newest_disk, _resumed(run_dir)
+    refused = read_events(run_dir, Event.MEMORY_SNAPSHOT_REFUSED)
+    assert len(refused) == 2 and all("step-000000050 is not on disk" in e["reason"] for e in refused), refused
+    assert 50 in [e["step"] for e in read_events(run_dir, Event.CHECKPOINT_COMMITTED)]  # the boundary, at last
+    assert _digest(run_dir) == _digest(reference)
+
+
 def _fingerprint(run_dir: Path) -> str:
     from training.rundir import load_run_config
 

@@ -36,6 +36,11 @@ Rules (numbered; cited in code):
 5. **The machine is the limit.**  When the machine goes (reboot, a node lost), so does the tier;
    the disk and remote tiers decide, as without it.  Multi-node runs and sharded checkpoints do
    not use it, nor do machines without ``/dev/shm``.
+6. **Never past a missing chunk boundary.**  A chunk's artifact is the disk checkpoint at its end
+   step; a worker resumed from a snapshot at or past that step would never write it (its save
+   failed, e.g. disk full, or was cut short by the kill), and every retry of the chunk would find
+   no artifact.  Such a snapshot is passed over (recorded, rule 4) and the disk tier decides: the
+   retry trains to the boundary again and commits it (:func:`missing_boundary`).
 """
 
 from __future__ import annotations
@@ -58,9 +63,9 @@ import orjson
 from training.checkpointing.codec import join_tree, split_tree
 from training.checkpointing.errors import CheckpointRejected
 from training.checkpointing.store import Candidate, CheckpointStore
-from training.checkpointing.verify import Checkpoint, Validator
+from training.checkpointing.verify import Checkpoint, Validator, parse_step
 from training.config import RunConfig
-from training.paths import checkpoint_name
+from training.paths import RunPaths, checkpoint_name
 from training.rundir import run_info
 
 if TYPE_CHECKING:  # the loop's types: the tier is built before them
@@ -349,15 +354,41 @@ def open_tier(run_dir: str | Path, config: RunConfig, rank: int = 0, world_size:
 def merged(memory: MemoryTier | None, disk: CheckpointStore) -> Iterator[tuple[Candidate, bool]]:
     """The resume's candidates newest first, each with whether it is a memory snapshot: each of
     the tier's snapshots (at most two, its slots) goes just before the first disk checkpoint older
-    than it (rule 2).  Each is verified and loaded only when it is reached, so a disk checkpoint
-    older than a snapshot that restores costs nothing."""
-    pending = memory.complete_steps() if memory is not None else []
-    for step, path in disk.step_dirs():
+    than it (rule 2), or is passed over when it lies past a chunk boundary the disk lacks (rule 6).
+    Each is verified and loaded only when it is reached, so a disk checkpoint older than a
+    snapshot that restores costs nothing."""
+    if memory is None:
+        yield from ((disk.candidate(step, path), False) for step, path in disk.step_dirs())
+        return
+    pending = memory.complete_steps()
+    dirs = disk.step_dirs()
+    on_disk = {step for step, _ in dirs}
+
+    def snapshot(step: int) -> Candidate:
+        boundary = missing_boundary(step, disk.boundary_every, on_disk)
+        if boundary is None:
+            return memory.candidate(step)
+        reason = (
+            f"the chunk boundary {checkpoint_name(boundary)} is not on disk; resuming here would never "
+            "write it (rule 6), so the retry trains to it again"
+        )
+        return Candidate(step, memory.root / checkpoint_name(step), reason, None)
+
+    for step, path in dirs:
         while pending and pending[0] > step:
-            yield memory.candidate(pending.pop(0)), True  # type: ignore[union-attr]
+            yield snapshot(pending.pop(0)), True
         yield disk.candidate(step, path), False
-    for snapshot in pending:
-        yield memory.candidate(snapshot), True  # type: ignore[union-attr]
+    for step in pending:
+        yield snapshot(step), True
+
+
+def missing_boundary(step: int, boundary_every: int, on_disk: set[int]) -> int | None:
+    """The chunk boundary at or before ``step`` that a resume from ``step`` would skip although no
+    disk checkpoint holds it (rule 6); None when there is none (or the run has no chunks)."""
+    if boundary_every <= 0:
+        return None
+    boundary = step // boundary_every * boundary_every
+    return boundary if boundary > 0 and boundary not in on_disk else None
 
 
 def newest_step(run_dir: str | Path, fingerprint: str, world_size: int = 1) -> int | None:
@@ -382,7 +413,10 @@ def resume_step(run_dir: str | Path, disk_step: int | None) -> int | None:
     if not enabled(config):
         return disk_step
     memory = newest_step(run_dir, config.fingerprint(), config.train.world_size)
-    return memory if memory is not None and memory > (disk_step or 0) else disk_step
+    if memory is None or memory <= (disk_step or 0):
+        return disk_step
+    on_disk = {step for step in (parse_step(p.name) for p in RunPaths(run_dir).checkpoints.glob("step-*")) if step}
+    return disk_step if missing_boundary(memory, config.train.chunk_steps, on_disk) is not None else memory
 
 
 def remove(run_dir: str | Path) -> bool:
