@@ -23,11 +23,11 @@ from flows.cli.main import app
 from tests.engine_util import make_run, run_worker, start_worker, wait_for_step
 from tests.flow_util import REPO, config, params
 from training.checkpointing import safetensors_io as st
+from training.checkpointing.state_check import ExpectedState, checkpoint_validator
 from training.checkpointing.store import MANIFEST, CheckpointStore, member_path, state_digest
 from training.config import ConfigError, load_config
 from training.events import read_events
 from training.rundir import load_run_config
-from training.state import ExpectedState, checkpoint_validator
 from training.task import check_task
 
 NEWEST, OLDER = "step-000000040", "step-000000030"

@@ -62,6 +62,11 @@ class RunPaths:
     def checkpoints(self) -> Path:
         return self.root / CHECKPOINTS_DIR
 
+    @property
+    def task_shapes(self) -> Path:
+        """The task's model/optimizer shapes, written by rank 0's worker for ``convoy verify``."""
+        return self.root / "task_shapes.json"
+
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / checkpoint_name(step)
 

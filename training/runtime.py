@@ -28,10 +28,12 @@ from training import distributed
 from training.checkpointing import sharded
 from training.checkpointing.memory_tier import MemoryTier, open_tier
 from training.checkpointing.schedule import MemorySchedule, SaveSchedule
+from training.checkpointing.state_check import ExpectedState, checkpoint_validator, write_task_shapes
 from training.checkpointing.store import CheckpointStore, WriterGroup
 from training.config import ConfigError, RunConfig
 from training.data import mix_seed
-from training.state import ExpectedState, TrainState, checkpoint_validator, configure_determinism, seed_everything
+from training.paths import RunPaths
+from training.state import TrainState, configure_determinism, seed_everything
 from training.task import TaskParts, build_task
 
 
@@ -202,14 +204,19 @@ def build_runtime(
 
 
 def open_store(config: RunConfig, run_dir: Path, parts: TaskParts, rank: int, world_size: int) -> CheckpointStore:
-    """The run's checkpoint store, as this rank writes and the resume validates (against ``parts``)."""
+    """The run's checkpoint store, as this rank writes and the resume validates (against ``parts``).
+    Rank 0 records the shapes it validates against, so ``convoy verify`` checks the same without
+    building the task (:mod:`training.checkpointing.state_check`)."""
+    expected = ExpectedState.of(parts)
+    if rank == 0:
+        write_task_shapes(RunPaths(run_dir).task_shapes, expected)
     return CheckpointStore(
         run_dir,
         config.checkpoint,
         config.fingerprint(),
         writers=WriterGroup(world_size, rank, gather_timeout_s=config.heartbeat.save_timeout_s),
         boundary_every=config.train.chunk_steps,
-        validator=checkpoint_validator(ExpectedState.of(parts)),
+        validator=checkpoint_validator(expected),
     )
 
 

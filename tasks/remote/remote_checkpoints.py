@@ -85,8 +85,8 @@ def newest_uploaded(config: RunConfig, run_dir: Path) -> dict[str, Any] | None:
 def _resume_store(config: RunConfig, run_dir: Path) -> Any:
     """The store with the resume's validation: structure always, the model's tensor names,
     shapes and dtypes too when the task can be built here (on the meta device)."""
+    from training.checkpointing.state_check import ExpectedState, checkpoint_validator
     from training.checkpointing.store import CheckpointStore
-    from training.state import ExpectedState, checkpoint_validator
     from training.task import check_task
 
     try:

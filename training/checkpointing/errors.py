@@ -3,7 +3,7 @@
 :class:`CheckpointRejected` — *this checkpoint is bad*: unreadable, a size or hash that does not
 match its manifest, a manifest that is wrong, files convoy does not write, a state that does not
 fit the task.  Only the store (:mod:`training.checkpointing.verify`, ``sharded``,
-``safetensors_io``) and the train-state validator (:func:`training.state.checkpoint_validator`)
+``safetensors_io``) and the train-state validator (:func:`training.checkpointing.state_check.checkpoint_validator`)
 raise it, and every place that means "pass over this checkpoint" catches exactly it.  Any other
 exception while a checkpoint is verified or restored is a bug: it crashes the worker with its
 traceback, and the checkpoint is never recorded as refused nor quarantined.

@@ -10,10 +10,12 @@ The header is deterministic (sorted keys, no timestamps), so equal state gives e
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
 import threading
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -171,10 +173,40 @@ def hash_file_and_content(path: Path) -> tuple[int, str, str]:
         return size, xxhash.xxh3_128(mm).hexdigest(), content.hexdigest()
 
 
-def parse(buf: mmap.mmap | bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Build tensors over ``buf`` (no copy); never executes anything from the file."""
-    import torch
+#: Bytes per element of each safetensors dtype name (checked without torch).
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A tensor's dtype and shape as its file's header states them: what a read-only command
+    (``convoy verify``/``inspect``) checks in place of the tensor, so it never imports torch.
+
+    ``dtype`` is spelled as ``str(torch_tensor.dtype)`` (``"torch.float32"``) so the same
+    shape/dtype comparisons hold for both."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    #: Loaded as a numpy array (``__nd__`` in the skeleton), where a resume gets ``tensor.numpy()``.
+    array: bool = False
+
+    def numpy(self) -> TensorMeta:
+        """What ``join_tree`` calls for a saved numpy array, as on a tensor."""
+        return replace(self, array=True)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    meta: TensorMeta
+    code: str  # the safetensors dtype name
+    start: int
+    end: int
+
+
+def _read_header(buf: mmap.mmap | bytes | bytearray) -> tuple[dict[str, _Entry], dict[str, str], int]:
+    """The header's entries (offsets checked against the file and against dtype x shape), its
+    metadata and where the data section starts.  Pure parsing: no torch, nothing executed."""
     if len(buf) < 8:
         raise SafetensorsFormatError("file too short for a safetensors header")
     (hlen,) = struct.unpack("<Q", bytes(buf[:8]))
@@ -188,21 +220,44 @@ def parse(buf: mmap.mmap | bytes | bytearray) -> tuple[dict[str, torch.Tensor], 
         raise SafetensorsFormatError("header is not a mapping")
     metadata = header.pop("__metadata__", {}) or {}
     base = 8 + hlen
-    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, _Entry] = {}
     for name, info in header.items():
         try:
-            dtype = _from_name()[info["dtype"]]
-            start, end = info["data_offsets"]
-            shape = [int(s) for s in info["shape"]]
+            code = info["dtype"]
+            itemsize = _ITEMSIZE[code]
+            start, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(s) for s in info["shape"])
         except (KeyError, TypeError, ValueError):
             raise SafetensorsFormatError(f"bad header entry for {name!r}") from None
         if not 0 <= start <= end <= len(buf) - base:
             raise SafetensorsFormatError(f"{name!r}: data offsets outside the file")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        count = (end - start) // itemsize
-        if count == 0:
-            tensors[name] = torch.empty(shape, dtype=dtype)
+        if min(shape, default=0) < 0 or math.prod(shape) * itemsize != end - start:
+            raise SafetensorsFormatError(f"{name!r}: {end - start} bytes do not hold a {list(shape)} {code} tensor")
+        entries[name] = _Entry(TensorMeta(f"torch.{_TORCH_NAMES[code]}", shape), code, start, end)
+    return entries, metadata, base
+
+
+#: safetensors' dtype names -> torch's attribute names (the inverse of ``_DTYPE_NAMES``).
+_TORCH_NAMES = {code: name for name, code in _DTYPE_NAMES.items()}
+
+
+def parse_meta(buf: mmap.mmap | bytes | bytearray) -> tuple[dict[str, TensorMeta], dict[str, str]]:
+    """The header's tensors as :class:`TensorMeta` (for verifying without ``import torch``)."""
+    entries, metadata, _ = _read_header(buf)
+    return {name: e.meta for name, e in entries.items()}, metadata
+
+
+def parse(buf: mmap.mmap | bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Build tensors over ``buf`` (no copy); never executes anything from the file."""
+    import torch
+
+    entries, metadata, base = _read_header(buf)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, e in entries.items():
+        dtype = _from_name()[e.code]
+        if e.end == e.start:
+            tensors[name] = torch.empty(e.meta.shape, dtype=dtype)
         else:
-            flat = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + start)
-            tensors[name] = flat.reshape(shape)
+            count = math.prod(e.meta.shape)
+            tensors[name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + e.start).reshape(e.meta.shape)
     return tensors, metadata

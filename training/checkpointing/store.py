@@ -119,6 +119,7 @@ class CheckpointStore:
         writers: WriterGroup | None = None,
         boundary_every: int = 0,
         validator: Validator | None = None,
+        load_tensors: bool = True,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.root = RunPaths(self.run_dir).checkpoints
@@ -139,6 +140,9 @@ class CheckpointStore:
         self.last_committed: Checkpoint | None = None
         #: Semantic check of loaded parts (the worker and the CLI set it; see ``load``).
         self.validator = validator
+        #: False for a store that only judges (``convoy verify``/``inspect``): parts hold each
+        #: tensor's header entry instead of the tensor, so torch is never imported.
+        self.load_tensors = load_tensors
         #: Checkpoint name -> why it was refused (by this process), see :meth:`refuse`.
         self.refused: dict[str, str] = {}
         #: Each unchanged checkpoint verified once by this store (see :meth:`verify`).
@@ -229,7 +233,7 @@ class CheckpointStore:
     def load(self, path: Path, step: int | None = None) -> tuple[Checkpoint, dict[str, Any]]:
         """Verify and load every part (:func:`training.checkpointing.verify.load_checkpoint`, with
         this store's validator).  Never unpickles; CheckpointRejected with the reason."""
-        return load_checkpoint(path, step, self.validator)
+        return load_checkpoint(path, step, self.validator, self.load_tensors)
 
     def load_latest(
         self, on_skip: Callable[[Path, str], None] | None = None

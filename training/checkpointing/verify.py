@@ -51,7 +51,7 @@ _MEMBER_NAME = re.compile(rf"(?:{sharded.SHARD_DIR}/)?[A-Za-z0-9_][A-Za-z0-9_.-]
 _PART_NAME = re.compile(r"state|rank-\d+")
 
 #: ``validator(manifest, parts)`` raises CheckpointRejected when loaded parts do not make a train
-#: state that fits (see :func:`training.state.checkpoint_validator`).
+#: state that fits (see :func:`training.checkpointing.state_check.checkpoint_validator`).
 Validator = Callable[[dict[str, Any], dict[str, Any]], None]
 
 
@@ -139,8 +139,12 @@ def read_manifest(path: Path, step: int | None = None) -> dict[str, Any]:
     return manifest
 
 
-def load_checkpoint(path: Path, step: int | None, validator: Validator | None) -> tuple[Checkpoint, dict[str, Any]]:
-    """Verify and load every part, reading each file exactly once.
+def load_checkpoint(
+    path: Path, step: int | None, validator: Validator | None, tensors: bool = True
+) -> tuple[Checkpoint, dict[str, Any]]:
+    """Verify and load every part, reading each file exactly once.  ``tensors=False`` puts each
+    tensor's header entry (:class:`~training.checkpointing.safetensors_io.TensorMeta`) where the
+    tensor would be: every check below still runs, on the bytes and the headers, without torch.
 
     Checks, in order, each failure a CheckpointRejected naming the file and what is wrong: the
     manifest; every name it lists confined to ``path`` (before anything is opened); only files
@@ -161,7 +165,7 @@ def load_checkpoint(path: Path, step: int | None, validator: Validator | None) -
         if layout_sharded:
             parts[sharded.LAYOUT] = sharded.verify_shards(path, manifest)  # the skeleton; tensors load later
         for part in part_names:
-            parts[part] = _load_part(path, files, part)
+            parts[part] = _load_part(path, files, part, tensors)
     except OSError as exc:
         raise CheckpointRejected(f"{path.name}: unreadable ({exc})") from exc
     if validator is not None:
@@ -169,13 +173,13 @@ def load_checkpoint(path: Path, step: int | None, validator: Validator | None) -
     return Checkpoint(manifest["step"], path, manifest), parts
 
 
-def _load_part(path: Path, files: dict[str, Any], part: str) -> Any:
+def _load_part(path: Path, files: dict[str, Any], part: str, tensors: bool) -> Any:
     name, skel_name = f"{part}.safetensors", f"{part}.json"
     info, skel_info = files[name], files[skel_name]
     skel_buf = safetensors.read_verified(path / skel_name, info_size(skel_info), info_hash(skel_info))
     buf = safetensors.read_verified(path / name, info_size(info), info_hash(info))
     try:
-        tensors, _ = safetensors.parse(buf)
+        loaded, _ = safetensors.parse(buf) if tensors else safetensors.parse_meta(buf)
     except safetensors.SafetensorsFormatError as exc:
         raise CheckpointRejected(f"{name}: {exc}") from None
     try:
@@ -186,13 +190,13 @@ def _load_part(path: Path, files: dict[str, Any], part: str) -> Any:
         named = tensor_refs(skeleton)
     except ValueError as exc:  # codec: a tensor reference that is not a name
         raise CheckpointRejected(f"{skel_name}: {exc}") from None
-    if named != set(tensors):
-        missing, unused = sorted(named - set(tensors))[:3], sorted(set(tensors) - named)[:3]
+    if named != set(loaded):
+        missing, unused = sorted(named - set(loaded))[:3], sorted(set(loaded) - named)[:3]
         raise CheckpointRejected(
             f"{skel_name} does not match {name}: names tensors it lacks {missing}, leaves tensors unnamed {unused}"
         )
     try:
-        return join_tree(skeleton, tensors)
+        return join_tree(skeleton, loaded)
     except (TypeError, ValueError, KeyError) as exc:  # hashes matched: the skeleton was written wrong
         raise CheckpointRejected(f"{skel_name}: malformed skeleton ({type(exc).__name__}: {exc})") from None
 
