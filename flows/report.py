@@ -66,7 +66,8 @@ def summary_table(summary: RunSummary) -> Table:
     table.add_column("")
     table.add_row("steps", f"{summary.final_step} (run dir {escape(summary.run_dir)})")
     table.add_row("time", f"{summary.seconds:.1f} s")
-    table.add_row("chunks", f"{summary.trained_chunks} trained, {summary.skipped_chunks} already committed")
+    parent = f", {summary.parent_chunks} the parent's" if summary.parent_chunks else ""
+    table.add_row("chunks", f"{summary.trained_chunks} trained, {summary.skipped_chunks} already committed{parent}")
     table.add_row("attempts", f"{sum(attempts.values())} for {len(attempts)} chunk(s)")
     table.add_row(
         "failures / resumes",

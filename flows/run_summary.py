@@ -57,6 +57,8 @@ class RunSummary:
     wall_s: float | None = None
     productive_s: float | None = None
     badput_s: dict[str, float] = field(default_factory=dict)
+    #: chunks of a ``--from`` child up to its start: trained by the parent run, not counted here
+    parent_chunks: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -95,6 +97,7 @@ class RunSummary:
             values[key] = list(data.get(key) or [])
         values["audit"] = dict(data.get("audit") or {})
         values["badput_s"] = dict(data.get("badput_s") or {})
+        values["parent_chunks"] = int(data.get("parent_chunks") or 0)
         return cls(**values, extra={k: v for k, v in data.items() if k not in known})
 
 

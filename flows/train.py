@@ -45,7 +45,7 @@ from training.corpus import entropy_floor
 from training.events import Event, append_event, read_events
 from training.locks import holding
 from training.paths import RunPaths
-from training.rundir import keyed_config, link_current, open_run
+from training.rundir import keyed_config, link_current, open_run, run_info
 from training.tracking.attempts import chunk_history
 
 
@@ -136,6 +136,8 @@ class TrainingRun:
         self.chunks = plan_chunks(cfg.train.total_steps, cfg.train.chunk_steps)
         self.committed = 0
         self.fetched: dict[str, Any] | None = None
+        #: The step a ``--from`` child starts at: its chunks up to there are the parent's.
+        self.parent_step = int(((run_info(run_dir) or {}).get("parent") or {}).get("step") or 0)
 
     @classmethod
     def open(
@@ -195,9 +197,13 @@ class TrainingRun:
         row = ChunkRow(chunk, start, end)
         self.rows.append(row)
         if self.committed >= end:
-            # What the chunk went through in the flow runs that trained it, and what it committed.
-            self.record_history(row)
-            row.status = "skipped (committed)"
+            # What the chunk went through in the flow runs that trained it, and what it committed
+            # (a --from child's chunks up to its start were trained by the parent, not this run).
+            if end <= self.parent_step:
+                row.status = "parent's (committed)"
+            else:
+                self.record_history(row)
+                row.status = "skipped (committed)"
             row.digest = committed_digest(self.run_dir, end, self.resources.checkpoints)
             row.loss = loss_at(self.run_dir, end)
             # A flow that died after the commit but before versioning left it unversioned
@@ -291,7 +297,8 @@ class TrainingRun:
             digest=digest,
             trained_chunks=sum(r.status == "trained" for r in rows),
             skipped_chunks=sum(r.status.startswith("skipped") for r in rows),
-            attempts={r.chunk: r.attempts for r in rows},
+            parent_chunks=sum(r.status.startswith("parent") for r in rows),
+            attempts={r.chunk: r.attempts for r in rows if not r.status.startswith("parent")},
             losses={r.chunk: r.loss for r in rows if r.loss is not None},
             failures=[{"chunk": r.chunk, "kinds": r.failure_kinds} for r in rows if r.failure_kinds],
             chunks=rows,

@@ -62,3 +62,10 @@ def test_convoy_help_lists_every_command_once_in_the_order_they_are_registered()
     ]
     listed = [line.split()[1] for line in out.splitlines() if line.startswith("│ ") and len(line.split()) > 2]
     assert [name for name in listed if name in expected] == expected, out
+
+
+def test_help_shows_no_type_for_a_flag() -> None:
+    """A flag takes no value: its help line must not show one (typer 0.29 prints ``<bool>``)."""
+    for args in (["--help"], ["train", "--help"], ["inspect", "--help"]):
+        out = CliRunner().invoke(app, args, terminal_width=120).output
+        assert "<bool>" not in out and "--no-allow-config-change" not in out, out

@@ -202,6 +202,29 @@ def test_checkpoint_that_does_not_fit_is_refused_and_the_resume_falls_back(run_d
     resume_falls_back(run_dir, reason_part)
 
 
+def test_verify_and_inspect_judge_without_importing_torch(run_dir: Path) -> None:
+    """The read-only commands check what a resume checks on the files' headers, against the
+    shapes the worker recorded (task_shapes.json), and never pay ``import torch``; a doctored
+    record of the task's shapes is what they then refuse."""
+    probe = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('torch imported' if 'torch' in sys.modules else 'no torch'))\n"
+        "from flows.cli.main import app\n"
+        "app()\n"
+    )
+    for command in ("verify", "inspect"):
+        out = subprocess.run(
+            [sys.executable, "-c", probe, command, str(run_dir)], capture_output=True, text=True, cwd=REPO
+        )
+        assert out.returncode == 0 and out.stdout.strip().endswith("no torch"), out
+    shapes = run_dir / "task_shapes.json"
+    recorded = json.loads(shapes.read_text())
+    recorded["model"]["pos.weight"][0][0] += 1
+    shapes.write_text(json.dumps(recorded))
+    code, out = cli("verify", str(run_dir))
+    assert code == 1 and "model.pos.weight" in out and "the task" in out, out
+
+
 def test_a_refused_checkpoint_reached_again_is_quarantined_as_invalid_and_listed(run_dir: Path) -> None:
     wrong_shapes(run_dir / "checkpoints" / NEWEST)
     resume_falls_back(run_dir, "model.pos.weight", until=50)  # trains through step 40 again

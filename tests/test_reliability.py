@@ -98,3 +98,17 @@ def test_adaptive_interval_reacts_to_measured_saves_in_a_real_worker(tmp_path: P
     # With a synchronous 0.5 s save, the stall is large: the interval must be longer.
     assert chosen["slow"]["interval_s"] > chosen["fast"]["interval_s"]
     assert chosen["slow"]["cost_s"] > chosen["fast"]["cost_s"]
+
+
+def test_plan_prints_each_figure_with_its_unit() -> None:
+    def plan(*args: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "flows.cli.main", "plan", *args], capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    out = plan("--save-hours", "0.01")
+    assert "None" not in out and "- (give --params)" in out, out  # sizes are estimated from --params only
+    assert "7.746 h" in out and "0.2582%" in out and "yes" in out, out  # interval, overhead, resume beats rerun
+    assert "84 GB" in plan("--params", "7e9")  # 7e9 parameters x (weights + 2 Adam moments) x 4 bytes

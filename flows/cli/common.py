@@ -18,8 +18,10 @@ from rich.markup import escape
 
 from training.config import ConfigError, RunConfig, load_config
 
-console = Console()
-err = Console(stderr=True)
+# soft_wrap: a one-line answer stays one line when piped or grepped (rich would otherwise break
+# it at 80 columns); tables still fit the terminal.
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 ParamsArg = Annotated[Path, typer.Argument(help="params.yaml (built-in defaults if the default file is absent)")]
 SetOpt = Annotated[

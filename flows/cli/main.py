@@ -77,7 +77,9 @@ def prepare(params: ParamsArg = Path("params.yaml"), set_: SetOpt = None) -> Non
 def train(
     params: ParamsArg = Path("params.yaml"),
     set_: SetOpt = None,
-    allow_config_change: bool = typer.Option(False, help="resume a run whose trajectory settings changed"),
+    allow_config_change: bool = typer.Option(
+        False, "--allow-config-change", help="resume a run whose trajectory settings changed"
+    ),
     as_json: bool = typer.Option(
         False, "--json", metavar="", help="print the flow's machine summary (JSON) instead of the table"
     ),
@@ -151,25 +153,24 @@ def worker(
 
 
 def _store(run_dir: Path):
-    """The run's store with the resume's own validation: structure always, and the model's
-    shapes and dtypes when the task can be built here from the run's config."""
+    """The run's store as a judge only: every check a resume makes (hashes, headers, structure,
+    and the model's shapes and dtypes as the run's worker recorded them), on the headers instead
+    of tensors: no ``import torch``, no task built, so the answer comes in well under a second."""
+    from training.checkpointing.state_check import checkpoint_validator, read_task_shapes
     from training.checkpointing.store import CheckpointStore
-    from training.rundir import load_run_config
-    from training.state import ExpectedState, checkpoint_validator
-    from training.task import check_task
 
-    if not RunPaths(run_dir).checkpoints.is_dir():
+    paths = RunPaths(run_dir)
+    if not paths.checkpoints.is_dir():
         raise fail(f"{run_dir}: no checkpoints/ folder; is this a convoy run directory?")
-    parts = None
-    try:
-        parts = check_task(load_run_config(run_dir))
-    except ConfigError as exc:
-        err.print(f"note: model shapes not checked ({exc})", highlight=False, markup=False)
-    else:
-        if parts is None:
-            err.print("note: model shapes not checked (the task's data is not on this machine)", highlight=False)
-    expected = ExpectedState.of(parts) if parts is not None else None
-    return CheckpointStore(run_dir, validator=checkpoint_validator(expected))
+    expected = read_task_shapes(paths.task_shapes)
+    if expected is None:
+        err.print(
+            f"note: model shapes not checked ({paths.task_shapes.name} missing: the run was trained by an "
+            "older convoy or not on this machine)",
+            highlight=False,
+            markup=False,
+        )
+    return CheckpointStore(run_dir, validator=checkpoint_validator(expected), load_tensors=False)
 
 
 @app.command()
@@ -261,9 +262,40 @@ def plan(
     table.add_column("quantity")
     table.add_column("value", justify="right")
     for key, value in out.items():
-        shown = f"{value:.6g}" if isinstance(value, float) else str(value)
-        table.add_row(key.replace("_", " "), shown)
+        table.add_row(_PLAN_LABELS.get(key, key.replace("_", " ").removesuffix(" hours")), _plan_value(key, value))
     console.print(table)
+
+
+#: Plan rows whose key, units dropped, would not say what they are.
+_PLAN_LABELS = {
+    "checkpoint_bytes": "checkpoint size",
+    "save_hours": "save time",
+    "expected_lost_hours": "expected time lost",
+    "storage_bytes": "storage (keep-last copies)",
+}
+
+
+def _plan_value(key: str, value: object) -> str:
+    """One plan figure with its unit: hours, bytes, a share of the job in %, yes/no."""
+    if value is None:  # the sizes are estimated from --params only
+        return "- (give --params)"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if key.endswith("_bytes"):
+        return _bytes(float(value))
+    if key.startswith(("overhead", "availability", "reliability")):
+        return f"{float(value):.4%}"
+    if key.endswith("_hours"):
+        return f"{float(value):.4g} h"
+    return f"{float(value):.4g}"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:,.0f} B" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
 
 
 def _measured_from_run(run_dir: Path, values: dict) -> dict:
