@@ -202,7 +202,7 @@ def test_checkpoint_that_does_not_fit_is_refused_and_the_resume_falls_back(run_d
     resume_falls_back(run_dir, reason_part)
 
 
-def test_verify_and_inspect_judge_without_importing_torch(run_dir: Path) -> None:
+def test_verify_inspect_and_status_judge_without_importing_torch(run_dir: Path) -> None:
     """The read-only commands check what a resume checks on the files' headers, against the
     shapes the worker recorded (task_shapes.json), and never pay ``import torch``; a doctored
     record of the task's shapes is what they then refuse."""
@@ -212,7 +212,7 @@ def test_verify_and_inspect_judge_without_importing_torch(run_dir: Path) -> None
         "from flows.cli.main import app\n"
         "app()\n"
     )
-    for command in ("verify", "inspect"):
+    for command in ("verify", "inspect", "status"):
         out = subprocess.run(
             [sys.executable, "-c", probe, command, str(run_dir)], capture_output=True, text=True, cwd=REPO
         )

@@ -134,14 +134,16 @@ def test_flow_summary_verifies_the_newest_checkpoint_once(tmp_path: Path, monkey
     assert run_worker(run_dir, 20)[0] == 0
     newest = CheckpointStore(run_dir).latest_valid(record=False)
     assert newest is not None and newest.step == 20
+    from training.checkpointing import store as store_module
+
     loaded: list[Path] = []
-    load = CheckpointStore.load
+    load = store_module.load_checkpoint
 
-    def counting_load(store: CheckpointStore, path: Path, step: int | None = None) -> Any:
+    def counting_load(path: Path, *args: Any, **kwargs: Any) -> Any:
         loaded.append(Path(path))
-        return load(store, path, step)
+        return load(path, *args, **kwargs)
 
-    monkeypatch.setattr(CheckpointStore, "load", counting_load)  # the real load, counted
+    monkeypatch.setattr(store_module, "load_checkpoint", counting_load)  # the real reading, counted
     run = TrainingRun(load_run_config(run_dir), run_dir, None, logging.getLogger(__name__))
     run.committed = 20
     run.chunk(1, 0, 20)  # committed already: skipped, its checkpoint verified for the row

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from training.trajectory import Trajectory, trajectory_of
 
@@ -306,8 +306,9 @@ class RunConfig(_Strict):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
-    def _task_importable(self) -> RunConfig:
-        resolve_task_factory(self.task)
+    def _task_importable(self, info: ValidationInfo) -> RunConfig:
+        if (info.context or {}).get("check_task", True):
+            resolve_task_factory(self.task)
         return self
 
     @property
@@ -383,9 +384,11 @@ def yaml_error_line(path: Path, exc: yaml.YAMLError) -> str:
     return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
 
 
-def config_from_dict(data: dict[str, Any], source: str = "config") -> RunConfig:
+def config_from_dict(data: dict[str, Any], source: str = "config", check_task: bool = True) -> RunConfig:
+    """Validate ``data``; ``check_task=False`` skips importing the task's module (a recorded
+    config read by a command that never builds the task: importing it would cost ``import torch``)."""
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(data, context={"check_task": check_task})
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source)) from None
 

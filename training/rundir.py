@@ -324,4 +324,6 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
     path = RunPaths(run_dir).config_file
     if not path.exists():
         raise ConfigError(f"{run_dir}: not a convoy run directory (no {CONFIG_FILE}); create it with `convoy train`")
-    return config_from_dict(read_json(path), str(path))
+    # Checked when the run was created; whoever builds the task imports its module then, so a
+    # read-only command (convoy status, verify) does not pay ``import torch`` for it.
+    return config_from_dict(read_json(path), str(path), check_task=False)

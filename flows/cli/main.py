@@ -170,7 +170,7 @@ def _store(run_dir: Path):
             highlight=False,
             markup=False,
         )
-    return CheckpointStore(run_dir, validator=checkpoint_validator(expected), load_tensors=False)
+    return CheckpointStore(run_dir, validator=checkpoint_validator(expected))
 
 
 @app.command()

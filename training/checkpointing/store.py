@@ -119,7 +119,6 @@ class CheckpointStore:
         writers: WriterGroup | None = None,
         boundary_every: int = 0,
         validator: Validator | None = None,
-        load_tensors: bool = True,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.root = RunPaths(self.run_dir).checkpoints
@@ -140,9 +139,6 @@ class CheckpointStore:
         self.last_committed: Checkpoint | None = None
         #: Semantic check of loaded parts (the worker and the CLI set it; see ``load``).
         self.validator = validator
-        #: False for a store that only judges (``convoy verify``/``inspect``): parts hold each
-        #: tensor's header entry instead of the tensor, so torch is never imported.
-        self.load_tensors = load_tensors
         #: Checkpoint name -> why it was refused (by this process), see :meth:`refuse`.
         self.refused: dict[str, str] = {}
         #: Each unchanged checkpoint verified once by this store (see :meth:`verify`).
@@ -161,9 +157,10 @@ class CheckpointStore:
 
     def verify(self, path: Path, step: int | None = None) -> Checkpoint:
         """The one validation (``convoy verify``/``inspect``, the flow, versioning, the resume):
-        :meth:`load` without keeping the tensors, once per unchanged directory for this store
+        :meth:`load`'s checks on the safetensors headers instead of tensors (no ``import torch``,
+        no tensor built), once per unchanged directory for this store
         (:class:`~training.checkpointing.verified.Verdicts`).  Raises CheckpointRejected with the reason."""
-        return self.verdicts.verify(path, step, lambda p, s: self.load(p, s)[0])
+        return self.verdicts.verify(path, step, lambda p, s: load_checkpoint(p, s, self.validator, tensors=False)[0])
 
     def resume_point(self) -> ResumePoint:
         """THE newest usable checkpoint: the first, newest first, that verifies, and the newer ones
@@ -233,7 +230,7 @@ class CheckpointStore:
     def load(self, path: Path, step: int | None = None) -> tuple[Checkpoint, dict[str, Any]]:
         """Verify and load every part (:func:`training.checkpointing.verify.load_checkpoint`, with
         this store's validator).  Never unpickles; CheckpointRejected with the reason."""
-        return load_checkpoint(path, step, self.validator, self.load_tensors)
+        return load_checkpoint(path, step, self.validator)
 
     def load_latest(
         self, on_skip: Callable[[Path, str], None] | None = None
