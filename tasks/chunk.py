@@ -404,7 +404,7 @@ def _report(logger: Any, cfg: RunConfig, exc: ChunkFailed, attempt: tuple[int, i
     passed = passed_over_clause(d.passed_over or [])
     if will_retry:
         logger.warning(
-            "chunk %d %s detected after %.1f s (%s); resuming from step %d%s",
+            "chunk %d %s detected after %.1f s: %s; resuming from step %d%s",
             chunk,
             exc.kind,
             d.detected_after_s or 0.0,
@@ -422,7 +422,7 @@ def _report(logger: Any, cfg: RunConfig, exc: ChunkFailed, attempt: tuple[int, i
             ],
         )
     else:
-        logger.error("chunk %d %s after %.1f s (%s); not retrying", chunk, exc.kind, d.detected_after_s or 0.0, short)
+        logger.error("chunk %d %s after %.1f s: %s; not retrying", chunk, exc.kind, d.detected_after_s or 0.0, short)
 
 
 def retrying_chunk_task(config: RunConfig) -> Any:

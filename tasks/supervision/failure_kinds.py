@@ -137,10 +137,23 @@ _CLASS_PATH = re.compile(r"^\s*(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)(?=: )")
 _CHATTER = re.compile(r"^\[(worker )?rank \d+\]")
 
 
+#: Exceptions whose message says it all: their class name is dropped from a failure's text (any
+#: other class, e.g. ``OutOfMemoryError: 2 GiB``, is the information and stays).
+_SELF_EXPLAINING = re.compile(
+    r"^(?:OSError|IOError|PermissionError|FileNotFoundError|CheckpointError|CheckpointRejected|ConfigError"
+    r"|VersioningError): "
+)
+#: ``[Errno 28] `` in an OSError's text: the words after it say the same to a person.
+_ERRNO = re.compile(r"\[Errno \d+\] ")
+
+
 def plain_error(line: str) -> str:
-    """A traceback's last line without the exception's module path:
-    ``training.checkpointing.store.CheckpointError: x`` → ``CheckpointError: x``."""
-    return _CLASS_PATH.sub(r"\1", line.strip())
+    """A traceback's last line as a person reads it: no module path, no class name where the
+    message says it all, no errno number —
+    ``training.checkpointing.store.CheckpointError: save failed: [Errno 28] No space left``
+    → ``save failed: No space left``."""
+    text = _CLASS_PATH.sub(r"\1", line.strip())
+    return _ERRNO.sub("", _SELF_EXPLAINING.sub("", text))
 
 
 def error_line(tail: Sequence[str]) -> str | None:

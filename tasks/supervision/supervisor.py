@@ -87,8 +87,8 @@ class ChunkFailed(Exception):
             f"{d.steps_lost} step(s) lost" if d.steps_lost is not None else "",
             f"log {d.log}" if d.log else "",
         ]
-        shown = "; ".join(f for f in facts if f)
-        return f"{self.message} ({shown})" if shown else self.message
+        shown = "; ".join(f for f in facts if f)  # after a semicolon: the message may end in brackets
+        return f"{self.message}; {shown}" if shown else self.message
 
 
 @dataclass
