@@ -233,3 +233,23 @@ def test_two_machines_pool_mode_resume_on_the_other_node(
     assert 60 in lag and len(lag) == len(set(lag)), lag  # recorded by both nodes, once per uploaded step
     for node in m["nodes"].values():
         assert_no_leftovers(node / "runs")
+
+
+def test_a_logged_model_links_its_registered_version_once_over_a_server(mlflow_server: str) -> None:
+    """An MLflow server links a logged model to the version created from it (an int version);
+    convoy's own link (for SQLite stores, which do not) finds it and adds no second one."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks.records.mlflow_model import link_version
+
+    client = MlflowClient(mlflow_server)
+    experiment = client.create_experiment("model-link")
+    run = client.create_run(experiment)
+    model = client.create_logged_model(experiment, name="linked", source_run_id=run.info.run_id)
+    client.create_registered_model("linked")
+    version = client.create_model_version(
+        "linked", source=f"models:/{model.model_id}", run_id=run.info.run_id, model_id=model.model_id
+    )
+    link_version(client, model.model_id, "linked", str(version.version))
+    links = json.loads(client.get_logged_model(model.model_id).tags["mlflow.modelVersions"])
+    assert [(link["name"], str(link["version"])) for link in links] == [("linked", "1")], links

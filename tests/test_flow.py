@@ -388,6 +388,10 @@ def check_mlflow_run(client: Any, run_id: str, summary: dict[str, Any]) -> None:
     assert files == {"model.safetensors", "config.json", "convoy-model.json"}, files
     versions = client.search_model_versions("name = 'again'")
     assert [(v.source, v.run_id) for v in versions] == [(f"models:/{models[0].model_id}", run_id)]
+    # The logged model links to its registered version on a SQLite store too (MLflow's UI then
+    # says "Registered", not "Not registered"); the link is there once.
+    linked = client.get_logged_model(models[0].model_id).tags["mlflow.modelVersions"]
+    assert json.loads(linked) == [{"name": "again", "version": str(versions[0].version)}], linked
 
 
 def test_two_ranks_a_killed_rank_fails_the_chunk_and_is_retried(

@@ -108,5 +108,20 @@ def log_final_model(config: RunConfig, run_dir: Path, client: Any, run_id: str) 
             version = client.create_model_version(
                 name, source=f"models:/{model.model_id}", run_id=run_id, tags=tags, model_id=model.model_id
             )
+        link_version(client, model.model_id, name, str(version.version))
         out["registered"] = f"{name} version {version.version}"
     return out
+
+
+def link_version(client: Any, model_id: str, name: str, version: str) -> None:
+    """Tag the logged model with its registered version (``mlflow.modelVersions``), which the
+    MLflow UI reads to show "Registered" on the model's page and the experiment's Models list.
+    An MLflow server adds it when it creates the version; a client over a SQLite file does not
+    (only ``mlflow.register_model`` does it, client-side), so every store gets it here, once."""
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+
+    links = json.loads(client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS) or "[]")
+    if any(link.get("name") == name and str(link.get("version")) == version for link in links):
+        return  # a server wrote it (its version an int, the client's a string: the same link)
+    links.append({"name": name, "version": version})
+    client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(links)})
