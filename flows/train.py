@@ -46,7 +46,7 @@ from training.events import Event, append_event, read_events
 from training.locks import holding
 from training.paths import RunPaths
 from training.rundir import keyed_config, link_current, open_run, run_info
-from training.tracking.attempts import chunk_history
+from training.tracking.attempts import chunk_history, recorded_digest
 
 
 class RunLocked(ConfigError):
@@ -204,7 +204,10 @@ class TrainingRun:
             else:
                 self.record_history(row)
                 row.status = "skipped (committed)"
-            row.digest = committed_digest(self.run_dir, end, self.resources.checkpoints)
+            # Retention may have removed an older boundary since: its commit recorded the digest.
+            row.digest = committed_digest(self.run_dir, end, self.resources.checkpoints) or recorded_digest(
+                read_events(self.run_dir), chunk
+            )
             row.loss = loss_at(self.run_dir, end)
             # A flow that died after the commit but before versioning left it unversioned
             # (a pipelined worker can commit the last chunk before its flow handles it).

@@ -29,13 +29,11 @@ def prefect_ui_url(flow_run_id: str | None) -> str | None:
     return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui and flow_run_id else None
 
 
-def publish_chunk_table(run_name: str, rows: list[dict[str, Any]], mlflow_url: str | None = None) -> str | None:
-    """Table: chunk, step range, attempts, failure kinds, loss at the boundary, seconds, digest.
-
-    Empty cells say "none" / "not committed": a lone "-" renders as a bullet in the UI."""
-    from prefect.artifacts import create_table_artifact
-
-    table = [
+def chunk_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chunks table's rows: chunk, step range, status, attempts, failure kinds, loss at the
+    boundary, seconds, digest.  Empty cells say "none" / "not committed": a lone "-" renders as
+    a bullet in the UI."""
+    return [
         {
             "chunk": r["chunk"],
             "steps": f"[{r['start_step']}, {r['end_step']})",
@@ -48,10 +46,16 @@ def publish_chunk_table(run_name: str, rows: list[dict[str, Any]], mlflow_url: s
         }
         for r in rows
     ]
+
+
+def publish_chunk_table(run_name: str, rows: list[dict[str, Any]], mlflow_url: str | None = None) -> str | None:
+    """This flow run's chunks table (:func:`chunk_table`)."""
+    from prefect.artifacts import create_table_artifact
+
     try:
         return str(
             create_table_artifact(
-                table=table,
+                table=chunk_table(rows),
                 key=artifact_key(run_name, "chunks"),
                 description=f"convoy run {run_name}: chunks of this flow run"
                 + (f"; metrics and resume audit: [MLflow run]({mlflow_url})" if mlflow_url else ""),

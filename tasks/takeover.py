@@ -24,12 +24,13 @@ Best effort throughout: cleaning up after a dead flow never stops the new one fr
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from tasks.artifacts import artifact_key, prefect_ui_url
+from tasks.artifacts import artifact_key, chunk_table, prefect_ui_url
 from tasks.records import run_records
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
@@ -112,7 +113,7 @@ def take_over(
         mlflow_runs_closed=closed,
         crashed_task_runs=[t for c in crashed for t in c["crashed_task_runs"]],
     )
-    _publish_links(config.run_name, crashed, (current, name), orphans)
+    _publish_links(config, run_dir, crashed, (current, name), orphans)
     for o in orphans:
         logger.warning(
             "chunk %s attempt %s was orphaned by a flow run that died (trained to step %s); it resumes from step %s",
@@ -169,12 +170,17 @@ def _link(flow_run_id: str | None, name: str | None) -> str:
 
 
 def _publish_links(
-    run_name: str, crashed: list[dict[str, Any]], current: tuple[str | None, str | None], orphans: list[RecordedFailure]
+    config: RunConfig,
+    run_dir: Path,
+    crashed: list[dict[str, Any]],
+    current: tuple[str | None, str | None],
+    orphans: list[RecordedFailure],
 ) -> None:
-    """A markdown artifact on the new flow run naming the dead ones, and one on each dead flow
-    run naming the one that continued it."""
+    """A markdown artifact on the new flow run naming the dead ones, and on each dead flow run
+    one naming the run that continued it and the chunks table it died before publishing."""
     from prefect.artifacts import create_markdown_artifact
 
+    run_name = config.run_name
     lines = [
         f"- attempt {o.attempt} of chunk {o.chunk}: orphaned after step {o.details.trained_to}; "
         f"resumes from step {o.details.last_committed_step or 0}"
@@ -188,24 +194,75 @@ def _publish_links(
         create_markdown_artifact(
             markdown=body, key=artifact_key(run_name, "flow-runs"), description=f"convoy run {run_name}: taken over"
         )
-        _note_on_dead_runs(run_name, crashed, current)
+        _note_on_dead_runs(config, read_events(run_dir), crashed, current)
     except Exception as exc:  # noqa: BLE001
         log.warning("Prefect: could not publish the take-over artifacts: %s", exc)
 
 
-def _note_on_dead_runs(run_name: str, crashed: list[dict[str, Any]], current: tuple[str | None, str | None]) -> None:
+def _note_on_dead_runs(
+    config: RunConfig,
+    events: list[dict[str, Any]],
+    crashed: list[dict[str, Any]],
+    current: tuple[str | None, str | None],
+) -> None:
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import ArtifactCreate
 
+    run_name = config.run_name
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     body = f"### Continued\n\nThis flow run died; run {run_name} was continued by flow run {_link(*current)} ({stamp})."
     with get_client(sync_client=True) as client:
         for c in crashed:
+            flow_run_id = UUID(c["id"])
             client.create_artifact(
-                ArtifactCreate(type="markdown", data=body, description="continued by", flow_run_id=UUID(c["id"]))
+                ArtifactCreate(
+                    type="markdown",
+                    key=artifact_key(run_name, "flow-runs"),
+                    data=body,
+                    description=f"convoy run {run_name}: continued by another flow run",
+                    flow_run_id=flow_run_id,
+                )
             )
+            rows = dead_run_rows(events, c["id"], config.train.total_steps, config.train.chunk_steps)
+            client.create_artifact(
+                ArtifactCreate(
+                    type="table",
+                    key=artifact_key(run_name, "chunks"),
+                    data=json.dumps(chunk_table(rows)),
+                    description=f"convoy run {run_name}: chunks of this flow run, until it died",
+                    flow_run_id=flow_run_id,
+                )
+            )
+
+
+def dead_run_rows(events: list[dict[str, Any]], flow_run_id: str, total_steps: int, chunk_steps: int) -> list[dict]:
+    """The chunks a dead flow run worked on, from the run's events (it died before publishing
+    its own table): attempts it made, their failures (``orphaned`` for the one it died under),
+    and what it committed."""
+    mine = [e for e in events if e["kind"] == Event.ATTEMPT_STARTED and e.get("flow_run_id") == flow_run_id]
+    rows = []
+    for chunk in sorted({int(e["chunk"]) for e in mine}):
+        attempts = {e.get("attempt") for e in mine if e["chunk"] == chunk}
+        ends = (Event.FAILURE, Event.CHUNK_DONE)
+        ended = [e for e in events if e["kind"] in ends and e.get("chunk") == chunk and e.get("attempt") in attempts]
+        done = next((e for e in ended if e["kind"] == Event.CHUNK_DONE), None)
+        started = min(e["time"] for e in mine if e["chunk"] == chunk)
+        rows.append(
+            {
+                "chunk": chunk,
+                "start_step": (chunk - 1) * chunk_steps,
+                "end_step": min(chunk * chunk_steps, total_steps),
+                "status": "trained" if done else "died with this flow run",
+                "attempts": len(attempts),
+                "failure_kinds": [str(e["failure"]) for e in ended if e["kind"] == Event.FAILURE],
+                "loss": (done or {}).get("loss"),
+                "seconds": max((e["time"] for e in ended), default=started) - started,
+                "digest": (done or {}).get("digest"),
+            }
+        )
+    return rows
 
 
 def mlflow_flow_tags(run_dir: Path, current: str | None, name: str | None) -> dict[str, str]:

@@ -294,7 +294,7 @@ def check_takeover(run_dir: Path, uri: str, before: list[int], corrupted: int) -
     assert all(r.state.is_final() for r in task_runs(old).values())
     assert f"continued-by:{live.name}" in dead.tags and f"continues:{dead.name}" in live.tags
     links = artifacts("convoy-flowkill-flow-runs")
-    assert links and dead.name in str(links[-1].data)
+    assert any(dead.name in str(a.data) for a in links if str(a.flow_run_id) == new), links
     client = MlflowClient(uri)
     parent = client.get_run(run_info(run_dir)["mlflow_run_id"])
     assert parent.info.status == "FINISHED" and old in parent.data.tags["convoy.prefect_flow_runs"]
@@ -318,9 +318,14 @@ def check_takeover(run_dir: Path, uri: str, before: list[int], corrupted: int) -
         orphan = [r for r in children if r.info.run_name.startswith("c2·a1 orphaned@")]
         assert len(orphan) == 1 and orphan[0].info.status == "KILLED", names
         assert any(n.startswith("c2·a2 done→40") for n in names), names
-    table = artifacts("convoy-flowkill-chunks")[-1].data
-    text = table if isinstance(table, str) else json.dumps(table)
+    tables = {str(a.flow_run_id): a.data for a in artifacts("convoy-flowkill-chunks")}
+    text = tables[new] if isinstance(tables[new], str) else json.dumps(tables[new])
     assert "not committed" not in text and '"failures": "killed"' in text  # chunk 1's failure, from flow 1
+    # The dead flow run got the chunks table it died before publishing, and the note naming its
+    # successor carries a key (so Prefect's Artifacts index lists it).
+    dead_rows = json.loads(tables[old]) if isinstance(tables[old], str) else tables[old]
+    assert dead_rows and any(r["status"] == "died with this flow run" for r in dead_rows), dead_rows
+    assert old in {str(a.flow_run_id) for a in links}, [(a.flow_run_id, a.description) for a in links]
 
 
 def test_finished_run_trains_nothing_and_is_tracked_in_mlflow(prefect_api: str, data_dir: Path, tmp_path: Path) -> None:

@@ -308,3 +308,25 @@ def test_a_chunk_record_keeps_the_written_keys_and_reads_back_what_a_pool_parent
     parent = ChunkRecord.from_dict({**written, **seen})
     assert parent.flow_runs == ["f1"] and parent.nodes == ["a", "b"] and parent.fetched == []
     assert ChunkRecord.from_dict(written) == record
+
+
+def test_a_dead_flow_runs_chunks_and_a_removed_boundarys_digest_come_from_the_events() -> None:
+    """The chunks table of a flow run that died (published by its successor) and the digest of a
+    committed chunk whose boundary retention removed are read from the run's events."""
+    from tasks.takeover import dead_run_rows
+    from training.tracking.attempts import recorded_digest
+
+    events = [
+        {"kind": "attempt_started", "chunk": 1, "attempt": 1, "flow_run_id": "dead", "time": 10.0},
+        {"kind": "failure", "chunk": 1, "attempt": 1, "failure": "killed", "time": 12.0},
+        {"kind": "attempt_started", "chunk": 1, "attempt": 2, "flow_run_id": "dead", "time": 12.5},
+        {"kind": "chunk_done", "chunk": 1, "attempt": 2, "digest": "d1", "loss": 2.5, "time": 15.0},
+        {"kind": "attempt_started", "chunk": 2, "attempt": 1, "flow_run_id": "dead", "time": 15.1},
+        {"kind": "failure", "chunk": 2, "attempt": 1, "failure": "orphaned", "time": 30.0},
+        {"kind": "attempt_started", "chunk": 2, "attempt": 2, "flow_run_id": "next", "time": 30.5},
+    ]
+    one, two = dead_run_rows(events, "dead", total_steps=50, chunk_steps=20)
+    assert (one["status"], one["attempts"], one["failure_kinds"], one["digest"]) == ("trained", 2, ["killed"], "d1")
+    assert (one["start_step"], one["end_step"], one["seconds"]) == (0, 20, 5.0)
+    assert (two["status"], two["attempts"], two["failure_kinds"]) == ("died with this flow run", 1, ["orphaned"])
+    assert recorded_digest(events, 1) == "d1" and recorded_digest(events, 2) is None

@@ -68,6 +68,13 @@ def chunk_history(events: list[dict[str, Any]], chunk: int) -> ChunkHistory:
     return ChunkHistory(next_attempt(events, chunk) - 1, tuple(kinds))
 
 
+def recorded_digest(events: list[dict[str, Any]], chunk: int) -> str | None:
+    """The digest the chunk's commit recorded (its newest ``chunk_done``), for a chunk whose
+    boundary checkpoint retention has since removed; None if it never committed."""
+    done = [e for e in events if e["kind"] == Event.CHUNK_DONE and e.get("chunk") == chunk and e.get("digest")]
+    return str(done[-1]["digest"]) if done else None
+
+
 def failures_without_progress(events: list[dict[str, Any]], chunk: int) -> int:
     """How many of the chunk's newest attempts, in a row, failed without training a step past the
     one they resumed from: a crash loop, which the retry backoff slows down.  A worker that
