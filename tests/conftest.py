@@ -144,14 +144,28 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             _EARLY[name] = _LAUNCHERS[name](Path(tempfile.mkdtemp(prefix=f"convoy-{name}-")))
 
 
-def pytest_sessionfinish() -> None:
-    """Stop servers that no fixture took (an interrupted or deselected session)."""
+#: What a test must never leave in the checkout: an MLflow store made in the working directory
+#: (a run whose tracking URI was not the test's own).
+_CHECKOUT = Path(__file__).resolve().parent.parent
+_STRAYS = ("mlflow.db", "mlartifacts", "mlruns")
+_STRAYS_BEFORE = {name for name in _STRAYS if (_CHECKOUT / name).exists()}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop servers that no fixture took (an interrupted or deselected session); fail the session
+    when the tests left an MLflow store in the checkout (the controller checks, once)."""
     from tests.flow_util import stop_group
 
     for server in _EARLY.values():
         stop_group(server.proc, check=False)
         server.log.close()
     _EARLY.clear()
+    if hasattr(session.config, "workerinput"):
+        return
+    strays = [name for name in _STRAYS if (_CHECKOUT / name).exists() and name not in _STRAYS_BEFORE]
+    if strays:
+        sys.stderr.write(f"\nERROR: the tests left {', '.join(strays)} in the checkout {_CHECKOUT}\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _server(name: str, home: Path) -> _Server:

@@ -60,14 +60,16 @@ def test_two_kills_in_a_row_are_taken_over_by_standbys_bitwise(
     # lands in that stall (below the raised hang limit).
     flag = tmp_path / "stall-after-first-kill"
     monkeypatch.setenv("CONVOY_FAULTS", f"step_delay=0.05,slow_step={CHUNK + 2}:10,slow_flag={flag}:60")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    # The URI in the params, not in $MLFLOW_TRACKING_URI: nothing of this run may reach an MLflow
+    # database in the checkout (a full suite once left mlflow.db and mlartifacts/ there).
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = config(
         params(
             tmp_path,
             data_dir,
             "standby",
             orchestration={"standby": True},
-            tracking={"mlflow": True},
+            tracking={"mlflow": True, "mlflow_uri": uri},
             heartbeat={"stall_s": 90},
         )
     )
