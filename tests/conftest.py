@@ -152,10 +152,8 @@ _STRAYS_BEFORE = {name for name in _STRAYS if (_CHECKOUT / name).exists()}
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Stop servers that no fixture took (an interrupted or deselected session); say so when the
-    tests left an MLflow store in the checkout (the controller checks, once).  A warning, not a
-    failure, until the writer of the one seen so far (a second run "standby", made after
-    test_standby's flow had ended) is known."""
+    """Stop servers that no fixture took (an interrupted or deselected session); fail the session
+    when the tests left an MLflow store in the checkout (the controller checks, once)."""
     from tests.flow_util import stop_group
 
     for server in _EARLY.values():
@@ -166,7 +164,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     strays = [name for name in _STRAYS if (_CHECKOUT / name).exists() and name not in _STRAYS_BEFORE]
     if strays:
-        sys.stderr.write(f"\nWARNING: the tests left {', '.join(strays)} in the checkout {_CHECKOUT}\n")
+        sys.stderr.write(f"\nERROR: the tests left {', '.join(strays)} in the checkout {_CHECKOUT}\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _server(name: str, home: Path) -> _Server:

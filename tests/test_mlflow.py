@@ -328,3 +328,21 @@ def test_a_second_shipper_sends_only_what_mlflow_lacks_and_a_late_copy_is_no_sec
     for key in ("loss", "lr"):
         assert [s for s, _ in history(tracking_uri, run_id, key)] == list(range(1, 71)), key
     assert [s for s, _ in history(tracking_uri, run_id, "step_time_s")] == list(range(1, 61))
+
+
+def test_registering_a_model_leaves_the_tracking_uri_environment_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow's ``set_tracking_uri`` writes $MLFLOW_TRACKING_URI; the registration's temporary
+    global URI must put back exactly what was there (unset stays unset: a full suite once found
+    the working directory's default there afterwards, and runs of later tests landed in it)."""
+    import os
+
+    from tasks.records.mlflow_model import _global_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with _global_tracking_uri("sqlite:////tmp/elsewhere.db"):
+        assert os.environ["MLFLOW_TRACKING_URI"] == "sqlite:////tmp/elsewhere.db"
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////tmp/mine.db")
+    with _global_tracking_uri("sqlite:////tmp/elsewhere.db"):
+        pass
+    assert os.environ["MLFLOW_TRACKING_URI"] == "sqlite:////tmp/mine.db"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,13 +37,21 @@ def _global_tracking_uri(uri: str) -> Iterator[None]:
     """MLflow 3.17's SQL model registry looks a ``models:/<id>`` source up through the *global*
     tracking URI, not the client's (a TODO in its ``create_model_version``): set it meanwhile."""
     import mlflow
+    from mlflow.tracking._tracking_service import utils
 
-    saved = mlflow.get_tracking_uri()
+    # Restore exactly what was there: ``set_tracking_uri`` also writes $MLFLOW_TRACKING_URI, and
+    # putting back ``get_tracking_uri()`` (the resolved default, ``<cwd>/mlflow.db``, when none was
+    # set) would leave that in the environment of the flow process for every later run.
+    saved_global, saved_env = getattr(utils, "_tracking_uri", None), os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     try:
         yield
     finally:
-        mlflow.set_tracking_uri(saved)
+        mlflow.set_tracking_uri(saved_global)
+        if saved_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = saved_env
 
 
 def registered_name(config: RunConfig) -> str:
