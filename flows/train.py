@@ -27,7 +27,7 @@ from prefect.context import FlowRunContext
 
 from flows.report import mlflow_link
 from flows.run_summary import RunSummary, goodput_fields
-from tasks.artifacts import publish_chunk_table
+from tasks.artifacts import prefect_ui_base, publish_chunk_table
 from tasks.chunk import chunk_record, committed_digest, loss_at, retrying_chunk_task
 from tasks.hooks import flow_crashed, flow_failed, remember_run
 from tasks.records import goodput_metrics, run_records
@@ -45,7 +45,7 @@ from training.corpus import entropy_floor
 from training.events import Event, append_event, read_events
 from training.locks import holding
 from training.paths import RunPaths
-from training.rundir import keyed_config, link_current, open_run, run_info
+from training.rundir import keyed_config, link_current, open_run, run_info, update_run_info
 from training.tracking.attempts import chunk_history, recorded_digest
 
 
@@ -148,6 +148,7 @@ class TrainingRun:
         flow_run_id, flow_run_name = flow_run
         run_dir = open_run(cfg, allow_config_change=allow_config_change).resolve()
         link_current(cfg)
+        update_run_info(run_dir, prefect_ui=prefect_ui_base())  # for the links in MLflow's descriptions
         if flow_run_id:
             remember_run(flow_run_id, run_dir=run_dir, run_name=cfg.run_name, chunk=None)
         run_records.begin_run(cfg, run_dir)

@@ -20,13 +20,19 @@ def artifact_key(run_name: str, what: str) -> str:
     return f"convoy-{slug}-{what}"
 
 
-def prefect_ui_url(flow_run_id: str | None) -> str | None:
-    """The flow run in the Prefect UI, when a server (``PREFECT_API_URL``) is used; an embedded
-    ephemeral API is gone once the command ends, so it gets no link."""
+def prefect_ui_base() -> str | None:
+    """The Prefect UI's address when a server (``PREFECT_API_URL``) is used; an embedded
+    ephemeral API is gone once the command ends, so it has none."""
     from prefect.settings import get_current_settings
 
     ui = get_current_settings().ui_url
-    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui and flow_run_id else None
+    return ui.rstrip("/") if ui else None
+
+
+def prefect_ui_url(flow_run_id: str | None) -> str | None:
+    """The flow run in the Prefect UI (None without a server)."""
+    ui = prefect_ui_base()
+    return f"{ui}/runs/flow-run/{flow_run_id}" if ui and flow_run_id else None
 
 
 def chunk_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

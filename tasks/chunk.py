@@ -3,14 +3,17 @@
 Retry policy comes from ``orchestration.*`` via :func:`retrying_chunk_task` (``with_options``):
 ``retries`` and a ``retry_condition_fn`` that never retries a ``config`` failure (same input, same
 error).  The delays (the first retry at once, then ``retry_delay_seconds * backoff**i`` with
-``jitter``) are waited here, at the start of a retried task run, not by Prefect: Prefect takes a
-per-retry list of delays, but its UI can show only one number (a list reads "NaNs" on the task
-page), so Prefect is given ``retry_delay_seconds=0`` and shows "0s", which is what it waits.
+``jitter``) are waited here, by the failed task run *before* it raises, not by Prefect: Prefect
+takes a per-retry list of delays, but its UI can show only one number (a list reads "NaNs" on the
+task page), so Prefect is given ``retry_delay_seconds=0``.  One story in both places: convoy logs
+"retry 2 in 1.1 s (backoff)", waits, raises, and Prefect's next line "Retry 2/3 will start
+immediately" is true; the task page's "Retry Delay 0s" is what Prefect adds, and the task run's tag
+``backoff 0s→1s→2s ±10%`` shows convoy's delays next to it.
 
 Attempt numbers count every worker attempt of the chunk in every flow run (Prefect's retries,
 preemption re-spawns, a flow that died and the one that took over):
 :mod:`training.tracking.attempts`.  Prefect's own ``run_count`` still decides whether a failure
-is retried.
+is retried; where the two differ, the task's result message says why (:func:`attempts_explained`).
 
 Preemption (exit 75) is not a fault of the chunk and must be re-submitted at once.  Prefect picks
 a retry's delay by attempt index only, not by exception, so a per-kind delay is not expressible
@@ -44,6 +47,7 @@ from tasks.artifacts import publish_failure_note
 from tasks.hooks import chunk_failed, remember_run
 from tasks.records import run_records
 from tasks.records.chunk_record import ChunkRecord
+from tasks.records.metric_shipping import MetricShipper
 from tasks.remote import remote_checkpoints
 from tasks.remote.remote_index import node_name
 from tasks.run_resources import RunResources
@@ -177,17 +181,13 @@ class ChunkRun:
         self.standby = cfg.orchestration.standby and cfg.orchestration.mode == "local" and cfg.train.world_size == 1
         self.preemptions = 0
         self.resumed_from = 0
+        self.shipper: MetricShipper | None = None
 
     def run(self) -> State:
-        stuck = failures_without_progress(read_events(self.run_dir), self.chunk) if self.try_number > 1 else 0
-        wait = retry_wait(self.cfg, stuck + 1)
-        if wait > 0:
-            self.logger.info("chunk %d: retry %d waits %.1f s (backoff)", self.chunk, self.try_number - 1, wait)
-            time.sleep(wait)
         if self.parking.parked_pid() is None:  # our own parked worker is not stale
             reap_stale_worker(self.run_dir, self.cfg.train.world_size)
         self.resources.follow_uploads()  # uploads committed checkpoints (tracking.dvc)
-        self.resources.follow_metrics(say=self.say)  # the worker never talks to MLflow; the run's shipper does
+        self.shipper = self.resources.follow_metrics(say=self.say)  # the worker never talks to MLflow
         started = time.time()
         outcome = None
         while outcome is None:
@@ -201,12 +201,16 @@ class ChunkRun:
     def say(self, line: str) -> None:
         self.logger.info("chunk %d: %s", self.chunk, line)
 
-    def begin_attempt(self) -> str | None:
+    def begin_attempt(self, adopting: bool = False) -> str | None:
         """Number this worker attempt, open its MLflow run and record it (``attempt_started``);
-        returns the MLflow run id."""
+        returns the MLflow run id.  ``adopting``: the worker is the one the chunk before left
+        training (pipelined): it restores nothing and its steps are the chunk's from its start."""
         rd = self.run_dir
-        self.id = replace(self.id, attempt=next_attempt(read_events(rd), self.chunk))
+        resumes = None if adopting else self.resumed_from
+        self.id = replace(self.id, attempt=next_attempt(read_events(rd), self.chunk), resumes_from=resumes)
         child = run_records.start_attempt(self.cfg, rd, self.id)
+        if child and self.shipper is not None:  # the attempt's run charts the steps it trains
+            self.shipper.mirror(child, (self.start if adopting else self.resumed_from) + 1, self.end)
         metrics = RunPaths(rd).metrics
         append_event(
             rd,
@@ -225,7 +229,8 @@ class ChunkRun:
         """One worker attempt under watch: its outcome, or None when it was preempted and is to be
         re-spawned at once; any other failure is reported and raised (Prefect retries the task)."""
         cfg, rd = self.cfg, self.run_dir
-        if self.parking.parked_pid() is None:  # a worker about to restore: the remote may hold a newer checkpoint
+        adopting = self.parking.parked_pid() is not None
+        if not adopting:  # a worker about to restore: the remote may hold a newer checkpoint
             remote_checkpoints.fetch_before_resume(cfg, rd, lambda m: self.logger.info("chunk %d: %s", self.chunk, m))
         point = self.resources.checkpoints.resume_point()
         self.set_aside_bad_boundary(point)
@@ -239,7 +244,7 @@ class ChunkRun:
                 self.start,
                 passed_over_clause(passed_over),
             )
-        child = self.begin_attempt()
+        child = self.begin_attempt(adopting)
         t_attempt = time.time()
         try:
             outcome = supervise(self.spec())
@@ -257,7 +262,23 @@ class ChunkRun:
             if exc.kind == FailureKind.PREEMPTED and self.preemptions < cfg.orchestration.retries:
                 self.preemptions += 1
                 self.logger.warning(
-                    "chunk %d preempted; re-submitting at once, resuming from step %d", self.chunk, resume_at
+                    "chunk %d attempt %d preempted at step %s; attempt %d starts at once inside this Prefect "
+                    "run (a preemption is no fault of the chunk: Prefect's run count stays %d), resuming from step %d",
+                    self.chunk,
+                    self.attempt,
+                    exc.details.failed_at_step if exc.details.failed_at_step is not None else "?",
+                    self.attempt + 1,
+                    self.try_number,
+                    resume_at,
+                )
+                publish_failure_note(
+                    cfg.run_name,
+                    f"chunk {self.chunk} attempt {self.attempt}: {exc.kind}",
+                    [
+                        exc.details.reason or exc.message,
+                        f"re-spawned at once inside Prefect run {self.try_number} as attempt {self.attempt + 1}",
+                        f"resumes from step {resume_at} (steps lost: {exc.details.steps_lost})",
+                    ],
                 )
                 append_event(
                     rd,
@@ -268,7 +289,10 @@ class ChunkRun:
                     resume_step=resume_at,
                 )
                 return None
-            _report(self.logger, cfg, exc, (self.chunk, self.attempt, self.try_number), resume_at)
+            retrying = will_retry(cfg, exc, self.try_number)
+            wait = retry_wait(cfg, failures_without_progress(read_events(rd), self.chunk) + 1) if retrying else 0.0
+            _report(self.logger, cfg, exc, (self.chunk, self.attempt, self.try_number), resume_at, wait)
+            time.sleep(wait)  # before raising: Prefect's "will start immediately" is then true
             raise exc from None
         outcome_seconds = time.time() - t_attempt
         done = run_records.attempt_outcome(True, None, self.end - self.resumed_from, outcome_seconds, end_step=self.end)
@@ -366,17 +390,34 @@ class ChunkRun:
         self.logger.info(
             "chunk %d done: steps [%d, %d) digest %s (attempt %d)", chunk, self.start, self.end, digest, self.attempt
         )
-        message = _done_message(rd, chunk, self.start, self.end, self.attempt)
+        message = _done_message(rd, self.id, self.try_number)
         return Completed(message=message, data=record)
 
 
-def _done_message(run_dir: Path, chunk: int, start: int, end: int, attempt: int) -> str:
+def _done_message(run_dir: Path, attempt: AttemptId, run_count: int) -> str:
     """The task run's state message: a retried chunk says so in Prefect's task list, which
     otherwise shows only "Completed".  Failures of earlier flow runs count too (the attempt
-    numbers do)."""
-    kinds = chunk_history(read_events(run_dir), chunk).failure_kinds
+    numbers do); where the attempt number is not Prefect's run count, it says why."""
+    events = read_events(run_dir)
+    kinds = chunk_history(events, attempt.chunk).failure_kinds
     after = f" after {', '.join(kinds)}" if kinds else ""
-    return f"steps [{start}, {end}) committed on attempt {attempt}{after}"
+    why = attempts_explained(events, attempt, run_count)
+    return f"steps [{attempt.start}, {attempt.end}) committed on attempt {attempt.attempt}{after}{why}"
+
+
+def attempts_explained(events: list[dict[str, Any]], attempt: AttemptId, run_count: int) -> str:
+    """`` (Prefect run 3: 1 preempted worker re-spawned inside a run)``: why the chunk's attempt
+    number differs from Prefect's run count of its task run, which counts neither the attempts of
+    an earlier flow run nor a preempted worker re-spawned inside one run; empty when they agree."""
+    chunk = attempt.chunk
+    started = [e for e in events if e["kind"] == Event.ATTEMPT_STARTED and e.get("chunk") == chunk]
+    here = [e for e in started if attempt.flow_run_id and e.get("flow_run_id") == attempt.flow_run_id]
+    earlier = len(started) - len(here) if attempt.flow_run_id else 0
+    respawned = max(0, attempt.attempt - earlier - run_count)
+    parts = [f"{earlier} in an earlier flow run"] if earlier else []
+    if respawned:
+        parts.append(f"{respawned} preempted worker{'s' if respawned > 1 else ''} re-spawned inside a run")
+    return f" (Prefect run {run_count}: {'; '.join(parts)})" if parts else ""
 
 
 def passed_over_clause(passed_over: list[dict[str, Any]]) -> str:
@@ -394,21 +435,37 @@ def chunk_record(result: Any) -> ChunkRecord:
     return data if isinstance(data, ChunkRecord) else ChunkRecord.from_dict(data)
 
 
-def _report(logger: Any, cfg: RunConfig, exc: ChunkFailed, attempt: tuple[int, int, int], resume_at: int) -> None:
+def will_retry(cfg: RunConfig, exc: ChunkFailed, try_number: int) -> bool:
+    """Whether Prefect retries the task run that raises ``exc`` (what ``should_retry`` and
+    ``retries`` decide), so the failed run can say so and wait the backoff before raising."""
+    return exc.retryable and try_number <= cfg.orchestration.retries
+
+
+def retry_start(wait: float) -> str:
+    """When the retry starts, as convoy's log and failure note say it."""
+    return f"in {wait:.1f} s (backoff)" if wait > 0 else "at once"
+
+
+def _report(
+    logger: Any, cfg: RunConfig, exc: ChunkFailed, attempt: tuple[int, int, int], resume_at: int, wait: float = 0.0
+) -> None:
     """One log line per recovery, plus a markdown note (the final failure is the hook's job).
-    ``attempt``: (chunk, its attempt number, Prefect's run count, which decides the retry)."""
+    ``attempt``: (chunk, its attempt number, Prefect's run count, which decides the retry);
+    ``wait``: the backoff this run waits before raising."""
     chunk, number, try_number = attempt
     d = exc.details
     short = d.reason if d.reason is not None else exc.message
-    will_retry = exc.retryable and try_number <= cfg.orchestration.retries
     passed = passed_over_clause(d.passed_over or [])
-    if will_retry:
+    if will_retry(cfg, exc, try_number):
+        when = retry_start(wait)
         logger.warning(
-            "chunk %d %s detected after %.1f s: %s; resuming from step %d%s",
+            "chunk %d %s detected after %.1f s: %s; retry %d starts %s, resuming from step %d%s",
             chunk,
             exc.kind,
             d.detected_after_s or 0.0,
             short,
+            try_number,
+            when,
             resume_at,
             passed,
         )
@@ -418,7 +475,7 @@ def _report(logger: Any, cfg: RunConfig, exc: ChunkFailed, attempt: tuple[int, i
             [
                 f"{short}",
                 f"detected after {d.detected_after_s} s; last beat step {d.last_beat_step}",
-                f"retrying; resumes from step {resume_at} (steps lost: {d.steps_lost}){passed}",
+                f"retry {try_number} starts {when}; resumes from step {resume_at} (steps lost: {d.steps_lost}){passed}",
             ],
         )
     else:
@@ -432,5 +489,14 @@ def retrying_chunk_task(config: RunConfig) -> Any:
         retries=o.retries,
         retry_delay_seconds=0,  # one number, which Prefect's UI can show; the backoff is retry_wait's
         retry_condition_fn=should_retry,
-        tags=["convoy", f"run:{config.run_name}"],
+        tags=["convoy", f"run:{config.run_name}", backoff_tag(config)],
     )
+
+
+def backoff_tag(config: RunConfig) -> str:
+    """``backoff 0s→1s→2s ±10%``: the waits before each retry that convoy applies (to a crash loop;
+    a worker that trained and then died is replaced at once), on the task run next to Prefect's
+    "Retry Delay 0s", which is what Prefect adds to them."""
+    waits = "→".join(f"{d:g}s" for d in retry_delays(config))
+    jitter = config.orchestration.jitter
+    return f"backoff {waits}" + (f" ±{jitter * 100:g}%" if jitter else "")

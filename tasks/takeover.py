@@ -12,7 +12,7 @@ worker) closes it:
   next attempt resumes and which checkpoints that passes over, so the audit, the attempt
   names and the chunks table count it like any failure;
 * MLflow: each RUNNING attempt run of the training run ends KILLED, named and described like a
-  failed attempt (``c2·a4 orphaned@290→250``);
+  failed attempt (``orphaned@290→250 c2·a4``);
 * Prefect: each earlier flow run of the run that never finished and is not in a final state is
   set Crashed, with its task runs that are not final;
 * links both ways: the old flow run is tagged ``continued-by:<new>``, the new one
@@ -32,6 +32,7 @@ from typing import Any
 
 from tasks.artifacts import artifact_key, chunk_table, prefect_ui_url
 from tasks.records import run_records
+from tasks.records.run_links import flow_run_endings
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
 from training.events import Event, FailureKind, append_event, read_events
@@ -53,8 +54,13 @@ def unfinished_flow_runs(events: list[dict[str, Any]], current: str | None) -> l
     return list(dict.fromkeys(i for i in ids if i and i != current and i not in settled))
 
 
-def record_orphans(run_dir: Path, current: str | None, checkpoints: CheckpointStore) -> list[RecordedFailure]:
-    """A ``failure`` event (kind ``orphaned``) for each attempt whose flow died under it."""
+def record_orphans(
+    run_dir: Path, flow_run: tuple[str | None, str | None], checkpoints: CheckpointStore
+) -> list[RecordedFailure]:
+    """A ``failure`` event (kind ``orphaned``) for each attempt whose flow died under it;
+    ``flow_run``: (id, name) of the flow run that found it, named in the reason (a name reads
+    where a bare UUID does not; the MLflow description links it)."""
+    current, name = flow_run
     orphans = open_attempts(read_events(run_dir))
     if not orphans:
         return []
@@ -72,7 +78,7 @@ def record_orphans(run_dir: Path, current: str | None, checkpoints: CheckpointSt
             chunk=att.get("chunk"),
             attempt=att.get("attempt"),
             reason=f"its flow run died while it ran (no hook ran: the flow process was killed); "
-            f"found by flow run {current}",
+            f"found by flow run {name or current}",
             flow_run_id=att.get("flow_run_id"),
             mlflow_run_id=att.get("mlflow_run_id"),
             last_seen=beat_time,
@@ -98,7 +104,7 @@ def take_over(
     one).  Returns the ``flow_taken_over`` event, or None when there was nothing to close."""
     current, name = flow_run
     previous = unfinished_flow_runs(read_events(run_dir), current)
-    orphans = record_orphans(run_dir, current, checkpoints or CheckpointStore(run_dir))
+    orphans = record_orphans(run_dir, flow_run, checkpoints or CheckpointStore(run_dir))
     if not previous and not orphans:
         return None
     closed = run_records.close_orphaned_attempts(config, run_dir, orphans)
@@ -269,18 +275,11 @@ def mlflow_flow_tags(run_dir: Path, current: str | None, name: str | None) -> di
     """Tags linking the MLflow run to its Prefect flow runs: the current one (id, name, UI link
     when a server is used) and every flow run of the training run, oldest first, with how it
     ended (``crashed`` when another took it over)."""
-    events = read_events(run_dir)
-    taken = {p for e in events if e["kind"] == Event.FLOW_TAKEN_OVER for p in e.get("previous", [])}
-    done = {e.get("flow_run_id") for e in events if e["kind"] == Event.FLOW_DONE}
-
-    def ended(i: str) -> str:
-        return "crashed" if i in taken else "finished" if i in done else "running" if i == current else "ended"
-
-    ids = [i for i in dict.fromkeys(e.get("flow_run_id") for e in events if e["kind"] == Event.FLOW_STARTED) if i]
+    endings = flow_run_endings(read_events(run_dir), current)
     tags = {
         "convoy.prefect_flow_run_id": current,
         "convoy.prefect_flow_run": name,
-        "convoy.prefect_flow_runs": " → ".join(f"{i} ({ended(i)})" for i in ids)[:5000],
+        "convoy.prefect_flow_runs": " → ".join(f"{i} ({how})" for i, how in endings.items())[:5000],
         "convoy.prefect_flow_run_url": prefect_ui_url(current),
     }
     return {k: v for k, v in tags.items() if v}

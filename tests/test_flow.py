@@ -310,14 +310,14 @@ def check_takeover(run_dir: Path, uri: str, before: list[int], corrupted: int) -
             int(r.data.tags["convoy.attempt"]) for r in children if r.data.tags["convoy.chunk"] == str(chunk)
         )
         assert numbers == list(range(1, len(numbers) + 1)), (chunk, names)
-    killed = [r for r in children if r.info.run_name.startswith("c1·a1 killed@")]
+    killed = [r for r in children if r.info.run_name.startswith("killed@") and r.info.run_name.endswith(" c1·a1")]
     assert len(killed) == 1 and killed[0].info.status == "FAILED", names
     tags = killed[0].data.tags
     assert f"step {corrupted} (" in tags["convoy.passed_over"] and "passed over" in tags["mlflow.note.content"]
     if before == [1]:  # the dead flow's attempt at chunk 2 was running: closed, named, counted
-        orphan = [r for r in children if r.info.run_name.startswith("c2·a1 orphaned@")]
+        orphan = [r for r in children if r.info.run_name.startswith("orphaned@") and r.info.run_name.endswith(" c2·a1")]
         assert len(orphan) == 1 and orphan[0].info.status == "KILLED", names
-        assert any(n.startswith("c2·a2 done→40") for n in names), names
+        assert any(n == "done→40 c2·a2" for n in names), names
     tables = {str(a.flow_run_id): a.data for a in artifacts("convoy-flowkill-chunks")}
     text = tables[new] if isinstance(tables[new], str) else json.dumps(tables[new])
     assert "not committed" not in text and '"failures": "killed"' in text  # chunk 1's failure, from flow 1
@@ -383,7 +383,7 @@ def check_mlflow_run(client: Any, run_id: str, summary: dict[str, Any]) -> None:
     assert tags["convoy.prefect_flow_run_url"].endswith(f"/runs/flow-run/{tags['convoy.prefect_flow_run_id']}")
     assert summary["flow_run_id"] in tags["convoy.prefect_flow_runs"]
     inputs = run.inputs.dataset_inputs
-    assert [i.dataset.name for i in inputs] == ["again-corpus"]
+    assert [i.dataset.name for i in inputs] == ["corpus-synthetic"]  # named after the corpus: one per digest
     assert [(t.key, t.value) for t in inputs[0].tags] == [("mlflow.data.context", "training")]
     assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics), sorted(run.data.metrics)
     models = client.search_logged_models([run.info.experiment_id])
@@ -395,8 +395,26 @@ def check_mlflow_run(client: Any, run_id: str, summary: dict[str, Any]) -> None:
     assert [(v.source, v.run_id) for v in versions] == [(f"models:/{models[0].model_id}", run_id)]
     # The logged model links to its registered version on a SQLite store too (MLflow's UI then
     # says "Registered", not "Not registered"); the link is there once.
-    linked = client.get_logged_model(models[0].model_id).tags["mlflow.modelVersions"]
+    model = client.get_logged_model(models[0].model_id)
+    linked = model.tags["mlflow.modelVersions"]
     assert json.loads(linked) == [{"name": "again", "version": str(versions[0].version)}], linked
+    # Issue 31 item 9: filled where MLflow users look.  The model has its metrics, on the corpus.
+    loss = [m for m in model.metrics or [] if m.key == "loss"]
+    assert len(loss) == 1 and loss[0].dataset_name == inputs[0].dataset.name, model.metrics
+    assert tags.get("mlflow.user") and client.get_experiment(run.info.experiment_id).tags.get("mlflow.note.content")
+    ui = tags["convoy.prefect_flow_run_url"].split("/runs/")[0]
+    assert f"]({tags['convoy.prefect_flow_run_url']})" in tags["mlflow.note.content"]  # a link to click
+    children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
+    for child in children:
+        c = child.data
+        start, end = int(c.tags["convoy.start_step"]), int(c.tags["convoy.end_step"])
+        assert c.params["chunk"] == c.tags["convoy.chunk"] and c.params["train.lr"] == params["train.lr"]
+        assert c.tags["mlflow.source.git.commit"] == head and c.tags["mlflow.user"] == tags["mlflow.user"]
+        steps = [m.step for m in client.get_metric_history(child.info.run_id, "loss")]
+        assert steps == list(range(start + 1, end + 1)), (child.info.run_name, steps)  # its own window, once
+        note = c.tags["mlflow.note.content"]
+        assert note.startswith("**done**") and f"]({ui}/runs/task-run/{c.tags['convoy.prefect_task_run_id']})" in note
+        assert f"](#/experiments/{run.info.experiment_id}/runs/{run_id})" in note, note
 
 
 def test_two_ranks_a_killed_rank_fails_the_chunk_and_is_retried(

@@ -242,6 +242,33 @@ def test_shipper_sends_the_journal_bit_exact_in_few_batches(tmp_path: Path, trac
     assert [s for s, _ in history(tracking_uri, run_id, "lr")] == list(range(1, 601))
 
 
+def test_an_attempt_run_gets_the_points_of_its_own_steps_once(tmp_path: Path, tracking_uri: str) -> None:
+    """Issue 31: child runs had 0 metrics.  An attempt mirrored after some of its steps were read
+    (a pipelined worker adopted late) still gets them; steps outside its window go only to the
+    training run; a deleted attempt run does not stop the training run's points."""
+    from training.tracking.metrics import JsonlBackend
+
+    cfg, run_dir, run_id = unit_run(tmp_path, "mir", tracking_uri)
+    client = client_for(tracking_uri)
+    experiment = client.get_run(run_id).info.experiment_id
+    child, gone = (client.create_run(experiment).info.run_id for _ in range(2))
+    journal = JsonlBackend(run_dir / "metrics.jsonl")
+    journal.write([(s, {"loss": 1.0 / s}) for s in range(1, 26)])
+    shipper = MetricShipper.for_run(cfg, run_dir)
+    assert shipper is not None
+    deadline = time.time() + 30
+    while shipper.shipped < 25 and time.time() < deadline:  # steps 1..25 read and sent before the mirror
+        time.sleep(0.1)
+    client.delete_run(gone)
+    shipper.mirror(gone, 1, 40)
+    shipper.mirror(child, 21, 40)
+    journal.write([(s, {"loss": 1.0 / s}) for s in range(26, 51)])
+    report = shipper.stop(drain_s=30)
+    assert report.shipped == 50 and report.error is None
+    assert history(tracking_uri, child, "loss") == [(s, 1.0 / s) for s in range(21, 41)]
+    assert [s for s, _ in history(tracking_uri, run_id, "loss")] == list(range(1, 51))
+
+
 def test_split_batches_never_splits_a_step() -> None:
     from mlflow.entities import Metric
 

@@ -173,8 +173,8 @@ def test_attempts_are_numbered_per_chunk_across_flow_runs_and_named_by_outcome()
     assert chunk_history(events, 2) == ChunkHistory(3, ("killed", "preempted"))
     assert [(e["chunk"], e["attempt"]) for e in open_attempts(events)] == [(2, 3)]
     name = attempt_name(2, 3, outcome_label("killed", 290, 200))
-    assert name == "c2·a3 killed@290→200" and name[:16] == "c2·a3 killed@290"  # what MLflow's table shows
-    assert attempt_name(3, 1, outcome_label(None, resumed_from=600)) == "c3·a1 done→600"
+    assert name == "killed@290→200 c2·a3" and name[:16] == "killed@290→200 c"  # what MLflow's table shows
+    assert attempt_name(3, 1, outcome_label(None, resumed_from=600)) == "done→600 c3·a1"
 
 
 def test_failure_text_has_no_class_paths_or_unrelated_output() -> None:
@@ -212,6 +212,7 @@ def test_timeline_labels_of_close_failures_never_overlap(tmp_path: Path) -> None
         fig.tight_layout()
         fig.canvas.draw()
         boxes = [t.get_window_extent() for t in labels]
+        lines = list(ax.get_lines())
     finally:
         plt.close(fig)
     texts = [t.get_text() for t in labels]
@@ -219,6 +220,9 @@ def test_timeline_labels_of_close_failures_never_overlap(tmp_path: Path) -> None
     for i, a in enumerate(boxes):
         for b in boxes[i + 1 :]:
             assert not a.overlaps(b), texts
+    # No line crosses a label (issue 31): each sits on an opaque box drawn above every line.
+    assert all(t.get_zorder() > max(ln.get_zorder() for ln in lines) for t in labels)
+    assert all(t.get_bbox_patch() is not None and t.get_bbox_patch().get_facecolor()[:3] == (1, 1, 1) for t in labels)
 
 
 def test_retry_delays_are_waited_by_convoy_and_prefect_is_given_one_number() -> None:
@@ -232,8 +236,31 @@ def test_retry_delays_are_waited_by_convoy_and_prefect_is_given_one_number() -> 
     )
     task = retrying_chunk_task(cfg)
     assert task.retries == 4 and task.retry_delay_seconds == 0
+    assert "backoff 0s→1s→2s→4s ±10%" in task.tags  # convoy's waits, beside Prefect's "Retry Delay 0s"
     assert retry_wait(cfg, 1) == 0.0 and retry_wait(cfg, 2) == 0.0  # the first run, the first retry: at once
     assert 0.9 <= retry_wait(cfg, 3) <= 1.1 and 1.8 <= retry_wait(cfg, 4) <= 2.2 and 3.6 <= retry_wait(cfg, 5) <= 4.4
+
+
+def test_the_result_message_says_why_the_attempt_is_not_prefects_run_count() -> None:
+    """Prefect counts the runs of one task run; convoy counts worker attempts of the chunk in every
+    flow run, a preempted worker re-spawned inside a run included (issue 31: "Run Count 3" beside
+    "committed on attempt 4")."""
+    from tasks.chunk import attempts_explained
+    from training.tracking.attempts import AttemptId
+
+    def started(n: int, flow: str) -> dict[str, object]:
+        return {"kind": "attempt_started", "chunk": 1, "attempt": n, "flow_run_id": flow}
+
+    plain = [started(1, "f"), started(2, "f")]
+    assert attempts_explained(plain, AttemptId(1, 2, 0, 10, "f", "t"), 2) == ""
+    preempted = [*plain, started(3, "f"), started(4, "f")]
+    said = attempts_explained(preempted, AttemptId(1, 4, 0, 10, "f", "t"), 3)
+    assert said == " (Prefect run 3: 1 preempted worker re-spawned inside a run)"
+    taken_over = [started(1, "dead"), started(2, "dead"), started(3, "f")]
+    assert (
+        attempts_explained(taken_over, AttemptId(1, 3, 0, 10, "f", "t"), 1)
+        == " (Prefect run 1: 2 in an earlier flow run)"
+    )
 
 
 def test_only_failures_without_progress_count_toward_the_backoff() -> None:

@@ -21,6 +21,10 @@ Exactly one point per (metric, step), whatever fails:
   the metric) and sends only the others: a new chunk task re-reads the whole journal but sends
   only what no earlier one delivered.
 
+Each chunk attempt's MLflow run gets the points of its own steps too (:meth:`MetricShipper.mirror`):
+its charts show the window it trained, live, so a failed attempt's loss is on its own page.  The
+same rule holds there: each point once, stamped with the worker's time.
+
 The shipper never gives up while the worker trains: MLflow unreachable only means rows wait in
 the journal (said once per outage, and once when it is back).  At a chunk's end :meth:`stop`
 waits a bounded time for the rest; what is still unsent then is sent by the next chunk's shipper.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +48,23 @@ from training.tracking.metrics import JournalRow, read_journal
 
 #: MLflow's per-request limit on metric values in one ``log_batch``.
 MAX_BATCH_METRICS = 1000
+
+
+#: Rows kept after they were read, so an attempt mirrored a little late (a pipelined worker that
+#: trained past its boundary before the next chunk's task adopted it) still gets its first steps.
+RECENT_ROWS = 20_000
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """An attempt's MLflow run that also gets the points of steps ``first``..``last``."""
+
+    run_id: str
+    first: int
+    last: int
+
+    def wants(self, step: int) -> bool:
+        return self.first <= step <= self.last
 
 
 @dataclass(frozen=True)
@@ -100,6 +122,10 @@ class MetricShipper:
         self._offset = 0
         self._known: dict[str, set[int]] = {}  # per metric: the steps MLflow held when first asked
         self._pending: list[Any] = []
+        self._mirrors: list[Mirror] = []
+        self._mirror_pending: dict[str, list[Any]] = {}  # attempt run id → its points not sent yet
+        self._recent: deque[JournalRow] = deque(maxlen=RECENT_ROWS)
+        self._lock = threading.Lock()  # mirrors are added by the chunk task's thread
         self._error: str | None = None
         self._deadline: float | None = None  # set by stop(): the last moment to keep trying
         self._stop = threading.Event()
@@ -116,6 +142,28 @@ class MetricShipper:
 
         uri = resolve_tracking_uri(config, run_dir)
         return cls(lambda: client_for(uri), run_id, RunPaths(run_dir).metrics, say=say).start()
+
+    def mirror(self, run_id: str, first_step: int, last_step: int) -> None:
+        """Send the points of steps ``first_step``..``last_step`` to the attempt run ``run_id``
+        as well, those read already included (from the recent rows)."""
+        mirror = Mirror(run_id, first_step, last_step)
+        with self._lock:
+            self._mirrors = [m for m in self._mirrors if m.run_id != run_id] + [mirror]
+            self._queue_mirrored(list(self._recent), [mirror])
+
+    def _queue_mirrored(self, rows: list[JournalRow], mirrors: list[Mirror]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        for m in mirrors:
+            points = [
+                Metric(key, value, row.time_ms or now, row.step)
+                for row in rows
+                if m.wants(row.step)
+                for key, value in sorted(row.metrics.items())
+            ]
+            if points:
+                self._mirror_pending.setdefault(m.run_id, []).extend(points)
 
     def start(self) -> MetricShipper:
         self._thread.start()
@@ -184,6 +232,12 @@ class MetricShipper:
                 if row.step not in self._known[key]:
                     self._pending.append(Metric(key, value, row.time_ms or now, row.step))
         self._offset = offset
+        with self._lock:
+            self._recent.extend(rows)
+            if rows:
+                newest = rows[-1].step
+                self._mirrors = [m for m in self._mirrors if m.last >= newest - RECENT_ROWS]
+            self._queue_mirrored(rows, self._mirrors)
 
     def _history(self, client: Any, key: str) -> set[int]:
         if key not in self._known:
@@ -196,6 +250,34 @@ class MetricShipper:
             client.log_batch(self.run_id, metrics=batch, synchronous=True)
             del self._pending[: len(batch)]
             self.shipped += len(batch)
+        with self._lock:
+            mirrored = {run_id: list(points) for run_id, points in self._mirror_pending.items()}
+        for run_id, points in mirrored.items():
+            for batch in split_batches(points):
+                if not self._send_mirrored(client, run_id, batch):
+                    break
+            with self._lock:
+                if not self._mirror_pending.get(run_id):
+                    self._mirror_pending.pop(run_id, None)
+
+    def _send_mirrored(self, client: Any, run_id: str, batch: list[Any]) -> bool:
+        """One batch to an attempt run; False when the store refused the run (deleted, say): its
+        points are dropped, since the training run's own points are what must arrive.  An
+        unreachable store raises, as for those."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            client.log_batch(run_id, metrics=batch, synchronous=True)
+        except MlflowException as exc:
+            if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "INVALID_STATE"):
+                with self._lock:
+                    self._mirror_pending.pop(run_id, None)
+                    self._mirrors = [m for m in self._mirrors if m.run_id != run_id]
+                return False
+            raise
+        with self._lock:
+            del self._mirror_pending[run_id][: len(batch)]
+        return True
 
     def _unread_values(self) -> int:
         rows: list[JournalRow]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.records.run_links import attempt_links, flow_runs_markdown
 from training.config import RunConfig
 from training.events import FailureKind, read_events
 from training.fsutil import atomic_write_json
@@ -82,10 +83,13 @@ def client_and_parent(config: RunConfig, run_dir: Path) -> tuple[Any, str, str]:
 
 def start_attempt(config: RunConfig, run_dir: str | Path, attempt: AttemptId) -> str | None:
     """Create the nested child run of one chunk attempt (its chunk's steps), named
-    ``c<chunk>·a<attempt> running`` until :func:`end_attempt` names its outcome, tagged with the
-    flow and task run ids it runs in.  Returns its id (None without MLflow)."""
+    ``running c<chunk>·a<attempt>`` until :func:`end_attempt` names its outcome, tagged with the
+    flow and task run ids it runs in, its source and its user, described with its links.
+    Returns its id (None without MLflow)."""
     if not config.tracking.mlflow:
         return None
+    from tasks.records import mlflow_runs
+
     run_dir = Path(run_dir)
     client, parent_id, uri = client_and_parent(config, run_dir)
     parent = client.get_run(parent_id)
@@ -100,10 +104,34 @@ def start_attempt(config: RunConfig, run_dir: str | Path, attempt: AttemptId) ->
         "convoy.end_step": str(attempt.end),
         "convoy.fingerprint": config.fingerprint(),
         **{f"convoy.prefect_{k}": v for k, v in attempt.prefect_tags().items() if v},
+        **mlflow_runs.git_tags(),
+        **mlflow_runs.created_by(),
+        "mlflow.note.content": attempt_note(run_dir, attempt, "running"),
     }
     child = client.create_run(parent.info.experiment_id, run_name=attempt.name(), tags=tags)
     _child_uris[child.info.run_id] = uri
     return child.info.run_id
+
+
+def attempt_note(run_dir: Path, attempt: AttemptId, what: str) -> str:
+    """An attempt run's description: what happened (``what``), then its links (markdown: MLflow
+    renders a description, so they are clickable) to its Prefect flow run and task run and to the
+    training run."""
+    steps = f"Chunk {attempt.chunk}, attempt {attempt.attempt}: steps ({attempt.start}, {attempt.end}]"
+    since = f", resuming from step {attempt.resumes_from}" if attempt.resumes_from is not None else ""
+    links = attempt_links(run_dir, read_events(run_dir), (attempt.flow_run_id, attempt.task_run_id))
+    return f"{what}\n\n{steps}{since}.\n\n{links}"
+
+
+def attempt_params(config: RunConfig, attempt: AttemptId) -> dict[str, str]:
+    """An attempt run's params: its chunk's steps and resume point, then the training run's
+    settings (the same for every attempt, so the runs list can compare attempts of several runs)."""
+    own = {"chunk": attempt.chunk, "attempt": attempt.attempt, "start_step": attempt.start, "end_step": attempt.end}
+    if attempt.resumes_from is not None:
+        own["resumes_from"] = attempt.resumes_from
+    from tasks.records.mlflow_runs import run_params
+
+    return {**{k: str(v) for k, v in own.items()}, **run_params(config)}
 
 
 #: Lines of the worker's log attached to a failed attempt's MLflow run.
@@ -165,7 +193,8 @@ class AttemptOutcome:
 
 
 def _outcome_tags(outcome: AttemptOutcome) -> dict[str, str]:
-    """The tags of an ended attempt, with a one-line description of a failure for the MLflow UI."""
+    """The tags of an ended attempt, with a one-line account of a failure (the first line of its
+    description in the MLflow UI)."""
     tags = {
         "convoy.status": outcome.status,
         "convoy.steps_committed": str(outcome.steps),
@@ -178,7 +207,7 @@ def _outcome_tags(outcome: AttemptOutcome) -> dict[str, str]:
         passed = tags.get("convoy.passed_over")
         detected = tags.get("convoy.detected_after_s")
         tags["mlflow.note.content"] = (
-            f"{outcome.failure_kind or 'failure'} at step {tags.get('convoy.failed_at_step', '?')}: "
+            f"**{outcome.failure_kind or 'failure'}** at step {tags.get('convoy.failed_at_step', '?')}: "
             f"{tags.get('convoy.failure_reason', '')}"
             + (f"; detected after {detected} s" if detected is not None else "")
             + f"; the next attempt resumes from step {tags['convoy.resumed_from_step']} "
@@ -194,27 +223,38 @@ def end_attempt(
     *,
     config: RunConfig | None = None,
     run_dir: str | Path | None = None,
-    name: tuple[int, int] | None = None,
+    attempt: AttemptId | None = None,
 ) -> None:
     """End a child run FINISHED, FAILED or KILLED.  Tags: status, steps committed by the attempt,
     seconds, and for a failure (``outcome.failure`` = the supervisor's details) its kind, reason,
     failed-at and resumed-from steps, steps lost, the checkpoints passed over and the log path,
-    with the log's tail as an artifact and a one-line description, so a failed attempt explains
-    itself in the MLflow UI.  ``name`` (chunk, attempt): renamed ``c2·a3 killed@290→200``."""
+    with the log's tail as an artifact and a description, so a failed attempt explains itself in
+    the MLflow UI.  With ``attempt`` (and ``config``, ``run_dir``): renamed ``killed@290→200
+    c2·a3``, its params logged and its description ending in its links."""
     if not child_run_id:
         return
     if outcome.status not in ("FINISHED", "FAILED", "KILLED"):
         raise ValueError(f"status = {outcome.status!r}: expected FINISHED, FAILED or KILLED")
-    from mlflow.entities import RunTag
+    from mlflow.entities import Param, RunTag
 
     from tasks.records.mlflow_client import client_for, resolve_tracking_uri
+    from tasks.records.mlflow_runs import MAX_BATCH_PARAMS
 
     uri = _child_uris.get(child_run_id) or resolve_tracking_uri(config, run_dir)
     client = client_for(uri)
     tags = _outcome_tags(outcome)
-    client.log_batch(child_run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
-    if name is not None:
-        client.update_run(child_run_id, name=attempt_name(*name, outcome.label()))
+    params: list[Any] = []
+    if attempt is not None and config is not None and run_dir is not None:
+        done = f"**done**: committed step {outcome.end_step} in {outcome.seconds:.1f} s"
+        what = tags.get("mlflow.note.content") or done
+        tags["mlflow.note.content"] = attempt_note(Path(run_dir), attempt, what)
+        params = [Param(k, v) for k, v in attempt_params(config, attempt).items()]
+    first, rest = params[:MAX_BATCH_PARAMS], params[MAX_BATCH_PARAMS:]
+    client.log_batch(child_run_id, tags=[RunTag(k, v) for k, v in tags.items()], params=first, synchronous=True)
+    for i in range(0, len(rest), MAX_BATCH_PARAMS):
+        client.log_batch(child_run_id, params=rest[i : i + MAX_BATCH_PARAMS], synchronous=True)
+    if attempt is not None:
+        client.update_run(child_run_id, name=attempt_name(attempt.chunk, attempt.attempt, outcome.label()))
     tail = log_tail(outcome.failure.log if outcome.failure else None)
     if tail:
         with tempfile.TemporaryDirectory() as tmp:
@@ -238,13 +278,18 @@ def close_running_attempts(config: RunConfig, run_dir: str | Path, orphans: Sequ
     unknown = FailureDetails(reason="its flow run died while it ran")
     closed = []
     for child in client.search_runs([experiment], filter_string=query):
-        chunk, attempt = child.data.tags.get("convoy.chunk"), child.data.tags.get("convoy.attempt")
+        tag = child.data.tags.get
+        chunk, attempt = tag("convoy.chunk"), tag("convoy.attempt")
         orphan = by_attempt.get((str(chunk), str(attempt)))
         seconds = time.time() - child.info.start_time / 1000
         kind = (orphan.kind if orphan else None) or FailureKind.ORPHANED
         outcome = AttemptOutcome("KILLED", kind, 0, seconds, orphan.details if orphan else unknown)
-        name = (int(chunk), int(attempt)) if chunk and attempt else None
-        end_attempt(child.info.run_id, outcome, config=config, run_dir=run_dir, name=name)
+        which = None
+        if chunk and attempt:
+            steps = (int(tag("convoy.start_step") or 0), int(tag("convoy.end_step") or 0))
+            prefect = (tag("convoy.prefect_flow_run_id"), tag("convoy.prefect_task_run_id"))
+            which = AttemptId(int(chunk), int(attempt), *steps, *prefect)
+        end_attempt(child.info.run_id, outcome, config=config, run_dir=run_dir, attempt=which)
         closed.append(child.info.run_id)
     return closed
 
@@ -307,39 +352,48 @@ def describe_audit(summary: dict[str, Any]) -> str:
     return text + " See convoy/resume_events.json and convoy/timeline.png."
 
 
-#: Metrics with a point at each failed step and each resumed-from step, so a failure shows on
-#: MLflow's own charts.  Their value is the loss logged at that step: charted together with
-#: ``loss`` the points sit on its curve.
-FAILURE_METRIC, RESUME_METRIC = "failure", "resume"
+#: A metric with a point at each failed step, valued at the number of failures so far: a
+#: staircase that reads at a glance on MLflow's own charts (a point per failure valued at the loss
+#: there drew a zig-zag between failures, and two failures at one step made one point).
+FAILURE_METRIC = "failures"
+#: The loss picture with every failure and resume marked, logged as an image *series* so MLflow
+#: shows it in the run's charts, next to ``loss``, without configuring anything.
+CHART_IMAGE_KEY = "loss_with_failures"
 
 
-def recovery_points(run_dir: Path, rows: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
-    """``{metric: {step: loss there}}`` of every failure and resume in the audit ``rows``."""
-    steps, loss = read_loss(run_dir)
-    at = dict(zip(steps, loss, strict=True))
-    points: dict[str, dict[int, float]] = {FAILURE_METRIC: {}, RESUME_METRIC: {}}
-    for row in rows:
-        for key, step in ((FAILURE_METRIC, row.get("failed_at_step")), (RESUME_METRIC, row.get("resumed_from_step"))):
-            value = at.get(step, at.get((step or 0) + 1)) if step is not None else None  # resumed from 0: step 1
-            if value is not None:
-                points[key][int(step)] = value
-    return points
+def failure_counts(rows: list[dict[str, Any]]) -> dict[int, int]:
+    """``{failed step: failures up to and including it}`` of the audit ``rows``."""
+    failed = sorted(int(r["failed_at_step"]) for r in rows if r.get("failed_at_step") is not None)
+    return {step: n for n, step in enumerate(failed, start=1)}  # a later failure at a step wins
 
 
-def _log_recovery_points(client: Any, run_id: str, run_dir: Path, rows: list[dict[str, Any]]) -> None:
-    """Log the points of :func:`recovery_points` MLflow does not hold yet (one per metric and step,
-    invariant 5, however often the audit is refreshed)."""
+def _log_failure_counts(client: Any, run_id: str, rows: list[dict[str, Any]]) -> None:
+    """Log the points of :func:`failure_counts` MLflow does not hold yet (one per step,
+    invariant 5, however often the audit is refreshed; a step's count is the one seen first)."""
     import time
 
     from mlflow.entities import Metric
 
+    counts = failure_counts(rows)
+    if not counts:
+        return
+    held = {m.step for m in client.get_metric_history(run_id, FAILURE_METRIC)}
     now = int(time.time() * 1000)
-    new = []
-    for key, points in recovery_points(run_dir, rows).items():
-        held = {m.step for m in client.get_metric_history(run_id, key)} if points else set()
-        new += [Metric(key, value, now, step) for step, value in sorted(points.items()) if step not in held]
+    new = [Metric(FAILURE_METRIC, float(n), now, step) for step, n in sorted(counts.items()) if step not in held]
     if new:
         client.log_batch(run_id, metrics=new, synchronous=True)
+
+
+def _log_chart_image(client: Any, run_id: str, png: Path, step: int) -> None:
+    """The timeline picture as an image at ``step`` of the series :data:`CHART_IMAGE_KEY` (one per
+    refresh step: a refresh at a step already logged adds nothing)."""
+    from PIL import Image
+
+    held = [f.path for f in client.list_artifacts(run_id, "images")]
+    if any(Path(p).name.startswith(f"{CHART_IMAGE_KEY}+step+{step}+") for p in held):
+        return
+    with Image.open(png) as picture:
+        client.log_image(run_id, picture.convert("RGB"), key=CHART_IMAGE_KEY, step=step, synchronous=True)
 
 
 def _publish(config: RunConfig, run_dir: Path, summary: dict[str, Any], table: dict[str, Any], png: Path) -> None:
@@ -347,14 +401,15 @@ def _publish(config: RunConfig, run_dir: Path, summary: dict[str, Any], table: d
     from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
 
     client, run_id, _ = client_and_parent(config, run_dir)
-    _log_recovery_points(client, run_id, run_dir, summary["rows"])
+    _log_failure_counts(client, run_id, summary["rows"])
     tags = {
         "convoy.resumes": summary["resumes"],
         "convoy.failures": summary["failures"],
         "convoy.steps_lost": summary["steps_lost"],
         "convoy.replay_verified": summary["replay_verified"],
     }
-    tags["mlflow.note.content"] = describe_audit(summary)
+    flow_runs = flow_runs_markdown(run_dir, read_events(run_dir))
+    tags["mlflow.note.content"] = describe_audit(summary) + (f"\n\n{flow_runs}" if flow_runs else "")
     if summary["nondeterministic"]:
         tags["convoy.nondeterministic"] = "true"
         tags["convoy.nondeterministic_first_step"] = summary["nondeterministic_first_step"]
@@ -369,3 +424,6 @@ def _publish(config: RunConfig, run_dir: Path, summary: dict[str, Any], table: d
         path.write_text(json.dumps(table))
         client.log_artifact(run_id, str(path), artifact_path=str(Path(TABLE_ARTIFACT).parent))
     client.log_artifact(run_id, str(png), artifact_path=str(Path(TIMELINE_ARTIFACT).parent))
+    steps, _ = read_loss(run_dir)
+    if steps and summary["rows"]:  # a run without failures has its loss chart already
+        _log_chart_image(client, run_id, png, steps[-1])

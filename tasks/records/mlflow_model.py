@@ -103,6 +103,7 @@ def log_final_model(config: RunConfig, run_dir: Path, client: Any, run_id: str) 
         client.log_model_artifacts(model.model_id, tmp)
     client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, export["step"])])
+    log_model_metrics(client, run_id, model.model_id, config, run_dir)
     client.set_tag(run_id, MODEL_ID_TAG, model.model_id)
     client.set_tag(run_id, MODEL_DIGEST_TAG, export["digest"])
     out = {"model_id": model.model_id, "digest": export["digest"], "step": export["step"]}
@@ -120,6 +121,38 @@ def log_final_model(config: RunConfig, run_dir: Path, client: Any, run_id: str) 
         link_version(client, model.model_id, name, str(version.version))
         out["registered"] = f"{name} version {version.version}"
     return out
+
+
+#: The run's metrics a model page shows: the last value of each, at its step.
+MODEL_METRICS = ("loss", "val_loss")
+
+
+def log_model_metrics(client: Any, run_id: str, model_id: str, config: RunConfig, run_dir: Path) -> None:
+    """The model's own metrics (its page listed "Metrics (0)"): the last ``loss`` and
+    ``val_loss`` the run logged, linked to the model and to the corpus dataset it was trained
+    and evaluated on (MLflow 3 keys a model's metrics by dataset), at their steps.  Each carries
+    the time the worker logged it, as the shipper's point does: in the run's history it is that
+    same point, not a second one at the step."""
+    from mlflow.entities import Metric
+
+    from tasks.records.mlflow_runs import corpus_dataset
+    from training.paths import RunPaths
+    from training.tracking.metrics import read_journal
+
+    last: dict[str, tuple[int, float, int]] = {}
+    rows, _ = read_journal(RunPaths(run_dir).metrics)
+    for row in rows:
+        for key in MODEL_METRICS:
+            if key in row.metrics and row.time_ms is not None:
+                last[key] = (row.step, float(row.metrics[key]), row.time_ms)
+    dataset = corpus_dataset(config)
+    name, digest = (dataset.name, dataset.digest) if dataset is not None else (None, None)
+    metrics = [
+        Metric(key, value, at, step, model_id=model_id, dataset_name=name, dataset_digest=digest)
+        for key, (step, value, at) in sorted(last.items())
+    ]
+    if metrics:
+        client.log_batch(run_id, metrics=metrics, synchronous=True)
 
 
 def link_version(client: Any, model_id: str, name: str, version: str) -> None:

@@ -9,6 +9,7 @@ never talks to MLflow; its ``metrics.jsonl`` is shipped into the run named in ``
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -39,14 +40,32 @@ def default_artifact_location(uri: str, experiment: str) -> str | None:
     return None
 
 
+#: The experiment's description (MLflow shows ``mlflow.note.content`` on the experiment's page):
+#: what a reader finds in it, since convoy's runs have a shape of their own.
+EXPERIMENT_NOTE = (
+    "Training runs by convoy (fault-tolerant, exactly resumable training). Each top-level run is one "
+    "training run: its loss, the resume audit (tags `convoy.resumes`, `convoy.failures`, "
+    "`convoy.steps_lost`; artifacts `convoy/timeline.png`, `convoy/resume_events.json`), its goodput and "
+    "its model. Its child runs are the attempts of its chunks, named by outcome first: `killed@151→125 "
+    "c2·a2` failed at step 151 and the next attempt resumed from step 125; `done→200 c2·a3` committed "
+    "the chunk. Each description links the Prefect flow run and task run."
+)
+
+
 def ensure_experiment(client: MlflowClient, name: str, uri: str = "") -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         if exp.lifecycle_stage == "deleted":
             client.restore_experiment(exp.experiment_id)
+        if "mlflow.note.content" not in exp.tags:  # made by an older convoy or by hand: described once
+            client.set_experiment_tag(exp.experiment_id, "mlflow.note.content", EXPERIMENT_NOTE)
         return exp.experiment_id
     try:
-        return client.create_experiment(name, artifact_location=default_artifact_location(uri, name))
+        return client.create_experiment(
+            name,
+            artifact_location=default_artifact_location(uri, name),
+            tags={"mlflow.note.content": EXPERIMENT_NOTE, "convoy.kind": "training runs"},
+        )
     except MlflowException:  # created concurrently by another process
         exp = client.get_experiment_by_name(name)
         if exp is None:
@@ -77,6 +96,18 @@ def run_params(config: RunConfig) -> dict[str, str]:
     return flatten_params(config.trajectory())
 
 
+def created_by() -> dict[str, str]:
+    """``mlflow.user``, which MLflow's "Created by" shows (the fluent ``start_run`` sets it; a
+    client's ``create_run`` does not): the user the flow runs as."""
+    import getpass
+
+    try:
+        return {"mlflow.user": getpass.getuser()}
+    except (KeyError, OSError):  # no user name for this uid (a container): leave it unset
+        return {}
+
+
+@functools.cache
 def git_tags(cwd: Path | None = None) -> dict[str, str]:
     """MLflow's source tags for the code in ``cwd`` (the project the run is trained from):
     commit, branch, origin URL; ``convoy.git_dirty`` when tracked files had changes.  Empty
@@ -104,13 +135,14 @@ def git_tags(cwd: Path | None = None) -> dict[str, str]:
     return {k: v for k, v in tags.items() if v}
 
 
-def log_corpus_input(client: MlflowClient, run_id: str, config: RunConfig) -> bool:
-    """The prepared corpus as the run's training dataset input (``mlflow.log_input``'s record):
-    its path, a digest of its bytes and a profile (bytes, validation fraction, sequence length,
-    entropy floor).  False when the corpus is not on this machine."""
+def corpus_dataset(config: RunConfig) -> Any | None:
+    """The prepared corpus as an MLflow ``Dataset``: its path, a digest of its bytes and a profile
+    (bytes, validation fraction, sequence length, entropy floor); None when it is not on this
+    machine.  Named after the corpus, not the run (``corpus-synthetic``, ``corpus-<file stem>``):
+    MLflow keys a dataset by name and digest, so every run on one corpus shares one dataset."""
     import hashlib
 
-    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.entities import Dataset
 
     from training.corpus import CORPUS_FILE, entropy_floor
 
@@ -118,7 +150,7 @@ def log_corpus_input(client: MlflowClient, run_id: str, config: RunConfig) -> bo
     try:
         raw = path.read_bytes()
     except OSError:
-        return False
+        return None
     profile = {
         "bytes": len(raw),
         "source": config.data.source,
@@ -126,13 +158,24 @@ def log_corpus_input(client: MlflowClient, run_id: str, config: RunConfig) -> bo
         "seq_len": config.data.seq_len,
         "entropy_floor_nats_per_char": entropy_floor(config.data),
     }
-    dataset = Dataset(
-        name=f"{config.run_name.partition('@')[0]}-corpus",
+    named = Path(config.data.path).stem if config.data.source == "file" and config.data.path else config.data.source
+    return Dataset(
+        name=f"corpus-{named}",
         digest=hashlib.sha256(raw).hexdigest()[:16],
         source_type="local",
         source=json.dumps({"uri": path.resolve().as_uri()}),
         profile=json.dumps(profile),
     )
+
+
+def log_corpus_input(client: MlflowClient, run_id: str, config: RunConfig) -> bool:
+    """The prepared corpus (:func:`corpus_dataset`) as the run's training dataset input
+    (``mlflow.log_input``'s record).  False when the corpus is not on this machine."""
+    from mlflow.entities import DatasetInput, InputTag
+
+    dataset = corpus_dataset(config)
+    if dataset is None:
+        return False
     client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "training")])])
     return True
 
@@ -230,6 +273,7 @@ def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> s
         f"{TAG_PREFIX}steps_lost": "0",
         **lineage_tags(info.get("parent")),
         **git_tags(),
+        **created_by(),
     }
     run = client.create_run(exp_id, run_name=config.run_name, tags=tags)
     run_id = run.info.run_id

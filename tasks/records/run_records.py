@@ -71,8 +71,7 @@ def end_attempt(
     try:
         from tasks.records.mlflow_audit import end_attempt as _end
 
-        name = (attempt.chunk, attempt.attempt) if attempt is not None else None
-        _end(child, outcome, config=config, run_dir=run_dir, name=name)
+        _end(child, outcome, config=config, run_dir=run_dir, attempt=attempt)
     except Exception as exc:  # noqa: BLE001
         log.warning("MLflow: could not end attempt run %s: %s", child, exc)
 

@@ -7,7 +7,7 @@ worker attempt as an ``attempt_started`` event; its number is one more than the 
 chunk has used (in any event), so no two attempts of a chunk share a number, a log file or an
 MLflow run name, whichever flow ran them.
 
-Names: :func:`attempt_name` puts the outcome in the first characters (``c2·a3 killed@290→200``),
+Names: :func:`attempt_name` puts the outcome in the first characters (``killed@290→200 c2·a3``),
 because MLflow's runs table shows about sixteen.
 """
 
@@ -36,7 +36,8 @@ class AttemptId:
     chunk, the attempt number, the chunk's steps and the Prefect runs positionally.
 
     ``start``/``end``: the chunk's steps ``(start, end]``; ``flow_run_id``/``task_run_id``: the
-    Prefect runs the attempt runs in (None outside a flow)."""
+    Prefect runs the attempt runs in (None outside a flow); ``resumes_from``: the step its worker
+    restores (None until the chunk task has chosen it)."""
 
     chunk: int
     attempt: int
@@ -44,6 +45,7 @@ class AttemptId:
     end: int = 0
     flow_run_id: str | None = None
     task_run_id: str | None = None
+    resumes_from: int | None = None
 
     def name(self, outcome: str = "running") -> str:
         """Its MLflow run name (:func:`attempt_name`)."""
@@ -118,5 +120,7 @@ def outcome_label(kind: str | None, failed_at: int | None = None, resumed_from: 
 
 
 def attempt_name(chunk: int, attempt: int, outcome: str = "running") -> str:
-    """The MLflow run name of one attempt: ``c2·a3 killed@290→200``."""
-    return f"c{chunk}·a{attempt} {outcome}"
+    """The MLflow run name of one attempt, outcome first: ``killed@290→200 c2·a3``.  MLflow's
+    runs list shows about 16 characters of a name: the outcome and its steps must be in them (the
+    chunk and attempt are tags too)."""
+    return f"{outcome} c{chunk}·a{attempt}"

@@ -211,6 +211,8 @@ def _readable_y_range(ax: Any, loss: list[float]) -> None:
 LABEL_LEVELS = (0.97, 0.64, 0.31)
 #: Width of one rotated label on the step axis, in pixels (a 7-point line and some air).
 LABEL_WIDTH_PX = 12.0
+#: Labels are drawn above the event lines and the loss (matplotlib draws lines at zorder 2).
+LABEL_ZORDER = 5
 
 
 def _failure_labels(rows: list[dict[str, Any]]) -> list[tuple[int, str]]:
@@ -260,6 +262,10 @@ def _mark_attempts(ax: Any, rows: list[dict[str, Any]]) -> list[Any]:
             ha="left",
             fontsize=7,
             color="tab:red",
+            # Over every line, on white: the line of an event a few steps away (and the loss
+            # curve) would otherwise cross the label's letters.
+            bbox={"boxstyle": "square,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.9},
+            zorder=LABEL_ZORDER,
         )
         for step, text, level in place_labels(_failure_labels(rows), min_gap)
     ]
