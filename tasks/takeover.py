@@ -108,7 +108,8 @@ def take_over(
     if not previous and not orphans:
         return None
     closed = run_records.close_orphaned_attempts(config, run_dir, orphans)
-    crashed = _crash_in_prefect(previous, (current, name)) if previous else []
+    resumes = orphans[0].details.last_committed_step if orphans else None
+    crashed = _crash_in_prefect(previous, (current, name), resumes) if previous else []
     event = append_event(
         run_dir,
         Event.FLOW_TAKEN_OVER,
@@ -133,9 +134,13 @@ def take_over(
     return event
 
 
-def _crash_in_prefect(ids: list[str], current: tuple[str | None, str | None]) -> list[dict[str, Any]]:
+def _crash_in_prefect(
+    ids: list[str], current: tuple[str | None, str | None], resumes: int | None = None
+) -> list[dict[str, Any]]:
     """Set each flow run of ``ids`` that is not final (and its task runs that are not) Crashed,
-    and tag it ``continued-by:<current name>``; returns what each was and what was crashed."""
+    and tag it ``continued-by:<current name>``; returns what each was and what was crashed.
+    Each task run crashed here gets a last log line saying what happened to it (its own log ended
+    at whatever its worker said last); ``resumes``: the step the training resumes from."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
@@ -144,6 +149,7 @@ def _crash_in_prefect(ids: list[str], current: tuple[str | None, str | None]) ->
 
     new_id, new_name = current
     message = f"the flow process died (no hook ran); flow run {new_name} ({new_id}) took the training run over"
+    resumed = f"; training resumes from step {resumes}" if resumes is not None else ""
     out = []
     try:
         with get_client(sync_client=True) as client:
@@ -152,12 +158,20 @@ def _crash_in_prefect(ids: list[str], current: tuple[str | None, str | None]) ->
                 was = fr.state.name if fr.state is not None else "unknown"
                 if fr.state is not None and not fr.state.is_final():
                     client.set_flow_run_state(fr.id, Crashed(message=message), force=True)
-                tasks = []
+                tasks, last_words = [], []
                 own = FlowRunFilter(id=FlowRunFilterId(any_=[fr.id]))
                 for tr in client.read_task_runs(flow_run_filter=own):
                     if tr.state is not None and not tr.state.is_final():
                         client.set_task_run_state(tr.id, Crashed(message=message), force=True)
                         tasks.append(f"{tr.name} ({tr.state.name})")
+                        said = (
+                            f"{tr.name} crashed: its flow process was killed while it watched its worker "
+                            f"(no hook ran); the worker attempt was closed as orphaned and flow run "
+                            f"{new_name} took the training run over{resumed}"
+                        )
+                        last_words.append(_log_line(said, fr.id, tr.id))
+                if last_words:
+                    client.create_logs(last_words)
                 client.update_flow_run(fr.id, tags=sorted({*fr.tags, f"continued-by:{new_name}"}))
                 out.append({"id": str(fr.id), "name": fr.name, "state": was, "crashed_task_runs": tasks})
             if new_id and out:
@@ -167,6 +181,23 @@ def _crash_in_prefect(ids: list[str], current: tuple[str | None, str | None]) ->
     except Exception as exc:  # noqa: BLE001 - best effort (another API, a server gone)
         log.warning("Prefect: could not close the dead flow run(s) %s: %s", ", ".join(ids), exc)
     return out
+
+
+def _log_line(message: str, flow_run_id: Any, task_run_id: Any) -> Any:
+    """A log line in a dead task run's own log (ERROR), dated now: the line it never wrote."""
+    import datetime
+
+    from prefect.client.schemas.actions import LogCreate
+
+    now = datetime.datetime.now(datetime.UTC)
+    return LogCreate(
+        name="convoy.takeover",
+        level=40,
+        message=message,
+        timestamp=now,
+        flow_run_id=flow_run_id,
+        task_run_id=task_run_id,
+    )
 
 
 def _link(flow_run_id: str | None, name: str | None) -> str:

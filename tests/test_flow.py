@@ -293,6 +293,18 @@ def check_takeover(run_dir: Path, uri: str, before: list[int], corrupted: int) -
     assert dead.state.is_crashed() and live.state.is_completed(), (dead.state, live.state)
     assert all(r.state.is_final() for r in task_runs(old).values())
     assert f"continued-by:{live.name}" in dead.tags and f"continues:{dead.name}" in live.tags
+    # A task run crashed by the takeover ends its log saying what happened to it (issue 31).
+    from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    crashed = [r for r in task_runs(old).values() if r.state.is_crashed()]
+    assert len(crashed) == len(taken[0]["crashed_task_runs"])
+    with get_client(sync_client=True) as client:
+        for tr in crashed:
+            logs = client.read_logs(
+                LogFilter(task_run_id=LogFilterTaskRunId(any_=[tr.id])), sort=LogSort.TIMESTAMP_DESC
+            )
+            assert logs and "its flow process was killed" in logs[0].message and live.name in logs[0].message
     links = artifacts("convoy-flowkill-flow-runs")
     assert any(dead.name in str(a.data) for a in links if str(a.flow_run_id) == new), links
     client = MlflowClient(uri)
@@ -317,6 +329,7 @@ def check_takeover(run_dir: Path, uri: str, before: list[int], corrupted: int) -
     if before == [1]:  # the dead flow's attempt at chunk 2 was running: closed, named, counted
         orphan = [r for r in children if r.info.run_name.startswith("orphaned@") and r.info.run_name.endswith(" c2·a1")]
         assert len(orphan) == 1 and orphan[0].info.status == "KILLED", names
+        assert f"found by flow run {live.name}" in orphan[0].data.tags["mlflow.note.content"]  # a name, not a UUID
         assert any(n == "done→40 c2·a2" for n in names), names
     tables = {str(a.flow_run_id): a.data for a in artifacts("convoy-flowkill-chunks")}
     text = tables[new] if isinstance(tables[new], str) else json.dumps(tables[new])
@@ -521,5 +534,7 @@ def test_pipelined_worker_never_outruns_the_flow_and_chunks_are_identical(
     assert len(digests[True]) == TOTAL // 10 and all(digests[True])
     assert digests[True] == digests[False]
     assert summaries[True]["digest"] == summaries[False]["digest"] == reference_digest
-    logs = sorted(p.name for p in (tmp_path / "runs" / "pipe-True" / "logs").glob("chunk-*.log"))
-    assert logs == ["chunk-1-attempt-1.log"]  # one worker trained all six chunks
+    logs = sorted((tmp_path / "runs" / "pipe-True" / "logs").glob("chunk-*.log"))
+    # One worker trained all six chunks: one file, named after each attempt it served (issue 31).
+    assert [p.name for p in logs] == [f"chunk-{c}-attempt-1.log" for c in range(1, TOTAL // 10 + 1)]
+    assert len({p.stat().st_ino for p in logs}) == 1

@@ -57,10 +57,12 @@ def _rank0(ev: dict[str, Any]) -> bool:
     return int(ev.get("rank", 0) or 0) == 0
 
 
-def _iso(t: float | None) -> str | None:
+def _utc(t: float | None) -> str | None:
+    """``12-03 16:04:41``, UTC: a resume table's time column is narrow in MLflow's table view, and
+    a full ISO time was cut before its seconds."""
     if t is None:
         return None
-    return _dt.datetime.fromtimestamp(t, _dt.UTC).isoformat(timespec="seconds")
+    return _dt.datetime.fromtimestamp(t, _dt.UTC).strftime("%m-%d %H:%M:%S")
 
 
 def analyse_events(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -150,7 +152,7 @@ def _row(start: dict[str, Any], pending: dict[str, Any]) -> dict[str, Any]:
     failed_time = fail.get("last_seen") or fail.get("time", pre.get("time"))
     skipped = [{"step": _step_of(e.get("checkpoint")), "reason": e.get("reason")} for e in pending.get("skipped", [])]
     return {
-        "time": _iso(start.get("time")),
+        "time": _utc(start.get("time")),
         "kind": fail.get("failure") or ("preempted" if pre else "unreported"),
         "detected_after_s": fail.get("detected_after_s"),
         "failed_at_step": failed_at,
