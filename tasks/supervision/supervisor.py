@@ -137,19 +137,19 @@ def supervise(spec: AttemptSpec) -> Outcome:
     return WorkerAttempt(spec).run()
 
 
-def own_log_name(worker_log: Path, attempt_log: Path) -> Path:
+def own_log_name(worker_log: Path, attempt_log: Path, source: str) -> Path:
     """An adopted (pipelined) worker writes on into the log it was started with, named after the
-    chunk and attempt it started in; this attempt's name is made a second name of that same file
-    (a hard link: what the worker writes shows under both), so ``chunk-2-attempt-1.log`` exists
-    for ``c2·a1``.  A line marks where this attempt begins.  Where a link cannot be made, the
-    worker's own name stays."""
+    chunk and attempt it started in, and a standby into ``standby-<n>.log``; this attempt's name
+    is made a second name of that same file (a hard link: what the worker writes shows under
+    both), so ``chunk-2-attempt-1.log`` exists for ``c2·a1``.  A line marks where this attempt
+    begins.  Where a link cannot be made, the worker's own name stays."""
     if worker_log == attempt_log:
         return worker_log
     try:
         if not attempt_log.exists():
             os.link(worker_log, attempt_log)
         with open(attempt_log, "ab") as log:
-            log.write(f"# convoy adopted as {attempt_log.stem} (this file is also {worker_log.name})\n".encode())
+            log.write(f"# convoy {source} as {attempt_log.stem} (this file is also {worker_log.name})\n".encode())
     except OSError:
         return worker_log
     return attempt_log
@@ -189,7 +189,7 @@ class WorkerAttempt:
         self.started = time.time()
         acquired = self.source.acquire(self.started)
         self.worker, adopted = acquired.worker, acquired.source == Source.ADOPTED
-        self.log_path = own_log_name(self.worker.log_path, self.spec.log_path) if adopted else self.worker.log_path
+        self.log_path = own_log_name(self.worker.log_path, self.spec.log_path, acquired.source)
         # An adopted worker's last words so far (read by the chunk that parked it) are not echoed
         # again; what it said since (a traceback if it died between the tasks) is this chunk's.
         self.tail.extend(self.worker.said)
