@@ -229,8 +229,8 @@ class ChunkRun:
         """One worker attempt under watch: its outcome, or None when it was preempted and is to be
         re-spawned at once; any other failure is reported and raised (Prefect retries the task)."""
         cfg, rd = self.cfg, self.run_dir
-        adopting = self.parking.parked_pid() is not None
-        if not adopting:  # a worker about to restore: the remote may hold a newer checkpoint
+        adopting = self.parking.holds_worker()
+        if self.parking.parked_pid() is None:  # a worker about to restore: the remote may hold a newer checkpoint
             remote_checkpoints.fetch_before_resume(cfg, rd, lambda m: self.logger.info("chunk %d: %s", self.chunk, m))
         point = self.resources.checkpoints.resume_point()
         self.set_aside_bad_boundary(point)

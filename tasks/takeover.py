@@ -17,7 +17,7 @@ worker) closes it:
   set Crashed, with its task runs that are not final;
 * links both ways: the old flow run is tagged ``continued-by:<new>``, the new one
   ``continues:<old>``, each gets a markdown artifact naming the other, and the MLflow run lists
-  every flow run of the training run (``convoy.prefect_flow_runs``, :func:`mlflow_flow_tags`).
+  every flow run of the training run (``convoy.flows``, :func:`mlflow_flow_tags`).
 
 Best effort throughout: cleaning up after a dead flow never stops the new one from training.
 """
@@ -308,9 +308,9 @@ def mlflow_flow_tags(run_dir: Path, current: str | None, name: str | None) -> di
     ended (``crashed`` when another took it over)."""
     endings = flow_run_endings(read_events(run_dir), current)
     tags = {
-        "convoy.prefect_flow_run_id": current,
-        "convoy.prefect_flow_run": name,
-        "convoy.prefect_flow_runs": " → ".join(f"{i} ({how})" for i, how in endings.items())[:5000],
-        "convoy.prefect_flow_run_url": prefect_ui_url(current),
+        "convoy.flow_run": current,
+        "convoy.flow": name,
+        "convoy.flows": " → ".join(f"{i} ({how})" for i, how in endings.items())[:5000],
+        "convoy.flow_url": prefect_ui_url(current),
     }
     return {k: v for k, v in tags.items() if v}

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.records.run_links import attempt_links, flow_runs_markdown
+from tasks.records.run_links import attempt_links, attempts_oldest_first, flow_runs_markdown
 from training.config import RunConfig
 from training.events import FailureKind, read_events
 from training.fsutil import atomic_write_json
@@ -103,7 +103,7 @@ def start_attempt(config: RunConfig, run_dir: str | Path, attempt: AttemptId) ->
         "convoy.start_step": str(attempt.start),
         "convoy.end_step": str(attempt.end),
         "convoy.fingerprint": config.fingerprint(),
-        **{f"convoy.prefect_{k}": v for k, v in attempt.prefect_tags().items() if v},
+        **{k: v for k, v in (("convoy.flow_run", attempt.flow_run_id), ("convoy.task_run", attempt.task_run_id)) if v},
         **mlflow_runs.git_tags(),
         **mlflow_runs.created_by(),
         "mlflow.note.content": attempt_note(run_dir, attempt, "running"),
@@ -160,8 +160,8 @@ def failure_tags(failure: FailureDetails) -> dict[str, str]:
         "resumed_from_step": failure.last_committed_step or 0,
         "steps_lost": failure.steps_lost,
         "detected_after_s": failure.detected_after_s,
-        "failure_reason": (failure.reason or "")[:500],
-        "passed_over": describe_passed_over(failure.passed_over or [], limit=300) or None,
+        "reason": (failure.reason or "")[:500],
+        "skipped": describe_passed_over(failure.passed_over or [], limit=300) or None,
         "log": failure.log,
     }
     return {f"convoy.{k}": str(v) for k, v in facts.items() if v is not None}
@@ -204,11 +204,11 @@ def _outcome_tags(outcome: AttemptOutcome) -> dict[str, str]:
         tags["convoy.failure_kind"] = outcome.failure_kind
     if outcome.failure is not None:
         tags.update(failure_tags(outcome.failure))
-        passed = tags.get("convoy.passed_over")
+        passed = tags.get("convoy.skipped")
         detected = tags.get("convoy.detected_after_s")
         tags["mlflow.note.content"] = (
             f"**{outcome.failure_kind or 'failure'}** at step {tags.get('convoy.failed_at_step', '?')}: "
-            f"{tags.get('convoy.failure_reason', '')}"
+            f"{tags.get('convoy.reason', '')}"
             + (f"; detected after {detected} s" if detected is not None else "")
             + f"; the next attempt resumes from step {tags['convoy.resumed_from_step']} "
             f"({tags.get('convoy.steps_lost', '?')} steps lost)"
@@ -287,7 +287,7 @@ def close_running_attempts(config: RunConfig, run_dir: str | Path, orphans: Sequ
         which = None
         if chunk and attempt:
             steps = (int(tag("convoy.start_step") or 0), int(tag("convoy.end_step") or 0))
-            prefect = (tag("convoy.prefect_flow_run_id"), tag("convoy.prefect_task_run_id"))
+            prefect = (tag("convoy.flow_run"), tag("convoy.task_run"))
             which = AttemptId(int(chunk), int(attempt), *steps, *prefect)
         end_attempt(child.info.run_id, outcome, config=config, run_dir=run_dir, attempt=which)
         closed.append(child.info.run_id)
@@ -331,6 +331,17 @@ def refresh_audit(config: RunConfig, run_dir: str | Path) -> dict[str, Any]:
         print(f"WARNING: could not publish the resume audit to MLflow: {exc}", file=sys.stderr, flush=True)
         summary["mlflow_error"] = str(exc)
     return summary
+
+
+def run_description(run_dir: Path, summary: dict[str, Any] | None = None) -> str:
+    """The training run's MLflow description: the audit in a sentence or two, then its Prefect
+    flow runs as links with how each ended."""
+    events = read_events(run_dir)
+    parts = [describe_audit(summary or analyse_events(events)), flow_runs_markdown(run_dir, events)]
+    attempts = attempts_oldest_first(run_dir)
+    if attempts:
+        parts.append(f"Chunk attempts: {attempts} (each a child run).")
+    return "\n\n".join(p for p in parts if p)
 
 
 def describe_audit(summary: dict[str, Any]) -> str:
@@ -408,8 +419,7 @@ def _publish(config: RunConfig, run_dir: Path, summary: dict[str, Any], table: d
         "convoy.steps_lost": summary["steps_lost"],
         "convoy.replay_verified": summary["replay_verified"],
     }
-    flow_runs = flow_runs_markdown(run_dir, read_events(run_dir))
-    tags["mlflow.note.content"] = describe_audit(summary) + (f"\n\n{flow_runs}" if flow_runs else "")
+    tags["mlflow.note.content"] = run_description(run_dir, summary)
     if summary["nondeterministic"]:
         tags["convoy.nondeterministic"] = "true"
         tags["convoy.nondeterministic_first_step"] = summary["nondeterministic_first_step"]

@@ -29,7 +29,7 @@ from typing import Any
 from training.config import RunConfig
 
 #: Tags on the training run's MLflow run naming its logged model.
-MODEL_ID_TAG, MODEL_DIGEST_TAG = "convoy.model_id", "convoy.model_digest"
+MODEL_ID_TAG, MODEL_DIGEST_TAG = "convoy.model_id", "convoy.digest"
 
 
 @contextlib.contextmanager

@@ -110,8 +110,8 @@ def created_by() -> dict[str, str]:
 @functools.cache
 def git_tags(cwd: Path | None = None) -> dict[str, str]:
     """MLflow's source tags for the code in ``cwd`` (the project the run is trained from):
-    commit, branch, origin URL; ``convoy.git_dirty`` when tracked files had changes.  Empty
-    outside a git work tree."""
+    commit, branch, origin URL; ``convoy.git_dirty`` when tracked files had changes.  Outside a
+    git work tree only the source's type and name (what MLflow's Source column shows)."""
     import subprocess
 
     def git(*args: str) -> str | None:
@@ -121,9 +121,10 @@ def git_tags(cwd: Path | None = None) -> dict[str, str]:
             return None
         return proc.stdout.strip() if proc.returncode == 0 else None
 
+    source = {"mlflow.source.type": "LOCAL", "mlflow.source.name": "convoy train"}  # MLflow's Source column
     commit = git("rev-parse", "HEAD")
     if not commit:
-        return {}
+        return source
     tags = {
         "mlflow.source.git.commit": commit,
         "mlflow.source.git.branch": git("rev-parse", "--abbrev-ref", "HEAD"),

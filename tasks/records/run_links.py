@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from training.events import Event
 from training.rundir import run_info
@@ -98,3 +99,16 @@ def attempt_links(run_dir: str | Path, events: list[dict[str, Any]], prefect: tu
     prefect_part = "Prefect: " + " · ".join(parts) if parts else ""
     parent = mlflow_run_link(info.get("mlflow_experiment_id"), info.get("mlflow_run_id"), "the training run")
     return " · ".join(p for p in (prefect_part, f"part of {parent}") if p)
+
+
+def attempts_oldest_first(run_dir: str | Path) -> str:
+    """A link to the runs list showing only this training run's attempts, oldest first (MLflow
+    lists a parent's children newest first, and a run's story reads from its start); empty
+    before the run has an MLflow run."""
+    info = run_info(run_dir) or {}
+    experiment, run_id = info.get("mlflow_experiment_id"), info.get("mlflow_run_id")
+    if not experiment or not run_id:
+        return ""
+    query = quote(f"tags.mlflow.parentRunId = '{run_id}'")
+    url = f"#/experiments/{experiment}/runs?searchFilter={query}&orderByKey=attributes.start_time&orderByAsc=true"
+    return link("its attempts, oldest first", url)

@@ -91,13 +91,15 @@ def close_orphaned_attempts(config: RunConfig, run_dir: Path, orphans: Sequence[
 
 
 def link_flow_run(config: RunConfig, run_dir: Path, tags: dict[str, str]) -> None:
-    """Tag the run's MLflow run with its Prefect flow runs (best effort)."""
+    """Tag the run's MLflow run with its Prefect flow runs, and say how each ended in its
+    description (best effort)."""
     if not config.tracking.mlflow or not tags:
         return
     try:
+        from tasks.records.mlflow_audit import run_description
         from tasks.records.mlflow_runs import set_run_tags
 
-        set_run_tags(config, run_dir, tags)
+        set_run_tags(config, run_dir, {**tags, "mlflow.note.content": run_description(run_dir)})
     except Exception as exc:  # noqa: BLE001
         log.warning("MLflow: could not link the Prefect flow run: %s", exc)
 

@@ -90,6 +90,12 @@ class Parking:
             return None
         return worker
 
+    def holds_worker(self) -> bool:
+        """Whether a worker is parked, alive or not (one that finished the run before the next
+        chunk task came is still that task's to adopt)."""
+        with self._lock:
+            return self._parked is not None
+
     def parked_pid(self) -> int | None:
         with self._lock:
             parked = self._parked

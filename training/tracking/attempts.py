@@ -51,9 +51,6 @@ class AttemptId:
         """Its MLflow run name (:func:`attempt_name`)."""
         return attempt_name(self.chunk, self.attempt, outcome)
 
-    def prefect_tags(self) -> dict[str, str | None]:
-        return {"flow_run_id": self.flow_run_id, "task_run_id": self.task_run_id}
-
 
 @dataclass(frozen=True)
 class ChunkHistory:
