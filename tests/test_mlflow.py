@@ -269,6 +269,23 @@ def test_an_attempt_run_gets_the_points_of_its_own_steps_once(tmp_path: Path, tr
     assert [s for s, _ in history(tracking_uri, run_id, "loss")] == list(range(1, 51))
 
 
+def test_the_loss_picture_in_the_charts_is_one_image_the_newest(tmp_path: Path, tracking_uri: str) -> None:
+    """MLflow's image chart opens at the series' only step, or at step 0 (blank) when there are
+    several: each audit refresh logs its picture and removes the older ones (issue 31 item 5)."""
+    from PIL import Image
+
+    from tasks.records.mlflow_audit import CHART_IMAGE_KEY, _log_chart_image
+
+    _, _, run_id = unit_run(tmp_path, "pic", tracking_uri)
+    client = client_for(tracking_uri)
+    png = tmp_path / "timeline.png"
+    Image.new("RGB", (40, 20), "white").save(png)
+    for step in (100, 200, 200, 300):  # a refresh at a step already shown adds nothing
+        _log_chart_image(client, run_id, png, step)
+    names = sorted(Path(f.path).name for f in client.list_artifacts(run_id, "images"))
+    assert len(names) == 2 and all(n.startswith(f"{CHART_IMAGE_KEY}+step+300+") for n in names), names
+
+
 def test_split_batches_never_splits_a_step() -> None:
     from mlflow.entities import Metric
 

@@ -396,15 +396,36 @@ def _log_failure_counts(client: Any, run_id: str, rows: list[dict[str, Any]]) ->
 
 
 def _log_chart_image(client: Any, run_id: str, png: Path, step: int) -> None:
-    """The timeline picture as an image at ``step`` of the series :data:`CHART_IMAGE_KEY` (one per
-    refresh step: a refresh at a step already logged adds nothing)."""
+    """The timeline picture as the one image of the series :data:`CHART_IMAGE_KEY`, at ``step``.
+
+    One, the newest: MLflow's image chart opens at the series' only step when there is one, and
+    at step 0 otherwise (a blank panel when the pictures are at the chunk ends).  So the new
+    picture is logged first and the older ones are then deleted (a reader always finds one; a
+    store that cannot delete keeps them, and the slider still reaches the newest)."""
     from PIL import Image
 
-    held = [f.path for f in client.list_artifacts(run_id, "images")]
-    if any(Path(p).name.startswith(f"{CHART_IMAGE_KEY}+step+{step}+") for p in held):
+    mine = [
+        f.path for f in client.list_artifacts(run_id, "images") if Path(f.path).name.startswith(f"{CHART_IMAGE_KEY}+")
+    ]
+    if any(Path(p).name.startswith(f"{CHART_IMAGE_KEY}+step+{step}+") for p in mine):
         return
     with Image.open(png) as picture:
         client.log_image(run_id, picture.convert("RGB"), key=CHART_IMAGE_KEY, step=step, synchronous=True)
+    if mine:
+        _delete_artifacts(client, run_id, mine)
+
+
+def _delete_artifacts(client: Any, run_id: str, paths: list[str]) -> None:
+    """Delete a run's artifacts (a local store's files, or through a server's artifact proxy);
+    best effort: a store that cannot delete keeps them."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    try:
+        repo = get_artifact_repository(client.get_run(run_id).info.artifact_uri, tracking_uri=client.tracking_uri)
+        for path in paths:
+            repo.delete_artifacts(path)
+    except Exception as exc:  # noqa: BLE001 - an extra picture is no reason to fail the audit
+        print(f"WARNING: could not remove an older loss picture from MLflow: {exc}", file=sys.stderr, flush=True)
 
 
 def _publish(config: RunConfig, run_dir: Path, summary: dict[str, Any], table: dict[str, Any], png: Path) -> None:
