@@ -12,7 +12,7 @@ worker) closes it:
   next attempt resumes and which checkpoints that passes over, so the audit, the attempt
   names and the chunks table count it like any failure;
 * MLflow: each RUNNING attempt run of the training run ends KILLED, named and described like a
-  failed attempt (``orphaned@290→250 c2·a4``);
+  failed attempt (``orphaned 290→250 c2·a4``);
 * Prefect: each earlier flow run of the run that never finished and is not in a final state is
   set Crashed, with its task runs that are not final;
 * links both ways: the old flow run is tagged ``continued-by:<new>``, the new one
@@ -109,7 +109,7 @@ def take_over(
         return None
     closed = run_records.close_orphaned_attempts(config, run_dir, orphans)
     resumes = orphans[0].details.last_committed_step if orphans else None
-    crashed = _crash_in_prefect(previous, (current, name), resumes) if previous else []
+    crashed = _crash_in_prefect(previous, (current, name), resumes, read_events(run_dir)) if previous else []
     event = append_event(
         run_dir,
         Event.FLOW_TAKEN_OVER,
@@ -134,13 +134,36 @@ def take_over(
     return event
 
 
+def failures_seen(events: list[dict[str, Any]], flow_run_id: str, chunk: int) -> list[str]:
+    """``killed at step 145``: the failures of ``chunk``'s attempts that ran in ``flow_run_id``,
+    oldest first, without the ``orphaned`` one the takeover recorded.  A flow process killed a
+    moment after a failure loses the log lines Prefect had not sent yet; the events keep them."""
+    mine = {
+        e.get("attempt")
+        for e in events
+        if e["kind"] == Event.ATTEMPT_STARTED and e.get("chunk") == chunk and e.get("flow_run_id") == flow_run_id
+    }
+    return [
+        f"{e['failure']} at step {RecordedFailure.from_event(e).details.failed_at_step or '?'}"
+        for e in events
+        if e["kind"] == Event.FAILURE
+        and e.get("chunk") == chunk
+        and e.get("attempt") in mine
+        and e.get("failure") != FailureKind.ORPHANED
+    ]
+
+
 def _crash_in_prefect(
-    ids: list[str], current: tuple[str | None, str | None], resumes: int | None = None
+    ids: list[str],
+    current: tuple[str | None, str | None],
+    resumes: int | None = None,
+    events: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Set each flow run of ``ids`` that is not final (and its task runs that are not) Crashed,
     and tag it ``continued-by:<current name>``; returns what each was and what was crashed.
     Each task run crashed here gets a last log line saying what happened to it (its own log ended
-    at whatever its worker said last); ``resumes``: the step the training resumes from."""
+    at whatever its worker said last, or before a failure whose lines Prefect never got);
+    ``resumes``: the step the training resumes from; ``events``: the run's, for those failures."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
@@ -164,9 +187,12 @@ def _crash_in_prefect(
                     if tr.state is not None and not tr.state.is_final():
                         client.set_task_run_state(tr.id, Crashed(message=message), force=True)
                         tasks.append(f"{tr.name} ({tr.state.name})")
+                        chunk = int(tr.name.rpartition("-")[2]) if tr.name.rpartition("-")[2].isdigit() else None
+                        seen = failures_seen(events or [], str(fr.id), chunk) if chunk is not None else []
+                        before = f" after {', '.join(seen)}" if seen else ""
                         said = (
-                            f"{tr.name} crashed: its flow process was killed while it watched its worker "
-                            f"(no hook ran); the worker attempt was closed as orphaned and flow run "
+                            f"{tr.name} crashed{before}: its flow process was killed while it watched its "
+                            f"worker (no hook ran); the worker attempt was closed as orphaned and flow run "
                             f"{new_name} took the training run over{resumed}"
                         )
                         last_words.append(_log_line(said, fr.id, tr.id))

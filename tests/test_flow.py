@@ -322,12 +322,12 @@ def check_takeover(run_dir: Path, uri: str, before: list[int], corrupted: int) -
             int(r.data.tags["convoy.attempt"]) for r in children if r.data.tags["convoy.chunk"] == str(chunk)
         )
         assert numbers == list(range(1, len(numbers) + 1)), (chunk, names)
-    killed = [r for r in children if r.info.run_name.startswith("killed@") and r.info.run_name.endswith(" c1·a1")]
+    killed = [r for r in children if r.info.run_name.startswith("killed ") and r.info.run_name.endswith(" c1·a1")]
     assert len(killed) == 1 and killed[0].info.status == "FAILED", names
     tags = killed[0].data.tags
     assert f"step {corrupted} (" in tags["convoy.skipped"] and "passed over" in tags["mlflow.note.content"]
     if before == [1]:  # the dead flow's attempt at chunk 2 was running: closed, named, counted
-        orphan = [r for r in children if r.info.run_name.startswith("orphaned@") and r.info.run_name.endswith(" c2·a1")]
+        orphan = [r for r in children if r.info.run_name.startswith("orphaned ") and r.info.run_name.endswith(" c2·a1")]
         assert len(orphan) == 1 and orphan[0].info.status == "KILLED", names
         assert f"found by flow run {live.name}" in orphan[0].data.tags["mlflow.note.content"]  # a name, not a UUID
         assert any(n == "done→40 c2·a2" for n in names), names

@@ -173,7 +173,7 @@ def test_attempts_are_numbered_per_chunk_across_flow_runs_and_named_by_outcome()
     assert chunk_history(events, 2) == ChunkHistory(3, ("killed", "preempted"))
     assert [(e["chunk"], e["attempt"]) for e in open_attempts(events)] == [(2, 3)]
     name = attempt_name(2, 3, outcome_label("killed", 290, 200))
-    assert name == "killed@290→200 c2·a3" and name[:16] == "killed@290→200 c"  # what MLflow's table shows
+    assert name == "killed 290→200 c2·a3" and name[:14] == "killed 290→200"  # what MLflow's table shows
     assert attempt_name(3, 1, outcome_label(None, resumed_from=600)) == "done→600 c3·a1"
 
 
@@ -279,6 +279,22 @@ def test_only_failures_without_progress_count_toward_the_backoff() -> None:
     assert failures_without_progress(crash_loop, 2) == 2
     assert failures_without_progress(crash_loop + attempt(4, 40, 47), 2) == 0  # progress resets it
     assert failures_without_progress(crash_loop, 3) == 0
+
+
+def test_a_crashed_task_runs_last_line_lists_the_failures_prefect_may_have_missed() -> None:
+    """The failures of the chunk's attempts in the dead flow run, from the events (its last log
+    lines can be lost with the process), not the orphaned one the takeover adds."""
+    from tasks.takeover import failures_seen
+
+    def attempt(n: int, flow: str, kind: str, at: int) -> list[dict[str, object]]:
+        started = {"kind": "attempt_started", "chunk": 2, "attempt": n, "flow_run_id": flow}
+        return [started, {"kind": "failure", "chunk": 2, "attempt": n, "failure": kind, "trained_to": at}]
+
+    events = (
+        attempt(1, "old", "killed", 145) + attempt(2, "dead", "diskfull", 176) + attempt(3, "dead", "orphaned", 190)
+    )
+    assert failures_seen(events, "dead", 2) == ["diskfull at step 176"]
+    assert failures_seen(events, "dead", 3) == []
 
 
 def test_only_flow_runs_that_died_unseen_are_taken_over() -> None:

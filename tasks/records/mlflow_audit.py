@@ -117,7 +117,9 @@ def attempt_note(run_dir: Path, attempt: AttemptId, what: str) -> str:
     """An attempt run's description: what happened (``what``), then its links (markdown: MLflow
     renders a description, so they are clickable) to its Prefect flow run and task run and to the
     training run."""
-    steps = f"Chunk {attempt.chunk}, attempt {attempt.attempt}: steps ({attempt.start}, {attempt.end}]"
+    steps = (
+        f"Chunk {attempt.chunk}, attempt {attempt.attempt}: steps [{attempt.start}, {attempt.end})"  # as Prefect says
+    )
     since = f", resuming from step {attempt.resumes_from}" if attempt.resumes_from is not None else ""
     links = attempt_links(run_dir, read_events(run_dir), (attempt.flow_run_id, attempt.task_run_id))
     return f"{what}\n\n{steps}{since}.\n\n{links}"
@@ -185,7 +187,7 @@ class AttemptOutcome:
     end_step: int | None = None
 
     def label(self) -> str:
-        """The outcome in the attempt's name: ``killed@290→200``, ``done→400``."""
+        """The outcome in the attempt's name: ``killed 290→200``, ``done→400``."""
         if self.failure is None and self.failure_kind is None:
             return outcome_label(None, resumed_from=self.end_step)
         failure = self.failure or FailureDetails()
@@ -229,7 +231,7 @@ def end_attempt(
     seconds, and for a failure (``outcome.failure`` = the supervisor's details) its kind, reason,
     failed-at and resumed-from steps, steps lost, the checkpoints passed over and the log path,
     with the log's tail as an artifact and a description, so a failed attempt explains itself in
-    the MLflow UI.  With ``attempt`` (and ``config``, ``run_dir``): renamed ``killed@290→200
+    the MLflow UI.  With ``attempt`` (and ``config``, ``run_dir``): renamed ``killed 290→200
     c2·a3``, its params logged and its description ending in its links."""
     if not child_run_id:
         return
@@ -344,6 +346,24 @@ def run_description(run_dir: Path, summary: dict[str, Any] | None = None) -> str
     return "\n\n".join(p for p in parts if p)
 
 
+def replay_sentence(summary: dict[str, Any]) -> str:
+    """What the replay check found, counted over the resumes that re-trained steps: one that
+    resumed at the step the failure hit (the memory tier) has nothing to compare, and "2 of 7"
+    read as five failed checks."""
+    rows = summary["rows"]
+    replayed = [r for r in rows if (r.get("lost_steps") or 0) > 0]
+    none = len(rows) - len(replayed)
+    text = ""
+    if replayed:
+        text += (
+            f" Re-trained steps matched the first pass bit for bit after {summary['replay_verified']} of "
+            f"{len(replayed)} resume(s) that re-trained steps."
+        )
+    if none:
+        text += f" {none} resume(s) started at the step the failure hit: nothing to re-train or compare."
+    return text
+
+
 def describe_audit(summary: dict[str, Any]) -> str:
     """The audit in a sentence or two: the training run's description in MLflow."""
     if not summary["failures"]:
@@ -356,8 +376,7 @@ def describe_audit(summary: dict[str, Any]) -> str:
         f"{summary['failures']} failure(s) ({shown}), {summary['resumes']} resume(s) from verified checkpoints, "
         f"{summary['steps_lost']} step(s) lost and retrained."
     )
-    if summary["resumes"]:
-        text += f" Replays verified bit for bit after {summary['replay_verified']} of {summary['resumes']} resume(s)."
+    text += replay_sentence(summary)
     if summary["nondeterministic"]:
         text += f" NON-DETERMINISM detected from step {summary['nondeterministic_first_step']}."
     return text + " See convoy/resume_events.json and convoy/timeline.png."

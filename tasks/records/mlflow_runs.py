@@ -46,7 +46,7 @@ EXPERIMENT_NOTE = (
     "Training runs by convoy (fault-tolerant, exactly resumable training). Each top-level run is one "
     "training run: its loss, the resume audit (tags `convoy.resumes`, `convoy.failures`, "
     "`convoy.steps_lost`; artifacts `convoy/timeline.png`, `convoy/resume_events.json`), its goodput and "
-    "its model. Its child runs are the attempts of its chunks, named by outcome first: `killed@151→125 "
+    "its model. Its child runs are the attempts of its chunks, named by outcome first: `killed 151→125 "
     "c2·a2` failed at step 151 and the next attempt resumed from step 125; `done→200 c2·a3` committed "
     "the chunk. Each description links the Prefect flow run and task run."
 )

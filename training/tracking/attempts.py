@@ -7,7 +7,7 @@ worker attempt as an ``attempt_started`` event; its number is one more than the 
 chunk has used (in any event), so no two attempts of a chunk share a number, a log file or an
 MLflow run name, whichever flow ran them.
 
-Names: :func:`attempt_name` puts the outcome in the first characters (``killed@290→200 c2·a3``),
+Names: :func:`attempt_name` puts the outcome in the first characters (``killed 290→200 c2·a3``),
 because MLflow's runs table shows about sixteen.
 """
 
@@ -107,17 +107,17 @@ def latest_attempts(events: list[dict[str, Any]]) -> dict[int, int]:
 
 
 def outcome_label(kind: str | None, failed_at: int | None = None, resumed_from: int | None = None) -> str:
-    """``killed@290→200``: the failure, the step it hit and the step the next attempt resumes
+    """``killed 290→200``: the failure, the step it hit and the step the next attempt resumes
     from; ``done→400`` for an attempt that committed its chunk's end."""
     if kind is None:
         return f"done→{resumed_from}" if resumed_from is not None else "done"
-    at = f"@{failed_at}" if failed_at is not None else ""
+    at = f" {failed_at}" if failed_at is not None else ""  # a space: "@" is wide, and ~16 characters show
     to = f"→{resumed_from}" if resumed_from is not None else ""
     return f"{kind}{at}{to}"
 
 
 def attempt_name(chunk: int, attempt: int, outcome: str = "running") -> str:
-    """The MLflow run name of one attempt, outcome first: ``killed@290→200 c2·a3``.  MLflow's
+    """The MLflow run name of one attempt, outcome first: ``killed 290→200 c2·a3``.  MLflow's
     runs list shows about 16 characters of a name: the outcome and its steps must be in them (the
     chunk and attempt are tags too)."""
     return f"{outcome} c{chunk}·a{attempt}"
