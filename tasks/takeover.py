@@ -12,7 +12,7 @@ worker) closes it:
   next attempt resumes and which checkpoints that passes over, so the audit, the attempt
   names and the chunks table count it like any failure;
 * MLflow: each RUNNING attempt run of the training run ends KILLED, named and described like a
-  failed attempt (``orphaned 290→250 c2·a4``);
+  failed attempt (``orphan 290→250 c2·a4``);
 * Prefect: each earlier flow run of the run that never finished and is not in a final state is
   set Crashed, with its task runs that are not final;
 * links both ways: the old flow run is tagged ``continued-by:<new>``, the new one

@@ -327,7 +327,7 @@ def check_takeover(run_dir: Path, uri: str, before: list[int], corrupted: int) -
     tags = killed[0].data.tags
     assert f"step {corrupted} (" in tags["convoy.skipped"] and "passed over" in tags["mlflow.note.content"]
     if before == [1]:  # the dead flow's attempt at chunk 2 was running: closed, named, counted
-        orphan = [r for r in children if r.info.run_name.startswith("orphaned ") and r.info.run_name.endswith(" c2·a1")]
+        orphan = [r for r in children if r.info.run_name.startswith("orphan ") and r.info.run_name.endswith(" c2·a1")]
         assert len(orphan) == 1 and orphan[0].info.status == "KILLED", names
         assert f"found by flow run {live.name}" in orphan[0].data.tags["mlflow.note.content"]  # a name, not a UUID
         assert any(n == "done→40 c2·a2" for n in names), names
@@ -424,6 +424,9 @@ def check_mlflow_run(client: Any, run_id: str, summary: dict[str, Any]) -> None:
     assert tags.get("mlflow.user") and client.get_experiment(run.info.experiment_id).tags.get("mlflow.note.content")
     ui = tags["convoy.flow_url"].split("/runs/")[0]
     assert f"]({tags['convoy.flow_url']})" in tags["mlflow.note.content"]  # a link to click
+    # The loss picture on the Overview page: a markdown image of the run's own artifact.
+    assert f"(get-artifact?path=convoy%2Ftimeline.png&run_uuid={run_id})" in tags["mlflow.note.content"]
+    assert "convoy/timeline.png" in {a.path for a in client.list_artifacts(run_id, "convoy")}
     children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
     for shown in [tags] + [c.data.tags for c in children]:  # MLflow's tag chips cut a long key (issue 31)
         assert not [k for k, v in shown.items() if k.startswith("convoy.") and not tag_key_shows(k, v)], shown

@@ -175,6 +175,7 @@ def test_attempts_are_numbered_per_chunk_across_flow_runs_and_named_by_outcome()
     name = attempt_name(2, 3, outcome_label("killed", 290, 200))
     assert name == "killed 290→200 c2·a3" and name[:14] == "killed 290→200"  # what MLflow's table shows
     assert attempt_name(3, 1, outcome_label(None, resumed_from=600)) == "done→600 c3·a1"
+    assert outcome_label("orphaned", 195, 150) == "orphan 195→150"  # ~14 characters show when nested
 
 
 def test_failure_text_has_no_class_paths_or_unrelated_output() -> None:

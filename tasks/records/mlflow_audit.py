@@ -26,11 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from tasks.records.run_links import attempt_links, attempts_oldest_first, flow_runs_markdown
 from training.config import RunConfig
 from training.events import FailureKind, read_events
 from training.fsutil import atomic_write_json
+from training.rundir import run_info
 from training.tracking.attempts import AttemptId, attempt_name, outcome_label
 from training.tracking.failure_record import FailureDetails, RecordedFailure
 from training.tracking.resume_audit import analyse_events, describe_passed_over, read_loss, render_timeline
@@ -339,11 +341,21 @@ def run_description(run_dir: Path, summary: dict[str, Any] | None = None) -> str
     """The training run's MLflow description: the audit in a sentence or two, then its Prefect
     flow runs as links with how each ended."""
     events = read_events(run_dir)
-    parts = [describe_audit(summary or analyse_events(events)), flow_runs_markdown(run_dir, events)]
-    attempts = attempts_oldest_first(run_dir)
-    if attempts:
-        parts.append(f"Chunk attempts: {attempts} (each a child run).")
+    parts = [describe_audit(summary or analyse_events(events)), timeline_picture(run_dir)]
+    parts += [flow_runs_markdown(run_dir, events), attempts_oldest_first(run_dir)]
     return "\n\n".join(p for p in parts if p)
+
+
+def timeline_picture(run_dir: Path) -> str:
+    """The timeline picture (the loss with every failure and resume marked) in the description,
+    on the run's Overview page, the page a user opens first: MLflow renders the markdown image
+    from the run's own artifact (a relative address, so any host and path prefix of the UI
+    serves it).  Empty until the picture has been published once."""
+    run_id = (run_info(run_dir) or {}).get("mlflow_run_id")
+    if not run_id or not (run_dir / AUDIT_DIR / "timeline.png").exists():
+        return ""
+    address = f"get-artifact?path={quote(TIMELINE_ARTIFACT, safe='')}&run_uuid={run_id}"
+    return f"![loss with every failure and resume]({address})"
 
 
 def replay_sentence(summary: dict[str, Any]) -> str:

@@ -111,4 +111,4 @@ def attempts_oldest_first(run_dir: str | Path) -> str:
         return ""
     query = quote(f"tags.mlflow.parentRunId = '{run_id}'")
     url = f"#/experiments/{experiment}/runs?searchFilter={query}&orderByKey=attributes.start_time&orderByAsc=true"
-    return link("its attempts, oldest first", url)
+    return link("Its chunk attempts, oldest first", url) + " (child runs)."

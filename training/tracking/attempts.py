@@ -106,11 +106,18 @@ def latest_attempts(events: list[dict[str, Any]]) -> dict[int, int]:
     return {int(e["chunk"]): int(e["attempt"]) for e in events if e["kind"] == Event.ATTEMPT_STARTED}
 
 
+#: Shorter words for the longest failure kinds in a name (the kind itself is a tag and opens the
+#: description): MLflow's runs list shows about 14 characters of a nested run's name, and
+#: ``orphaned 195→195`` lost its resumed-from step there.
+NAME_WORDS = {"orphaned": "orphan", "preempted": "preempt", "diskfull": "disk"}
+
+
 def outcome_label(kind: str | None, failed_at: int | None = None, resumed_from: int | None = None) -> str:
     """``killed 290→200``: the failure, the step it hit and the step the next attempt resumes
     from; ``done→400`` for an attempt that committed its chunk's end."""
     if kind is None:
         return f"done→{resumed_from}" if resumed_from is not None else "done"
+    kind = NAME_WORDS.get(kind, kind)
     at = f" {failed_at}" if failed_at is not None else ""  # a space: "@" is wide, and ~16 characters show
     to = f"→{resumed_from}" if resumed_from is not None else ""
     return f"{kind}{at}{to}"
