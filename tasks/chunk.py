@@ -3,9 +3,8 @@
 Retry policy comes from ``orchestration.*`` via :func:`retrying_chunk_task` (``with_options``):
 ``retries`` and a ``retry_condition_fn`` that never retries a ``config`` failure (same input, same
 error).  The delays (the first retry at once, then ``retry_delay_seconds * backoff**i`` with
-``jitter``) are waited here, by the failed task run *before* it raises, not by Prefect: Prefect
-takes a per-retry list of delays, but its UI can show only one number (a list reads "NaNs" on the
-task page), so Prefect is given ``retry_delay_seconds=0``.  One story in both places: convoy logs
+``jitter``) are waited by the failed task run *before* it raises, not by Prefect
+(:mod:`tasks.retry_policy`).  One story in both places: convoy logs
 "retry 2 in 1.1 s (backoff)", waits, raises, and Prefect's next line "Retry 2/3 will start
 immediately" is true; the task page's "Retry Delay 0s" is what Prefect adds, and the task run's tag
 ``backoff 0s→1s→2s ±10%`` shows convoy's delays next to it.
@@ -32,7 +31,6 @@ checkpoint is still verified here and is the chunk's artifact.  The protocol, en
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -50,6 +48,7 @@ from tasks.records.chunk_record import ChunkRecord
 from tasks.records.metric_shipping import MetricShipper
 from tasks.remote import remote_checkpoints
 from tasks.remote.remote_index import node_name
+from tasks.retry_policy import attempts_explained, backoff_tag, retry_start, retry_wait, should_retry, will_retry
 from tasks.run_resources import RunResources
 from tasks.supervision.attempt import AttemptSpec
 from tasks.supervision.process_group import reap_stale_worker
@@ -59,7 +58,7 @@ from tasks.supervision.worker_liveness import DetectionLimits
 from training.checkpointing import memory_tier
 from training.checkpointing.store import CheckpointStore, ResumePoint, checkpoint_name
 from training.chunk_boundary import boundary_step
-from training.config import ConfigError, RunConfig
+from training.config import RunConfig
 from training.events import Event, FailureKind, StandbyOrder, WorkerSays, append_event, read_events
 from training.paths import RunPaths
 from training.rundir import load_run_config
@@ -68,39 +67,6 @@ from training.tracking.failure_record import FailureDetails
 
 #: Worker output lines echoed to the Prefect log (everything goes to the chunk's log file).
 _ECHO = tuple(m for m in WorkerSays if m != WorkerSays.STANDBY_READY)
-
-
-def retry_delays(config: RunConfig) -> list[float]:
-    """The first retry at once (a killed or crashed worker is replaced without waiting: every
-    second of recovery is paid by every GPU), then ``retry_delay_seconds * backoff**i``."""
-    o = config.orchestration
-    return [0.0] + [round(o.retry_delay_seconds * o.backoff**i, 3) for i in range(max(o.retries, 1) - 1)]
-
-
-def should_retry(task: Any, task_run: Any, state: Any) -> bool:
-    """``retry_condition_fn``: retry every failure except a configuration error."""
-    exc = getattr(state, "data", None)
-    if not isinstance(exc, BaseException):
-        try:
-            exc = state.result(raise_on_failure=False)
-        except Exception:  # noqa: BLE001 - unknown failure: retrying is the safe default
-            return True
-    if isinstance(exc, ChunkFailed):
-        return exc.retryable
-    return not isinstance(exc, ConfigError)
-
-
-def retry_wait(config: RunConfig, try_number: int) -> float:
-    """Seconds a task run waits before its worker starts: 0 for the first run and the first
-    retry, then ``retry_delays`` with ``jitter`` (uniform, ±jitter of the delay).  ``try_number``
-    counts the failures in a row that made no progress, plus one
-    (:func:`training.tracking.attempts.failures_without_progress`): a worker that trained, then
-    died, is replaced at once however many failures the chunk had before."""
-    delays = retry_delays(config)
-    if try_number < 2:
-        return 0.0
-    delay = delays[min(try_number - 2, len(delays) - 1)]
-    return max(0.0, delay * (1 + random.uniform(-config.orchestration.jitter, config.orchestration.jitter)))
 
 
 def _prefect_ids() -> tuple[int, str | None, str | None]:
@@ -260,34 +226,7 @@ class ChunkRun:
                 self.id,
             )
             if exc.kind == FailureKind.PREEMPTED and self.preemptions < cfg.orchestration.retries:
-                self.preemptions += 1
-                self.logger.warning(
-                    "chunk %d attempt %d preempted at step %s; attempt %d starts at once inside this Prefect "
-                    "run (a preemption is no fault of the chunk: Prefect's run count stays %d), resuming from step %d",
-                    self.chunk,
-                    self.attempt,
-                    exc.details.failed_at_step if exc.details.failed_at_step is not None else "?",
-                    self.attempt + 1,
-                    self.try_number,
-                    resume_at,
-                )
-                publish_failure_note(
-                    cfg.run_name,
-                    f"chunk {self.chunk} attempt {self.attempt}: {exc.kind}",
-                    [
-                        exc.details.reason or exc.message,
-                        f"re-spawned at once inside Prefect run {self.try_number} as attempt {self.attempt + 1}",
-                        f"resumes from step {resume_at} (steps lost: {exc.details.steps_lost})",
-                    ],
-                )
-                append_event(
-                    rd,
-                    Event.RESUBMITTED,
-                    chunk=self.chunk,
-                    attempt=self.attempt,
-                    reason=FailureKind.PREEMPTED,
-                    resume_step=resume_at,
-                )
+                self.respawn_after_preemption(exc, resume_at)
                 return None
             retrying = will_retry(cfg, exc, self.try_number)
             wait = retry_wait(cfg, failures_without_progress(read_events(rd), self.chunk) + 1) if retrying else 0.0
@@ -298,6 +237,40 @@ class ChunkRun:
         done = run_records.attempt_outcome(True, None, self.end - self.resumed_from, outcome_seconds, end_step=self.end)
         run_records.end_attempt(cfg, rd, child, done, self.id)
         return outcome
+
+    def respawn_after_preemption(self, exc: ChunkFailed, resume_at: int) -> None:
+        """A preempted worker is no fault of the chunk: the next attempt starts at once inside
+        this Prefect run (Prefect cannot pick a delay by exception), said in the log, a failures
+        artifact and a ``resubmitted`` event."""
+        cfg, rd = self.cfg, self.run_dir
+        self.preemptions += 1
+        self.logger.warning(
+            "chunk %d attempt %d preempted at step %s; attempt %d starts at once inside this Prefect "
+            "run (a preemption is no fault of the chunk: Prefect's run count stays %d), resuming from step %d",
+            self.chunk,
+            self.attempt,
+            exc.details.failed_at_step if exc.details.failed_at_step is not None else "?",
+            self.attempt + 1,
+            self.try_number,
+            resume_at,
+        )
+        publish_failure_note(
+            cfg.run_name,
+            f"chunk {self.chunk} attempt {self.attempt}: {exc.kind}",
+            [
+                exc.details.reason or exc.message,
+                f"re-spawned at once inside Prefect run {self.try_number} as attempt {self.attempt + 1}",
+                f"resumes from step {resume_at} (steps lost: {exc.details.steps_lost})",
+            ],
+        )
+        append_event(
+            rd,
+            Event.RESUBMITTED,
+            chunk=self.chunk,
+            attempt=self.attempt,
+            reason=FailureKind.PREEMPTED,
+            resume_step=resume_at,
+        )
 
     def set_aside_bad_boundary(self, point: ResumePoint) -> None:
         """This chunk's boundary checkpoint exists but does not verify (corrupted after its
@@ -405,21 +378,6 @@ def _done_message(run_dir: Path, attempt: AttemptId, run_count: int) -> str:
     return f"steps [{attempt.start}, {attempt.end}) committed on attempt {attempt.attempt}{after}{why}"
 
 
-def attempts_explained(events: list[dict[str, Any]], attempt: AttemptId, run_count: int) -> str:
-    """`` (Prefect run 3: 1 preempted worker re-spawned inside a run)``: why the chunk's attempt
-    number differs from Prefect's run count of its task run, which counts neither the attempts of
-    an earlier flow run nor a preempted worker re-spawned inside one run; empty when they agree."""
-    chunk = attempt.chunk
-    started = [e for e in events if e["kind"] == Event.ATTEMPT_STARTED and e.get("chunk") == chunk]
-    here = [e for e in started if attempt.flow_run_id and e.get("flow_run_id") == attempt.flow_run_id]
-    earlier = len(started) - len(here) if attempt.flow_run_id else 0
-    respawned = max(0, attempt.attempt - earlier - run_count)
-    parts = [f"{earlier} in an earlier flow run"] if earlier else []
-    if respawned:
-        parts.append(f"{respawned} preempted worker{'s' if respawned > 1 else ''} re-spawned inside a run")
-    return f" (Prefect run {run_count}: {'; '.join(parts)})" if parts else ""
-
-
 def passed_over_clause(passed_over: list[dict[str, Any]]) -> str:
     """``; passed over step 250 (reason)``: why a resume goes further back than the newest
     checkpoint; empty when it does not."""
@@ -433,17 +391,6 @@ def chunk_record(result: Any) -> ChunkRecord:
     record as a mapping, which a caller receives as such."""
     data = result.result() if isinstance(result, State) else result
     return data if isinstance(data, ChunkRecord) else ChunkRecord.from_dict(data)
-
-
-def will_retry(cfg: RunConfig, exc: ChunkFailed, try_number: int) -> bool:
-    """Whether Prefect retries the task run that raises ``exc`` (what ``should_retry`` and
-    ``retries`` decide), so the failed run can say so and wait the backoff before raising."""
-    return exc.retryable and try_number <= cfg.orchestration.retries
-
-
-def retry_start(wait: float) -> str:
-    """When the retry starts, as convoy's log and failure note say it."""
-    return f"in {wait:.1f} s (backoff)" if wait > 0 else "at once"
 
 
 def _report(
@@ -491,12 +438,3 @@ def retrying_chunk_task(config: RunConfig) -> Any:
         retry_condition_fn=should_retry,
         tags=["convoy", f"run:{config.run_name}", backoff_tag(config)],
     )
-
-
-def backoff_tag(config: RunConfig) -> str:
-    """``backoff 0s→1s→2s ±10%``: the waits before each retry that convoy applies (to a crash loop;
-    a worker that trained and then died is replaced at once), on the task run next to Prefect's
-    "Retry Delay 0s", which is what Prefect adds to them."""
-    waits = "→".join(f"{d:g}s" for d in retry_delays(config))
-    jitter = config.orchestration.jitter
-    return f"backoff {waits}" + (f" ±{jitter * 100:g}%" if jitter else "")

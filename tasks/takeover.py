@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks.artifacts import artifact_key, chunk_table, prefect_ui_url
+from tasks.artifacts import artifact_key, chunk_table, prefect_ui_url, publish_failure_note
 from tasks.records import run_records
 from tasks.records.run_links import flow_run_endings
 from training.checkpointing.store import CheckpointStore
@@ -128,6 +128,15 @@ def take_over(
             o.attempt,
             o.details.trained_to,
             o.details.last_committed_step or 0,
+        )
+        publish_failure_note(  # one failures artifact per failure, this one too
+            config.run_name,
+            f"chunk {o.chunk} attempt {o.attempt}: {o.kind}",
+            [
+                o.details.reason or "its flow run died while it ran",
+                f"trained to step {o.details.trained_to}; resumes from step {o.details.last_committed_step or 0} "
+                f"(steps lost: {o.details.steps_lost})",
+            ],
         )
     if crashed:
         logger.warning("marked the dead flow run(s) %s Crashed", ", ".join(c["name"] for c in crashed))

@@ -72,6 +72,32 @@ def test_every_fault_kind_is_survived(chaos_params: Path, prefect_api: str) -> N
     assert report["final_digest"] == report["reference_digest"]
     assert report["metrics_exactly_once"]
     assert code == 0 and report["survived"]
+    check_prefect_artifacts(chaos_params.parent / "runs" / "chaos-chaos")
+
+
+def check_prefect_artifacts(run_dir: Path) -> None:
+    """Issue 31: every flow run of the chaos run has a chunks table (the one the flowkill took
+    over too) and there is one failures artifact per failure, preemptions and the orphan
+    included."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from tasks.artifacts import artifact_key
+    from training.events import read_events
+    from training.rundir import load_run_config
+
+    name = load_run_config(run_dir).run_name
+    flows = {e["flow_run_id"] for e in read_events(run_dir, "flow_started")}
+    failures = read_events(run_dir, "failure")
+    with get_client(sync_client=True) as client:
+
+        def versions(what: str) -> list:
+            wanted = ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key(name, what)]))
+            return client.read_artifacts(artifact_filter=wanted)
+
+        tables, notes = versions("chunks"), versions("failures")
+    assert len(flows) >= 2 and flows <= {str(a.flow_run_id) for a in tables}, (flows, tables)
+    assert len(notes) == len(failures), ([f["failure"] for f in failures], [a.description for a in notes])
 
 
 def test_without_retries_a_fault_is_not_survived(chaos_params: Path, prefect_api: str) -> None:

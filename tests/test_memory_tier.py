@@ -176,3 +176,17 @@ def _digest(run_dir: Path) -> str:
     checkpoint = CheckpointStore(run_dir).latest_valid(record=False)
     assert checkpoint is not None
     return checkpoint.digest
+
+
+def test_a_committed_boundary_removed_later_is_not_missing(tmp_path: Path) -> None:
+    """Rule 6 guards a chunk whose artifact was never written; a boundary its chunk committed
+    (``chunk_done``) and something removed afterwards is no reason to resume further back
+    (``convoy chaos`` once resumed from step 0 for it, its other checkpoint being corrupt)."""
+    from training.events import append_event
+
+    append_event(tmp_path, Event.CHUNK_DONE, chunk=3, start_step=100, end_step=150, digest="ab")
+    committed = memory_tier.committed_boundaries(tmp_path)
+    assert committed == {150}
+    assert memory_tier.missing_boundary(161, 50, set()) == 150  # never committed: passed over
+    assert memory_tier.missing_boundary(161, 50, committed) is None  # committed, then removed
+    assert memory_tier.missing_boundary(201, 50, committed) == 200

@@ -229,7 +229,8 @@ def test_timeline_labels_of_close_failures_never_overlap(tmp_path: Path) -> None
 def test_retry_delays_are_waited_by_convoy_and_prefect_is_given_one_number() -> None:
     """Prefect's task page shows ``Retry Delay`` from one number ("NaNs" for a list of delays):
     the chunk task gets 0, and waits the backoff itself, from the second retry on."""
-    from tasks.chunk import retry_wait, retrying_chunk_task
+    from tasks.chunk import retrying_chunk_task
+    from tasks.retry_policy import retry_wait
     from training.config import load_config
 
     cfg = load_config(
@@ -246,7 +247,7 @@ def test_the_result_message_says_why_the_attempt_is_not_prefects_run_count() -> 
     """Prefect counts the runs of one task run; convoy counts worker attempts of the chunk in every
     flow run, a preempted worker re-spawned inside a run included (issue 31: "Run Count 3" beside
     "committed on attempt 4")."""
-    from tasks.chunk import attempts_explained
+    from tasks.retry_policy import attempts_explained
     from training.tracking.attempts import AttemptId
 
     def started(n: int, flow: str) -> dict[str, object]:

@@ -40,7 +40,11 @@ Rules (numbered; cited in code):
    step; a worker resumed from a snapshot at or past that step would never write it (its save
    failed, e.g. disk full, or was cut short by the kill), and every retry of the chunk would find
    no artifact.  Such a snapshot is passed over (recorded, rule 4) and the disk tier decides: the
-   retry trains to the boundary again and commits it (:func:`missing_boundary`).
+   retry trains to the boundary again and commits it (:func:`missing_boundary`).  A boundary whose
+   chunk was committed (its ``chunk_done`` records the artifact's digest) and was removed later
+   (by hand, by a fault drill) is not missing: its chunk has its artifact, and passing the
+   snapshot over would send the retry back to an older checkpoint, or to step 0, for nothing
+   (``convoy chaos``: a corrupt and a deleted checkpoint left no other).
 """
 
 from __future__ import annotations
@@ -362,7 +366,7 @@ def merged(memory: MemoryTier | None, disk: CheckpointStore) -> Iterator[tuple[C
         return
     pending = memory.complete_steps()
     dirs = disk.step_dirs()
-    on_disk = {step for step, _ in dirs}
+    on_disk = {step for step, _ in dirs} | committed_boundaries(disk.run_dir)
 
     def snapshot(step: int) -> Candidate:
         boundary = missing_boundary(step, disk.boundary_every, on_disk)
@@ -380,6 +384,14 @@ def merged(memory: MemoryTier | None, disk: CheckpointStore) -> Iterator[tuple[C
         yield disk.candidate(step, path), False
     for step in pending:
         yield snapshot(step), True
+
+
+def committed_boundaries(run_dir: str | Path) -> set[int]:
+    """End steps of the run's committed chunks (``chunk_done``): their artifacts were written and
+    verified, so a later loss of the file does not make them missing (rule 6)."""
+    from training.events import Event, read_events
+
+    return {int(e["end_step"]) for e in read_events(run_dir, Event.CHUNK_DONE) if e.get("end_step") is not None}
 
 
 def missing_boundary(step: int, boundary_every: int, on_disk: set[int]) -> int | None:
@@ -416,6 +428,7 @@ def resume_step(run_dir: str | Path, disk_step: int | None) -> int | None:
     if memory is None or memory <= (disk_step or 0):
         return disk_step
     on_disk = {step for step in (parse_step(p.name) for p in RunPaths(run_dir).checkpoints.glob("step-*")) if step}
+    on_disk |= committed_boundaries(run_dir)
     return disk_step if missing_boundary(memory, config.train.chunk_steps, on_disk) is not None else memory
 
 
