@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 from engine_util import kill_group, make_run, run_worker, start_worker, wait_for_step
@@ -26,17 +27,33 @@ from training.tracking.resume_audit import trained_high_water
 TIERS = ["checkpoint.every_steps=50", "checkpoint.memory_every_steps=1"]
 
 
-def _kill_at(run_dir: Path, step: int) -> int:
-    """Start a worker to 120, SIGKILL it once it reached ``step``; how far it trained (its last
-    beat may be a step behind its last journal row: trained_high_water takes the larger)."""
+def _kill_at(run_dir: Path, step: int, settle_s: float = 0.0) -> int:
+    """Start a worker to 120, SIGKILL it once it reached ``step`` (and ``settle_s`` more: the
+    beat comes just before the step's snapshot is written, so a kill at once often lands in
+    that write); how far it trained (its last beat may be a step behind its last journal row:
+    trained_high_water takes the larger)."""
     p = start_worker(run_dir, 120, {"CONVOY_FAULTS": "step_delay=0.02"})
     assert wait_for_step(run_dir, p, step) is not None
+    time.sleep(settle_s)
     kill_group(p, signal.SIGKILL)
     p.wait()
     beat = read_heartbeat(run_dir, 0)
     trained = trained_high_water(run_dir, beat.step if beat else None)
     assert trained is not None
     return trained
+
+
+def _killed_with_both_slots(where: Path) -> Path:
+    """A run killed at step 56 with both of rank 0's slots committed.  A kill that lands while a
+    snapshot is written leaves that slot without a header (rule 4: a half-written slot has none),
+    which is right but leaves nothing to corrupt; such a run is made again (CI saw it once)."""
+    for attempt in range(3):
+        run_dir = make_run(where / f"try-{attempt}", extra=TIERS)
+        _kill_at(run_dir, 56, settle_s=0.01)
+        root = memory_tier.tier_root(run_dir)
+        if root is not None and all((root / f"rank-0.slot-{k}.json").exists() for k in memory_tier.SLOTS):
+            return run_dir
+    raise AssertionError("three kills in a row landed while a snapshot was being written")
 
 
 def _resumed(run_dir: Path) -> dict:
@@ -77,8 +94,7 @@ def _flip(path: Path) -> None:
 
 
 def test_a_stale_foreign_or_corrupt_snapshot_is_never_restored(tmp_path: Path) -> None:
-    run_dir = make_run(tmp_path, extra=TIERS)
-    _kill_at(run_dir, 56)  # disk: step 50; memory: ~55 and ~56, one in each slot
+    run_dir = _killed_with_both_slots(tmp_path / "foreign")  # disk: step 50; memory: ~55 and ~56, one in each slot
     for _step, header, _data in _slots(run_dir):  # another trajectory's snapshots: ignored, not an error
         saved = json.loads(header.read_text())
         header.write_text(json.dumps({**saved, "fingerprint": "0123456789abcdef"}))
@@ -87,8 +103,7 @@ def test_a_stale_foreign_or_corrupt_snapshot_is_never_restored(tmp_path: Path) -
     assert code == 0, out
     assert _resumed(run_dir)["tier"] == "disk" and _resumed(run_dir)["step"] == 50
 
-    run_dir = make_run(tmp_path / "corrupt", extra=TIERS)  # bytes flipped: the hashes refuse them
-    _kill_at(run_dir, 56)
+    run_dir = _killed_with_both_slots(tmp_path / "corrupt")  # bytes flipped: the hashes refuse them
     (newest, _h, newest_data), (older, _h2, older_data) = _slots(run_dir)
     _flip(newest_data)
     code, out = run_worker(run_dir, 60)  # the newest refused, the older slot restores
@@ -97,8 +112,7 @@ def test_a_stale_foreign_or_corrupt_snapshot_is_never_restored(tmp_path: Path) -
     (refused,) = read_events(run_dir, Event.MEMORY_SNAPSHOT_REFUSED)
     assert refused["checkpoint"] == f"step-{newest:09d}" and "hash" in refused["reason"], refused
 
-    run_dir = make_run(tmp_path / "both", extra=TIERS)  # both slots corrupt: the disk tier decides
-    _kill_at(run_dir, 56)
+    run_dir = _killed_with_both_slots(tmp_path / "both")  # both slots corrupt: the disk tier decides
     for _step, _header, data in _slots(run_dir):
         _flip(data)
     code, out = run_worker(run_dir, 60)
