@@ -9,7 +9,9 @@ Three paths, one per source of the worker the supervisor watches (:mod:`tasks.su
                boundary (``--adopted-kill-step``; on a fast machine the kill may still fall
                between the two chunk tasks: ``unwatched`` says how often it did);
 * ``parked``   the kill lands between the two chunk tasks, as soon as chunk 0's task is done and
-               its worker is parked (nobody's task watches it until chunk 1's adopts it);
+               its worker is parked (nobody's task watches it until chunk 1's adopts it): the
+               parking reports it and starts the replacement at once, before chunk 1's task
+               exists (``replaced``; :mod:`tasks.supervision.replacement`);
 * ``standby``  ``orchestration.standby: true``, the kill in chunk 0 once the standby is ready;
 * ``twice``    two kills 5 s apart in one run (the second is timed): the second failure in a row
                must be as fast as the first.
@@ -151,8 +153,10 @@ def timeline(run_dir: Path, shot_t: float) -> dict[str, Any]:
         "restore": resumed["load_s"],
         "first_step": first["time"] - resumed["time"],
         "mttr": first["time"] - shot_t,
-        # Killed before the failed chunk's task began its attempt: while the worker was parked.
-        "unwatched": bool(started) and shot_t < started[0]["time"],
+        # Killed before the failed chunk's task began its attempt: while the worker was parked
+        # (replaced at once by the parking, whose events say ``parked``; issue 30 item 2).
+        "unwatched": any(e.get("parked") for e in started) or (bool(started) and shot_t < started[0]["time"]),
+        "replaced": any(e.get("replaces") for e in started),
         "ckpt_path": str(CheckpointStore(run_dir).root / resumed["checkpoint"]),
         "took_over": bool(read_events(run_dir, Event.STANDBY_TOOK_OVER)),
         "forked": resumed.get("forked_by") is not None,

@@ -42,19 +42,24 @@ from prefect.context import TaskRunContext
 from prefect.states import Completed, State
 
 from tasks.artifacts import publish_failure_note
+from tasks.failure_reports import passed_over_clause, report_failure, say_replaced
 from tasks.hooks import chunk_failed, remember_run
 from tasks.records import run_records
 from tasks.records.chunk_record import ChunkRecord
 from tasks.records.metric_shipping import MetricShipper
 from tasks.remote import remote_checkpoints
 from tasks.remote.remote_index import node_name
-from tasks.retry_policy import attempts_explained, backoff_tag, retry_start, retry_wait, should_retry, will_retry
+from tasks.retry_policy import attempts_explained, backoff_tag, retry_wait, should_retry, will_retry
 from tasks.run_resources import RunResources
-from tasks.supervision.attempt import AttemptSpec
+from tasks.supervision.attempt import AttemptSpec, ParkedSince
+from tasks.supervision.handoff import Replacement
 from tasks.supervision.process_group import reap_stale_worker
 from tasks.supervision.repeated import repeated_failure
+from tasks.supervision.replacement import REPLACED, replace_parked
 from tasks.supervision.supervisor import ChunkFailed, Outcome, supervise, worker_command
+from tasks.supervision.worker_handle import WorkerHandle
 from tasks.supervision.worker_liveness import DetectionLimits
+from training import faults
 from training.checkpointing import memory_tier
 from training.checkpointing.store import CheckpointStore, ResumePoint, checkpoint_name
 from training.chunk_boundary import boundary_step
@@ -147,9 +152,15 @@ class ChunkRun:
         self.standby = cfg.orchestration.standby and cfg.orchestration.mode == "local" and cfg.train.world_size == 1
         self.preemptions = 0
         self.resumed_from = 0
+        #: A worker killed while parked before this task began, replaced at once (taken in :meth:`run`).
+        self.replacement: Replacement | None = None
         self.shipper: MetricShipper | None = None
 
     def run(self) -> State:
+        if self.try_number == 1:
+            faults.handoff_delay(self.chunk)  # a test's slow Prefect (CONVOY_FAULTS)
+        # First: a worker killed while parked was replaced at once, and the replacement is ours.
+        self.replacement = self.parking.take_replacement()
         if self.parking.parked_pid() is None:  # our own parked worker is not stale
             reap_stale_worker(self.run_dir, self.cfg.train.world_size)
         self.resources.follow_uploads()  # uploads committed checkpoints (tracking.dvc)
@@ -195,22 +206,8 @@ class ChunkRun:
         """One worker attempt under watch: its outcome, or None when it was preempted and is to be
         re-spawned at once; any other failure is reported and raised (Prefect retries the task)."""
         cfg, rd = self.cfg, self.run_dir
-        adopting = self.parking.holds_worker()
-        if self.parking.parked_pid() is None:  # a worker about to restore: the remote may hold a newer checkpoint
-            remote_checkpoints.fetch_before_resume(cfg, rd, lambda m: self.logger.info("chunk %d: %s", self.chunk, m))
-        point = self.resources.checkpoints.resume_point()
-        self.set_aside_bad_boundary(point)
-        passed_over = point.passed_over_dicts()
-        self.resumed_from = memory_tier.resume_step(rd, point.step) or 0  # the memory tier's when newer
-        if self.resumed_from < self.start:
-            self.logger.warning(
-                "chunk %d: newest valid checkpoint is step %d, before the chunk start %d%s",
-                self.chunk,
-                self.resumed_from,
-                self.start,
-                passed_over_clause(passed_over),
-            )
-        child = self.begin_attempt(adopting)
+        replacement, self.replacement = self.replacement, None
+        child = self.account_replacement(replacement) if replacement is not None else self.prepare_attempt()
         t_attempt = time.time()
         try:
             outcome = supervise(self.spec())
@@ -230,13 +227,73 @@ class ChunkRun:
                 return None
             retrying = will_retry(cfg, exc, self.try_number)
             wait = retry_wait(cfg, failures_without_progress(read_events(rd), self.chunk) + 1) if retrying else 0.0
-            _report(self.logger, cfg, exc, (self.chunk, self.attempt, self.try_number), resume_at, wait)
+            report_failure(self.logger, cfg, exc, (self.chunk, self.attempt, self.try_number), resume_at, wait)
             time.sleep(wait)  # before raising: Prefect's "will start immediately" is then true
             raise exc from None
         outcome_seconds = time.time() - t_attempt
         done = run_records.attempt_outcome(True, None, self.end - self.resumed_from, outcome_seconds, end_step=self.end)
         run_records.end_attempt(cfg, rd, child, done, self.id)
         return outcome
+
+    def account_replacement(self, r: Replacement) -> str | None:
+        """The worker the previous chunk parked was killed before this task adopted it, and its
+        replacement is training already (:mod:`tasks.supervision.replacement` wrote both
+        attempts' events): the MLflow run of the dead attempt, opened and ended failed, the log line
+        and failure note a retry would have had, a ``resubmitted`` event, then the replacement's
+        MLflow run (``attempt_recorded``).  Returns that run's id."""
+        cfg, rd, task_run = self.cfg, self.run_dir, self.id.task_run_id
+        self.id = replace(r.dead_attempt, task_run_id=task_run)
+        dead = run_records.start_attempt(cfg, rd, self.id)
+        if dead and self.shipper is not None:
+            self.shipper.mirror(dead, self.start + 1, r.failure.trained_to or self.start)
+        resume_at = r.attempt.resumes_from or 0
+        kept = max(0, resume_at - self.start)
+        run_records.end_attempt(
+            cfg, rd, dead, run_records.attempt_outcome(False, r.kind, kept, 0.0, r.failure), self.id
+        )
+        say_replaced(self.logger, cfg, r, self.try_number)
+        append_event(
+            rd,
+            Event.RESUBMITTED,
+            chunk=self.chunk,
+            attempt=r.dead_attempt.attempt,
+            reason=REPLACED,
+            resume_step=resume_at,
+        )
+        self.id, self.resumed_from = replace(r.attempt, task_run_id=task_run), resume_at
+        child = run_records.start_attempt(cfg, rd, self.id)
+        if child and self.shipper is not None:
+            self.shipper.mirror(child, resume_at + 1, self.end)
+        append_event(
+            rd,
+            Event.ATTEMPT_RECORDED,
+            chunk=self.chunk,
+            attempt=self.attempt,
+            task_run_id=task_run,
+            mlflow_run_id=child,
+        )
+        return child
+
+    def prepare_attempt(self) -> str | None:
+        """Before a worker attempt: the newest checkpoint (fetched from the remote where it holds
+        a newer one), a bad boundary set aside, the attempt numbered and recorded."""
+        cfg, rd = self.cfg, self.run_dir
+        adopting = self.parking.holds_worker()
+        if self.parking.parked_pid() is None:  # a worker about to restore: the remote may hold a newer checkpoint
+            remote_checkpoints.fetch_before_resume(cfg, rd, lambda m: self.logger.info("chunk %d: %s", self.chunk, m))
+        point = self.resources.checkpoints.resume_point()
+        self.set_aside_bad_boundary(point)
+        passed_over = point.passed_over_dicts()
+        self.resumed_from = memory_tier.resume_step(rd, point.step) or 0  # the memory tier's when newer
+        if self.resumed_from < self.start:
+            self.logger.warning(
+                "chunk %d: newest valid checkpoint is step %d, before the chunk start %d%s",
+                self.chunk,
+                self.resumed_from,
+                self.start,
+                passed_over_clause(passed_over),
+            )
+        return self.begin_attempt(adopting)
 
     def respawn_after_preemption(self, exc: ChunkFailed, resume_at: int) -> None:
         """A preempted worker is no fault of the chunk: the next attempt starts at once inside
@@ -298,11 +355,16 @@ class ChunkRun:
         return ChunkFailed(FailureKind.REPEATED, repeat.message, repeat.details(exc.details))
 
     def spec(self) -> AttemptSpec:
-        """The worker attempt: pipelined workers train to the run's end and hand over at the
+        """The worker attempt under way (:meth:`spec_for`)."""
+        return self.spec_for(self.id)
+
+    def spec_for(self, attempt: AttemptId) -> AttemptSpec:
+        """A worker attempt of this chunk, or of the next one (a replacement started while this
+        task's worker is parked): pipelined workers train to the run's end and hand over at the
         chunk's boundary; otherwise they stop at the chunk's end."""
         cfg, rd = self.cfg, self.run_dir
-        until = cfg.train.total_steps if self.pipelined else self.end
-        log_path = RunPaths(rd).chunk_log(self.chunk, self.attempt)
+        until = cfg.train.total_steps if self.pipelined else attempt.end
+        log_path = RunPaths(rd).chunk_log(attempt.chunk, attempt.attempt)
         command = worker_command(
             rd.resolve(),
             until,
@@ -317,13 +379,22 @@ class ChunkRun:
             DetectionLimits.from_config(cfg),
             log_path,
             ranks=cfg.train.world_size,
-            id=self.id,
-            on_line=self.echo,
-            boundary_step=boundary_step(self.end, cfg.train.total_steps, self.pipelined),
+            id=attempt,
+            on_line=self.echo if attempt.chunk == self.chunk else None,
+            boundary_step=boundary_step(attempt.end, cfg.train.total_steps, self.pipelined),
             standby_order=StandbyOrder(until, self.pipelined) if self.standby else None,
             slots=self.resources.slots,
             checkpoints=self.resources.checkpoints,
+            successor=self.replace_parked if self.pipelined and attempt.chunk == self.chunk else None,
         )
+
+    def replace_parked(self, dead: WorkerHandle, since: ParkedSince) -> Replacement | None:
+        """This task's worker, parked at its boundary, died before the next chunk's task adopted
+        it: report it as that chunk's attempt and start its replacement at once
+        (:mod:`tasks.supervision.replacement`; runs on the parking's thread)."""
+        end = min(self.end + self.cfg.train.chunk_steps, self.cfg.train.total_steps)
+        nxt = AttemptId(self.chunk + 1, 0, self.end, end, self.id.flow_run_id, None)
+        return replace_parked(dead, since, nxt, self.spec_for)
 
     def echo(self, line: str) -> None:
         """Worker output worth a line in the Prefect log (everything is in the chunk's log file)."""
@@ -378,55 +449,11 @@ def _done_message(run_dir: Path, attempt: AttemptId, run_count: int) -> str:
     return f"steps [{attempt.start}, {attempt.end}) committed on attempt {attempt.attempt}{after}{why}"
 
 
-def passed_over_clause(passed_over: list[dict[str, Any]]) -> str:
-    """``; passed over step 250 (reason)``: why a resume goes further back than the newest
-    checkpoint; empty when it does not."""
-    if not passed_over:
-        return ""
-    return "; passed over " + "; ".join(f"step {p['step']} ({p['reason']})" for p in passed_over)
-
-
 def chunk_record(result: Any) -> ChunkRecord:
     """``run_chunk``'s record: the task returns a Completed state (for its message) holding the
     record as a mapping, which a caller receives as such."""
     data = result.result() if isinstance(result, State) else result
     return data if isinstance(data, ChunkRecord) else ChunkRecord.from_dict(data)
-
-
-def _report(
-    logger: Any, cfg: RunConfig, exc: ChunkFailed, attempt: tuple[int, int, int], resume_at: int, wait: float = 0.0
-) -> None:
-    """One log line per recovery, plus a markdown note (the final failure is the hook's job).
-    ``attempt``: (chunk, its attempt number, Prefect's run count, which decides the retry);
-    ``wait``: the backoff this run waits before raising."""
-    chunk, number, try_number = attempt
-    d = exc.details
-    short = d.reason if d.reason is not None else exc.message
-    passed = passed_over_clause(d.passed_over or [])
-    if will_retry(cfg, exc, try_number):
-        when = retry_start(wait)
-        logger.warning(
-            "chunk %d %s detected after %.1f s: %s; retry %d starts %s, resuming from step %d%s",
-            chunk,
-            exc.kind,
-            d.detected_after_s or 0.0,
-            short,
-            try_number,
-            when,
-            resume_at,
-            passed,
-        )
-        publish_failure_note(
-            cfg.run_name,
-            f"chunk {chunk} attempt {number}: {exc.kind}",
-            [
-                f"{short}",
-                f"detected after {d.detected_after_s} s; last beat step {d.last_beat_step}",
-                f"retry {try_number} starts {when}; resumes from step {resume_at} (steps lost: {d.steps_lost}){passed}",
-            ],
-        )
-    else:
-        logger.error("chunk %d %s after %.1f s: %s; not retrying", chunk, exc.kind, d.detected_after_s or 0.0, short)
 
 
 def retrying_chunk_task(config: RunConfig) -> Any:

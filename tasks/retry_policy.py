@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from tasks.supervision.replacement import REPLACED
 from tasks.supervision.supervisor import ChunkFailed
 from training.config import ConfigError, RunConfig
 from training.events import Event
@@ -56,15 +57,21 @@ def retry_wait(config: RunConfig, try_number: int) -> float:
 def attempts_explained(events: list[dict[str, Any]], attempt: AttemptId, run_count: int) -> str:
     """`` (Prefect run 3: 1 preempted worker re-spawned inside a run)``: why the chunk's attempt
     number differs from Prefect's run count of its task run, which counts neither the attempts of
-    an earlier flow run nor a preempted worker re-spawned inside one run; empty when they agree."""
+    an earlier flow run nor a worker re-spawned inside one run (preempted, or killed while parked
+    and replaced at once: a ``resubmitted`` event says which); empty when they agree."""
     chunk = attempt.chunk
     started = [e for e in events if e["kind"] == Event.ATTEMPT_STARTED and e.get("chunk") == chunk]
     here = [e for e in started if attempt.flow_run_id and e.get("flow_run_id") == attempt.flow_run_id]
     earlier = len(started) - len(here) if attempt.flow_run_id else 0
     respawned = max(0, attempt.attempt - earlier - run_count)
+    resubmitted = [e for e in events if e["kind"] == Event.RESUBMITTED and e.get("chunk") == chunk]
+    replaced = min(respawned, sum(1 for e in resubmitted if e.get("reason") == REPLACED))
+    preempted = respawned - replaced
     parts = [f"{earlier} in an earlier flow run"] if earlier else []
-    if respawned:
-        parts.append(f"{respawned} preempted worker{'s' if respawned > 1 else ''} re-spawned inside a run")
+    if preempted:
+        parts.append(f"{preempted} preempted worker{'s' if preempted > 1 else ''} re-spawned inside a run")
+    if replaced:
+        parts.append(f"{replaced} worker{'s' if replaced > 1 else ''} killed while parked, replaced at once")
     return f" (Prefect run {run_count}: {'; '.join(parts)})" if parts else ""
 
 

@@ -7,6 +7,7 @@ are exercised with real signals in a few seconds.  The real worker is covered by
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -18,9 +19,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.supervision.attempt import AttemptSpec, WorkerSlots
+from tasks.supervision.attempt import AttemptSpec, ParkedSince, WorkerSlots
 from tasks.supervision.failure_kinds import classify_exit
+from tasks.supervision.handoff import Replacement
+from tasks.supervision.replacement import replace_parked
 from tasks.supervision.supervisor import ChunkFailed, supervise
+from tasks.supervision.worker_handle import WorkerHandle, spawn
 from tasks.supervision.worker_liveness import RANK_GONE_GRACE_S, DetectionLimits, Watch, failure_verdict, lost_rank
 from training.config import load_config
 from training.events import read_events
@@ -339,9 +343,10 @@ DIES_AFTER_BOUNDARY = textwrap.dedent(
         os.replace(hb + ".tmp", hb)
     for step in range(1, 13):
         beat(step)
-        if step == 10:
-            os.makedirs(os.path.join(run_dir, "checkpoints", "step-000000010"))
-            open(os.path.join(run_dir, "checkpoints", "step-000000010", "manifest.json"), "w").write("{}")
+        if step % 10 == 0:  # a boundary every 10 steps
+            d = os.path.join(run_dir, "checkpoints", f"step-{step:09d}")
+            os.makedirs(d, exist_ok=True)
+            open(os.path.join(d, "manifest.json"), "w").write("{}")
         time.sleep(0.1)
     print("Traceback: RuntimeError: boom between the two chunk tasks", flush=True)
     sys.exit(1)
@@ -460,9 +465,10 @@ TRAINS_ON_AFTER_BOUNDARY = textwrap.dedent(
             json.dump({"pid": os.getpid(), "rank": 0, "step": step, "phase": "train", "time": time.time(),
                        "progress_time": time.time()}, f)
         os.replace(hb + ".tmp", hb)
-        if step == 10:
-            os.makedirs(os.path.join(run_dir, "checkpoints", "step-000000010"))
-            open(os.path.join(run_dir, "checkpoints", "step-000000010", "manifest.json"), "w").write("{}")
+        if step % 10 == 0:  # a boundary every 10 steps
+            d = os.path.join(run_dir, "checkpoints", f"step-{step:09d}")
+            os.makedirs(d, exist_ok=True)
+            open(os.path.join(d, "manifest.json"), "w").write("{}")
         time.sleep(0.05)
     """
 )
@@ -493,6 +499,47 @@ def test_a_parked_worker_killed_between_chunk_tasks_is_detected_when_it_dies(tmp
     event = read_events(run_dir, "failure")[-1]
     assert event["detected_at"] - killed_at < 0.5, event  # adopted 1 s after the kill
     assert "while parked" in (run_dir / "logs" / "c1.log").read_text()
+    assert not leftovers(run_dir)
+
+
+def test_a_worker_killed_while_parked_is_replaced_at_once_and_one_that_exited_is_not(
+    tmp_path: Path, run_dir: Path
+) -> None:
+    """Issue 30 item 2: the parking's watcher reports a worker killed between two chunk tasks as the
+    next chunk's attempt 1 and starts attempt 2's worker there and then, no task involved; the
+    events come in the order their readers expect; the next task takes the replacement and adopts
+    it like any parked worker.  A parked worker that exited by itself is left to the next task."""
+    script = tmp_path / "trains_on.py"
+    script.write_text(TRAINS_ON_AFTER_BOUNDARY)
+    cmd = [sys.executable, str(script), str(run_dir)]
+    slots = WorkerSlots.empty(run_dir)
+
+    def spec_for(attempt: AttemptId) -> AttemptSpec:
+        log = run_dir / "logs" / f"c{attempt.chunk}-a{attempt.attempt}.log"
+        return AttemptSpec(cmd, run_dir, FAST, log, id=attempt, boundary_step=attempt.end, slots=slots)
+
+    def successor(dead: WorkerHandle, since: ParkedSince) -> Replacement | None:
+        return replace_parked(dead, since, AttemptId(2, 0, 10, 20), spec_for)
+
+    first = dataclasses.replace(spec_for(AttemptId(1, 1, 0, 10)), successor=successor)
+    assert supervise(first).returncode == 0  # boundary 10 committed: the worker is parked
+    parked = slots.parking.parked_pid()
+    assert parked is not None
+    os.kill(parked, signal.SIGKILL)
+    time.sleep(0.5)  # a task comes later: the parking has replaced it by then, on its own
+    replaced = slots.parking.take_replacement()
+    assert replaced is not None and replaced.kind == "killed", replaced
+    assert (replaced.dead_attempt.attempt, replaced.attempt.attempt, replaced.source) == (1, 2, "spawned")
+    order = [(e["kind"], e.get("attempt")) for e in read_events(run_dir) if e.get("chunk") == 2]
+    assert order == [("attempt_started", 1), ("failure", 1), ("attempt_started", 2)], order
+    assert slots.parking.parked_pid() == replaced.worker.pid and replaced.worker.poll() is None
+    adopted = supervise(spec_for(AttemptId(2, 2, 10, 20)))  # the next task adopts the replacement
+    assert adopted.returncode == 0 and slots.parking.parked_pid() == replaced.worker.pid
+    slots.release()
+    exited = spawn([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "exited.log", "t", cwd=None, env={})
+    assert exited.wait_exit(30)
+    assert replace_parked(exited, ParkedSince(0, None), AttemptId(3, 0, 20, 30), spec_for) is None
+    assert not [e for e in read_events(run_dir) if e.get("chunk") == 3]  # the next task judges it
     assert not leftovers(run_dir)
 
 

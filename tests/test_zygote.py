@@ -25,6 +25,7 @@ from tasks.supervision.worker_zygote import WorkerZygote
 from tests.flow_util import CHUNK, TOTAL, assert_no_leftovers, config, in_thread, params, wait_for_step
 from training.checkpointing.store import CheckpointStore
 from training.events import Event, read_events
+from training.heartbeat import read_heartbeat
 
 
 def _cmd(run_dir: Path, until: int) -> list[str]:
@@ -107,14 +108,19 @@ def test_a_killed_zygote_is_replaced_and_its_worker_trains_on(tmp_path: Path) ->
 def test_every_recovery_of_a_flow_run_is_a_fork_of_the_zygote(
     prefect_api: str, data_dir: Path, tmp_path: Path, reference_digest: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Kills: in chunk 1 (the worker the first attempt forked), in chunk 2 (the pipelined worker
-    chunk 2 adopted), the zygote itself in chunk 2, and two in chunk 3, 5 s apart (the second lands
-    in a stall of the replacement, armed by the first).  Every worker start is a fork (``forked_by``),
-    the run ends on the uninterrupted digest, and nothing is left running."""
+    """Kills: in chunk 1 (the worker the first attempt forked), between chunks 1 and 2 (the worker
+    parked at the boundary, before chunk 2's task adopts it: replaced at once, issue 30 item 2), in
+    chunk 2 (the pipelined worker chunk 2 adopted), the zygote itself in chunk 2, and two in chunk 3,
+    5 s apart (the second lands in a stall of the replacement, armed by the first).  Every worker
+    start is a fork (``forked_by``), the run ends on the uninterrupted digest, and nothing is left
+    running."""
     from flows.train import run_training
+    from training import faults
 
     flag = tmp_path / "stall"
-    monkeypatch.setenv("CONVOY_FAULTS", f"step_delay=0.05,slow_flag={flag}:20")
+    # Chunk 2's task waits 0.6 s before it adopts (a slow Prefect): the parked kill lands in the gap.
+    monkeypatch.setenv("CONVOY_FAULTS", f"step_delay=0.05,slow_flag={flag}:20,handoff_delay=2:0.6")
+    faults.reset()  # this process reads CONVOY_FAULTS once (the flow's tasks are its threads)
     cfg = config(params(tmp_path, data_dir, "zygote", heartbeat={"stall_s": 30}, orchestration={"retries": 3}))
     run_dir = cfg.run_dir.resolve()
     kills: list[tuple[str, int]] = []
@@ -127,6 +133,14 @@ def test_every_recovery_of_a_flow_run_is_a_fork_of_the_zygote(
 
     def killer() -> None:
         kill(8, "chunk 1")
+        while not read_events(run_dir, Event.CHUNK_DONE):  # chunk 1 committed: its worker is parked
+            time.sleep(0.01)
+        kills.append(("parked", -1))
+        parked_at = time.time()
+        os.kill(read_heartbeat(run_dir, 0).pid, signal.SIGKILL)
+        replaced_at.append(parked_at)
+        while not read_events(run_dir, Event.ATTEMPT_RECORDED):  # chunk 2's task has the replacement
+            time.sleep(0.01)
         kill(CHUNK + 6, "adopted")
         wait_for_step(run_dir, CHUNK + 8)  # the retry trains: forked by the first zygote
         first_zygote = read_events(run_dir, Event.STARTED)[0]["forked_by"]
@@ -139,15 +153,41 @@ def test_every_recovery_of_a_flow_run_is_a_fork_of_the_zygote(
         os.kill(beat.pid, signal.SIGKILL)
         kills.append(("5 s later", beat.step))
 
+    replaced_at: list[float] = []
     t = in_thread(killer)
-    summary = run_training(cfg)
+    try:
+        summary = run_training(cfg)
+    finally:
+        monkeypatch.delenv("CONVOY_FAULTS")
+        faults.reset()
     t.join(timeout=5)
     assert not t.errors, t.errors  # type: ignore[attr-defined]
-    assert [k[0] for k in kills] == ["chunk 1", "adopted", "zygote", "chunk 3", "5 s later"], kills
+    assert [k[0] for k in kills] == ["chunk 1", "parked", "adopted", "zygote", "chunk 3", "5 s later"], kills
     assert summary["final_step"] == TOTAL and summary["digest"] == reference_digest
-    starts = read_events(run_dir, Event.STARTED) + read_events(run_dir, Event.RESUMED)
-    assert len(starts) == 5 and all(e["forked_by"] for e in starts), starts
+    events = read_events(run_dir)
+    starts = [e for e in events if e["kind"] in (Event.STARTED, Event.RESUMED)]
+    assert len(starts) == 6 and all(e["forked_by"] for e in starts), starts
     assert len({e["forked_by"] for e in starts}) == 2  # the killed zygote, then its replacement
-    assert [e["failure"] for e in read_events(run_dir, Event.FAILURE)] == ["killed"] * 4
+    assert [e["failure"] for e in events if e["kind"] == Event.FAILURE] == ["killed"] * 5
     assert len(read_events(run_dir, Event.ZYGOTE_REPLACED)) == 1
+    check_replaced_at_once(events, replaced_at[0])
     assert_no_leftovers(run_dir)
+
+
+def check_replaced_at_once(events: list[dict[str, Any]], killed_at: float) -> None:
+    """The worker killed while parked (chunk 2's attempt 1, ``parked``) was reported and replaced
+    by the parking before chunk 2's task began (held 0.6 s): its failure, then the replacement's
+    attempt, then its worker restoring, all before the task recorded them (``attempt_recorded``),
+    in the order every reader of the events expects; Prefect saw no retry (``resubmitted``)."""
+    chunk2 = [e for e in events if e.get("chunk") == 2 and e["time"] >= killed_at]
+    kinds = [(e["kind"], e.get("attempt")) for e in chunk2 if e["kind"] != Event.CHECKPOINT_SAVED][:5]
+    assert kinds[:3] == [(Event.ATTEMPT_STARTED, 1), (Event.FAILURE, 1), (Event.ATTEMPT_STARTED, 2)], kinds
+    started = [e for e in chunk2 if e["kind"] == Event.ATTEMPT_STARTED]
+    assert started[0]["parked"] and started[1]["replaces"] == 1, started
+    recorded = next(e for e in chunk2 if e["kind"] == Event.ATTEMPT_RECORDED)
+    resumed = next(e for e in events if e["kind"] == Event.RESUMED and e["time"] >= killed_at)
+    assert started[1]["time"] <= resumed["time"] < recorded["time"], (resumed, recorded)  # before the task
+    resubmitted = [e for e in events if e["kind"] == Event.RESUBMITTED]
+    # The kill in chunk 3 may land while that chunk's worker is parked too: replaced the same way.
+    assert [(e["chunk"], e["reason"]) for e in resubmitted][:1] == [(2, "replaced")], resubmitted
+    assert {e["reason"] for e in resubmitted} == {"replaced"}, resubmitted

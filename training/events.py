@@ -56,6 +56,9 @@ class Event(StrEnum):
     """Every kind of audit event, named once (a StrEnum: equal to its string, written as it)."""
 
     ATTEMPT_STARTED = "attempt_started"
+    #: The MLflow run of an attempt whose ``attempt_started`` was written before its task existed
+    #: (a worker killed while parked was replaced at once: tasks/supervision/replacement.py).
+    ATTEMPT_RECORDED = "attempt_recorded"
     CHECKPOINT_COMMITTED = "checkpoint_committed"
     CHECKPOINT_FETCHED = "checkpoint_fetched"
     CHECKPOINT_INVALID = "checkpoint_invalid"

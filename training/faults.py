@@ -8,8 +8,10 @@ disk), one stalled training step (``step:seconds``, or the next one once PATH ex
 pause before every step, and ``micro_stall=S:K:SECONDS:PATH``: before micro-batch K (1-based)
 of optimizer step S, create PATH and stall, once (not again once PATH exists), so a test can
 kill the worker provably inside a gradient-accumulation window; ``upload_stall=S:SECONDS:PATH``
-stalls the checkpoint uploader between the data and the index of step S.  Unset in normal runs:
-every check is one dict lookup.
+stalls the checkpoint uploader between the data and the index of step S; ``handoff_delay=K:SECONDS``
+holds chunk K's task before it adopts the worker the chunk before parked (a slow Prefect: a kill
+then lands provably between the two chunk tasks).  Unset in normal runs: every check is one dict
+lookup.
 """
 
 from __future__ import annotations
@@ -102,3 +104,12 @@ def upload_stall(step: int) -> None:
         with open(path, "w") as fh:
             fh.write(f'{{"step": {step}}}\n')
         time.sleep(float(seconds))
+
+
+def handoff_delay(chunk: int) -> None:
+    """``handoff_delay=K:SECONDS``: chunk K's task waits SECONDS before it adopts its worker."""
+    spec = _faults().get("handoff_delay")
+    if spec:
+        at, _, seconds = spec.partition(":")
+        if chunk == int(at):
+            time.sleep(float(seconds or 2))

@@ -15,6 +15,14 @@ from pathlib import Path
 from typing import Any
 
 
+def file_size(path: Path) -> int:
+    """Its size in bytes; 0 when it does not exist (yet)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

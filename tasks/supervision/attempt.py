@@ -16,15 +16,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.supervision.handoff import Parking
+from tasks.supervision.handoff import Parking, Replacement
 from tasks.supervision.standby import StandbySlot
 from tasks.supervision.worker_liveness import DetectionLimits
 from training.events import StandbyOrder
 from training.tracking.attempts import AttemptId
 
 if TYPE_CHECKING:  # the store imports torch; an attempt is described without it
+    from tasks.supervision.worker_handle import WorkerHandle
     from tasks.supervision.worker_zygote import WorkerZygote
     from training.checkpointing.store import CheckpointStore
+
+
+@dataclass(frozen=True)
+class ParkedSince:
+    """Where a parked worker's record starts: the metric journal's size and the cgroup's OOM-kill
+    count when it was parked, so a death while parked is judged like one under watch (how far it
+    trained; killed or out of memory)."""
+
+    metrics_offset: int
+    oom_kills: int | None
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,9 @@ class AttemptSpec:
     #: The run's checkpoints as the flow process sees them (one store per run, so a checkpoint the
     #: attempt's start verified is not hashed again by its failure report); None: a fresh store.
     checkpoints: CheckpointStore | None = None
+    #: Pipelined: what starts the next chunk's worker at once if this one dies while parked
+    #: (:func:`tasks.supervision.replacement.replace_parked`); None: the next task finds it dead.
+    successor: Callable[[WorkerHandle, ParkedSince], Replacement | None] | None = None
 
     @property
     def chunk(self) -> int | None:

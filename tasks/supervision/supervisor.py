@@ -42,10 +42,11 @@ from tasks.supervision.failure_kinds import (
 from tasks.supervision.multinode import failed_node, launcher_command
 from tasks.supervision.worker_liveness import Watch, failure_verdict, fresh_beats
 from tasks.supervision.worker_log import LogFollower
-from tasks.supervision.worker_source import Source, WorkerSource, clock
+from tasks.supervision.worker_source import Acquired, Source, WorkerSource, clock
 from training import chunk_boundary
 from training.checkpointing import memory_tier
 from training.events import EXIT_CONFIG, Event, FailureKind, Phase, append_event
+from training.fsutil import file_size
 from training.heartbeat import read_heartbeat
 from training.paths import RunPaths
 from training.tracking.failure_record import FailureDetails
@@ -124,13 +125,6 @@ def worker_command(
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *tail]
 
 
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
 def supervise(spec: AttemptSpec) -> Outcome:
     """Run one attempt to completion under watch; return on exit 0 (or a parked hand-off), raise
     :class:`ChunkFailed` otherwise.  See :class:`WorkerAttempt`."""
@@ -182,12 +176,13 @@ class WorkerAttempt:
         return self.report()
 
     # ------------------------------------------------------------------ start
-    def start(self) -> None:
-        """Get the worker from its source (:mod:`tasks.supervision.worker_source`), then follow its log."""
+    def start(self, acquired: Acquired | None = None) -> None:
+        """Get the worker from its source (:mod:`tasks.supervision.worker_source`), then follow its
+        log; ``acquired``: a worker got already (a dead parked one, for its post-mortem)."""
         self.oom_before = oom_kills()
-        self.metrics_offset = _size(RunPaths(self.run_dir).metrics)  # this attempt's rows start here (steps lost)
+        self.metrics_offset = file_size(RunPaths(self.run_dir).metrics)  # this attempt's rows start here (steps lost)
         self.started = time.time()
-        acquired = self.source.acquire(self.started)
+        acquired = acquired or self.source.acquire(self.started)
         self.worker, adopted = acquired.worker, acquired.source == Source.ADOPTED
         self.log_path = own_log_name(self.worker.log_path, self.spec.log_path, acquired.source)
         # An adopted worker's last words so far (read by the chunk that parked it) are not echoed

@@ -31,10 +31,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from tasks.supervision.attempt import AttemptSpec
+from tasks.supervision.attempt import AttemptSpec, ParkedSince
+from tasks.supervision.failure_kinds import oom_kills
+from tasks.supervision.handoff import Replacement
 from tasks.supervision.worker_handle import WorkerHandle, spawn
 from training.events import Event, append_event
+from training.fsutil import file_size
 from training.heartbeat import heartbeat_path
+from training.paths import RunPaths
 
 
 class Source(StrEnum):
@@ -72,6 +76,12 @@ class WorkerSource:
         parked = self.slots.parking.adopt(list(launch.cmd))  # None unless the previous chunk parked it
         if parked is not None:
             return Acquired(parked, Source.ADOPTED)
+        return self.fresh(started)
+
+    def fresh(self, started: float) -> Acquired:
+        """A worker that restores for this attempt: the standby, else forked, else spawned (also
+        what replaces a worker killed while parked, :mod:`tasks.supervision.replacement`)."""
+        launch = self.launch
         for r in range(launch.ranks):  # stale beats of an earlier attempt must not count as liveness
             with contextlib.suppress(FileNotFoundError):
                 heartbeat_path(launch.run_dir, r).unlink()
@@ -134,5 +144,14 @@ class WorkerSource:
         self.slots.standby.ensure(start)
 
     def park(self, worker: WorkerHandle) -> None:
-        """Leave the worker, alive or not, to the next chunk's attempt (which judges it)."""
-        self.slots.parking.park(worker, list(self.launch.cmd))
+        """Leave the worker, alive or not, to the next chunk's attempt (which judges it); a death
+        before that attempt adopts it goes to the attempt's ``successor`` (replaced at once)."""
+        successor = self.launch.successor
+        on_death = None
+        if successor is not None:
+            since = ParkedSince(file_size(RunPaths(self.launch.run_dir).metrics), oom_kills())
+
+            def on_death(dead: WorkerHandle) -> Replacement | None:
+                return successor(dead, since)
+
+        self.slots.parking.park(worker, list(self.launch.cmd), on_death)

@@ -96,9 +96,17 @@ def failures_without_progress(events: list[dict[str, Any]], chunk: int) -> int:
 
 def open_attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``attempt_started`` events whose attempt never ended (no ``failure`` and no ``chunk_done``
-    names it): under the run's lock, attempts of a flow that died."""
+    names it): under the run's lock, attempts of a flow that died.  An ``attempt_recorded`` adds
+    the MLflow run and task run an attempt started ahead of its task got later."""
     ended = {(e.get("chunk"), e.get("attempt")) for e in events if e["kind"] in (Event.FAILURE, Event.CHUNK_DONE)}
-    return [e for e in events if e["kind"] == Event.ATTEMPT_STARTED and (e.get("chunk"), e.get("attempt")) not in ended]
+    later = {(e.get("chunk"), e.get("attempt")): e for e in events if e["kind"] == Event.ATTEMPT_RECORDED}
+    out = []
+    for e in events:
+        key = (e.get("chunk"), e.get("attempt"))
+        if e["kind"] == Event.ATTEMPT_STARTED and key not in ended:
+            added = {k: v for k, v in later.get(key, {}).items() if k not in ("kind", "time")}
+            out.append({**e, **added})
+    return out
 
 
 def latest_attempts(events: list[dict[str, Any]]) -> dict[int, int]:
