@@ -7,8 +7,11 @@ is best effort: an artifact that cannot be written must never fail a chunk that 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 log = logging.getLogger("convoy.artifacts")
@@ -86,3 +89,30 @@ def publish_failure_note(run_name: str, title: str, lines: list[str]) -> str | N
     except Exception as exc:  # noqa: BLE001
         log.warning("could not publish the failure artifact: %s", exc)
         return None
+
+
+class FailureNotes:
+    """Failure notes published on a thread of their own, in the order they were said.
+
+    Why: a note is one call to Prefect's API, and it was made between a failure and its retry.
+    On the embedded server it took 2.1 s once in 20 two-kill runs (bench/mttr.py, ``twice``: the
+    SQLite database busy with the task runs' own writes), the whole tail of that path.  The call
+    runs in a copy of the caller's context, so the note still belongs to the failed task run.  The
+    run's resources hold one (:class:`tasks.run_resources.RunResources`) and join it before the
+    run's final records."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="convoy-notes")
+        self._pending: list[Future[str | None]] = []
+
+    def publish(self, run_name: str, title: str, lines: list[str]) -> None:
+        """:func:`publish_failure_note`, without waiting for it."""
+        context = contextvars.copy_context()
+        self._pending.append(self._pool.submit(context.run, publish_failure_note, run_name, title, lines))
+
+    def join(self, timeout_s: float = 30.0) -> None:
+        """Wait for every note said so far (each logs its own failure; none raises)."""
+        pending, self._pending = self._pending, []
+        for note in pending:
+            with contextlib.suppress(Exception):
+                note.result(timeout=timeout_s)

@@ -41,7 +41,6 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.states import Completed, State
 
-from tasks.artifacts import publish_failure_note
 from tasks.failure_reports import passed_over_clause, report_failure, say_replaced
 from tasks.hooks import chunk_failed, remember_run
 from tasks.records import run_records
@@ -227,7 +226,15 @@ class ChunkRun:
                 return None
             retrying = will_retry(cfg, exc, self.try_number)
             wait = retry_wait(cfg, failures_without_progress(read_events(rd), self.chunk) + 1) if retrying else 0.0
-            report_failure(self.logger, cfg, exc, (self.chunk, self.attempt, self.try_number), resume_at, wait)
+            report_failure(
+                self.logger,
+                cfg,
+                exc,
+                (self.chunk, self.attempt, self.try_number),
+                resume_at,
+                self.resources.notes.publish,
+                wait,
+            )
             time.sleep(wait)  # before raising: Prefect's "will start immediately" is then true
             raise exc from None
         outcome_seconds = time.time() - t_attempt
@@ -251,7 +258,7 @@ class ChunkRun:
         run_records.end_attempt(
             cfg, rd, dead, run_records.attempt_outcome(False, r.kind, kept, 0.0, r.failure), self.id
         )
-        say_replaced(self.logger, cfg, r, self.try_number)
+        say_replaced(self.logger, cfg, r, self.try_number, self.resources.notes.publish)
         append_event(
             rd,
             Event.RESUBMITTED,
@@ -311,7 +318,7 @@ class ChunkRun:
             self.try_number,
             resume_at,
         )
-        publish_failure_note(
+        self.resources.notes.publish(
             cfg.run_name,
             f"chunk {self.chunk} attempt {self.attempt}: {exc.kind}",
             [

@@ -8,9 +8,9 @@ words are in one place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from tasks.artifacts import publish_failure_note
 from tasks.retry_policy import retry_start, will_retry
 from tasks.supervision.handoff import Replacement
 from tasks.supervision.supervisor import ChunkFailed
@@ -25,8 +25,18 @@ def passed_over_clause(passed_over: list[dict[str, Any]]) -> str:
     return "; passed over " + "; ".join(f"step {p['step']} ({p['reason']})" for p in passed_over)
 
 
+#: How a note is published: :meth:`tasks.artifacts.FailureNotes.publish` (run name, title, lines).
+Publish = Callable[[str, str, list[str]], None]
+
+
 def report_failure(
-    logger: Any, cfg: RunConfig, exc: ChunkFailed, attempt: tuple[int, int, int], resume_at: int, wait: float = 0.0
+    logger: Any,
+    cfg: RunConfig,
+    exc: ChunkFailed,
+    attempt: tuple[int, int, int],
+    resume_at: int,
+    publish: Publish,
+    wait: float = 0.0,
 ) -> None:
     """One log line per recovery, plus a markdown note (the final failure is the hook's job).
     ``attempt``: (chunk, its attempt number, Prefect's run count, which decides the retry);
@@ -48,7 +58,7 @@ def report_failure(
             resume_at,
             passed,
         )
-        publish_failure_note(
+        publish(
             cfg.run_name,
             f"chunk {chunk} attempt {number}: {exc.kind}",
             [
@@ -61,7 +71,7 @@ def report_failure(
         logger.error("chunk %d %s after %.1f s: %s; not retrying", chunk, exc.kind, d.detected_after_s or 0.0, short)
 
 
-def say_replaced(logger: Any, cfg: RunConfig, r: Replacement, try_number: int) -> None:
+def say_replaced(logger: Any, cfg: RunConfig, r: Replacement, try_number: int, publish: Publish) -> None:
     """A worker killed while parked, replaced at once (:mod:`tasks.supervision.replacement`):
     the warning and note a Prefect retry would have had, saying that no retry was needed."""
     d, dead, new = r.failure, r.dead_attempt, r.attempt
@@ -83,7 +93,7 @@ def say_replaced(logger: Any, cfg: RunConfig, r: Replacement, try_number: int) -
         try_number,
         new.resumes_from or 0,
     )
-    publish_failure_note(
+    publish(
         cfg.run_name,
         f"chunk {dead.chunk} attempt {dead.attempt}: {r.kind}",
         [

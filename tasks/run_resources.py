@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from tasks.artifacts import FailureNotes
 from tasks.records import goodput_metrics, run_records
 from tasks.records.background import OneAtATime
 from tasks.records.metric_shipping import MetricShipper
@@ -64,6 +65,8 @@ class RunResources:
         self.goodput = OneAtATime(lambda: goodput_metrics.log_points(config, self.run_dir), "convoy-goodput")
         if config.tracking.mlflow:  # the refresh's imports, now, while the run's first worker starts
             OneAtATime(run_records.warm_up, "convoy-records-warm-up").request()
+        #: Failure notes (Prefect artifacts), published off the path from a failure to its retry.
+        self.notes = FailureNotes()
         self._uploader: Uploader | None = None
         self._shipper: MetricShipper | None = None
         self._lock = threading.Lock()
@@ -108,6 +111,7 @@ class RunResources:
             shipper.stop(self.config.tracking.ship_drain_s)
         self.audit.join()
         self.goodput.join()
+        self.notes.join()
         versioned = self.versioning.collect()
         with self._lock:
             uploader, self._uploader = self._uploader, None

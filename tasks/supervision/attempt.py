@@ -54,6 +54,7 @@ class WorkerSlots:
     def release(self, grace_s: float = 5.0) -> bool:
         """Stop the parked worker, then the standby, then the zygote; True if a worker was parked."""
         stopped = self.parking.release(grace_s)
+        self.parking.close()
         self.standby.release()
         if self.zygote is not None:
             self.zygote.close()

@@ -194,6 +194,14 @@ class Parking:
             parked = self._parked
         return parked.worker.pid if parked is not None and parked.worker.poll() is None else None
 
+    def close(self) -> None:
+        """The run is over: the replacer thread ends (a worker it spawned was stopped by
+        :meth:`release` first; it would get its parent-death signal now)."""
+        with self._lock:
+            runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.shutdown(wait=True)
+
     def release(self, grace_s: float = 10.0) -> bool:
         """Stop the parked worker, if any (the flow ends or fails), and a replacement its watcher
         started.  True if there was one."""
