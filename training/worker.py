@@ -100,6 +100,8 @@ class Worker:
         self._claim: Claim | None = None
         self._runtime: Runtime | None = None
         self._session: Session | None = None
+        #: Seconds of memory-tier snapshot since the last step's row (``memory_snapshot_s``).
+        self.snapshot_stall_s = 0.0
         self._restored: Restored | None = None
         #: Warns once of a thread of no known purpose beside training (invariant 12).
         self.threads = hermetic.ThreadWatch(run_dir, rank)
@@ -320,6 +322,9 @@ class Worker:
         metrics.flush()
         try:
             runtime.memory.snapshot(runtime.state, self.session.memory)
+            # Goodput counts it with the saves' stalls: on the next step's row (this step's is
+            # written already, and a row of its own would be a second row of one step).
+            self.snapshot_stall_s += runtime.memory.last_stall_s
         except OSError as exc:
             self.log(f"memory tier off: {exc}")
             self._runtime = replace(runtime, memory=None)
@@ -391,6 +396,8 @@ class Worker:
         out.update(
             {"data/epoch": state.cursor.epoch, "data/samples": state.cursor.samples_consumed(step_samples, size)}
         )
+        if self.snapshot_stall_s:  # the memory-tier snapshot after the previous step
+            out["memory_snapshot_s"], self.snapshot_stall_s = self.snapshot_stall_s, 0.0
         if evaluating and state.step % cfg.train.eval_every == 0:
             t1 = time.perf_counter()
             out.update(val_loss=self.evaluate(), eval_time_s=time.perf_counter() - t1)

@@ -38,8 +38,10 @@ of Google's ``ml-goodput-measurement`` where they fit.  Definitions, cited in co
    beat or the last progress, so detection latency is included), the ``last_seen`` beat of an
    ``orphaned`` one, a ``preempted`` event, or, for a worker that vanished unseen, its last row or
    event.  Also the gap after a flow run that died, from its last sign to the next ``flow_started``.
-8. ``checkpoint_save``: the loop's stall in disk saves (``stall_s`` of ``checkpoint_saved``); the
-   persist runs beside training.
+8. ``checkpoint_save``: the loop's stall in disk saves (``stall_s`` of ``checkpoint_saved``; the
+   persist runs beside training) and in memory-tier snapshots (``memory_snapshot_s``, on the
+   journal row of the step after each: with ``memory_every_steps: auto`` they cost up to
+   ``memory_max_overhead`` of the step time, by design).
 9. ``checkpoint_restore``: ``load_s`` of each rank-0 ``resumed`` (disk or memory tier, verified).
 10. ``data_loading`` is not a bucket: the worker times ``next(batches)`` inside ``step_time_s`` and
    nothing it records tells the wait for a batch from the step, so that wait counts as productive
@@ -47,10 +49,10 @@ of Google's ``ml-goodput-measurement`` where they fit.  Definitions, cited in co
 11. ``other``: ``wall_s`` minus productive and every bucket above: orchestration between chunk
    tasks (Prefect's task runs; the boundary versioning and acknowledgement a pipelined worker
    waits for), the flow's start before its first attempt, a clean worker exit to the next start
-   (``pipeline: false``), the loop's own work between steps (journal, heartbeat, memory-tier
-   snapshots: none is recorded per step), the step in flight at a kill, and replayed steps that no
-   row or checkpoint shows done yet (a run in progress).  It is never below 0 (clamped: event
-   times are rounded to the millisecond).
+   (``pipeline: false``), the loop's own work between steps (journal, heartbeat: not recorded
+   per step), a memory snapshot just before a kill (its row never came), the step in flight at
+   a kill, and replayed steps that no row or checkpoint shows done yet (a run in progress).  It
+   is never below 0 (clamped: event times are rounded to the millisecond).
 
 Rules 6, 7 and 9 are time intervals, clipped to the wall-clock and made disjoint (restore, then
 start-up, then recovery); rules 3, 4, 5 and 8 are durations the worker measured.  So productive +
@@ -102,6 +104,8 @@ class StepRow(NamedTuple):
     time: float | None
     step_s: float
     eval_s: float
+    #: The memory-tier snapshot taken just before this row's step (rule 8).
+    snapshot_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ def journal_steps(run_dir: str | Path) -> list[StepRow]:
                 r.time_ms / 1000 if r.time_ms is not None else None,
                 float(r.metrics.get("step_time_s", 0.0)),
                 float(r.metrics.get("eval_time_s", 0.0)),
+                float(r.metrics.get("memory_snapshot_s", 0.0)),
             )
             for r in new
         )
@@ -418,7 +423,7 @@ def compute(events: Sequence[dict[str, Any]], rows: Sequence[StepRow], until: fl
         float(e.get("stall_s") or 0.0)
         for e in events
         if e["kind"] == Event.CHECKPOINT_SAVED and any(a <= e["time"] <= b for a, b in spans)
-    )
+    ) + sum(r.snapshot_s for r in rows if r.snapshot_s and (r.time is None or any(a <= r.time <= b for a, b in spans)))
     badput["wasted_progress"] = _wasted(lives, times)
     badput["evaluation"] = evaluation
     badput["other"] = max(0.0, wall - productive - sum(badput.values()))
