@@ -64,9 +64,10 @@ from training.checkpointing.store import CheckpointStore, ResumePoint, checkpoin
 from training.chunk_boundary import boundary_step
 from training.config import RunConfig
 from training.events import Event, FailureKind, StandbyOrder, WorkerSays, append_event, read_events
+from training.fsutil import file_size
 from training.paths import RunPaths
 from training.rundir import load_run_config
-from training.tracking.attempts import AttemptId, chunk_history, failures_without_progress, next_attempt
+from training.tracking.attempts import AttemptId, chunk_history, failures_without_progress, next_attempt, record_start
 from training.tracking.failure_record import FailureDetails
 
 #: Worker output lines echoed to the Prefect log (everything goes to the chunk's log file).
@@ -187,18 +188,9 @@ class ChunkRun:
         child = run_records.start_attempt(self.cfg, rd, self.id)
         if child and self.shipper is not None:  # the attempt's run charts the steps it trains
             self.shipper.mirror(child, (self.start if adopting else self.resumed_from) + 1, self.end)
-        metrics = RunPaths(rd).metrics
-        append_event(
-            rd,
-            Event.ATTEMPT_STARTED,
-            chunk=self.id.chunk,
-            attempt=self.id.attempt,
-            flow_run_id=self.id.flow_run_id,
-            task_run_id=self.id.task_run_id,
-            mlflow_run_id=child,
-            resumes_from=self.resumed_from,
-            metrics_offset=metrics.stat().st_size if metrics.exists() else 0,  # where its steps begin
-        )
+        # The event's resumes_from is the step the steps count from, an adopted worker's too.
+        started = replace(self.id, resumes_from=self.resumed_from)
+        record_start(rd, started, child, file_size(RunPaths(rd).metrics))  # where its steps begin
         return child
 
     def supervised_attempt(self) -> Outcome | None:

@@ -100,8 +100,7 @@ class Worker:
         self._claim: Claim | None = None
         self._runtime: Runtime | None = None
         self._session: Session | None = None
-        #: Seconds of memory-tier snapshot since the last step's row (``memory_snapshot_s``).
-        self.snapshot_stall_s = 0.0
+        self.snapshot_stall_s = 0.0  # memory-tier snapshots since the last journal row (goodput)
         self._restored: Restored | None = None
         #: Warns once of a thread of no known purpose beside training (invariant 12).
         self.threads = hermetic.ThreadWatch(run_dir, rank)
@@ -322,8 +321,6 @@ class Worker:
         metrics.flush()
         try:
             runtime.memory.snapshot(runtime.state, self.session.memory)
-            # Goodput counts it with the saves' stalls: on the next step's row (this step's is
-            # written already, and a row of its own would be a second row of one step).
             self.snapshot_stall_s += runtime.memory.last_stall_s
         except OSError as exc:
             self.log(f"memory tier off: {exc}")
@@ -396,7 +393,7 @@ class Worker:
         out.update(
             {"data/epoch": state.cursor.epoch, "data/samples": state.cursor.samples_consumed(step_samples, size)}
         )
-        if self.snapshot_stall_s:  # the memory-tier snapshot after the previous step
+        if self.snapshot_stall_s:  # after the previous step, whose row was written: on this one
             out["memory_snapshot_s"], self.snapshot_stall_s = self.snapshot_stall_s, 0.0
         if evaluating and state.step % cfg.train.eval_every == 0:
             t1 = time.perf_counter()

@@ -35,7 +35,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 from tasks.supervision.attempt import AttemptSpec, ParkedSince
 from tasks.supervision.handoff import Replacement
@@ -43,10 +42,10 @@ from tasks.supervision.supervisor import ChunkFailed, WorkerAttempt
 from tasks.supervision.worker_handle import WorkerHandle
 from tasks.supervision.worker_source import Acquired, Source, WorkerSource
 from training import chunk_boundary
-from training.events import Event, append_event, read_events
+from training.events import read_events
 from training.fsutil import file_size
 from training.paths import RunPaths
-from training.tracking.attempts import AttemptId, next_attempt
+from training.tracking.attempts import AttemptId, next_attempt, record_start
 
 #: The ``reason`` of the ``resubmitted`` event a replaced attempt gets (a preemption's is ``preempted``).
 REPLACED = "replaced"
@@ -68,11 +67,11 @@ def replace_parked(
         return None  # it finished the next chunk before it died: the chunk after's to report
     number = next_attempt(read_events(run_dir), next_chunk.chunk)
     dead_id = replace(next_chunk, attempt=number, resumes_from=next_chunk.start)
-    _attempt_started(dead_id, run_dir, since.metrics_offset, parked=True)
+    record_start(run_dir, dead_id, None, since.metrics_offset, parked=True)  # its MLflow run comes later
     failed = post_mortem(spec_for(dead_id), dead, since)
     resume = failed.details.last_committed_step or 0
     new_id = replace(next_chunk, attempt=number + 1, resumes_from=resume)
-    _attempt_started(new_id, run_dir, file_size(RunPaths(run_dir).metrics), replaces=number)
+    record_start(run_dir, new_id, None, file_size(RunPaths(run_dir).metrics), replaces=number)
     acquired = WorkerSource(spec_for(new_id)).fresh(time.time())
     return Replacement(
         dead, dead_id, failed.kind, failed.message, failed.details, acquired.worker, new_id, str(acquired.source)
@@ -91,20 +90,3 @@ def post_mortem(spec: AttemptSpec, dead: WorkerHandle, since: ParkedSince) -> Ch
         attempt.handed_off = False  # dead before the boundary (checked): nothing to park again
         attempt.stop()
     return attempt.failure_report(dead.proc.returncode, time.time() - attempt.started)
-
-
-def _attempt_started(attempt: AttemptId, run_dir: Path, metrics_offset: int, **fields: object) -> None:
-    """The ``attempt_started`` event the chunk task would write (its MLflow run comes later, with
-    ``attempt_recorded``)."""
-    append_event(
-        run_dir,
-        Event.ATTEMPT_STARTED,
-        chunk=attempt.chunk,
-        attempt=attempt.attempt,
-        flow_run_id=attempt.flow_run_id,
-        task_run_id=None,
-        mlflow_run_id=None,
-        resumes_from=attempt.resumes_from,
-        metrics_offset=metrics_offset,
-        **fields,
-    )

@@ -14,9 +14,10 @@ because MLflow's runs table shows about sixteen.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from training.events import Event
+from training.events import Event, append_event
 
 #: Events that name a chunk attempt (``chunk`` and ``attempt`` fields).
 _NUMBERED = (Event.ATTEMPT_STARTED, Event.FAILURE, Event.CHUNK_DONE)
@@ -50,6 +51,26 @@ class AttemptId:
     def name(self, outcome: str = "running") -> str:
         """Its MLflow run name (:func:`attempt_name`)."""
         return attempt_name(self.chunk, self.attempt, outcome)
+
+
+def record_start(
+    run_dir: str | Path, attempt: AttemptId, mlflow_run_id: str | None, metrics_offset: int, **fields: Any
+) -> None:
+    """The attempt's ``attempt_started`` event: written by its chunk task, or, for a worker killed
+    while parked, by the parking ahead of the task (``tasks/supervision/replacement.py``).
+    ``metrics_offset``: where its steps begin in ``metrics.jsonl``."""
+    append_event(
+        run_dir,
+        Event.ATTEMPT_STARTED,
+        chunk=attempt.chunk,
+        attempt=attempt.attempt,
+        flow_run_id=attempt.flow_run_id,
+        task_run_id=attempt.task_run_id,
+        mlflow_run_id=mlflow_run_id,
+        resumes_from=attempt.resumes_from,
+        metrics_offset=metrics_offset,
+        **fields,
+    )
 
 
 @dataclass(frozen=True)
