@@ -99,7 +99,11 @@ def test_sigkill_mid_chunk_3_retries_only_chunk_3(
     assert summary["digest"] == reference_digest, "resumed run diverged from the uninterrupted one"
     assert summary["attempts"] == {1: 1, 2: 1, 3: 2}
     runs = task_runs(summary["flow_run_id"])
-    assert {name: r.run_count for name, r in runs.items()} == {"chunk-1": 1, "chunk-2": 1, "chunk-3": 2}
+    # On a loaded machine the kill can land before chunk 3's task adopted its worker: then the
+    # parking replaced it at once, inside Prefect's first run of chunk 3 (issue 30 item 2).
+    replaced = [e for e in read_events(run_dir, "resubmitted") if e.get("reason") == "replaced"]
+    chunk3_runs = 1 if replaced else 2
+    assert {name: r.run_count for name, r in runs.items()} == {"chunk-1": 1, "chunk-2": 1, "chunk-3": chunk3_runs}
     assert all(r.state.is_completed() for r in runs.values())
     policy = runs["chunk-3"].empirical_policy  # one number, which Prefect's UI shows ("NaNs" for a list)
     assert isinstance(policy.retry_delay, int | float) and policy.retries == 2, policy
