@@ -158,7 +158,7 @@ class ChunkRun:
 
     def run(self) -> State:
         if self.try_number == 1:
-            faults.handoff_delay(self.chunk)  # a test's slow Prefect (CONVOY_FAULTS)
+            faults.handoff_hold(self.chunk)  # a test's slow Prefect (CONVOY_FAULTS)
         # First: a worker killed while parked was replaced at once, and the replacement is ours.
         self.replacement = self.parking.take_replacement()
         if self.parking.parked_pid() is None:  # our own parked worker is not stale

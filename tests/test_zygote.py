@@ -118,8 +118,9 @@ def test_every_recovery_of_a_flow_run_is_a_fork_of_the_zygote(
     from training import faults
 
     flag = tmp_path / "stall"
-    # Chunk 2's task waits 0.6 s before it adopts (a slow Prefect): the parked kill lands in the gap.
-    monkeypatch.setenv("CONVOY_FAULTS", f"step_delay=0.05,slow_flag={flag}:20,handoff_delay=2:0.6")
+    # Chunk 2's task waits (a slow Prefect) until the parked worker was killed and reported.
+    hold = tmp_path / "chunk-2-may-start"
+    monkeypatch.setenv("CONVOY_FAULTS", f"step_delay=0.05,slow_flag={flag}:20,handoff_hold=2:{hold}")
     faults.reset()  # this process reads CONVOY_FAULTS once (the flow's tasks are its threads)
     cfg = config(params(tmp_path, data_dir, "zygote", heartbeat={"stall_s": 30}, orchestration={"retries": 3}))
     run_dir = cfg.run_dir.resolve()
@@ -139,6 +140,10 @@ def test_every_recovery_of_a_flow_run_is_a_fork_of_the_zygote(
         parked_at = time.time()
         os.kill(read_heartbeat(run_dir, 0).pid, signal.SIGKILL)
         replaced_at.append(parked_at)
+        while not [e for e in read_events(run_dir, Event.ATTEMPT_STARTED) if e.get("chunk") == 2]:
+            time.sleep(0.01)  # reported and replaced by the parking, no task: chunk 2's may go on now
+        time.sleep(0.05)  # the replacement's attempt_started follows its predecessor's within ms
+        hold.touch()
         while not read_events(run_dir, Event.ATTEMPT_RECORDED):  # chunk 2's task has the replacement
             time.sleep(0.01)
         kill(CHUNK + 6, "adopted")
@@ -170,23 +175,25 @@ def test_every_recovery_of_a_flow_run_is_a_fork_of_the_zygote(
     assert len({e["forked_by"] for e in starts}) == 2  # the killed zygote, then its replacement
     assert [e["failure"] for e in events if e["kind"] == Event.FAILURE] == ["killed"] * 5
     assert len(read_events(run_dir, Event.ZYGOTE_REPLACED)) == 1
-    check_replaced_at_once(events, replaced_at[0])
+    check_replaced_at_once(events, replaced_at[0], hold.stat().st_mtime)
     assert_no_leftovers(run_dir)
 
 
-def check_replaced_at_once(events: list[dict[str, Any]], killed_at: float) -> None:
+def check_replaced_at_once(events: list[dict[str, Any]], killed_at: float, task_released: float) -> None:
     """The worker killed while parked (chunk 2's attempt 1, ``parked``) was reported and replaced
-    by the parking before chunk 2's task began (held 0.6 s): its failure, then the replacement's
-    attempt, then its worker restoring, all before the task recorded them (``attempt_recorded``),
-    in the order every reader of the events expects; Prefect saw no retry (``resubmitted``)."""
+    by the parking while chunk 2's task was held (a slow Prefect): its failure, then the
+    replacement's attempt, before the task was let go, then its worker restoring, in the order every
+    reader of the events expects; the task recorded attempt 2 (``attempt_recorded``) and Prefect saw
+    no retry (``resubmitted``: replaced)."""
     chunk2 = [e for e in events if e.get("chunk") == 2 and e["time"] >= killed_at]
     kinds = [(e["kind"], e.get("attempt")) for e in chunk2 if e["kind"] != Event.CHECKPOINT_SAVED][:5]
     assert kinds[:3] == [(Event.ATTEMPT_STARTED, 1), (Event.FAILURE, 1), (Event.ATTEMPT_STARTED, 2)], kinds
     started = [e for e in chunk2 if e["kind"] == Event.ATTEMPT_STARTED]
     assert started[0]["parked"] and started[1]["replaces"] == 1, started
+    assert started[1]["time"] <= task_released, started  # attempt 2 began before chunk 2's task could
     recorded = next(e for e in chunk2 if e["kind"] == Event.ATTEMPT_RECORDED)
     resumed = next(e for e in events if e["kind"] == Event.RESUMED and e["time"] >= killed_at)
-    assert started[1]["time"] <= resumed["time"] < recorded["time"], (resumed, recorded)  # before the task
+    assert started[1]["time"] <= resumed["time"] and recorded["attempt"] == 2, (resumed, recorded)
     resubmitted = [e for e in events if e["kind"] == Event.RESUBMITTED]
     # The kill in chunk 3 may land while that chunk's worker is parked too: replaced the same way.
     assert [(e["chunk"], e["reason"]) for e in resubmitted][:1] == [(2, "replaced")], resubmitted

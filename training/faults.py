@@ -8,9 +8,10 @@ disk), one stalled training step (``step:seconds``, or the next one once PATH ex
 pause before every step, and ``micro_stall=S:K:SECONDS:PATH``: before micro-batch K (1-based)
 of optimizer step S, create PATH and stall, once (not again once PATH exists), so a test can
 kill the worker provably inside a gradient-accumulation window; ``upload_stall=S:SECONDS:PATH``
-stalls the checkpoint uploader between the data and the index of step S; ``handoff_delay=K:SECONDS``
-holds chunk K's task before it adopts the worker the chunk before parked (a slow Prefect: a kill
-then lands provably between the two chunk tasks).  Unset in normal runs: every check is one dict
+stalls the checkpoint uploader between the data and the index of step S; ``handoff_hold=K:PATH``
+holds chunk K's task, before it adopts the worker the chunk before parked, until PATH exists (a
+slow Prefect: a test's kill then lands provably between the two chunk tasks, and the test says
+when the task may go on).  Unset in normal runs: every check is one dict
 lookup.
 """
 
@@ -106,10 +107,11 @@ def upload_stall(step: int) -> None:
         time.sleep(float(seconds))
 
 
-def handoff_delay(chunk: int) -> None:
-    """``handoff_delay=K:SECONDS``: chunk K's task waits SECONDS before it adopts its worker."""
-    spec = _faults().get("handoff_delay")
+def handoff_hold(chunk: int, timeout_s: float = 120.0) -> None:
+    """``handoff_hold=K:PATH``: chunk K's task waits until PATH exists before it adopts its worker."""
+    spec = _faults().get("handoff_hold")
     if spec:
-        at, _, seconds = spec.partition(":")
-        if chunk == int(at):
-            time.sleep(float(seconds or 2))
+        at, _, path = spec.partition(":")
+        deadline = time.monotonic() + timeout_s
+        while chunk == int(at) and not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
