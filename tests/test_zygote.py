@@ -140,9 +140,8 @@ def test_every_recovery_of_a_flow_run_is_a_fork_of_the_zygote(
         parked_at = time.time()
         os.kill(read_heartbeat(run_dir, 0).pid, signal.SIGKILL)
         replaced_at.append(parked_at)
-        while not [e for e in read_events(run_dir, Event.ATTEMPT_STARTED) if e.get("chunk") == 2]:
+        while not [e for e in read_events(run_dir, Event.ATTEMPT_STARTED) if e.get("replaces")]:
             time.sleep(0.01)  # reported and replaced by the parking, no task: chunk 2's may go on now
-        time.sleep(0.05)  # the replacement's attempt_started follows its predecessor's within ms
         hold.touch()
         while not read_events(run_dir, Event.ATTEMPT_RECORDED):  # chunk 2's task has the replacement
             time.sleep(0.01)
@@ -190,7 +189,7 @@ def check_replaced_at_once(events: list[dict[str, Any]], killed_at: float, task_
     assert kinds[:3] == [(Event.ATTEMPT_STARTED, 1), (Event.FAILURE, 1), (Event.ATTEMPT_STARTED, 2)], kinds
     started = [e for e in chunk2 if e["kind"] == Event.ATTEMPT_STARTED]
     assert started[0]["parked"] and started[1]["replaces"] == 1, started
-    assert started[1]["time"] <= task_released, started  # attempt 2 began before chunk 2's task could
+    assert started[1]["time"] <= task_released + 0.001, started  # before chunk 2's task could (ms-rounded)
     recorded = next(e for e in chunk2 if e["kind"] == Event.ATTEMPT_RECORDED)
     resumed = next(e for e in events if e["kind"] == Event.RESUMED and e["time"] >= killed_at)
     assert started[1]["time"] <= resumed["time"] and recorded["attempt"] == 2, (resumed, recorded)
