@@ -61,8 +61,8 @@ def replace_parked(
     rc = dead.poll()
     if rc is None or rc >= 0:  # alive, or ended by itself: the next task judges it
         return None
-    run_dir = spec_for(next_chunk).run_dir
-    boundary = spec_for(next_chunk).boundary_step
+    probe = spec_for(next_chunk)
+    run_dir, boundary = probe.run_dir, probe.boundary_step
     if boundary is not None and chunk_boundary.boundary_committed(run_dir, boundary):
         return None  # it finished the next chunk before it died: the chunk after's to report
     number = next_attempt(read_events(run_dir), next_chunk.chunk)
