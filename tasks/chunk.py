@@ -151,6 +151,8 @@ class ChunkRun:
         self.pipelined = cfg.orchestration.pipeline and cfg.orchestration.mode == "local"
         self.standby = cfg.orchestration.standby and cfg.orchestration.mode == "local" and cfg.train.world_size == 1
         self.preemptions = 0
+        #: Attempts re-spawned inside this task run for a worker killed while parked (at most 1).
+        self.replaced = 0
         self.resumed_from = 0
         #: A worker killed while parked before this task began, replaced at once (taken in :meth:`run`).
         self.replacement: Replacement | None = None
@@ -213,7 +215,8 @@ class ChunkRun:
                 run_records.attempt_outcome(False, exc.kind, trained, time.time() - t_attempt, exc.details),
                 self.id,
             )
-            if exc.kind == FailureKind.PREEMPTED and self.preemptions < cfg.orchestration.retries:
+            respawned = self.preemptions + self.replaced  # both spend the retries, as a Prefect retry would
+            if exc.kind == FailureKind.PREEMPTED and respawned < cfg.orchestration.retries:
                 self.respawn_after_preemption(exc, resume_at)
                 return None
             retrying = will_retry(cfg, exc, self.try_number)
@@ -241,6 +244,7 @@ class ChunkRun:
         and failure note a retry would have had, a ``resubmitted`` event, then the replacement's
         MLflow run (``attempt_recorded``).  Returns that run's id."""
         cfg, rd, task_run = self.cfg, self.run_dir, self.id.task_run_id
+        self.replaced += 1
         self.id = replace(r.dead_attempt, task_run_id=task_run)
         dead = run_records.start_attempt(cfg, rd, self.id)
         if dead and self.shipper is not None:
@@ -390,7 +394,10 @@ class ChunkRun:
     def replace_parked(self, dead: WorkerHandle, since: ParkedSince) -> Replacement | None:
         """This task's worker, parked at its boundary, died before the next chunk's task adopted
         it: report it as that chunk's attempt and start its replacement at once
-        (:mod:`tasks.supervision.replacement`; runs on the parking's thread)."""
+        (:mod:`tasks.supervision.replacement`; runs on the parking's thread).  Not with
+        ``retries: 0``: a replacement is a retry, and a run told not to retry fails on the kill."""
+        if self.cfg.orchestration.retries < 1:
+            return None
         end = min(self.end + self.cfg.train.chunk_steps, self.cfg.train.total_steps)
         nxt = AttemptId(self.chunk + 1, 0, self.end, end, self.id.flow_run_id, None)
         return replace_parked(dead, since, nxt, self.spec_for)

@@ -26,7 +26,8 @@ Only a worker **killed by a signal** is replaced here.  One that exited by itsel
 config error, a preemption, a full disk) is the next task's to judge as before: the retry
 policy's backoff and its never-retried kinds are about those.  A worker that committed the next
 chunk's boundary before it died belongs to the chunk after (the next task judges it, as before).
-Each parked worker is replaced at most once; a replacement that dies before a task adopts it is
+With ``retries: 0`` nothing is replaced (a replacement is a retry; the run fails on the kill, as
+the user asked).  Each parked worker is replaced at most once; a replacement that dies before a task adopts it is
 that task's to report.
 """
 
