@@ -10,7 +10,9 @@ forever.  Prefect's answer is flow-run heartbeats (``PREFECT_FLOWS_HEARTBEAT_FRE
    otherwise set the run ``Crashed``.  Measured on the open-source server: marked ~76 s after the
    last beat with ``within=75``.
 2. *convoy: restart crashed training* — on ``prefect.flow-run.Crashed`` of the deployment, run
-   the deployment again (with its default parameters).  The new flow run takes the run lock
+   the deployment again with the crashed run's parameters (a Jinja template of the triggering
+   flow run's ``params`` and ``overrides``: a run started with ``--params other.yaml`` must not
+   come back as the deployment's default run).  The new flow run takes the run lock
    (the dead one's lock died with it), stops any orphaned worker and continues from the newest
    verified checkpoint.
 
@@ -29,6 +31,12 @@ from typing import Any
 CRASH_NAME = "convoy: crash silent flow runs"
 RESTART_NAME = "convoy: restart crashed training"
 _TERMINAL = ("Completed", "Failed", "Cancelled", "Crashed")
+#: The restarted run's parameters: the crashed run's own (Prefect renders each single-expression
+#: template with ``tojson``, so ``overrides`` stays a list).
+SAME_PARAMETERS = {
+    "params": "{{ flow_run.parameters.get('params', 'params.yaml') }}",
+    "overrides": "{{ flow_run.parameters.get('overrides') or [] }}",
+}
 
 
 def default_within_s() -> float:
@@ -84,7 +92,7 @@ def liveness_automations(deployment_id: Any, within_s: float | None = None) -> l
             posture=Posture.Reactive,
             threshold=1,
         ),
-        actions=[RunDeployment(source="selected", deployment_id=deployment_id)],
+        actions=[RunDeployment(source="selected", deployment_id=deployment_id, parameters=SAME_PARAMETERS)],
     )
     return [crash, restart]
 

@@ -151,10 +151,12 @@ class TrainingRun:
         update_run_info(run_dir, prefect_ui=prefect_ui_base())  # for the links in MLflow's descriptions
         if flow_run_id:
             remember_run(flow_run_id, run_dir=run_dir, run_name=cfg.run_name, chunk=None)
+        # The run's resources first: its worker zygote imports torch while MLflow starts (a
+        # relaunched flow's first step waits for both; issue 30 item 4).
+        run = cls(cfg, run_dir, flow_run_id, logger)
         run_records.begin_run(cfg, run_dir)
         if reap_stale_worker(run_dir, cfg.train.world_size):
             logger.warning("stopped a worker of this run left over from a flow that died")
-        run = cls(cfg, run_dir, flow_run_id, logger)
         run.flow_run_name = flow_run_name
         run.taken_over = take_over(cfg, run_dir, flow_run, logger, run.resources.checkpoints)
         run.committed = run.newest_committed()

@@ -408,6 +408,19 @@ def prefect_setup(
     console.print(f"liveness automations for {deployment}: {', '.join(ids)}")
 
 
+@app.command("prefect-worker", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def prefect_worker(ctx: typer.Context) -> None:
+    """Run `prefect worker start ARGS` beside a pre-imported flow server (flow runs start at once).
+
+    A relaunched flow run is forked in milliseconds instead of starting a new interpreter, e.g.
+    `convoy prefect-worker --pool convoy`."""
+    from flows.flow_worker import run_worker
+
+    if not ctx.args:
+        raise fail("give `prefect worker start`'s options, e.g. `convoy prefect-worker --pool convoy`")
+    raise typer.Exit(run_worker(list(ctx.args), lambda line: console.print(escape(line))))
+
+
 def main() -> None:  # pragma: no cover - console script
     app()
 
