@@ -84,20 +84,21 @@ def wait_health(url: str, timeout: float = 120) -> None:
 
 
 def flow_processes(worker: subprocess.Popen, training_pid: int) -> list[int]:
-    """The flow-run process as Prefect sees it (the Prefect worker's child: the engine, or under
-    ``convoy prefect-worker`` the client standing in for the fork) and the process running the flow (the
-    training worker's parent, or the zygote's parent)."""
-    pids = []
-    with contextlib.suppress(psutil.Error):
-        top = psutil.Process(worker.pid)
-        prefect_worker = next((p for p in [top, *top.children()] if "worker start" in " ".join(p.cmdline())), top)
-        pids += [c.pid for c in prefect_worker.children() if "flow_server" not in " ".join(c.cmdline())]
-        parent = psutil.Process(training_pid).parent()
-        if parent is not None and "training.zygote" in " ".join(parent.cmdline()):
-            parent = parent.parent()
-        if parent is not None:
-            pids.append(parent.pid)
-    return sorted(set(pids))
+    """What the flow run is made of: the process Prefect's worker started for it (under ``convoy
+    prefect-worker`` the ``flows.flow_exec`` client standing in for the fork, else the engine) and
+    the process running the flow (the flow server's fork that is not the run's worker zygote, or
+    the training worker's parent or its zygote's parent)."""
+    top = psutil.Process(worker.pid)
+    family = top.children(recursive=True)
+    started = [p for p in family if any(m in " ".join(p.cmdline()) for m in ("flows.flow_exec", "prefect.engine"))]
+    parent = psutil.Process(training_pid).parent()
+    zygote = parent if parent is not None and "training.zygote" in " ".join(parent.cmdline()) else None
+    servers = [p for p in family if "flows.flow_server" in " ".join(p.cmdline()) and p.parent() == top]
+    if servers:
+        flows = [p for p in servers[0].children() if zygote is None or p.pid != zygote.pid]
+    else:
+        flows = [zygote.parent() if zygote is not None else parent]
+    return sorted({p.pid for p in [*started, *flows] if p is not None and p.pid != top.pid})
 
 
 def wait_training(run_dir: Path, after: float, timeout: float = 300) -> Any:

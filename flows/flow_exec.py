@@ -1,10 +1,10 @@
-"""The command a Prefect worker runs for a flow run of deployment ``train/nightly`` (``prefect.yaml``).
+"""The command ``convoy prefect-worker`` gives each flow run (:mod:`flows.flow_worker`).
 
-With ``convoy prefect-worker`` around the Prefect worker (``CONVOY_FLOW_SERVER`` in the environment), the
-flow run is forked by the pre-imported :mod:`flows.flow_server` and this process stands in for it:
-it passes on its stdio, environment and signals, and exits as the flow run did (killed by a
-signal: by the same signal), so the worker reports what it would have reported.  Without a
-server, or when it does not answer, it becomes ``python -m prefect.engine`` (exec, the same pid).
+With the flow server's socket in the environment (``CONVOY_FLOW_SERVER``), the flow run is forked
+by the pre-imported :mod:`flows.flow_server` and this process stands in for it: it passes on its
+stdio, environment and signals, and exits as the flow run did (killed by a signal: by the same
+signal), so the worker reports what it would have reported.  Without a server, or when it does
+not answer, it becomes ``python -m prefect.engine`` (exec, the same pid).
 
 Only the standard library, imported lazily: this runs on every relaunch's critical path.
 """

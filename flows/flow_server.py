@@ -4,9 +4,10 @@ forks each flow run the Prefect worker starts (issue 30, item 4).
 Why: a flow run relaunched after its process died (the restart automation of
 :mod:`flows.flow_liveness`) used to start a new interpreter that imported Prefect, the flow and
 torch (1.1 s + 2.7 s measured on a relaunch, the crashed run's hook process competing for the same
-cores) before its first line ran; every GPU of the job idles meanwhile.  ``convoy prefect-worker`` starts
-this server beside ``prefect worker start`` and the deployment's command (``prefect.yaml``,
-``python -m flows.flow_exec``) asks it for a fork, which begins in milliseconds.
+cores) before its first line ran; every GPU of the job idles meanwhile.  ``convoy prefect-worker`` runs
+this server beside Prefect's process worker, which starts each flow run as ``python -m
+flows.flow_exec`` (:mod:`flows.flow_worker`); that asks the server for a fork, which begins in
+milliseconds.
 
 Protocol (one Unix stream connection per flow run, from :mod:`flows.flow_exec`):
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import gc
 import importlib
 import json
@@ -42,18 +44,22 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from tasks.supervision.zygote_from_server import FLOW_SERVER_ENV
 from training.zygote import fork_hazards, os_threads
 
 #: The server's socket, in the environment of ``prefect worker start`` and so of the client.
-SOCKET_ENV = "CONVOY_FLOW_SERVER"
+SOCKET_ENV = FLOW_SERVER_ENV
 MAX_MESSAGE = 1 << 20
+#: The first line of a zygote's log when this server forked it.
+FORKED_ZYGOTE = "convoy worker zygote forked by flow server pid"
 
 
 #: What every flow run of flow ``train`` imports before its first step: Prefect's engine, the flow
-#: and its tasks, torch with the example task (the config's validation imports the task's module)
+#: and its tasks, torch with the example task (the config's validation imports the task's module),
+#: what the run's worker zygote imports (``torch._dynamo``, the worker: :func:`training.zygote.preload`)
 #: and MLflow with its SQL store (the run's MLflow run is opened before the first chunk: 1.3 s of
 #: imports measured there).  MLflow's imports leave a ``jemalloc_bg_thd`` OS thread (pyarrow's
 #: allocator, which registers its own fork handlers); the hazard check counts threads from after
@@ -62,6 +68,8 @@ PRELOAD = (
     "prefect.engine",
     "prefect.flow_engine",
     "torch",
+    "torch._dynamo",
+    "training.worker",
     "flows.train",
     "training.examples.char_gpt",
     "tasks.records.mlflow_runs",
@@ -78,12 +86,21 @@ def preload() -> list[str]:
 
 @dataclass
 class FlowRunRequest:
-    """What the client sends: how ``python -m prefect.engine`` would have been started."""
+    """What a client sends: how ``python -m prefect.engine`` (``op: flow_run``, from
+    :mod:`flows.flow_exec`) or ``python -m training.zygote`` (``op: zygote``, from a flow run's
+    :mod:`tasks.supervision.zygote_from_server`) would have been started.  The fds that come with
+    it: stdin, stdout, stderr, then the flow run's lifeline, or the zygote's ``keep_fds`` (put at
+    those numbers in the child)."""
 
     argv: list[str]
     env: dict[str, str]
     cwd: str
     client_pid: int
+    op: str = "flow_run"
+    keep_fds: list[int] = field(default_factory=list)
+
+    def fd_count(self) -> int:
+        return 3 + (len(self.keep_fds) if self.op == "zygote" else 1)
 
 
 class FlowServer:
@@ -107,22 +124,24 @@ class FlowServer:
     def accept(self) -> None:
         conn, _ = self.listener.accept()
         try:
-            data, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE, 4)
+            data, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE, 8)
             request = FlowRunRequest(**json.loads(data))
         except (OSError, ValueError, TypeError) as exc:
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps({"error": f"bad request: {exc}"}).encode() + b"\n")
             conn.close()
             return
-        hazards = fork_hazards(self.baseline)
-        if hazards or len(fds) != 4:
-            conn.sendall(json.dumps({"error": "; ".join(hazards) or "expected 4 fds"}).encode() + b"\n")
+        problem = "; ".join(fork_hazards(self.baseline))
+        if not problem and (request.op not in ("flow_run", "zygote") or len(fds) != request.fd_count()):
+            problem = f"op {request.op!r} with {len(fds)} fds"
+        if problem:
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps({"error": problem}).encode() + b"\n")
+            conn.close()
         else:
             self.fork(conn, request, fds)
         for fd in fds:
             os.close(fd)
-        if hazards or len(fds) != 4:
-            conn.close()
 
     def fork(self, conn: socket.socket, request: FlowRunRequest, fds: list[int]) -> None:
         sys.stdout.flush()
@@ -133,7 +152,8 @@ class FlowServer:
             code = 70
             conn.close()
             try:
-                code = become_flow_run(request, fds, self)
+                become = become_zygote if request.op == "zygote" else become_flow_run
+                code = become(request, fds, self)
             finally:
                 os._exit(code)
         pidfd = os.pidfd_open(pid)
@@ -152,9 +172,9 @@ class FlowServer:
         conn.close()
 
 
-def become_flow_run(request: FlowRunRequest, fds: list[int], server: FlowServer) -> int:
-    """In the forked child: the client's stdio, environment and directory; die with the client;
-    then what ``python -m prefect.engine`` does."""
+def leave_server(request: FlowRunRequest, fds: list[int], server: FlowServer) -> list[int]:
+    """In a forked child: none of the server's sockets or signal handlers, the client's stdio as
+    0-2, its environment and directory; returns the fds after the stdio."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     server.selector.close()
@@ -165,14 +185,37 @@ def become_flow_run(request: FlowRunRequest, fds: list[int], server: FlowServer)
         conn.close()
     for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
-    lifeline = fds[3]
     for fd in fds[:3]:
-        os.close(fd)
+        if fd > 2:
+            os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the client's stdout
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.chdir(request.cwd)
     os.environ.clear()
     os.environ.update(request.env)
+    return fds[3:]
+
+
+def become_zygote(request: FlowRunRequest, fds: list[int], server: FlowServer) -> int:
+    """In the forked child: the run's worker zygote (:mod:`training.zygote`), in its own session
+    as a spawned one is, with the flow's fds at the numbers its workers are told."""
+    kept = leave_server(request, fds, server)
+    os.setsid()
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in kept]  # out of the way of the targets
+    for fd in kept:
+        os.close(fd)
+    for fd, target in zip(high, request.keep_fds, strict=True):
+        os.dup2(fd, target)  # inheritable, as pass_fds leaves them
+        os.close(fd)
+    from training.zygote import main
+
+    print(f"{FORKED_ZYGOTE} {os.getppid()} (no interpreter start)", flush=True)
+    return main(request.argv)
+
+
+def become_flow_run(request: FlowRunRequest, fds: list[int], server: FlowServer) -> int:
+    """In the forked child: die with the client; then what ``python -m prefect.engine`` does."""
+    (lifeline,) = leave_server(request, fds, server)
     threading.Thread(target=_die_with_client, args=(lifeline,), name="convoy-flow-lifeline", daemon=True).start()
     import prefect.context
 

@@ -1,27 +1,48 @@
-"""``convoy prefect-worker``: ``prefect worker start`` with a pre-imported flow server beside it.
+"""``convoy prefect-worker``: a Prefect process worker whose flow runs are forks of a pre-imported
+flow server.
 
-The server (:mod:`flows.flow_server`) forks the flow runs the worker starts with the deployment's
-command (``python -m flows.flow_exec``, ``prefect.yaml``); both live and die together: the server
-gets SIGTERM from the kernel when this process dies however it dies (``PR_SET_PDEATHSIG``), and
-stopping this process stops the worker first (Prefect's own shutdown), then the server.
+The worker is Prefect's own ``ProcessWorker`` run in this process, with one change: a flow run
+whose deployment sets no command is started with ``<this interpreter> -m flows.flow_exec``
+instead of ``<this interpreter> -m prefect.engine``; that client asks the server
+(:mod:`flows.flow_server`) for a fork and stands in for it.  The command is chosen here, by the
+worker, not in ``prefect.yaml``: a plain ``prefect worker start`` (any interpreter, any ``PATH``)
+keeps Prefect's default, and this one names its own interpreter, so no ``python`` on ``PATH`` is
+assumed anywhere.
+
+The server lives and dies with this process: the kernel sends it SIGTERM when this process dies
+however it dies (``PR_SET_PDEATHSIG``); SIGTERM or Ctrl-C here stops the worker, then the server.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from flows.flow_server import SOCKET_ENV
 from tasks.supervision.process_group import child_setup
 
 READY = "convoy flow server ready"
+#: What a flow run without a command of its own runs under this worker.
+FORKED_COMMAND = [sys.executable, "-m", "flows.flow_exec"]
+
+
+@dataclass
+class WorkerOptions:
+    """The options of ``prefect worker start`` that ``convoy prefect-worker`` takes."""
+
+    pool: str
+    name: str | None = None
+    limit: int | None = None
+    work_queues: list[str] = field(default_factory=list)
 
 
 def start_server(socket_path: Path, log: Callable[[str], None], timeout_s: float = 120.0) -> subprocess.Popen:
@@ -46,24 +67,64 @@ def start_server(socket_path: Path, log: Callable[[str], None], timeout_s: float
     raise RuntimeError(f"the flow server was not ready in {timeout_s:g} s")
 
 
-def run_worker(prefect_args: list[str], log: Callable[[str], None]) -> int:
-    """Start the server, then ``prefect worker start <prefect_args>`` with its socket in the
-    environment; return the worker's exit code."""
+def forking_worker_class() -> type:
+    """Prefect's ``ProcessWorker`` whose flow runs default to :data:`FORKED_COMMAND`."""
+    from prefect.utilities.processutils import command_to_string
+    from prefect.workers.process import ProcessJobConfiguration, ProcessWorker
+
+    class ForkingJobConfiguration(ProcessJobConfiguration):
+        def prepare_for_flow_run(self, *args: Any, **kwargs: Any) -> None:
+            configured = self.command is not None
+            super().prepare_for_flow_run(*args, **kwargs)
+            if not configured:  # a deployment's own command still wins
+                self.command = command_to_string(FORKED_COMMAND)
+                self._command_configured = True
+
+    with warnings.catch_warnings():  # a subclass re-registers type "process": in this process only, as meant
+        warnings.simplefilter("ignore", UserWarning)
+
+        class ForkingProcessWorker(ProcessWorker):
+            job_configuration = ForkingJobConfiguration
+
+    return ForkingProcessWorker
+
+
+def serve(options: WorkerOptions) -> None:
+    """Poll the pool until SIGTERM or Ctrl-C, then stop as ``prefect worker start`` does."""
+    import anyio
+    from prefect.utilities.processutils import setup_signal_handlers_worker
+
+    worker_cls = forking_worker_class()
+    # A crashed flow run's hooks run in this process (Prefect loads the flow here): its modules
+    # now, not on the first relaunch's path.
+    import flows.train  # noqa: F401
+
+    async def run() -> None:
+        worker = worker_cls(
+            work_pool_name=options.pool,
+            work_queues=options.work_queues or None,
+            name=options.name,
+            limit=options.limit,
+        )
+        async with worker:
+            await worker.start(printer=print)
+
+    # What ``prefect worker start`` does: SIGTERM becomes SIGINT, which ends the loop.
+    setup_signal_handlers_worker(os.getpid(), "the process worker", print)
+    with contextlib.suppress(KeyboardInterrupt):
+        anyio.run(run)
+    print(f"Worker {options.name or ''} stopped".replace("  ", " "), flush=True)
+
+
+def run_worker(options: WorkerOptions, log: Callable[[str], None]) -> int:
+    """Start the server, then serve the pool with its socket in the flow runs' environment."""
     home = Path(tempfile.mkdtemp(prefix="convoy-flow-server-"))
     socket_path = home / "flows.sock"
     server = start_server(socket_path, log)
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, SOCKET_ENV: str(socket_path), "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
-    worker = subprocess.Popen([str(Path(bin_dir) / "prefect"), "worker", "start", *prefect_args], env=env)
-
-    def forward(signum: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            worker.send_signal(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
+    os.environ[SOCKET_ENV] = str(socket_path)  # the job's environment is this process's (ProcessWorker)
     try:
-        return worker.wait()
+        serve(options)
+        return 0
     finally:
         server.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -76,9 +76,9 @@ def _run_dir_from_flow_params(params: dict[str, Any]) -> tuple[Path, str] | None
 
         cfg = params.get("config")
         if cfg is not None:
-            cfg = config_from_dict(cfg if isinstance(cfg, dict) else cfg.model_dump(mode="json"))
-        else:
-            cfg = load_config(params.get("params"), params.get("overrides") or [])
+            cfg = config_from_dict(cfg if isinstance(cfg, dict) else cfg.model_dump(mode="json"), check_task=False)
+        else:  # where the run lives is all a hook needs: no torch import in a Prefect worker (1+ s)
+            cfg = load_config(params.get("params"), params.get("overrides") or [], check_task=False)
         return cfg.run_dir, cfg.run_name
     return None
 

@@ -26,6 +26,7 @@ import psutil
 import pytest
 import yaml
 
+from flows.flow_server import FORKED_ZYGOTE
 from tests.flow_util import CHUNK, REPO, assert_no_leftovers, config, params, stop_group, wait_for_step
 from training.events import read_events
 
@@ -152,17 +153,21 @@ def test_deploy_and_pool_mode_rerun_chunk_as_new_flow_run(
 
 
 def flow_run_processes(parent_worker: subprocess.Popen, training_pid: int) -> list[int]:
-    """What the flow run is made of: the Prefect worker's child (under ``convoy prefect-worker``
-    the client standing in for the fork) and the process running the flow (the training worker's
-    parent, or its zygote's parent)."""
+    """What the flow run is made of: the process Prefect's worker started for it (under ``convoy
+    prefect-worker`` the ``flows.flow_exec`` client standing in for the fork, else the engine) and
+    the process running the flow (the flow server's fork that is not the run's worker zygote, or
+    the training worker's parent or its zygote's parent)."""
     top = psutil.Process(parent_worker.pid)
-    prefect_worker = next(p for p in top.children() if "worker start" in " ".join(p.cmdline()))
-    pids = [c.pid for c in prefect_worker.children()]
+    family = top.children(recursive=True)
+    started = [p for p in family if any(m in " ".join(p.cmdline()) for m in ("flows.flow_exec", "prefect.engine"))]
     parent = psutil.Process(training_pid).parent()
-    if parent is not None and "training.zygote" in " ".join(parent.cmdline()):
-        parent = parent.parent()
-    assert parent is not None and parent.pid not in (top.pid, prefect_worker.pid)
-    return sorted({*pids, parent.pid})
+    zygote = parent if parent is not None and "training.zygote" in " ".join(parent.cmdline()) else None
+    servers = [p for p in family if "flows.flow_server" in " ".join(p.cmdline()) and p.parent() == top]
+    if servers:
+        flows = [p for p in servers[0].children() if zygote is None or p.pid != zygote.pid]
+    else:
+        flows = [zygote.parent() if zygote is not None else parent]
+    return sorted({p.pid for p in [*started, *flows] if p is not None and p.pid != top.pid})
 
 
 def kill_whole_job_and_wait(tmp_path: Path, data_dir: Path, env: dict[str, str], parent: subprocess.Popen) -> dict:
@@ -222,6 +227,9 @@ def check_relaunched(r: dict, reference_digest: str) -> None:
         f"new flow run +{new.created.timestamp() - t_kill:.2f} s, flow started +{started[0]['time'] - t_kill:.2f} s, "
         f"first new step +{first[0]['time'] - t_kill:.2f} s"
     )
+    # Both flow runs' worker zygotes were forks of the flow server: no interpreter start.
+    zygote_logs = sorted((run_dir / "logs").glob("zygote*"))
+    assert zygote_logs and all(FORKED_ZYGOTE in p.read_text() for p in zygote_logs), zygote_logs
     ck = CheckpointStore(run_dir).latest_valid(record=False)
     assert ck is not None and ck.step == 3 * CHUNK and ck.digest == reference_digest
     assert_no_leftovers(run_dir)

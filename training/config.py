@@ -393,8 +393,12 @@ def config_from_dict(data: dict[str, Any], source: str = "config", check_task: b
         raise ConfigError(format_validation_error(exc, source)) from None
 
 
-def load_config(path: str | Path | None = "params.yaml", overrides: list[str] | None = None) -> RunConfig:
-    """Read ``path`` (``None`` or missing default = built-in defaults), apply overrides, validate."""
+def load_config(
+    path: str | Path | None = "params.yaml", overrides: list[str] | None = None, check_task: bool = True
+) -> RunConfig:
+    """Read ``path`` (``None`` or missing default = built-in defaults), apply overrides, validate
+    (``check_task=False``: without importing the task's module, for a caller that only needs
+    where the run lives, e.g. a failure hook in a Prefect worker that has no torch imported)."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -411,4 +415,4 @@ def load_config(path: str | Path | None = "params.yaml", overrides: list[str] | 
         elif str(path) != "params.yaml":
             raise ConfigError(f"{p}: params file not found")
     data = apply_overrides(data, overrides or [])
-    return config_from_dict(data, source)
+    return config_from_dict(data, source, check_task=check_task)

@@ -408,17 +408,21 @@ def prefect_setup(
     console.print(f"liveness automations for {deployment}: {', '.join(ids)}")
 
 
-@app.command("prefect-worker", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def prefect_worker(ctx: typer.Context) -> None:
-    """Run `prefect worker start ARGS` beside a pre-imported flow server (flow runs start at once).
+@app.command("prefect-worker")
+def prefect_worker(
+    pool: Annotated[str, typer.Option("--pool", "-p", help="the work pool to serve")],
+    name: Annotated[str | None, typer.Option("--name", "-n", help="the worker's name")] = None,
+    limit: Annotated[int | None, typer.Option("--limit", "-l", help="flow runs at a time")] = None,
+    work_queue: Annotated[list[str] | None, typer.Option("--work-queue", "-q", help="queues to poll")] = None,
+) -> None:
+    """A Prefect process worker whose flow runs are forked, not started (a relaunch in seconds).
 
-    A relaunched flow run is forked in milliseconds instead of starting a new interpreter, e.g.
-    `convoy prefect-worker --pool convoy`."""
-    from flows.flow_worker import run_worker
+    What `prefect worker start --pool POOL` does, with a server beside it that has imported
+    Prefect, flow train and torch once and forks each flow run (docs/deployments.md)."""
+    from flows.flow_worker import WorkerOptions, run_worker
 
-    if not ctx.args:
-        raise fail("give `prefect worker start`'s options, e.g. `convoy prefect-worker --pool convoy`")
-    raise typer.Exit(run_worker(list(ctx.args), lambda line: console.print(escape(line))))
+    options = WorkerOptions(pool, name, limit, list(work_queue or []))
+    raise typer.Exit(run_worker(options, lambda line: console.print(escape(line), highlight=False)))
 
 
 def main() -> None:  # pragma: no cover - console script

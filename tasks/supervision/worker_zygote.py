@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tasks.supervision.worker_handle import WorkerHandle
+from tasks.supervision.zygote_from_server import fork_zygote
 from training.events import LIFELINE_FD_ENV, Event, append_event
 from training.paths import RunPaths
 from training.zygote import FD_ENV, MAX_MESSAGE, ForkRequest, Ready
@@ -154,8 +155,18 @@ class WorkerZygote:
         self.starts += 1
         log_path = RunPaths(self.run_dir).zygote_log(self.starts)
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Under a flow server (``convoy prefect-worker``) the zygote is its fork: no interpreter to
+        # start, no torch to import (tasks/supervision/zygote_from_server.py); else spawned.
+        forked = fork_zygote(self.run_dir, env, log_path, [theirs.fileno(), self.lifeline_r])
+        proc = forked if forked is not None else self._spawn(env, log_path, theirs)
+        theirs.close()
+        link = _Link(proc, ours)  # type: ignore[arg-type]
+        self._link = link
+        threading.Thread(target=self._read, args=(link,), name="convoy-zygote-reader", daemon=True).start()
+
+    def _spawn(self, env: dict[str, str], log_path: Path, theirs: socket.socket) -> subprocess.Popen[bytes]:
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(
+            return subprocess.Popen(
                 [sys.executable, "-m", "training.zygote", "--run-dir", str(self.run_dir)],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -167,10 +178,6 @@ class WorkerZygote:
                 # its control socket, which only this process holds, tells it the flow is gone.
                 start_new_session=True,
             )
-        theirs.close()
-        link = _Link(proc, ours)
-        self._link = link
-        threading.Thread(target=self._read, args=(link,), name="convoy-zygote-reader", daemon=True).start()
 
     def _read(self, link: _Link) -> None:
         """Dispatch the zygote's messages until its socket ends; then replace it (unless closing)."""
