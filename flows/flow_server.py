@@ -104,7 +104,11 @@ class FlowRunRequest:
 
 
 class FlowServer:
-    """Accepts clients, forks one flow-run process each, reports each one's end to its client."""
+    """Accepts clients, forks one flow-run process each, reports each one's end to its client.
+
+    SIGTERM (the worker stopping, or dying: ``PR_SET_PDEATHSIG``) stops the accepting, not the
+    flow runs: the server stays until the last one has ended and been reported, as flow runs
+    started by a stopped ``prefect worker start`` run on to their end."""
 
     def __init__(self, listener: socket.socket, baseline_os_threads: int) -> None:
         self.listener = listener
@@ -112,10 +116,17 @@ class FlowServer:
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, "accept")
         self.children: dict[int, tuple[socket.socket, int]] = {}  # pid -> (client connection, pidfd)
+        self.stopping = False
+
+    def stop(self, *_args: object) -> None:
+        if not self.stopping:
+            self.stopping = True
+            self.selector.unregister(self.listener)
+            self.listener.close()
 
     def serve(self) -> None:
-        while True:
-            for key, _ in self.selector.select():
+        while not (self.stopping and not self.children):
+            for key, _ in self.selector.select(timeout=1.0):
                 if key.data == "accept":
                     self.accept()
                 else:
@@ -175,8 +186,9 @@ class FlowServer:
 def leave_server(request: FlowRunRequest, fds: list[int], server: FlowServer) -> list[int]:
     """In a forked child: none of the server's sockets or signal handlers, the client's stdio as
     0-2, its environment and directory; returns the fds after the stdio."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+    for sig in (signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, as in a new interpreter
     server.selector.close()
     for fd in [server.listener.detach(), *(pidfd for _conn, pidfd in server.children.values())]:
         with contextlib.suppress(OSError):
@@ -265,7 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         f"(pid {os.getpid()}; imported {', '.join(modules)}){'; hazards: ' + '; '.join(hazards) if hazards else ''}",
         flush=True,
     )
-    FlowServer(listener, baseline).serve()
+    server = FlowServer(listener, baseline)
+    signal.signal(signal.SIGTERM, server.stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the worker, which stops us by SIGTERM
+    server.serve()
     return 0
 
 

@@ -126,11 +126,16 @@ def run_worker(options: WorkerOptions, log: Callable[[str], None]) -> int:
         serve(options)
         return 0
     finally:
-        server.terminate()
+        server.terminate()  # it stops accepting and leaves once the flow runs it forked have ended
         with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(timeout=10)
-        server.kill()
-        server.wait()
+            server.wait(timeout=2)
+        if server.poll() is None:
+            log("waiting for the flow runs started by this worker to end (Ctrl-C again stops them)")
+            try:
+                server.wait()
+            except KeyboardInterrupt:
+                server.kill()
+                server.wait()
         socket_path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             home.rmdir()

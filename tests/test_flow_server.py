@@ -6,6 +6,7 @@ the relaunch, is tests/test_deploy.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,9 +23,7 @@ from flows.flow_server import SOCKET_ENV
 from tests.flow_util import REPO
 
 
-@pytest.fixture(scope="module")
-def flow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    sock = tmp_path_factory.mktemp("flow-server") / "flows.sock"
+def start_server(sock: Path) -> subprocess.Popen:
     server = subprocess.Popen(
         [sys.executable, "-m", "flows.flow_server", "--socket", str(sock)],
         cwd=REPO,
@@ -34,6 +33,13 @@ def flow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     assert server.stdout is not None
     ready = server.stdout.readline()
     assert ready.startswith("convoy flow server ready") and "hazards" not in ready, ready
+    return server
+
+
+@pytest.fixture(scope="module")
+def flow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    sock = tmp_path_factory.mktemp("flow-server") / "flows.sock"
+    server = start_server(sock)
     yield sock
     server.terminate()
     server.wait(timeout=10)
@@ -96,3 +102,25 @@ def test_without_a_server_the_client_is_prefects_engine(tmp_path: Path) -> None:
     missing = client(tmp_path / "no.sock", "not-a-uuid")
     out, _ = missing.communicate(timeout=60)
     assert missing.returncode == 1 and "not reachable" in out and "Invalid flow run id" in out, out
+
+
+def test_a_stopped_server_lets_its_flow_runs_end_first(tmp_path: Path) -> None:
+    """SIGTERM to the server (the worker stopping) stops new forks, not the flow runs it forked:
+    it reports the last one's end to its client, then leaves."""
+    sock = tmp_path / "flows.sock"
+    server = start_server(sock)
+    try:
+        running = client(sock, str(uuid.uuid4()))
+        child = forked_child(sock)
+        server.terminate()
+        time.sleep(1.0)
+        assert server.poll() is None and child.is_running() and running.poll() is None
+        assert client(sock, "not-a-uuid").wait(timeout=60) == 1  # refused (no socket): run in place
+        with contextlib.suppress(psutil.NoSuchProcess):  # it may have given up on the API by now
+            child.terminate()
+        running.communicate(timeout=30)
+        assert running.returncode in (-signal.SIGTERM, 1, 143), running.returncode
+        assert server.wait(timeout=10) == 0
+    finally:
+        server.kill()
+        server.wait()
