@@ -44,6 +44,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tests.flow_util import flow_run_processes  # noqa: E402
 from training.events import Event, read_events  # noqa: E402
 from training.heartbeat import read_heartbeat  # noqa: E402
 
@@ -81,24 +82,6 @@ def wait_health(url: str, timeout: float = 120) -> None:
             return
         time.sleep(0.3)
     raise SystemExit(f"no Prefect API at {url}")
-
-
-def flow_processes(worker: subprocess.Popen, training_pid: int) -> list[int]:
-    """What the flow run is made of: the process Prefect's worker started for it (under ``convoy
-    prefect-worker`` the ``flows.flow_exec`` client standing in for the fork, else the engine) and
-    the process running the flow (the flow server's fork that is not the run's worker zygote, or
-    the training worker's parent or its zygote's parent)."""
-    top = psutil.Process(worker.pid)
-    family = top.children(recursive=True)
-    started = [p for p in family if any(m in " ".join(p.cmdline()) for m in ("flows.flow_exec", "prefect.engine"))]
-    parent = psutil.Process(training_pid).parent()
-    zygote = parent if parent is not None and "training.zygote" in " ".join(parent.cmdline()) else None
-    servers = [p for p in family if "flows.flow_server" in " ".join(p.cmdline()) and p.parent() == top]
-    if servers:
-        flows = [p for p in servers[0].children() if zygote is None or p.pid != zygote.pid]
-    else:
-        flows = [zygote.parent() if zygote is not None else parent]
-    return sorted({p.pid for p in [*started, *flows] if p is not None and p.pid != top.pid})
 
 
 def wait_training(run_dir: Path, after: float, timeout: float = 300) -> Any:
@@ -140,7 +123,7 @@ def one_kill(run_dir: Path, worker: subprocess.Popen, api: str, spy: str | None 
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
         subprocess.Popen([*cmd, "--format", "raw", "-o", str(out)], **quiet)
         time.sleep(1.0)
-    flows = flow_processes(worker, beat.pid)
+    flows = flow_run_processes(worker.pid, beat.pid)
     before = {r.id for r in flow_runs(api)}
     t = time.time()
     for pid in (beat.pid, *flows):

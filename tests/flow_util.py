@@ -129,3 +129,22 @@ def uninterrupted_digest(tmp: Path, data_dir: Path, name: str, **sections: dict[
     ck = CheckpointStore(run_dir).latest_valid(record=False)
     assert ck is not None and ck.step == TOTAL
     return ck.digest
+
+
+def flow_run_processes(worker_pid: int, training_pid: int) -> list[int]:
+    """What a flow run started by the Prefect worker ``worker_pid`` is made of (for a test or a
+    bench that kills the whole job): the process Prefect's worker started for it (under ``convoy
+    prefect-worker`` the ``flows.flow_exec`` client standing in for the fork, else the engine) and
+    the process running the flow (the flow server's fork that is not the run's worker zygote, or
+    the training worker's parent or its zygote's parent)."""
+    top = psutil.Process(worker_pid)
+    family = top.children(recursive=True)
+    started = [p for p in family if any(m in " ".join(p.cmdline()) for m in ("flows.flow_exec", "prefect.engine"))]
+    parent = psutil.Process(training_pid).parent()
+    zygote = parent if parent is not None and "training.zygote" in " ".join(parent.cmdline()) else None
+    servers = [p for p in family if "flows.flow_server" in " ".join(p.cmdline()) and p.parent() == top]
+    if servers:
+        flows = [p for p in servers[0].children() if zygote is None or p.pid != zygote.pid]
+    else:
+        flows = [zygote.parent() if zygote is not None else parent]
+    return sorted({p.pid for p in [*started, *flows] if p is not None and p.pid != top.pid})

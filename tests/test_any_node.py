@@ -153,8 +153,10 @@ def _kill_mid_chunk(run_a: Path, stop_a: Any, start_b: Any, seen: dict[str, Any]
     os.kill(beat.pid, signal.SIGKILL)
     # Read the step after the kill: between the poll above and the signal the worker may have
     # trained (and saved) further, and the fetch must fall inside what it really reached.
+    # A beat is written every interval, so a checkpoint committed after the last one counts too.
     after = read_heartbeat(run_a, 0) or beat
-    seen.update(uploaded=mid[0], killed_at=max(beat.step, after.step))
+    committed = [e["step"] for e in read_events(run_a, "checkpoint_committed")]
+    seen.update(uploaded=mid[0], killed_at=max(beat.step, after.step, *committed))
     start_b()
 
 

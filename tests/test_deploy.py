@@ -22,12 +22,20 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
 from flows.flow_server import FORKED_ZYGOTE
-from tests.flow_util import CHUNK, REPO, assert_no_leftovers, config, params, stop_group, wait_for_step
+from tests.flow_util import (
+    CHUNK,
+    REPO,
+    assert_no_leftovers,
+    config,
+    flow_run_processes,
+    params,
+    stop_group,
+    wait_for_step,
+)
 from training.events import read_events
 
 pytestmark = pytest.mark.slow
@@ -152,24 +160,6 @@ def test_deploy_and_pool_mode_rerun_chunk_as_new_flow_run(
     check_relaunched(relaunched, reference_digest)
 
 
-def flow_run_processes(parent_worker: subprocess.Popen, training_pid: int) -> list[int]:
-    """What the flow run is made of: the process Prefect's worker started for it (under ``convoy
-    prefect-worker`` the ``flows.flow_exec`` client standing in for the fork, else the engine) and
-    the process running the flow (the flow server's fork that is not the run's worker zygote, or
-    the training worker's parent or its zygote's parent)."""
-    top = psutil.Process(parent_worker.pid)
-    family = top.children(recursive=True)
-    started = [p for p in family if any(m in " ".join(p.cmdline()) for m in ("flows.flow_exec", "prefect.engine"))]
-    parent = psutil.Process(training_pid).parent()
-    zygote = parent if parent is not None and "training.zygote" in " ".join(parent.cmdline()) else None
-    servers = [p for p in family if "flows.flow_server" in " ".join(p.cmdline()) and p.parent() == top]
-    if servers:
-        flows = [p for p in servers[0].children() if zygote is None or p.pid != zygote.pid]
-    else:
-        flows = [zygote.parent() if zygote is not None else parent]
-    return sorted({p.pid for p in [*started, *flows] if p is not None and p.pid != top.pid})
-
-
 def kill_whole_job_and_wait(tmp_path: Path, data_dir: Path, env: dict[str, str], parent: subprocess.Popen) -> dict:
     """Run ``train/nightly`` (local mode) with the restart automation on, SIGKILL its flow-run
     processes and training worker in chunk 2, wait until the relaunched run is done."""
@@ -185,7 +175,7 @@ def kill_whole_job_and_wait(tmp_path: Path, data_dir: Path, env: dict[str, str],
     try:
         prefect_cli("deployment", "run", "train/nightly", "--params", json.dumps({"params": str(pfile)}), env=env)
         beat = wait_for_step(run_dir, CHUNK + 5, timeout=300)
-        doomed = flow_run_processes(parent, beat.pid)
+        doomed = flow_run_processes(parent.pid, beat.pid)
         t_kill = time.time()
         for pid in (beat.pid, *doomed):
             os.kill(pid, signal.SIGKILL)
