@@ -17,7 +17,8 @@ import signal
 import socket
 import sys
 
-SOCKET_ENV = "CONVOY_FLOW_SERVER"  # the same name as flows.flow_server.SOCKET_ENV (not imported: heavy)
+# = tasks.supervision.zygote_from_server.FLOW_SERVER_ENV (not imported: the tasks package is heavy)
+SOCKET_ENV = "CONVOY_FLOW_SERVER"
 
 
 def engine_in_place() -> None:

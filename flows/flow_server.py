@@ -47,11 +47,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.supervision.zygote_from_server import FLOW_SERVER_ENV
 from training.zygote import fork_hazards, os_threads
 
-#: The server's socket, in the environment of ``prefect worker start`` and so of the client.
-SOCKET_ENV = FLOW_SERVER_ENV
+#: The first words of the line the server prints once it can fork (what its starter waits for).
+READY = "convoy flow server ready"
 MAX_MESSAGE = 1 << 20
 #: The first line of a zygote's log when this server forked it.
 FORKED_ZYGOTE = "convoy worker zygote forked by flow server pid"
@@ -273,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     listener.listen(16)
     hazards = fork_hazards(baseline)
     print(
-        f"convoy flow server ready in {time.perf_counter() - t0:.2f} s on {args.socket} "
+        f"{READY} in {time.perf_counter() - t0:.2f} s on {args.socket} "
         f"(pid {os.getpid()}; imported {', '.join(modules)}){'; hazards: ' + '; '.join(hazards) if hazards else ''}",
         flush=True,
     )

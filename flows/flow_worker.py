@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flows.flow_server import SOCKET_ENV
+from flows.flow_server import READY
 from tasks.supervision.process_group import child_setup
+from tasks.supervision.zygote_from_server import FLOW_SERVER_ENV
 
-READY = "convoy flow server ready"
 #: What a flow run without a command of its own runs under this worker.
 FORKED_COMMAND = [sys.executable, "-m", "flows.flow_exec"]
 
@@ -121,7 +121,7 @@ def run_worker(options: WorkerOptions, log: Callable[[str], None]) -> int:
     home = Path(tempfile.mkdtemp(prefix="convoy-flow-server-"))
     socket_path = home / "flows.sock"
     server = start_server(socket_path, log)
-    os.environ[SOCKET_ENV] = str(socket_path)  # the job's environment is this process's (ProcessWorker)
+    os.environ[FLOW_SERVER_ENV] = str(socket_path)  # the job's environment is this process's (ProcessWorker)
     try:
         serve(options)
         return 0

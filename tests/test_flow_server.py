@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flows.flow_server import SOCKET_ENV
+from flows.flow_server import READY
+from tasks.supervision.zygote_from_server import FLOW_SERVER_ENV as SOCKET_ENV
 from tests.flow_util import REPO
 
 
@@ -32,7 +33,7 @@ def start_server(sock: Path) -> subprocess.Popen:
     )
     assert server.stdout is not None
     ready = server.stdout.readline()
-    assert ready.startswith("convoy flow server ready") and "hazards" not in ready, ready
+    assert ready.startswith(READY) and "hazards" not in ready, ready
     return server
 
 
