@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -112,3 +114,54 @@ def test_plan_prints_each_figure_with_its_unit() -> None:
     assert "None" not in out and "- (give --params)" in out, out  # sizes are estimated from --params only
     assert "7.746 h" in out and "0.2582%" in out and "yes" in out, out  # interval, overhead, resume beats rerun
     assert "84 GB" in plan("--params", "7e9")  # 7e9 parameters x (weights + 2 Adam moments) x 4 bytes
+
+
+def _memory_schedule(mtbf_s: float, cost_s: float = 0.003, step_s: float = 0.037) -> Any:
+    """A memory-tier schedule at the defaults' band (0.5-3 %) that has measured its costs."""
+    from training.checkpointing.schedule import MemorySchedule
+
+    schedule = MemorySchedule("auto", max_overhead=0.03, min_overhead=0.005, mtbf_s=mtbf_s)
+    schedule.observe_step(step_s)
+    schedule.saved(0, cost_s)
+    return schedule
+
+
+def test_memory_tier_auto_is_young_daly_held_between_two_shares_of_the_step() -> None:
+    """bench/goodput.py's model (3 ms snapshots, 37 ms steps): Young/Daly inside the band, the band's
+    edges outside it.  The cap was the whole policy before, and spent 3 % at any failure rate."""
+    cost, step = 0.003, 0.037
+    steps_costing = {share: math.ceil(cost / (share * step)) for share in (0.03, 0.005)}  # 3 and 17 steps
+    between = _memory_schedule(mtbf_s=15.0)  # one kill every 15 s: Young/Daly is 0.3 s, 9 steps
+    assert between.interval_steps() == math.ceil(young_daly_h(cost, 15.0) / step) == 9
+    assert steps_costing[0.03] < 9 < steps_costing[0.005]
+    assert _memory_schedule(mtbf_s=0.5).interval_steps() == steps_costing[0.03]  # failing all the time: the cap
+    assert _memory_schedule(mtbf_s=86400).interval_steps() == steps_costing[0.005]  # a failure a day: the floor
+    assert _memory_schedule(mtbf_s=math.inf).interval_steps() == steps_costing[0.005]
+    assert _memory_schedule(mtbf_s=15.0, cost_s=1e-9).interval_steps() == 1  # free snapshots: every step
+
+
+def test_memory_tier_learns_the_runs_mtbf_and_the_disk_tier_keeps_the_machines(tmp_path: Path) -> None:
+    """Worker deaths resume from RAM: they set the memory tier's interval, not the disk tier's."""
+    from training.checkpointing.schedule import MemorySchedule, SaveSchedule
+    from training.config import CheckpointConfig
+    from training.events import append_event
+
+    policy = CheckpointConfig(every_steps="auto", mtbf_hours=24.0)
+    append_event(tmp_path, "flow_started")
+    for _ in range(4):
+        append_event(tmp_path, "failure", failure="killed")
+    assert MemorySchedule.for_run(policy, tmp_path).mtbf_s < 60  # 4 failures within a second or so
+    save = SaveSchedule.for_run(policy, 50, tmp_path, memory_tier=True).adaptive
+    assert save is not None and save.mtbf_s == 24 * 3600
+    save = SaveSchedule.for_run(policy, 50, tmp_path, memory_tier=False).adaptive
+    assert save is not None and save.mtbf_s < 60
+    assert MemorySchedule.for_run(CheckpointConfig(memory_every_steps=4), tmp_path).interval_steps() == 4
+
+
+def test_memory_overhead_band_must_be_a_band() -> None:
+    from pydantic import ValidationError
+
+    from training.config import CheckpointConfig
+
+    with pytest.raises(ValidationError, match="memory_min_overhead = 0.05 is above memory_max_overhead = 0.03"):
+        CheckpointConfig(memory_min_overhead=0.05)

@@ -182,11 +182,24 @@ class CheckpointConfig(_Strict):
     max_bytes: int = Field(0, ge=0)
     #: The memory tier (``training.checkpointing.memory_tier``): snapshot the state into RAM
     #: (``/dev/shm``) every N steps, restored after a kill when newer than the disk tier; ``auto``:
-    #: as often as ``memory_max_overhead`` of the step time allows (every step on the demo); null:
-    #: off.  Never durable, never "the last verified checkpoint".
+    #: Young/Daly with the snapshot's measured cost and the run's MTBF, held between
+    #: ``memory_min_overhead`` and ``memory_max_overhead`` of the step time; null: off.  Never
+    #: durable, never "the last verified checkpoint".
     memory_every_steps: int | Literal["auto"] | None = Field("auto")
-    #: For ``memory_every_steps: auto``: the share of the step time the snapshots may cost.
+    #: For ``memory_every_steps: auto``: the most of the step time the snapshots may cost (when
+    #: failures are frequent) ...
     memory_max_overhead: float = Field(0.03, gt=0, lt=1)
+    #: ... and the least they cost (when failures are rare: a kill still loses only a few steps).
+    memory_min_overhead: float = Field(0.005, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _overhead_band(self) -> CheckpointConfig:
+        if self.memory_min_overhead > self.memory_max_overhead:
+            raise ValueError(
+                f"checkpoint.memory_min_overhead = {self.memory_min_overhead} is above memory_max_overhead = "
+                f"{self.memory_max_overhead}: the least the snapshots cost cannot exceed the most"
+            )
+        return self
 
 
 class HeartbeatConfig(_Strict):

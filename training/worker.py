@@ -199,8 +199,8 @@ class Worker:
                 runtime.memory.cleanup_stale_temp()
         mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")
         distributed.barrier()  # no rank starts saving before rank 0 cleaned up
-        schedule = SaveSchedule.for_run(cfg.checkpoint, cfg.train.chunk_steps, self.run_dir)
-        memory = MemorySchedule(cfg.checkpoint.memory_every_steps, cfg.checkpoint.memory_max_overhead)
+        schedule = SaveSchedule.for_run(cfg.checkpoint, cfg.train.chunk_steps, self.run_dir, runtime.memory is not None)
+        memory = MemorySchedule.for_run(cfg.checkpoint, self.run_dir)
         self._session = Session(mlflow_run_id, schedule, memory)
         return self._session
 

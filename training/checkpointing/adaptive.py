@@ -4,7 +4,8 @@ The cost of one checkpoint is what training loses to it: the snapshot stall plus
 step time while the background persist competes for cores.  Both are *measured* (moving
 averages).  The interval is the Young/Daly optimum √(2·cost·MTBF), raised where needed so that
 cost/interval never exceeds ``max_overhead``, converted to steps with the measured step time.
-MTBF is configured, or estimated from failures recorded in ``events.jsonl`` across attempts.
+MTBF is configured, or estimated from failures recorded in ``events.jsonl`` across attempts
+(the configured one only while the memory tier is on: :meth:`SaveSchedule.for_run`).
 """
 
 from __future__ import annotations

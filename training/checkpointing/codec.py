@@ -12,6 +12,7 @@ Markers in the skeleton: ``{"__t__": key}`` a tensor, ``{"__nd__": key}`` a nump
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,14 +34,14 @@ def split_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor
 
     def walk(node: Any, path: str) -> Any:
         kind = type(node)  # exact types first: the memory tier splits the state at every snapshot
-        if kind is dict and all(type(k) is str for k in node) and _MARKER_SET.isdisjoint(node):
-            return {k: walk(v, sub(path, k)) for k, v in node.items()}
+        if (kind is dict or kind is OrderedDict) and all(type(k) is str for k in node) and _MARKER_SET.isdisjoint(node):
+            return {k: walk(v, sub(path, k)) for k, v in node.items()}  # a module's state_dict is an OrderedDict
         if kind is dict and all(type(k) is int for k in node):  # optimizer state, keyed by parameter index
             return {"__map__": [[k, walk(v, sub(path, k))] for k, v in node.items()]}
         if kind is int or kind is str or kind is bool or node is None:
             return node
         if isinstance(node, torch.Tensor):
-            tensors[path] = node.detach()
+            tensors[path] = node.detach() if node.requires_grad else node  # state_dict()'s are detached
             return {"__t__": path}
         if isinstance(node, np.ndarray):
             tensors[path] = torch.from_numpy(np.ascontiguousarray(node))

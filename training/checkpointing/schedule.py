@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from training.checkpointing.adaptive import AdaptiveInterval, estimate_mtbf_s
+from training.checkpointing.reliability import young_daly_h
 from training.config import CheckpointConfig
 
 
@@ -26,12 +27,20 @@ class SaveSchedule:
         self.last_time = time.time()
 
     @classmethod
-    def for_run(cls, policy: CheckpointConfig, chunk_steps: int, run_dir: Path) -> SaveSchedule:
+    def for_run(
+        cls, policy: CheckpointConfig, chunk_steps: int, run_dir: Path, memory_tier: bool = False
+    ) -> SaveSchedule:
         """With ``every_steps: auto``, the adaptive interval starts from the MTBF the run's own
-        failures suggest (the configured one until it has failed)."""
+        failures suggest (the configured one until it has failed).  With the memory tier on
+        (``memory_tier``), from the configured one only: a worker that dies resumes from RAM, so
+        the disk tier is there for what RAM does not survive — the machine — and the run's worker
+        deaths are the memory tier's to count (:meth:`MemorySchedule.for_run`).  Counting them
+        here too had both tiers save every ~12 steps at one kill a minute (bench/RESULTS.md)."""
         adaptive = None
         if policy.every_steps == "auto":
-            adaptive = AdaptiveInterval(estimate_mtbf_s(run_dir, policy.mtbf_hours * 3600), policy.max_overhead)
+            configured = policy.mtbf_hours * 3600
+            mtbf_s = configured if memory_tier else estimate_mtbf_s(run_dir, configured)
+            adaptive = AdaptiveInterval(mtbf_s, policy.max_overhead)
         return cls(policy, chunk_steps, adaptive)
 
     def start(self, step: int) -> None:
@@ -78,20 +87,42 @@ class SaveSchedule:
 class MemorySchedule:
     """When the loop snapshots into the memory tier (``checkpoint.memory_every_steps``).
 
-    A fixed N, or ``auto``: as often as the snapshots' measured cost stays within
-    ``memory_max_overhead`` of the step time.  Not Young/Daly, as the disk interval is: there the
-    expected loss to failures is traded against a costly save, but a memory snapshot costs next to
-    nothing, so the interval is set by what the loop can afford, and a kill loses at most the steps
-    of one interval (every step on the demo).  Cost = the snapshot's time on the loop's thread,
-    where all of it runs; step time and cost as moving averages."""
+    A fixed N, or ``auto``: the Young/Daly interval √(2·cost·MTBF), as for the disk tier, held
+    between two shares of the step time: the snapshots never cost more than
+    ``memory_max_overhead`` (failures so frequent that Young/Daly would snapshot more often than
+    that), and never less than ``memory_min_overhead`` (failures so rare that Young/Daly would
+    hardly snapshot at all: a kill still loses only the steps that share buys).  Why Young/Daly and
+    not "as often as a budget allows": a budget is spent whether or not anything fails — at one
+    kill a minute, 3 % of every step on snapshots was the largest badput (bench/RESULTS.md).  MTBF
+    is the run's own (its failures, ``checkpoint.mtbf_hours`` until it has failed), as the disk
+    tier's; cost = the snapshot's time on the loop's thread, where all of it runs; step time and
+    cost as moving averages."""
 
-    def __init__(self, every: int | str | None, max_overhead: float, alpha: float = 0.3) -> None:
+    def __init__(
+        self,
+        every: int | str | None,
+        max_overhead: float,
+        min_overhead: float | None = None,
+        mtbf_s: float = math.inf,
+        alpha: float = 0.3,
+    ) -> None:
         self.fixed = every if isinstance(every, int) else None
         self.auto = every == "auto"
-        self.max_overhead, self.alpha = max_overhead, alpha
+        self.max_overhead, self.alpha, self.mtbf_s = max_overhead, alpha, mtbf_s
+        self.min_overhead = max_overhead if min_overhead is None else min(min_overhead, max_overhead)
         self.step_s: float | None = None
         self.cost_s: float | None = None
         self.last_step = 0
+
+    @classmethod
+    def for_run(cls, policy: CheckpointConfig, run_dir: Path) -> MemorySchedule:
+        """With ``memory_every_steps: auto``, Young/Daly starts from the MTBF the run's own
+        failures suggest (the configured one until it has failed)."""
+        mtbf_s = math.inf
+        if policy.memory_every_steps == "auto":
+            mtbf_s = estimate_mtbf_s(run_dir, policy.mtbf_hours * 3600)
+        every, lo, hi = policy.memory_every_steps, policy.memory_min_overhead, policy.memory_max_overhead
+        return cls(every, hi, lo, mtbf_s)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -104,7 +135,16 @@ class MemorySchedule:
             return self.fixed
         if self.cost_s is None or not self.step_s:
             return 1  # measure first
-        return max(1, math.ceil(self.cost_s / (self.max_overhead * self.step_s)))
+        rarest = self._costing(self.min_overhead)
+        if not math.isfinite(self.mtbf_s):  # no failures to expect: what the least share buys
+            return rarest
+        optimum = math.ceil(young_daly_h(self.cost_s, self.mtbf_s) / self.step_s)
+        return min(max(optimum, self._costing(self.max_overhead)), rarest)
+
+    def _costing(self, share: float) -> int:
+        """The interval (steps) at which the snapshots cost ``share`` of the step time."""
+        assert self.cost_s is not None and self.step_s
+        return max(1, math.ceil(self.cost_s / (share * self.step_s)))
 
     def due(self, step: int) -> bool:
         return (self.fixed is not None or self.auto) and step - self.last_step >= self.interval_steps()

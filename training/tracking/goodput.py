@@ -40,8 +40,8 @@ of Google's ``ml-goodput-measurement`` where they fit.  Definitions, cited in co
    event.  Also the gap after a flow run that died, from its last sign to the next ``flow_started``.
 8. ``checkpoint_save``: the loop's stall in disk saves (``stall_s`` of ``checkpoint_saved``; the
    persist runs beside training) and in memory-tier snapshots (``memory_snapshot_s``, on the
-   journal row of the step after each: with ``memory_every_steps: auto`` they cost up to
-   ``memory_max_overhead`` of the step time, by design).
+   journal row of the step after each: with ``memory_every_steps: auto`` they cost between
+   ``memory_min_overhead`` and ``memory_max_overhead`` of the step time, as Young/Daly sets it).
 9. ``checkpoint_restore``: ``load_s`` of each rank-0 ``resumed`` (disk or memory tier, verified).
 10. ``data_loading`` is not a bucket: the worker times ``next(batches)`` inside ``step_time_s`` and
    nothing it records tells the wait for a batch from the step, so that wait counts as productive
