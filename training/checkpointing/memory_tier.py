@@ -6,7 +6,8 @@ local checkpointing and multi-tier checkpointing put a fast tier in front of the
 snapshots its state every ``checkpoint.memory_every_steps`` into memory-mapped files on a RAM file
 system (``/dev/shm``).  They survive the worker's death — tmpfs belongs to the machine, not to a
 process — and a resume restores from them when they are newer than every disk checkpoint that
-verifies: at most the step in flight is lost.
+verifies: what is lost is the steps since the last snapshot (one interval at most, and the step
+in flight; ``auto`` sets the interval, :class:`~training.checkpointing.schedule.MemorySchedule`).
 
 Why not a checkpoint directory on tmpfs: written by the store's background thread (files, fsyncs,
 manifest, rename, retention: mostly Python), every-step snapshots slowed the demo's loop by 30 %,
