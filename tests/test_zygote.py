@@ -118,9 +118,13 @@ def test_every_recovery_of_a_flow_run_is_a_fork_of_the_zygote(
     from training import faults
 
     flag = tmp_path / "stall"
-    # Chunk 2's task waits (a slow Prefect) until the parked worker was killed and reported.
+    # Chunk 2's task waits (a slow Prefect) until the parked worker was killed and reported.  Each
+    # worker stalls 5 s at step CHUNK + 7, so the adopted kill (after its step CHUNK + 6) lands in
+    # chunk 2 however long that task takes to adopt the replacement: at 20 steps a second it once
+    # took 2 s, and the replacement had passed the boundary (a parked death, one life short).
     hold = tmp_path / "chunk-2-may-start"
-    monkeypatch.setenv("CONVOY_FAULTS", f"step_delay=0.05,slow_flag={flag}:20,handoff_hold=2:{hold}")
+    faults_spec = f"step_delay=0.05,slow_flag={flag}:20,handoff_hold=2:{hold},slow_step={CHUNK + 7}:5"
+    monkeypatch.setenv("CONVOY_FAULTS", faults_spec)
     faults.reset()  # this process reads CONVOY_FAULTS once (the flow's tasks are its threads)
     cfg = config(params(tmp_path, data_dir, "zygote", heartbeat={"stall_s": 30}, orchestration={"retries": 3}))
     run_dir = cfg.run_dir.resolve()
