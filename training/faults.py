@@ -75,8 +75,11 @@ def slow_step(step: int) -> None:
             os.unlink(flag)  # consumed: once per flag
             t0 = time.monotonic()
             time.sleep(float(seconds or 5))
-            with open(f"{flag}.done", "w") as fh:  # tells the chaos runner which step stalled, how long
+            # Tells the chaos runner which step stalled, how long; renamed in whole, since the runner
+            # reads it as soon as it exists (it once read the file between its creation and write).
+            with open(f"{flag}.done.tmp", "w") as fh:
                 fh.write(f'{{"step": {step}, "seconds": {time.monotonic() - t0:.3f}}}\n')
+            os.replace(f"{flag}.done.tmp", f"{flag}.done")
 
 
 def micro_stall(step: int, micro: int) -> None:
