@@ -14,6 +14,7 @@ import signal
 import time
 from pathlib import Path
 
+import torch
 from engine_util import kill_group, make_run, run_worker, start_worker, wait_for_step
 
 from training.checkpointing import memory_tier
@@ -51,9 +52,32 @@ def _killed_with_both_slots(where: Path) -> Path:
         run_dir = make_run(where / f"try-{attempt}", extra=TIERS)
         _kill_at(run_dir, 56, settle_s=0.01)
         root = memory_tier.tier_root(run_dir)
-        if root is not None and all((root / f"rank-0.slot-{k}.json").exists() for k in memory_tier.SLOTS):
+        heads = [root / f"rank-0.slot-{k}.head" for k in memory_tier.SLOTS] if root is not None else []
+        if heads and all(memory_tier.Header.read(h) is not None for h in heads):
             return run_dir
     raise AssertionError("three kills in a row landed while a snapshot was being written")
+
+
+def test_a_header_torn_by_a_kill_is_no_header(tmp_path: Path) -> None:
+    """A header is committed by its length and checksum, written last in place: a kill before
+    them, or in the middle of the body, leaves a slot with no header, and the other slot decides."""
+    tier = memory_tier.MemoryTier(tmp_path / "tier", "fp")
+    for step in (5, 6):
+        tier.write(step, {"rank-0": {"step": step, "x": torch.full((3,), float(step))}})
+    head = tier.root / "rank-0.slot-1.head"  # step 6's
+    whole = head.read_bytes()
+    assert tier.newest_step() == 6
+    n = int.from_bytes(whole[:8], "little")
+    for torn in (
+        bytes(8) + whole[8:],  # zeroed before the slot was rewritten: not committed yet
+        whole[: 16 + n // 2] + bytes(n - n // 2),  # the body half written over zeros
+        whole.replace(b'"step":6', b'"step":7'),  # a body that is not the one its checksum is of
+    ):
+        head.write_bytes(torn)
+        assert memory_tier.Header.read(head) is None
+        assert tier.newest_step() == 5
+    head.write_bytes(whole)
+    assert tier.newest_step() == 6
 
 
 def _resumed(run_dir: Path) -> dict:
@@ -82,8 +106,10 @@ def _slots(run_dir: Path) -> list[tuple[int, Path, Path]]:
     assert root is not None
     out = []
     for k in memory_tier.SLOTS:
-        header = root / f"rank-0.slot-{k}.json"
-        out.append((json.loads(header.read_text())["step"], header, root / f"rank-0.slot-{k}.bin"))
+        header = root / f"rank-0.slot-{k}.head"
+        committed = memory_tier.Header.read(header)
+        assert committed is not None, header
+        out.append((committed.step, header, root / f"rank-0.slot-{k}.bin"))
     return sorted(out, reverse=True)
 
 
@@ -96,8 +122,10 @@ def _flip(path: Path) -> None:
 def test_a_stale_foreign_or_corrupt_snapshot_is_never_restored(tmp_path: Path) -> None:
     run_dir = _killed_with_both_slots(tmp_path / "foreign")  # disk: step 50; memory: ~55 and ~56, one in each slot
     for _step, header, _data in _slots(run_dir):  # another trajectory's snapshots: ignored, not an error
-        saved = json.loads(header.read_text())
-        header.write_text(json.dumps({**saved, "fingerprint": "0123456789abcdef"}))
+        saved = json.loads(memory_tier.decode_header(header.read_bytes()) or b"")
+        header.write_bytes(
+            b"".join(memory_tier.encode_header(json.dumps({**saved, "fingerprint": "0123456789abcdef"}).encode()))
+        )
     assert memory_tier.newest_step(run_dir, _fingerprint(run_dir)) is None
     code, out = run_worker(run_dir, 60)
     assert code == 0, out

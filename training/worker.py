@@ -195,8 +195,6 @@ class Worker:
         cfg = self.config
         if self.rank == 0:
             runtime.store.cleanup_stale_temp()
-            if runtime.memory is not None:
-                runtime.memory.cleanup_stale_temp()
         mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")
         distributed.barrier()  # no rank starts saving before rank 0 cleaned up
         schedule = SaveSchedule.for_run(cfg.checkpoint, cfg.train.chunk_steps, self.run_dir, runtime.memory is not None)

@@ -13,13 +13,18 @@ Why not a checkpoint directory on tmpfs: written by the store's background threa
 manifest, rename, retention: mostly Python), every-step snapshots slowed the demo's loop by 30 %,
 the thread fighting the loop for the interpreter lock.  A snapshot here is a few C-level copies
 on the loop's own thread — split the state, copy its tensors into a mapped slot, hash the slot
-with the checkpoints' hash (xxh3-128), rename a small header in — about 1 ms on the demo.
+with the checkpoints' hash (xxh3-128), commit a small header — with no system call once the slots
+are mapped.  The split walks only the small part of the state: the model's and optimizer's
+tensors are found once by a plan (:mod:`training.checkpointing.snapshot_plan`), checked at every
+snapshot and copied.
 
 Layout, per rank ``r``: two slots, ``rank-<r>.slot-<k>.bin`` (every tensor's bytes, one after the
-other) and ``rank-<r>.slot-<k>.json`` (step, fingerprint, world size, the tensors' places, the
-JSON skeletons of the state, the hash).  A snapshot writes the slot not written last: it removes
-that slot's header first and renames the new one in last, so a worker killed in the middle of a
-snapshot leaves the other slot, one snapshot older, intact.
+other, then the JSON skeletons of the state) and ``rank-<r>.slot-<k>.head`` (its header: step,
+fingerprint, world size, the tensors' places, the hash; as JSON after its length and its own
+xxh64, :func:`encode_header`).  A snapshot writes the slot not written last: it zeroes that
+slot's header length first and writes the new header's length and checksum last, both in the
+mapped file, so a worker killed in the middle of a snapshot leaves that slot without a header (a
+torn header fails its checksum) and the other slot, one snapshot older, intact.
 
 Rules (numbered; cited in code):
 
@@ -53,7 +58,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import mmap
 import os
 import shutil
@@ -65,8 +69,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from training.checkpointing.codec import join_tree, split_tree
+from training.checkpointing.codec import join_tree
 from training.checkpointing.errors import CheckpointRejected
+from training.checkpointing.slot_layout import Layouts, copy_into
+from training.checkpointing.snapshot_plan import MAX_REBUILDS, SlotContent, SnapshotPlan, split_parts
 from training.checkpointing.store import Candidate, CheckpointStore
 from training.checkpointing.verify import Checkpoint, Validator, parse_step
 from training.config import RunConfig
@@ -74,8 +80,6 @@ from training.paths import RunPaths, checkpoint_name
 from training.rundir import run_info
 
 if TYPE_CHECKING:  # the loop's types: the tier is built before them
-    import torch
-
     from training.checkpointing.schedule import MemorySchedule
     from training.state import TrainState
 
@@ -83,7 +87,7 @@ if TYPE_CHECKING:  # the loop's types: the tier is built before them
 SHM = Path("/dev/shm")
 #: Another place for it (a tmpfs of your own; the tests keep theirs in a temporary directory).
 DIR_ENV = "CONVOY_MEMORY_DIR"
-FORMAT = 1
+FORMAT = 2  # 2: headers written in place (.head); 1 was renamed in (.json)
 SLOTS = (0, 1)
 
 
@@ -115,14 +119,14 @@ def _hash(*buffers: Any) -> str:
 
 @dataclass(frozen=True)
 class Header:
-    """A slot's header (``rank-<r>.slot-<k>.json``): what the slot holds and its hash."""
+    """A slot's header (``rank-<r>.slot-<k>.head``): what the slot holds and its hash."""
 
     step: int
     fingerprint: str
     world_size: int
     rank: int
     #: (part, key, dtype name, shape, offset, bytes) of each tensor, in the slot's order.
-    tensors: list[tuple[str, str, str, list[int], int, int]]
+    tensors: Any  # a list of those; written as the layout's serialised places (an orjson Fragment)
     #: Where in the slot the JSON skeletons of the parts are (:mod:`training.checkpointing.codec`):
     #: [start, end), after the tensors' bytes.
     skeletons: list[int]
@@ -134,30 +138,64 @@ class Header:
 
     @classmethod
     def read(cls, path: Path) -> Header | None:
+        """The header committed in ``path``, or None: none committed, being written, torn or of
+        another format (see :func:`encode_header`)."""
         try:
-            d = json.loads(path.read_bytes())
+            d = json.loads(decode_header(path.read_bytes()) or b"null")
             fields = {k: d[k] for k in cls.__dataclass_fields__}
         except (OSError, ValueError, KeyError, TypeError):
             return None
         return cls(**fields) if d.get("format") == FORMAT else None
 
 
+#: A header file: the body's length (8 bytes, 0 = no header), the body's xxh64 (8), the body (JSON).
+_HEAD = 16
+
+
+def encode_header(body: bytes) -> tuple[bytes, bytes]:
+    """(length and checksum, body) as a header file holds them; the first part is written last:
+    the commit."""
+    import xxhash
+
+    return len(body).to_bytes(8, "little") + xxhash.xxh64_digest(body), body
+
+
+def decode_header(data: bytes) -> bytes | None:
+    """The committed body of a header file, or None where there is none or it does not check out
+    (a kill in the middle of its write)."""
+    import xxhash
+
+    n = int.from_bytes(data[:8], "little")
+    body = data[_HEAD : _HEAD + n]
+    if not n or len(body) != n or xxhash.xxh64_digest(body) != data[8:_HEAD]:
+        return None
+    return body
+
+
 class MemoryTier:
     """One rank's memory tier (see the module docstring)."""
 
-    def __init__(self, root: Path, fingerprint: str, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, root: Path, fingerprint: str, rank: int = 0, world_size: int = 1, plans: bool = True) -> None:
         self.root, self.fingerprint, self.rank, self.world_size = root, fingerprint, rank, world_size
+        #: Whether snapshots may take a plan's fast path (off: the full walk every time, as the
+        #: tests compare).
+        self.plans = plans
+        self._plan: SnapshotPlan | None = None
+        self._plans_failed = 0
         self.root.mkdir(parents=True, exist_ok=True)
         self.validator: Validator | None = None
         self._maps: dict[int, mmap.mmap] = {}
-        #: The slot layout, the same at every snapshot of a run (:func:`_layout`).
-        self._plans: dict[tuple[Any, ...], tuple[list[Any], list[Any], int]] = {}
+        #: The slot layout, the same at every snapshot of a run.
+        self._layouts = Layouts()
         self.last_stall_s = 0.0
+        #: Each slot's header, mapped: written in place (a snapshot every step should not pay for
+        #: an unlink, a file written and a rename).
+        self._heads: dict[int, mmap.mmap] = {}
         steps = {k: h.step for k in SLOTS if (h := Header.read(self._header(rank, k))) is not None}
         self.next_slot = min(SLOTS, key=lambda k: steps.get(k, -1))  # overwrite the older one first
 
     def _header(self, rank: int, slot: int) -> Path:
-        return self.root / f"rank-{rank}.slot-{slot}.json"
+        return self.root / f"rank-{rank}.slot-{slot}.head"
 
     def _data(self, rank: int, slot: int) -> Path:
         return self.root / f"rank-{rank}.slot-{slot}.bin"
@@ -167,45 +205,63 @@ class MemoryTier:
         """This rank's state at its step into the next slot, on the calling thread; the schedule
         learns what it cost."""
         t0 = time.perf_counter()
-        parts = state.checkpoint_parts(self.rank, include_replicated=self.rank == 0, sharded=False)
-        self.write(state.step, parts)
+        self.write_content(state.step, self._content(state))
         self.last_stall_s = time.perf_counter() - t0
         schedule.saved(state.step, self.last_stall_s)
 
+    def _content(self, state: TrainState) -> SlotContent:
+        """The state laid out for a slot: through the plan while it holds, else by the full walk,
+        which makes the next plan (:mod:`training.checkpointing.snapshot_plan`)."""
+        if self._plan is not None:
+            fast = self._plan.content(state, self.rank)
+            if fast is not None:
+                return fast
+            self._plan, self._plans_failed = None, self._plans_failed + 1
+        include = self.rank == 0
+        full = split_parts(state.checkpoint_parts(self.rank, include_replicated=include, sharded=False))
+        if include and self.plans and self._plans_failed < MAX_REBUILDS:
+            self._plan = SnapshotPlan.build(state, full)
+            self._plans_failed += self._plan is None
+        return SlotContent.of(full, self._layouts)
+
     def write(self, step: int, parts: dict[str, Any]) -> None:
+        """``parts`` (``TrainState.checkpoint_parts``) of ``step`` into the next slot."""
+        self.write_content(step, SlotContent.of(split_parts(parts), self._layouts))
+
+    def write_content(self, step: int, content: SlotContent) -> None:
         slot = self.next_slot
-        self._header(self.rank, slot).unlink(missing_ok=True)  # a half-written slot has no header
-        skeletons, flat = {}, []
-        for part in sorted(parts):
-            skeletons[part], tensors = split_tree(parts[part])
-            flat += [(part, key, tensors[key]) for key in sorted(tensors)]
-        groups, places, offset = _layout(flat, self._plans)
-        skeleton = orjson.dumps(skeletons, option=orjson.OPT_SORT_KEYS)
-        buf = self._map(slot, offset + len(skeleton))
-        _copy_into(buf, groups)
-        buf[offset : offset + len(skeleton)] = skeleton
+        head = self._map(self._heads, self._header(self.rank, slot), _HEAD)
+        head[:8] = bytes(8)  # uncommitted: a kill from here on leaves this slot without a header
+        offset = content.layout.end
+        skeleton = orjson.dumps(content.skeletons, option=orjson.OPT_SORT_KEYS)
         size = offset + len(skeleton)
+        buf = self._map(self._maps, self._data(self.rank, slot), size)
+        copy_into(buf, content.groups)
+        buf[offset:size] = skeleton
         digest = _hash(memoryview(buf)[:size])
+        places = content.layout.places_json  # serialised once per layout: the same at every snapshot
         header = Header(step, self.fingerprint, self.world_size, self.rank, places, [offset, size], size, digest)
-        path = self._header(self.rank, slot)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(orjson.dumps(header.as_dict()))
-        os.replace(tmp, path)  # the commit: atomic; no fsync, the tier does not outlive the machine
+        commit, body = encode_header(orjson.dumps(header.as_dict()))
+        head = self._map(self._heads, self._header(self.rank, slot), _HEAD + len(body))
+        head[_HEAD : _HEAD + len(body)] = body
+        head[:_HEAD] = commit  # the commit, last; no fsync: the tier does not outlive the machine
         self.next_slot = 1 - slot
 
-    def _map(self, slot: int, size: int) -> mmap.mmap:
-        """The slot's data file mapped, at least ``size`` bytes (grown when the state grows)."""
-        current = self._maps.get(slot)
+    def _map(self, maps: dict[int, mmap.mmap], path: Path, size: int) -> mmap.mmap:
+        """``path`` (one of the next slot's files) mapped, at least ``size`` bytes (grown when
+        the state grows)."""
+        slot = self.next_slot
+        current = maps.get(slot)
         if current is not None and len(current) >= size:
             return current
         if current is not None:
             current.close()
-        with open(self._data(self.rank, slot), "a+b") as f:
+        with open(path, "a+b") as f:
             # Allocated now, not on first touch: a full tmpfs is an OSError here, where a write
             # into a mapped hole would be a SIGBUS that kills the worker.
             os.posix_fallocate(f.fileno(), 0, max(size, 1))
-            self._maps[slot] = mmap.mmap(f.fileno(), max(size, 1))
-        return self._maps[slot]
+            maps[slot] = mmap.mmap(f.fileno(), max(size, 1))
+        return maps[slot]
 
     # ------------------------------------------------------------------ reading
     def headers(self) -> dict[int, dict[int, tuple[int, Header]]]:
@@ -260,65 +316,13 @@ class MemoryTier:
     # ------------------------------------------------------------------ end
     def release_when_done(self, step: int, total_steps: int) -> None:
         """At a worker's end: unmap; once the run's last step is trained (on disk), free the RAM."""
-        for m in self._maps.values():
+        for m in (*self._maps.values(), *self._heads.values()):
             with contextlib.suppress(BufferError):
                 m.close()
         self._maps.clear()
+        self._heads.clear()
         if self.rank == 0 and step >= total_steps:
             shutil.rmtree(self.root, ignore_errors=True)
-
-    def cleanup_stale_temp(self) -> None:
-        for p in self.root.glob(".*.tmp"):
-            p.unlink(missing_ok=True)
-
-
-def _layout(flat: list[tuple[str, str, torch.Tensor]], plans: dict[Any, Any]) -> tuple[list[Any], list[Any], int]:
-    """Where each tensor goes in a slot: grouped by dtype (one copy a group), each group aligned
-    to 64 bytes.  Returns the groups (dtype, offset, numel, tensors), the places the header
-    lists, and the end of the tensor bytes.  The plan is the same at every snapshot of a run,
-    so it is kept, keyed by the tensors' names, dtypes and shapes."""
-    signature = tuple((part, key, t.dtype, t.shape) for part, key, t in flat)
-    plan = plans.get(signature)
-    if plan is None:
-        plan = _plan(signature)
-        plans.clear()  # one run's state: a new plan replaces the old one
-        plans[signature] = plan
-    order, places, end = plan
-    groups = [(dtype, offset, numel, [flat[i][2] for i in idx]) for dtype, offset, numel, idx in order]
-    return groups, places, end
-
-
-def _plan(signature: tuple[Any, ...]) -> tuple[list[Any], list[Any], int]:
-    by_dtype: dict[Any, list[int]] = {}
-    for i, (_part, _key, dtype, _shape) in enumerate(signature):
-        by_dtype.setdefault(dtype, []).append(i)
-    order, places, offset = [], [], 0
-    for dtype in sorted(by_dtype, key=str):
-        offset += -offset % 64
-        start, size = offset, dtype.itemsize
-        for i in by_dtype[dtype]:
-            part, key, _dtype, shape = signature[i]
-            nbytes = math.prod(shape) * size
-            places.append((part, key, str(dtype).removeprefix("torch."), list(shape), offset, nbytes))
-            offset += nbytes
-        order.append((dtype, start, (offset - start) // size, by_dtype[dtype]))
-    return order, places, offset
-
-
-def _copy_into(buf: mmap.mmap, groups: list[Any]) -> None:
-    """Each dtype group's tensors into the mapped slot with one concatenation (a CUDA group is
-    concatenated on its device, then copied to the host once)."""
-    import torch
-
-    for dtype, offset, numel, tensors in groups:
-        if not numel:
-            continue
-        dst = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
-        flat = [t.reshape(-1) for t in tensors]
-        if flat[0].is_cuda:
-            dst.copy_(torch.cat(flat))
-        else:
-            torch.cat(flat, out=dst)
 
 
 def _parts(header: Header, data: bytearray) -> dict[str, Any]:

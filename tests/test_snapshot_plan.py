@@ -1,0 +1,170 @@
+"""The memory tier's fast path (training/checkpointing/snapshot_plan.py): same bytes, or no plan.
+
+Two tiers snapshot the same live train state at every step, one through plans, one by the full
+walk of model and optimizer every time; their slots must be byte-for-byte equal (rule 1), also
+across what breaks a plan: a buffer reassigned out of place, ``p.data = ...``, optimizer state
+loaded, a parameter or a module added, a module replaced (rule 2).  Models and optimizers a
+plan cannot watch get none (rule 3), and a run whose plans keep breaking stops making them (rule 4).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from training.checkpointing.memory_tier import MemoryTier
+from training.checkpointing.schedule import MemorySchedule
+from training.checkpointing.snapshot_plan import MAX_REBUILDS
+from training.state import TrainState
+from training.task import TaskParts
+
+
+class _Net(nn.Module):
+    """Parameters, a BatchNorm's buffers (one int64), and a buffer kept as a running mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+        self.register_buffer("seen", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.head(self.body(x))
+        with torch.no_grad():
+            self.seen.mul_(0.9).add_(y.mean(0), alpha=0.1)  # in place: the plan holds
+        return y
+
+
+def _state(model: nn.Module | None = None, opt: Callable[..., Any] = torch.optim.AdamW) -> TrainState:
+    torch.manual_seed(0)
+    model = model or _Net()
+    optimizer = opt(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    parts = TaskParts(model, optimizer, scheduler, train_data=[], loss_fn=lambda m, b: m(b).pow(2).mean())
+    return TrainState(parts, torch.amp.GradScaler("cpu", enabled=False))
+
+
+def _step(state: TrainState) -> None:
+    p = state.parts
+    p.optimizer.zero_grad()
+    p.loss_fn(p.model, torch.randn(5, 6)).backward()
+    p.optimizer.step()
+    p.scheduler.step()
+    random.random()  # every RNG moves, as in training
+    state.step += 1
+
+
+class _Pair:
+    """The same state into a planning tier and a walking one; their slots compared (rule 1)."""
+
+    def __init__(self, root: Path) -> None:
+        self.fast = MemoryTier(root / "fast", "fp")
+        self.slow = MemoryTier(root / "slow", "fp", plans=False)
+        self.schedule = MemorySchedule("auto", 0.03)
+
+    def snapshot(self, state: TrainState) -> None:
+        self.fast.snapshot(state, self.schedule)
+        self.slow.snapshot(state, self.schedule)
+        slot = 1 - self.fast.next_slot
+        for name in (f"rank-0.slot-{slot}.head", f"rank-0.slot-{slot}.bin"):
+            fast, slow = (self.fast.root / name).read_bytes(), (self.slow.root / name).read_bytes()
+            size = min(len(fast), len(slow))  # a mapping may be larger than what it holds
+            assert fast[:size] == slow[:size], f"{name} differs at step {state.step}"
+        assert self.slow._plan is None
+
+    def planned(self, state: TrainState) -> bool:
+        """Whether the next snapshot of ``state`` takes the plan (without taking it)."""
+        return self.fast._plan is not None and self.fast._plan.content(state, 0) is not None
+
+
+def _break_buffer(s: TrainState) -> None:
+    s.parts.model.seen = s.parts.model.seen * 0.5  # out of place: a new tensor in _buffers
+
+
+def _swap_data(s: TrainState) -> None:
+    w = s.parts.model.head.weight
+    w.data = w.data.clone()
+
+
+def _load_optimizer(s: TrainState) -> None:
+    s.parts.optimizer.load_state_dict(copy.deepcopy(s.parts.optimizer.state_dict()))  # new moments
+
+
+def _add_parameter(s: TrainState) -> None:
+    extra = nn.Parameter(torch.ones(3))
+    s.parts.model.extra = extra  # a parameter added to the model...
+    s.parts.optimizer.param_groups[0]["params"].append(extra)  # ...and to the optimizer
+
+
+def _replace_module(s: TrainState) -> None:
+    s.parts.model.body[1] = nn.BatchNorm1d(8, affine=False)  # new buffers under the same name
+
+
+@pytest.mark.parametrize(
+    "breaks", [_break_buffer, _swap_data, _load_optimizer, _add_parameter, _replace_module], ids=lambda f: f.__name__
+)
+def test_plans_write_the_full_walks_bytes_and_notice_what_breaks_them(tmp_path: Path, breaks: Callable) -> None:
+    state, pair = _state(), _Pair(tmp_path)
+    for _ in range(3):
+        _step(state)
+        pair.snapshot(state)
+    assert pair.planned(state)  # rule 4: the plan agreed and is used
+    breaks(state)
+    assert not pair.planned(state)  # rule 2
+    for _ in range(3):
+        _step(state)
+        pair.snapshot(state)  # the full walk once, then a new plan: the same bytes throughout
+    assert pair.planned(state)
+
+
+class _WithExtraState(_Net):
+    def get_extra_state(self) -> dict[str, int]:
+        return {"calls": 1}
+
+    def set_extra_state(self, state: Any) -> None:
+        del state
+
+
+def _hooked() -> nn.Module:
+    model = _Net()
+    model._register_state_dict_hook(lambda module, sd, prefix, local: None)
+    return model
+
+
+class _CountingSGD(torch.optim.SGD):
+    """Per-parameter state that is not a tensor: it can change while every tensor stays."""
+
+    def step(self, closure: Any = None) -> Any:
+        out = super().step(closure)
+        for p in self.param_groups[0]["params"]:
+            self.state[p]["count"] = self.state[p].get("count", 0) + 1
+        return out
+
+
+@pytest.mark.parametrize(
+    ("model", "opt"),
+    [(_WithExtraState, torch.optim.AdamW), (_hooked, torch.optim.AdamW), (_Net, _CountingSGD)],
+    ids=["extra_state", "state_dict_hook", "non_tensor_optimizer_state"],
+)
+def test_what_a_plan_cannot_watch_gets_no_plan(tmp_path: Path, model: Callable, opt: Callable) -> None:
+    state, pair = _state(model(), opt), _Pair(tmp_path)
+    for _ in range(MAX_REBUILDS + 2):
+        _step(state)
+        pair.snapshot(state)  # rule 3: the full walk, the same bytes
+        assert pair.fast._plan is None
+
+
+def test_plans_that_keep_breaking_are_no_longer_made(tmp_path: Path) -> None:
+    state, pair = _state(), _Pair(tmp_path)
+    for _ in range(MAX_REBUILDS + 3):
+        _step(state)
+        _break_buffer(state)  # every step: each plan lives one snapshot
+        pair.snapshot(state)
+    assert pair.fast._plan is None and pair.fast._plans_failed == MAX_REBUILDS  # rule 4
