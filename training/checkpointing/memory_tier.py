@@ -72,7 +72,7 @@ import orjson
 from training.checkpointing.codec import join_tree
 from training.checkpointing.errors import CheckpointRejected
 from training.checkpointing.slot_layout import Layouts, copy_into
-from training.checkpointing.snapshot_plan import MAX_REBUILDS, SlotContent, SnapshotPlan, split_parts
+from training.checkpointing.snapshot_plan import MAX_REBUILDS, SlotContent, SnapshotPlan, skeleton_bytes, split_parts
 from training.checkpointing.store import Candidate, CheckpointStore
 from training.checkpointing.verify import Checkpoint, Validator, parse_step
 from training.config import RunConfig
@@ -233,7 +233,7 @@ class MemoryTier:
         head = self._map(self._heads, self._header(self.rank, slot), _HEAD)
         head[:8] = bytes(8)  # uncommitted: a kill from here on leaves this slot without a header
         offset = content.layout.end
-        skeleton = orjson.dumps(content.skeletons, option=orjson.OPT_SORT_KEYS)
+        skeleton = skeleton_bytes(content.skeletons)
         size = offset + len(skeleton)
         buf = self._map(self._maps, self._data(self.rank, slot), size)
         copy_into(buf, content.groups)

@@ -34,6 +34,8 @@ import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from training.checkpointing.codec import split_tree
 from training.checkpointing.slot_layout import Flat, Group, Layout, Layouts, signature
 
@@ -65,7 +67,7 @@ class Split:
 class SlotContent:
     """What a snapshot writes into a slot: the skeletons, and the tensors in their groups."""
 
-    skeletons: dict[str, Any]
+    skeletons: dict[str, Any]  # JSON values and orjson fragments
     groups: list[Group]
     layout: Layout
 
@@ -74,6 +76,11 @@ class SlotContent:
         flat = split.flat()
         layout = layouts.of(flat)
         return cls(split.skeletons, layout.groups(flat), layout)
+
+
+def skeleton_bytes(skeletons: dict[str, Any]) -> bytes:
+    """The skeletons as a slot holds them (after its tensors' bytes)."""
+    return orjson.dumps(skeletons, option=orjson.OPT_SORT_KEYS)
 
 
 def split_parts(parts: dict[str, Any]) -> Split:
@@ -128,7 +135,8 @@ class SnapshotPlan:
     """Rank 0's snapshot without the walks: model and optimizer tensors found once (above)."""
 
     def __init__(self, static_skeleton: dict[str, Any], watch: _Watch, groups: list[list[int]]) -> None:
-        #: The skeletons of the model and of the optimizer's per-parameter state (all tensors).
+        #: The skeletons of the model and of the optimizer's per-parameter state (all tensors), as
+        #: JSON fragments.
         self.static_skeleton, self.watch = static_skeleton, watch
         #: Each parameter group's parameter numbers, as ``optimizer.state_dict()`` packs them.
         self.groups = groups
@@ -149,7 +157,10 @@ class SnapshotPlan:
         if not _watch_model(model, watch, static) or not _watch_optimizer(optimizer, watch, static):
             return None
         skeleton = full.skeletons[PART]
-        static_skeleton = {"model": skeleton["model"], "optimizer.state": skeleton["optimizer"]["state"]}
+        static_skeleton = {  # serialised once, as the slot's skeletons are (keys sorted)
+            name: orjson.Fragment(orjson.dumps(tree, option=orjson.OPT_SORT_KEYS))
+            for name, tree in (("model", skeleton["model"]), ("optimizer.state", skeleton["optimizer"]["state"]))
+        }
         groups = [list(g["params"]) for g in optimizer.state_dict()["param_groups"]]
         watch.size(optimizer.param_groups)
         for g in optimizer.param_groups:
@@ -180,7 +191,7 @@ class SnapshotPlan:
         import torch
 
         mine = self.content(state, _rank_of(full))
-        if mine is None or mine.skeletons != full.skeletons:
+        if mine is None or skeleton_bytes(mine.skeletons) != skeleton_bytes(full.skeletons):
             return False
         theirs = SlotContent.of(full, Layouts())
         if mine.layout.places != theirs.layout.places:
