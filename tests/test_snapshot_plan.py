@@ -124,6 +124,20 @@ def test_plans_write_the_full_walks_bytes_and_notice_what_breaks_them(tmp_path: 
     assert pair.planned(state)
 
 
+def test_checking_a_plan_changes_nothing_it_checks(tmp_path: Path) -> None:
+    """The optimizer's state is a defaultdict: a check that looked a parameter up with ``[]``
+    would put back an entry someone removed, and the next checkpoint would differ."""
+    state, pair = _state(), _Pair(tmp_path)
+    for _ in range(2):
+        _step(state)
+        pair.snapshot(state)
+    param = state.parts.model.head.weight
+    del state.parts.optimizer.state[param]
+    assert not pair.planned(state)
+    assert param not in state.parts.optimizer.state
+    pair.snapshot(state)
+
+
 class _WithExtraState(_Net):
     def get_extra_state(self) -> dict[str, int]:
         return {"calls": 1}

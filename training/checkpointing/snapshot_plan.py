@@ -95,9 +95,10 @@ def split_parts(parts: dict[str, Any]) -> Split:
 class _Watch:
     """What rule 2 checks, as parallel tuples: compared in C loops, not one Python test each."""
 
-    holders: tuple[Any, ...]  # dicts (and lists) that hold an object...
+    holders: tuple[dict[Any, Any], ...]  # dicts that hold an object...
     names: tuple[Any, ...]  # ...under these keys...
     held: tuple[Any, ...]  # ...which must be these objects
+    lists: tuple[tuple[list[Any], tuple[Any, ...]], ...]  # lists that must hold exactly these objects
     sized: tuple[Any, ...]  # containers that must keep...
     sizes: tuple[int, ...]  # ...these lengths
     tensors: tuple[Any, ...]  # tensors that must keep...
@@ -107,13 +108,11 @@ class _Watch:
     def holds(self) -> bool:
         import torch
 
-        try:
-            held = tuple(map(operator.getitem, self.holders, self.names))
-        except (KeyError, IndexError):
-            return False
+        # dict.get, not [] : the optimizer's state is a defaultdict, which [] would add to.
         return (
-            all(map(operator.is_, held, self.held))
+            all(map(operator.is_, map(dict.get, self.holders, self.names), self.held))
             and tuple(map(len, self.sized)) == self.sizes
+            and all(len(now) == len(then) and all(map(operator.is_, now, then)) for now, then in self.lists)
             and tuple(map(torch.Tensor.data_ptr, self.tensors)) == self.addresses
             and tuple(t.shape for t in self.tensors) == self.shapes
         )
@@ -165,9 +164,7 @@ class SnapshotPlan:
         watch.size(optimizer.param_groups)
         for g in optimizer.param_groups:
             watch.hold(g, "params", g["params"])
-            watch.size(g["params"])
-            for i, p in enumerate(g["params"]):
-                watch.hold(g["params"], i, p)
+            watch.lists.append((g["params"], tuple(g["params"])))
         plan = cls(static_skeleton, watch.done(), groups)
         plan._lay_out(full.flat(), static)
         return plan if plan.agrees(state, full) else None
@@ -246,6 +243,7 @@ class _Collector:
     def __init__(self) -> None:
         self.holders: list[Any] = []
         self.names: list[Any] = []
+        self.lists: list[tuple[list[Any], tuple[Any, ...]]] = []
         self.held: list[Any] = []
         self.sized: list[Any] = []
         self.tensors: list[Any] = []
@@ -266,6 +264,7 @@ class _Collector:
             tuple(self.holders),
             tuple(self.names),
             tuple(self.held),
+            tuple(self.lists),
             tuple(self.sized),
             tuple(map(len, self.sized)),
             tuple(self.tensors),

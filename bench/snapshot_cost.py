@@ -1,0 +1,117 @@
+"""What a memory-tier snapshot after every step costs the loop, in one process, on one model.
+
+    .venv/bin/python bench/snapshot_cost.py [--blocks 40] [--block 25] [--threads 1] [-S k=v ...]
+
+Why a bench of its own: ``bench/loop_overhead.py``'s memory pair runs a new worker per block for
+each side, so each side trains its own allocation of the model; on this VM two allocations of the
+same model step a few % apart (up to ±3 ms of a ~33 ms step between processes), as much as the
+snapshot costs.  Here one runtime (the demo's model, optimizer, data and memory tier as
+``params.yaml`` builds them) trains on; blocks of ``--block`` steps alternate between three sides:
+
+* ``off``   — the training step alone;
+* ``plan``  — the step, then a snapshot through the tier's plan (what a worker does);
+* ``walk``  — the step, then a snapshot by the full walk of model and optimizer (a tier without
+  plans, what every snapshot did before ``training/checkpointing/snapshot_plan.py``).
+
+Printed per side: the step's median (does a snapshot slow the next step?), the snapshot's median
+stall, and the loop's slowdown: (step + snapshot) / step, medians of the same blocks' steps
+(goal: <= 3 % at a snapshot every step, issue 30 item 3).  A figure, not an assertion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SIDES = ("off", "plan", "walk")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=42, help="blocks in all (a multiple of 3 keeps the sides even)")
+    ap.add_argument("--block", type=int, default=25, help="steps per block")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
+    ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    root = Path(tempfile.mkdtemp(prefix="convoy-snapshot-cost-"))
+    os.environ.setdefault("CONVOY_MEMORY_DIR", str(root / "shm"))
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from training.checkpointing.memory_tier import MemoryTier, tier_root
+    from training.checkpointing.schedule import MemorySchedule
+    from training.config import load_config
+    from training.corpus import prepare
+    from training.data import Cursor, LoaderSpec, make_loader
+    from training.rundir import open_run
+    from training.runtime import build_runtime
+    from training.state import configure_determinism
+    from training.step import train_step
+
+    params = Path(__file__).resolve().parents[1] / "params.yaml"
+    cfg = load_config(
+        params, [f"runs_dir={root}/runs", f"data.prepared_dir={root}/data", "tracking.mlflow=false", *args.overrides]
+    )
+    prepare(cfg.data, cfg.train.seed)
+    device = torch.device("cpu")
+    configure_determinism(cfg.train.deterministic, device)
+    run_dir = open_run(cfg)
+    runtime = build_runtime(cfg, device, 0, 1, run_dir=run_dir)
+    state = runtime.state
+    where = tier_root(run_dir)
+    assert where is not None
+    tiers = {"plan": MemoryTier(where / "plan", "bench"), "walk": MemoryTier(where / "walk", "bench", plans=False)}
+    schedule = MemorySchedule("auto", 0.03)
+
+    def batches():  # the run's data, epoch after epoch
+        while True:
+            yield from make_loader(state.parts.train_data, LoaderSpec(cfg.train.batch_size, cfg.train.seed, Cursor()))
+
+    source = batches()
+    for _ in range(10):  # warm-up: the first Adam step imports dynamo; the first snapshots map the slots
+        train_step(runtime, [next(source)])
+        state.step += 1
+        for tier in tiers.values():
+            tier.snapshot(state, schedule)
+    steps: dict[str, list[float]] = {s: [] for s in SIDES}
+    stalls: dict[str, list[float]] = {s: [] for s in SIDES}
+    print(f"{args.blocks} blocks of {args.block} steps, sides {', '.join(SIDES)} in turn", flush=True)
+    for block in range(args.blocks):
+        side = SIDES[block % len(SIDES)]
+        for i in range(args.block):
+            batch = next(source)
+            t0 = time.perf_counter()
+            train_step(runtime, [batch])
+            state.step += 1
+            t1 = time.perf_counter()
+            if side != "off":
+                tiers[side].snapshot(state, schedule)
+            t2 = time.perf_counter()
+            if i >= 2:  # the first steps after a switch carry the previous side's caches
+                steps[side].append(t1 - t0)
+                stalls[side].append(t2 - t1)
+    base = statistics.median(steps["off"])
+    print(f"{'side':6} {'step ms':>9} {'snapshot ms':>12} {'slowdown':>9}")
+    for side in SIDES:
+        step, stall = statistics.median(steps[side]), statistics.median(stalls[side])
+        print(f"{side:6} {step * 1e3:9.2f} {stall * 1e3:12.3f} {(step + stall) / base - 1:+9.1%}")
+    plan = (statistics.median(steps["plan"]) + statistics.median(stalls["plan"])) / base - 1
+    verdict = "met" if plan <= 0.03 else "over"
+    print(f"VERDICT snapshot every step (plan): {plan:+.1%} of the step (goal <= 3 %): {verdict}")
+    print(f"plan in use at the end: {tiers['plan']._plan is not None}")
+
+
+if __name__ == "__main__":
+    main()
