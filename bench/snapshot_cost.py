@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,8 +44,8 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
+def setup(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
+    """The demo's runtime (as a worker builds it), its config, and a planning and a walking tier."""
     root = Path(tempfile.mkdtemp(prefix="convoy-snapshot-cost-"))
     os.environ.setdefault("CONVOY_MEMORY_DIR", str(root / "shm"))
     import torch
@@ -52,14 +53,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from training.checkpointing.memory_tier import MemoryTier, tier_root
-    from training.checkpointing.schedule import MemorySchedule
     from training.config import load_config
     from training.corpus import prepare
-    from training.data import Cursor, LoaderSpec, make_loader
     from training.rundir import open_run
     from training.runtime import build_runtime
     from training.state import configure_determinism
-    from training.step import train_step
 
     params = Path(__file__).resolve().parents[1] / "params.yaml"
     cfg = load_config(
@@ -70,11 +68,20 @@ def main() -> None:
     configure_determinism(cfg.train.deterministic, device)
     run_dir = open_run(cfg)
     runtime = build_runtime(cfg, device, 0, 1, run_dir=run_dir)
-    state = runtime.state
     where = tier_root(run_dir)
     assert where is not None
     tiers = {"plan": MemoryTier(where / "plan", "bench"), "walk": MemoryTier(where / "walk", "bench", plans=False)}
-    schedule = MemorySchedule("auto", 0.03)
+    return runtime, cfg, tiers
+
+
+def main() -> None:
+    args = parse_args()
+    runtime, cfg, tiers = setup(args)
+    from training.checkpointing.schedule import MemorySchedule
+    from training.data import Cursor, LoaderSpec, make_loader
+    from training.step import train_step
+
+    state, schedule = runtime.state, MemorySchedule("auto", 0.03)
 
     def batches():  # the run's data, epoch after epoch
         while True:
@@ -103,6 +110,11 @@ def main() -> None:
             if i >= 2:  # the first steps after a switch carry the previous side's caches
                 steps[side].append(t1 - t0)
                 stalls[side].append(t2 - t1)
+    report(steps, stalls)
+    print(f"plan in use at the end: {tiers['plan']._plan is not None}")
+
+
+def report(steps: dict[str, list[float]], stalls: dict[str, list[float]]) -> None:
     base = statistics.median(steps["off"])
     print(f"{'side':6} {'step ms':>9} {'step vs off':>12} {'snapshot ms':>12} {'snapshot/step':>14} {'slowdown':>9}")
     for side in SIDES:
@@ -114,7 +126,6 @@ def main() -> None:
     share = statistics.median(stalls["plan"]) / base
     verdict = "met" if share <= 0.03 else "over"
     print(f"VERDICT snapshot every step (plan): its stall is {share:.1%} of the step (goal <= 3 %): {verdict}")
-    print(f"plan in use at the end: {tiers['plan']._plan is not None}")
 
 
 if __name__ == "__main__":
