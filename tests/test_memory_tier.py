@@ -13,7 +13,9 @@ import json
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from engine_util import kill_group, make_run, run_worker, start_worker, wait_for_step
 
@@ -77,6 +79,23 @@ def test_a_header_torn_by_a_kill_is_no_header(tmp_path: Path) -> None:
         assert memory_tier.Header.read(head) is None
         assert tier.newest_step() == 5
     head.write_bytes(whole)
+    assert tier.newest_step() == 6
+
+
+def test_a_snapshot_cut_short_leaves_its_slot_without_a_header(tmp_path: Path, monkeypatch: Any) -> None:
+    """The header's length is zeroed before the slot is touched: a snapshot that stops in the
+    middle of its copy (a kill there) leaves that slot with no header and the older one decides."""
+    tier = memory_tier.MemoryTier(tmp_path / "tier", "fp")
+    for step in (5, 6):
+        tier.write(step, {"rank-0": {"step": step, "x": torch.full((3,), float(step))}})
+
+    def cut(buf: Any, groups: Any) -> None:
+        raise OSError("killed in the copy")
+
+    monkeypatch.setattr(memory_tier, "copy_into", cut)
+    with pytest.raises(OSError):
+        tier.write(7, {"rank-0": {"step": 7, "x": torch.full((3,), 7.0)}})  # over step 5's slot
+    assert memory_tier.Header.read(tier.root / "rank-0.slot-0.head") is None
     assert tier.newest_step() == 6
 
 

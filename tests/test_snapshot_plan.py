@@ -10,6 +10,7 @@ plan cannot watch get none (rule 3), and a run whose plans keep breaking stops m
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -31,9 +32,10 @@ class _Net(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU())
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8))
         self.head = nn.Linear(8, 2)
         self.register_buffer("seen", torch.zeros(2))
+        self.register_buffer("later", None)  # not in the state dict until it is set
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.head(self.body(x))
@@ -103,12 +105,18 @@ def _add_parameter(s: TrainState) -> None:
     s.parts.optimizer.param_groups[0]["params"].append(extra)  # ...and to the optimizer
 
 
+def _set_none_buffer(s: TrainState) -> None:
+    s.parts.model.later = torch.ones(2)  # the key was there (as None): no container grows
+
+
 def _replace_module(s: TrainState) -> None:
     s.parts.model.body[1] = nn.BatchNorm1d(8, affine=False)  # new buffers under the same name
 
 
 @pytest.mark.parametrize(
-    "breaks", [_break_buffer, _swap_data, _load_optimizer, _add_parameter, _replace_module], ids=lambda f: f.__name__
+    "breaks",
+    [_break_buffer, _swap_data, _load_optimizer, _add_parameter, _set_none_buffer, _replace_module],
+    ids=lambda f: f.__name__,
 )
 def test_plans_write_the_full_walks_bytes_and_notice_what_breaks_them(tmp_path: Path, breaks: Callable) -> None:
     state, pair = _state(), _Pair(tmp_path)
@@ -135,6 +143,43 @@ def test_checking_a_plan_changes_nothing_it_checks(tmp_path: Path) -> None:
     del state.parts.optimizer.state[param]
     assert not pair.planned(state)
     assert param not in state.parts.optimizer.state
+    pair.snapshot(state)
+
+
+def _transpose_in_place(s: TrainState) -> None:
+    with torch.no_grad():
+        s.parts.model.body[3].weight.t_()  # square: the same address and shape, other strides
+
+
+def _reinterpret(s: TrainState) -> None:
+    seen = s.parts.model.seen
+    seen.data = seen.data.view(torch.int32)  # the same object, address, shape, strides; another dtype
+
+
+def _add_hook(s: TrainState) -> None:
+    def hook(module: nn.Module, sd: dict, prefix: str, local: Any) -> None:
+        sd[prefix + "extra"] = torch.ones(1)
+
+    s.parts.model.head._register_state_dict_hook(hook)
+
+
+def _other_model(s: TrainState) -> None:
+    s.parts = dataclasses.replace(s.parts, model=_Net())
+
+
+@pytest.mark.parametrize(
+    "breaks", [_transpose_in_place, _reinterpret, _add_hook, _other_model], ids=lambda f: f.__name__
+)
+def test_what_a_plan_cannot_see_through_ends_it(tmp_path: Path, breaks: Callable) -> None:
+    """Changes that keep every object in place but change the bytes or the keys (rule 2), and a
+    train state that holds another model: the full walk's bytes, no plan made on it (rule 3)."""
+    state, pair = _state(), _Pair(tmp_path)
+    for _ in range(2):
+        _step(state)
+        pair.snapshot(state)
+    assert pair.planned(state)
+    breaks(state)
+    assert not pair.planned(state)
     pair.snapshot(state)
 
 

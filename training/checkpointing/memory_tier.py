@@ -83,6 +83,10 @@ if TYPE_CHECKING:  # the loop's types: the tier is built before them
     from training.checkpointing.schedule import MemorySchedule
     from training.state import TrainState
 
+#: What a plan's check or making may raise on a model or optimizer it did not foresee (a custom
+#: ``state_dict``, a replaced ``param_groups``; torch's out-of-memory is a RuntimeError): the
+#: full walk decides, the snapshot is still taken.
+_PLAN_ERRORS = (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError)
 #: Where the tier lives: a RAM file system on Linux.
 SHM = Path("/dev/shm")
 #: Another place for it (a tmpfs of your own; the tests keep theirs in a temporary directory).
@@ -213,14 +217,20 @@ class MemoryTier:
         """The state laid out for a slot: through the plan while it holds, else by the full walk,
         which makes the next plan (:mod:`training.checkpointing.snapshot_plan`)."""
         if self._plan is not None:
-            fast = self._plan.content(state, self.rank)
+            try:
+                fast = self._plan.content(state, self.rank)
+            except _PLAN_ERRORS:  # a plan that cannot tell does not hold: the full walk decides
+                fast = None
             if fast is not None:
                 return fast
             self._plan, self._plans_failed = None, self._plans_failed + 1
         include = self.rank == 0
         full = split_parts(state.checkpoint_parts(self.rank, include_replicated=include, sharded=False))
         if include and self.plans and self._plans_failed < MAX_REBUILDS:
-            self._plan = SnapshotPlan.build(state, full)
+            try:  # a model the plan's walk trips on (a custom state_dict) gets no plan, not a crash
+                self._plan = SnapshotPlan.build(state, full)
+            except _PLAN_ERRORS:
+                self._plan = None
             self._plans_failed += self._plan is None
         return SlotContent.of(full, self._layouts)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
     import torch
 
+_IS_CUDA = operator.attrgetter("is_cuda")
 #: (part, key, tensor), in the slot's order: sorted by part, then by key.
 Flat = list[tuple[str, str, "torch.Tensor"]]
 #: (dtype, offset, numel, the group's tensors as 1-D views): one copy each.
@@ -92,7 +94,10 @@ def copy_into(buf: mmap.mmap, groups: list[Group]) -> None:
         if not numel:
             continue
         dst = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
-        if tensors[0].is_cuda:
-            dst.copy_(torch.cat(tensors))
+        if any(map(_IS_CUDA, tensors)):
+            # One group can hold both: Adam keeps its step counts on the CPU beside CUDA parameters
+            # (unless capturable or fused), numpy's RNG keys share int64 with a BatchNorm's count.
+            device = next(t.device for t in tensors if t.is_cuda)
+            dst.copy_(torch.cat([t if t.device == device else t.to(device) for t in tensors]))
         else:
             torch.cat(tensors, out=dst)

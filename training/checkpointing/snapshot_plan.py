@@ -13,12 +13,16 @@ Rules (numbered; cited in code and tests):
 
 1. **The same bytes.**  A slot written through a plan is, byte for byte, the slot the full walk
    writes (tested step by step): restore does not know plans exist.
-2. **Checked at every snapshot.**  Every module of the tree is still its parent's child, every
-   tensor is still the object its module (``_parameters``, ``_buffers``) or its parameter's
-   optimizer state holds, at the same address and of the same shape, and every container has as
-   many entries (and state-dict hooks) as when the plan was made.  A buffer reassigned out of
-   place, ``p.data = ...``, a parameter or module added, optimizer state loaded: the check fails and
-   the snapshot takes the full walk, which makes a new plan.
+2. **Checked at every snapshot.**  The train state still holds the plan's model and optimizer;
+   every module of the tree is still its parent's child; every entry of every module's
+   ``_parameters`` and ``_buffers`` (None ones too) and of every parameter's optimizer state is
+   still the same object, every tensor at the same address with the same shape, strides and dtype;
+   the optimizer's ``state`` and ``param_groups`` and each group's parameters are the same; and
+   every container, state-dict hook tables included, has as many entries as when the plan was made.
+   A buffer reassigned out of place or set from None, ``p.data = ...``, an in-place transpose, a
+   parameter, module or hook added, optimizer state loaded: the check fails and the snapshot takes
+   the full walk, which makes a new plan.  A check or a making that raises (a model with a custom
+   ``state_dict`` it did not foresee) is a plan that does not hold: the full walk, not a crash.
 3. **Only what a plan can see.**  A model whose ``state_dict`` holds a non-tensor (``get_extra_state``)
    or has state-dict hooks, an optimizer with state-dict hooks or non-tensor per-parameter state
    (its value could change while every tensor stays): no plan, the full walk every time.
@@ -103,7 +107,9 @@ class _Watch:
     sizes: tuple[int, ...]  # ...these lengths
     tensors: tuple[Any, ...]  # tensors that must keep...
     addresses: tuple[int, ...]  # ...their data pointers...
-    shapes: tuple[Any, ...]  # ...and shapes
+    shapes: tuple[Any, ...]  # ...shapes...
+    strides: tuple[Any, ...]  # ...strides (an in-place transpose keeps address and shape)...
+    dtypes: tuple[Any, ...]  # ...and dtypes (so does ``p.data = p.data.view(other dtype)``)
 
     def holds(self) -> bool:
         import torch
@@ -115,6 +121,8 @@ class _Watch:
             and all(len(now) == len(then) and all(map(operator.is_, now, then)) for now, then in self.lists)
             and tuple(map(torch.Tensor.data_ptr, self.tensors)) == self.addresses
             and tuple(t.shape for t in self.tensors) == self.shapes
+            and tuple(map(torch.Tensor.stride, self.tensors)) == self.strides
+            and tuple(t.dtype for t in self.tensors) == self.dtypes
         )
 
 
@@ -143,6 +151,8 @@ class SnapshotPlan:
         #: Each dtype group's tensors: the watched ones as 1-D views, None where a walked one goes.
         self.templates: list[list[Any]] = []
         self.light: list[_Light] = []
+        #: The model and optimizer the plan watches: a train state holding others has no plan.
+        self.parts: tuple[Any, Any] = (None, None)
 
     # ------------------------------------------------------------------ making one
     @classmethod
@@ -166,6 +176,7 @@ class SnapshotPlan:
             watch.hold(g, "params", g["params"])
             watch.lists.append((g["params"], tuple(g["params"])))
         plan = cls(static_skeleton, watch.done(), groups)
+        plan.parts = (model, optimizer)
         plan._lay_out(full.flat(), static)
         return plan if plan.agrees(state, full) else None
 
@@ -193,17 +204,23 @@ class SnapshotPlan:
         theirs = SlotContent.of(full, Layouts())
         if mine.layout.places != theirs.layout.places:
             return False
-        return all(
-            torch.equal(torch.cat(a[3]), torch.cat(b[3])) for a, b in zip(mine.groups, theirs.groups, strict=True)
-        )
+        for a, b in zip(mine.groups, theirs.groups, strict=True):
+            if a[:3] != b[:3] or len(a[3]) != len(b[3]):
+                return False
+            for x, y in zip(a[3], b[3], strict=True):  # pair by pair: no second copy of the state
+                if x.dtype != y.dtype or x.shape != y.shape or x.device != y.device:
+                    return False
+                if x.data_ptr() != y.data_ptr() and not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+                    return False  # compared as bytes: a NaN is equal to itself here
+        return True
 
     # ------------------------------------------------------------------ using one
     def content(self, state: TrainState, rank: int) -> SlotContent | None:
         """Rank ``rank``'s snapshot of ``state``, as the full walk would lay it out, or None when
         the model or optimizer is no longer what the plan saw (rule 2)."""
-        if not self.watch.holds():
+        model, optimizer = self.parts
+        if state.parts.model is not model or state.parts.optimizer is not optimizer or not self.watch.holds():
             return None
-        optimizer = state.parts.optimizer
         light = state.checkpoint_parts(rank, include_replicated=True, sharded=True)
         light[PART]["optimizer"] = {
             "param_groups": [
@@ -270,6 +287,8 @@ class _Collector:
             tuple(self.tensors),
             tuple(t.data_ptr() for t in self.tensors),
             tuple(t.shape for t in self.tensors),
+            tuple(t.stride() for t in self.tensors),
+            tuple(t.dtype for t in self.tensors),
         )
 
 
@@ -279,12 +298,16 @@ def _watch_model(model: Any, watch: _Collector, static: dict[str, Any]) -> bool:
     import torch
 
     for _path, module in model.named_modules(remove_duplicate=False):
-        if module._state_dict_hooks or module._state_dict_pre_hooks:
+        hooks = (module._state_dict_hooks, module._state_dict_pre_hooks)
+        if any(hooks):
             return False
         for container in (module._modules, module._parameters, module._buffers, module._non_persistent_buffers_set):
             watch.size(container)
-        for name, child in module._modules.items():
-            watch.hold(module._modules, name, child)
+        for container in hooks:  # one added later ends the plan
+            watch.size(container)
+        for entries in (module._modules, module._parameters, module._buffers):
+            for name, entry in entries.items():  # None too: a buffer registered as None and set later
+                watch.hold(entries, name, entry)
     for key, value in model.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):  # get_extra_state: not a tensor the plan can watch
             return False
@@ -293,7 +316,6 @@ def _watch_model(model: Any, watch: _Collector, static: dict[str, Any]) -> bool:
         holder = owner._parameters if name in owner._parameters else owner._buffers
         if holder.get(name) is not value or not value.is_contiguous():
             return False
-        watch.hold(holder, name, value)
         watch.tensor(value)
         static[f"model.{key}"] = value.detach()
     return True
@@ -307,7 +329,10 @@ def _watch_optimizer(optimizer: Any, watch: _Collector, static: dict[str, Any]) 
     for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
         index.setdefault(id(p), i)
     watch.hold(optimizer.__dict__, "state", optimizer.state)
+    watch.hold(optimizer.__dict__, "param_groups", optimizer.param_groups)
     watch.size(optimizer.state)
+    watch.size(optimizer._optimizer_state_dict_pre_hooks)
+    watch.size(optimizer._optimizer_state_dict_post_hooks)
     for param, entries in optimizer.state.items():
         if not isinstance(param, torch.Tensor) or id(param) not in index:
             return False
