@@ -141,7 +141,11 @@ class _Light:
 class SnapshotPlan:
     """Rank 0's snapshot without the walks: model and optimizer tensors found once (above)."""
 
-    def __init__(self, static_skeleton: dict[str, Any], watch: _Watch, groups: list[list[int]]) -> None:
+    def __init__(
+        self, parts: tuple[Any, Any], static_skeleton: dict[str, Any], watch: _Watch, groups: list[list[int]]
+    ) -> None:
+        #: The model and optimizer the plan watches: a train state holding others has no plan.
+        self.parts = parts
         #: The skeletons of the model and of the optimizer's per-parameter state (all tensors), as
         #: JSON fragments.
         self.static_skeleton, self.watch = static_skeleton, watch
@@ -151,8 +155,6 @@ class SnapshotPlan:
         #: Each dtype group's tensors: the watched ones as 1-D views, None where a walked one goes.
         self.templates: list[list[Any]] = []
         self.light: list[_Light] = []
-        #: The model and optimizer the plan watches: a train state holding others has no plan.
-        self.parts: tuple[Any, Any] = (None, None)
 
     # ------------------------------------------------------------------ making one
     @classmethod
@@ -175,8 +177,7 @@ class SnapshotPlan:
         for g in optimizer.param_groups:
             watch.hold(g, "params", g["params"])
             watch.lists.append((g["params"], tuple(g["params"])))
-        plan = cls(static_skeleton, watch.done(), groups)
-        plan.parts = (model, optimizer)
+        plan = cls((model, optimizer), static_skeleton, watch.done(), groups)
         plan._lay_out(full.flat(), static)
         return plan if plan.agrees(state, full) else None
 
