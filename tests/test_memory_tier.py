@@ -19,7 +19,7 @@ import pytest
 import torch
 from engine_util import kill_group, make_run, run_worker, start_worker, wait_for_step
 
-from training.checkpointing import memory_tier
+from training.checkpointing import memory_tier, slot_format
 from training.checkpointing.store import CheckpointStore
 from training.events import Event, read_events
 from training.heartbeat import read_heartbeat
@@ -47,15 +47,17 @@ def _kill_at(run_dir: Path, step: int, settle_s: float = 0.0) -> int:
 
 
 def _killed_with_both_slots(where: Path) -> Path:
-    """A run killed at step 56 with both of rank 0's slots committed.  A kill that lands while a
-    snapshot is written leaves that slot without a header (rule 4: a half-written slot has none),
-    which is right but leaves nothing to corrupt; such a run is made again (CI saw it once)."""
+    """A run killed at step 56 with both of rank 0's slots committed (snapshots copied on the
+    loop's thread: one copied beside the loop is committed only before the next update, rule 7).
+    A kill that lands while a snapshot is written leaves that slot without a header (rule 4: a
+    half-written slot has none), which is right but leaves nothing to corrupt; such a run is made
+    again (CI saw it once)."""
     for attempt in range(3):
-        run_dir = make_run(where / f"try-{attempt}", extra=TIERS)
+        run_dir = make_run(where / f"try-{attempt}", extra=[*TIERS, "checkpoint.memory_beside=false"])
         _kill_at(run_dir, 56, settle_s=0.01)
         root = memory_tier.tier_root(run_dir)
         heads = [root / f"rank-0.slot-{k}.head" for k in memory_tier.SLOTS] if root is not None else []
-        if heads and all(memory_tier.Header.read(h) is not None for h in heads):
+        if heads and all(slot_format.Header.read(h) is not None for h in heads):
             return run_dir
     raise AssertionError("three kills in a row landed while a snapshot was being written")
 
@@ -76,7 +78,7 @@ def test_a_header_torn_by_a_kill_is_no_header(tmp_path: Path) -> None:
         whole.replace(b'"step":6', b'"step":7'),  # a body that is not the one its checksum is of
     ):
         head.write_bytes(torn)
-        assert memory_tier.Header.read(head) is None
+        assert slot_format.Header.read(head) is None
         assert tier.newest_step() == 5
     head.write_bytes(whole)
     assert tier.newest_step() == 6
@@ -95,7 +97,7 @@ def test_a_snapshot_cut_short_leaves_its_slot_without_a_header(tmp_path: Path, m
     monkeypatch.setattr(memory_tier, "copy_into", cut)
     with pytest.raises(OSError):
         tier.write(7, {"rank-0": {"step": 7, "x": torch.full((3,), 7.0)}})  # over step 5's slot
-    assert memory_tier.Header.read(tier.root / "rank-0.slot-0.head") is None
+    assert slot_format.Header.read(tier.root / "rank-0.slot-0.head") is None
     assert tier.newest_step() == 6
 
 
@@ -126,7 +128,7 @@ def _slots(run_dir: Path) -> list[tuple[int, Path, Path]]:
     out = []
     for k in memory_tier.SLOTS:
         header = root / f"rank-0.slot-{k}.head"
-        committed = memory_tier.Header.read(header)
+        committed = slot_format.Header.read(header)
         assert committed is not None, header
         out.append((committed.step, header, root / f"rank-0.slot-{k}.bin"))
     return sorted(out, reverse=True)
@@ -141,9 +143,9 @@ def _flip(path: Path) -> None:
 def test_a_stale_foreign_or_corrupt_snapshot_is_never_restored(tmp_path: Path) -> None:
     run_dir = _killed_with_both_slots(tmp_path / "foreign")  # disk: step 50; memory: ~55 and ~56, one in each slot
     for _step, header, _data in _slots(run_dir):  # another trajectory's snapshots: ignored, not an error
-        saved = json.loads(memory_tier.decode_header(header.read_bytes()) or b"")
+        saved = json.loads(slot_format.decode_header(header.read_bytes()) or b"")
         header.write_bytes(
-            b"".join(memory_tier.encode_header(json.dumps({**saved, "fingerprint": "0123456789abcdef"}).encode()))
+            b"".join(slot_format.encode_header(json.dumps({**saved, "fingerprint": "0123456789abcdef"}).encode()))
         )
     assert memory_tier.newest_step(run_dir, _fingerprint(run_dir)) is None
     code, out = run_worker(run_dir, 60)
@@ -202,7 +204,9 @@ def test_a_snapshot_past_a_boundary_that_never_reached_disk_is_passed_over(tmp_p
     resume from them would never write the boundary (the chunk's artifact, which every retry
     would then miss); they are passed over, the disk tier decides and the boundary is trained to
     and committed again, bitwise as an uninterrupted run."""
+    # Both slots committed at the kill (copied on the loop's thread): both are passed over.
     chunks = ["checkpoint.every_steps=25", "checkpoint.memory_every_steps=1", "train.chunk_steps=50"]
+    chunks.append("checkpoint.memory_beside=false")
     reference = make_run(tmp_path / "ref", extra=chunks)
     assert run_worker(reference, 120)[0] == 0
     run_dir = make_run(tmp_path / "run", extra=chunks)

@@ -16,10 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from training.checkpointing import slot_format
 from training.checkpointing.memory_tier import MemoryTier
 from training.checkpointing.schedule import MemorySchedule
 from training.checkpointing.snapshot_plan import MAX_REBUILDS
@@ -53,10 +55,16 @@ def _state(model: nn.Module | None = None, opt: Callable[..., Any] = torch.optim
     return TrainState(parts, torch.amp.GradScaler("cpu", enabled=False))
 
 
-def _step(state: TrainState) -> None:
+def _forward_backward(state: TrainState) -> None:
     p = state.parts
+    random.random(), np.random.rand()  # the next batch's fetch draws
     p.optimizer.zero_grad()
     p.loss_fn(p.model, torch.randn(5, 6)).backward()
+
+
+def _step(state: TrainState) -> None:
+    p = state.parts
+    _forward_backward(state)
     p.optimizer.step()
     p.scheduler.step()
     random.random()  # every RNG moves, as in training
@@ -64,26 +72,46 @@ def _step(state: TrainState) -> None:
 
 
 class _Pair:
-    """The same state into a planning tier and a walking one; their slots compared (rule 1)."""
+    """The same state into a planning tier and a walking one; their slots compared (rule 1).  A
+    third tier copies beside the loop as the worker's does (memory tier rule 7): between its
+    snapshot and its commit come the next step's draws, forward (which updates buffers in place)
+    and backward, as in the worker."""
 
     def __init__(self, root: Path) -> None:
         self.fast = MemoryTier(root / "fast", "fp")
         self.slow = MemoryTier(root / "slow", "fp", plans=False)
+        self.beside = MemoryTier(root / "beside", "fp", overlap=True)
         self.schedule = MemorySchedule("auto", 0.03)
 
-    def snapshot(self, state: TrainState) -> None:
-        self.fast.snapshot(state, self.schedule)
-        self.slow.snapshot(state, self.schedule)
-        slot = 1 - self.fast.next_slot
-        for name in (f"rank-0.slot-{slot}.head", f"rank-0.slot-{slot}.bin"):
-            fast, slow = (self.fast.root / name).read_bytes(), (self.slow.root / name).read_bytes()
-            size = min(len(fast), len(slow))  # a mapping may be larger than what it holds
-            assert fast[:size] == slow[:size], f"{name} differs at step {state.step}"
-        assert self.slow._plan is None
+    def snapshot(self, state: TrainState, forward: bool = True) -> None:
+        broken = self.beside.broken_before_commit
+        for tier in (self.fast, self.slow, self.beside):
+            tier.snapshot(state, self.schedule)
+        if forward:
+            _forward_backward(state)  # what the loop does before its optimizer step...
+        self.beside.settle()  # ...which it precedes with this
+        compared = [self.fast]
+        if self.beside.broken_before_commit == broken:
+            compared.append(self.beside)
+        else:  # its writer found the plan broken: that snapshot is not committed (tier rule 7)
+            assert slot_format.Header.read(self.beside.root / f"rank-0.slot-{self.beside.next_slot}.head") is None
+        theirs = _committed(self.slow)
+        for tier in compared:  # the committed header and the bytes it covers (a file may be longer)
+            assert _committed(tier) == theirs, f"{tier.root.name}: the slot differs at step {state.step}"
+        assert self.slow._plan is None and self.beside.changed_before_commit == 0
 
     def planned(self, state: TrainState) -> bool:
         """Whether the next snapshot of ``state`` takes the plan (without taking it)."""
         return self.fast._plan is not None and self.fast._plan.content(state, 0) is not None
+
+
+def _committed(tier: MemoryTier) -> tuple[bytes, bytes]:
+    """The header body and the slot bytes of ``tier``'s last snapshot."""
+    slot = 1 - tier.next_slot
+    body = slot_format.decode_header((tier.root / f"rank-0.slot-{slot}.head").read_bytes())
+    header = slot_format.Header.read(tier.root / f"rank-0.slot-{slot}.head")
+    assert body is not None and header is not None
+    return body, (tier.root / f"rank-0.slot-{slot}.bin").read_bytes()[: header.size]
 
 
 def _break_buffer(s: TrainState) -> None:
@@ -180,7 +208,7 @@ def test_what_a_plan_cannot_see_through_ends_it(tmp_path: Path, breaks: Callable
     assert pair.planned(state)
     breaks(state)
     assert not pair.planned(state)
-    pair.snapshot(state)
+    pair.snapshot(state, forward=False)  # an int32 running mean takes no forward
 
 
 class _WithExtraState(_Net):
@@ -227,3 +255,27 @@ def test_plans_that_keep_breaking_are_no_longer_made(tmp_path: Path) -> None:
         _break_buffer(state)  # every step: each plan lives one snapshot
         pair.snapshot(state)
     assert pair.fast._plan is None and pair.fast._plans_failed == MAX_REBUILDS  # rule 4
+
+
+def test_a_snapshot_whose_parameters_change_before_its_commit_is_not_committed(tmp_path: Path) -> None:
+    """Rule 7 of the memory tier: a weight edited in place between a snapshot copied beside the
+    loop and its commit (a forward hook that clips weights) leaves that slot without a header;
+    the slot before it stays, and the tier copies on the loop's thread from then on."""
+    state, tier = _state(), MemoryTier(tmp_path / "beside", "fp", overlap=True)
+    schedule = MemorySchedule("auto", 0.03)
+    for _ in range(3):
+        _step(state)
+        tier.snapshot(state, schedule)
+        tier.settle()
+    assert tier._plan is not None and tier.newest_step() == 3
+    _step(state)
+    tier.snapshot(state, schedule)
+    with torch.no_grad():
+        state.parts.model.head.weight.clamp_(-0.01, 0.01)
+    tier.settle()
+    assert tier.changed_before_commit == 1 and not tier.beside  # copied on the loop's thread from now
+    assert tier.complete_steps() == [3]  # step 4's slot has no header; step 3's is intact
+    assert tier.candidate(3).loaded is not None
+    _step(state)
+    tier.snapshot(state, schedule)  # committed at once
+    assert tier.complete_steps() == [5, 3]

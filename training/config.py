@@ -191,6 +191,11 @@ class CheckpointConfig(_Strict):
     memory_max_overhead: float = Field(0.03, gt=0, lt=1)
     #: ... and the least they cost (when failures are rare: a kill still loses only a few steps).
     memory_min_overhead: float = Field(0.005, gt=0, lt=1)
+    #: Copy a snapshot of a state in host memory beside the next step's forward and backward, and
+    #: commit it before that step's optimizer step (less stall; the newest snapshot is held by
+    #: one slot until then); false: copy and commit on the loop's thread, so both slots hold a
+    #: committed snapshot between two snapshots (a corrupt newest one falls back to the older).
+    memory_beside: bool = True
 
     @model_validator(mode="after")
     def _overhead_band(self) -> CheckpointConfig:

@@ -25,27 +25,38 @@ from training.state import capture_rng, restore_rng
 from training.streams import is_stream, train_batches
 
 
-def train_step(runtime: Runtime, micro_batches: list[Any]) -> dict[str, float]:
+def _nothing() -> None:
+    return None
+
+
+def train_step(
+    runtime: Runtime, micro_batches: list[Any], before_update: Callable[[], object] = _nothing
+) -> dict[str, float]:
     """One optimizer step over ``grad_accum_steps`` micro-batches (invariant 4: a kill anywhere
     inside it leaves the last checkpoint, at an optimizer-step boundary, as the resume point).
 
     Each micro-batch's loss is scaled by 1/accum so the gradient is the mean over the whole
     optimizer batch; DDP skips its all-reduce (``no_sync``) on all but the last micro-batch;
-    the AMP scaler unscales, steps and updates once per optimizer step."""
+    the AMP scaler unscales, steps and updates once per optimizer step.  ``before_update`` runs
+    just before the first change to parameters, optimizer state, scaler or LR schedule (before
+    a task's own update, which makes them itself): the memory tier commits a snapshot there."""
     parts = runtime.parts
     runtime.model.train()
     parts.optimizer.zero_grad(set_to_none=True)
     if parts.train_step is not None:  # the task's own update: convoy keeps state, LR and metrics
+        before_update()
         out = custom_step(runtime, micro_batches[0])
     else:
-        out = accumulate(runtime, micro_batches, runtime.config.train.grad_clip)
+        out = accumulate(runtime, micro_batches, runtime.config.train.grad_clip, before_update)
     out.update(learning_rates(runtime))
     if parts.scheduler is not None:
         parts.scheduler.step()
     return out
 
 
-def accumulate(runtime: Runtime, micro_batches: list[Any], grad_clip: float) -> dict[str, float]:
+def accumulate(
+    runtime: Runtime, micro_batches: list[Any], grad_clip: float, before_update: Callable[[], object] = _nothing
+) -> dict[str, float]:
     """Backward over each micro-batch, then one clipped, scaled optimizer step."""
     parts, scaler, n = runtime.parts, runtime.scaler, len(micro_batches)
     total: torch.Tensor | None = None
@@ -65,6 +76,7 @@ def accumulate(runtime: Runtime, micro_batches: list[Any], grad_clip: float) -> 
     params = [q for q in parts.model.parameters() if q.grad is not None]
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    before_update()  # gradients only, so far
     scaler.step(parts.optimizer)
     scaler.update()
     mean_loss = float(total) if n == 1 else float(total / n)

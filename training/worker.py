@@ -46,6 +46,7 @@ from training.events import (
     append_event,
 )
 from training.heartbeat import Heartbeat
+from training.memory_snapshots import MemorySnapshots
 from training.paths import RunPaths
 from training.restore import Restored, restore_newest
 from training.rundir import RunBusy, load_run_config, run_info
@@ -100,7 +101,7 @@ class Worker:
         self._claim: Claim | None = None
         self._runtime: Runtime | None = None
         self._session: Session | None = None
-        self.snapshot_stall_s = 0.0  # memory-tier snapshots since the last journal row (goodput)
+        self.snapshots = MemorySnapshots(self.log, self._drop_memory)
         self._restored: Restored | None = None
         #: Warns once of a thread of no known purpose beside training (invariant 12).
         self.threads = hermetic.ThreadWatch(run_dir, rank)
@@ -312,17 +313,13 @@ class Worker:
         return self.runtime.memory is not None and self.session.memory.due(self.runtime.state.step)
 
     def snapshot_to_memory(self, metrics: StepMetricLogger) -> None:
-        """The state into the memory tier, its metrics first as before a disk save; a tier that
-        fails (``/dev/shm`` full) is dropped with one line: training never depends on it."""
-        runtime = self.runtime
-        assert runtime.memory is not None
+        """The state into the memory tier, its metrics first as before a disk save."""
+        assert self.runtime.memory is not None
         metrics.flush()
-        try:
-            runtime.memory.snapshot(runtime.state, self.session.memory)
-            self.snapshot_stall_s += runtime.memory.last_stall_s
-        except OSError as exc:
-            self.log(f"memory tier off: {exc}")
-            self._runtime = replace(runtime, memory=None)
+        self.snapshots.take(self.runtime.memory, self.runtime.state, self.session.memory)
+
+    def _drop_memory(self) -> None:
+        self._runtime = replace(self.runtime, memory=None)
 
     def checkpoint_now(self, metrics: StepMetricLogger, blocking: bool) -> float:
         """Metrics up to the step made durable, then the save: a committed step's metrics are never
@@ -381,18 +378,19 @@ class Worker:
         runtime.store.check()
         t0 = time.perf_counter()
         faults.slow_step(state.step + 1)
-        out = train_step(runtime, [next(batches) for _ in range(cfg.train.grad_accum_steps)])
+        batch = [next(batches) for _ in range(cfg.train.grad_accum_steps)]
+        out = train_step(runtime, batch, before_update=lambda: self.snapshots.settle(self.runtime.memory))
         state.step += 1
         size = None if is_stream(parts.train_data) else len(parts.train_data)  # type: ignore[arg-type]
         state.cursor = state.cursor.advance(step_samples, size)
         state.tokens_seen += step_samples * parts.tokens_per_sample
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0 - self.snapshots.settled_s  # the wait for a snapshot is its stall
         out.update(step_time_s=dt, tokens_per_s=step_samples * parts.tokens_per_sample / dt)
         out.update(
             {"data/epoch": state.cursor.epoch, "data/samples": state.cursor.samples_consumed(step_samples, size)}
         )
-        if self.snapshot_stall_s:  # after the previous step, whose row was written: on this one
-            out["memory_snapshot_s"], self.snapshot_stall_s = self.snapshot_stall_s, 0.0
+        if stall := self.snapshots.pop_stall():  # after the previous step, whose row was written: on this one
+            out["memory_snapshot_s"] = stall
         if evaluating and state.step % cfg.train.eval_every == 0:
             t1 = time.perf_counter()
             out.update(val_loss=self.evaluate(), eval_time_s=time.perf_counter() - t1)

@@ -12,11 +12,12 @@ in flight; ``auto`` sets the interval, :class:`~training.checkpointing.schedule.
 Why not a checkpoint directory on tmpfs: written by the store's background thread (files, fsyncs,
 manifest, rename, retention: mostly Python), every-step snapshots slowed the demo's loop by 30 %,
 the thread fighting the loop for the interpreter lock.  A snapshot here is a few C-level copies
-on the loop's own thread — split the state, copy its tensors into a mapped slot, hash the slot
-with the checkpoints' hash (xxh3-128), commit a small header — with no system call once the slots
-are mapped.  The split walks only the small part of the state: the model's and optimizer's
-tensors are found once by a plan (:mod:`training.checkpointing.snapshot_plan`), checked at every
-snapshot and copied.
+with no system call once the slots are mapped — split the state, copy its tensors into a mapped
+slot, hash the slot with the checkpoints' hash (xxh3-128), commit a small header — and the copy,
+the hash and the commit run beside the loop's fetch of its next batch (rule 7), none of them
+holding the interpreter lock.  The split walks only the small part of the state: the model's and
+optimizer's tensors are found once by a plan (:mod:`training.checkpointing.snapshot_plan`),
+checked at every snapshot and copied.
 
 Layout, per rank ``r``: two slots, ``rank-<r>.slot-<k>.bin`` (every tensor's bytes, one after the
 other, then the JSON skeletons of the state) and ``rank-<r>.slot-<k>.head`` (its header: step,
@@ -51,30 +52,62 @@ Rules (numbered; cited in code):
    (by hand, by a fault drill) is not missing: its chunk has its artifact, and passing the
    snapshot over would send the retry back to an older checkpoint, or to step 0, for nothing
    (``convoy chaos``: a corrupt and a deleted checkpoint left no other).
+7. **Copied beside the loop, committed before the next update.**  The worker's tier
+   (``overlap``), for a snapshot through a plan of a state in host memory, takes on the loop's
+   thread the plan's check, the walked rest (step, RNG states, scheduler, scaler, cursor, stream
+   position) and copies of the model's buffers (a forward may update them), zeroes the slot's
+   header length, and hands the copy of the parameters and the optimizer's state, the hash and
+   the header's body to its writer thread (``convoy-memory``,
+   :mod:`~training.checkpointing.writer_thread`): they run while the loop fetches its next
+   batch and runs its forward and backward, which change none of those tensors.  Before the
+   optimizer step the loop calls :meth:`MemoryTier.settle`, which waits for the writer and
+   commits, as torchtitan's async checkpointing waits for its staging before the optimizer step.
+   A parameter or optimizer state changed in place between the snapshot and the commit (a hook
+   that edits weights in the forward) moves its version counter; that snapshot is not
+   committed (``changed_before_commit``), the other slot stays.  A kill before the commit
+   leaves the slot without a header and the other slot, one snapshot older, is restored: the
+   step lost is the one the snapshot held, one at most, as before.  The wait in ``settle``
+   counts as the snapshot's stall.  A state on a GPU is copied on the loop's thread, as
+   without ``overlap`` (a device-to-host copy beside the loop would wait for the queued
+   forward).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import mmap
 import os
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from training.checkpointing.codec import join_tree
 from training.checkpointing.errors import CheckpointRejected
+from training.checkpointing.slot_format import (
+    HEAD,
+    Header,
+    encode_header,
+    slot_hash,
+    slot_manifest,
+    slot_parts,
+)
 from training.checkpointing.slot_layout import Layouts, copy_into
-from training.checkpointing.snapshot_plan import MAX_REBUILDS, SlotContent, SnapshotPlan, skeleton_bytes, split_parts
+from training.checkpointing.snapshot_plan import (
+    MAX_REBUILDS,
+    SlotContent,
+    SnapshotPlan,
+    skeleton_bytes,
+    split_parts,
+)
 from training.checkpointing.store import Candidate, CheckpointStore
 from training.checkpointing.verify import Checkpoint, Validator, parse_step
+from training.checkpointing.writer_thread import WriterThread
 from training.config import RunConfig
 from training.paths import RunPaths, checkpoint_name
 from training.rundir import run_info
@@ -91,7 +124,6 @@ _PLAN_ERRORS = (AttributeError, IndexError, KeyError, RuntimeError, TypeError, V
 SHM = Path("/dev/shm")
 #: Another place for it (a tmpfs of your own; the tests keep theirs in a temporary directory).
 DIR_ENV = "CONVOY_MEMORY_DIR"
-FORMAT = 2  # 2: headers written in place (.head); 1 was renamed in (.json)
 SLOTS = (0, 1)
 
 
@@ -112,74 +144,28 @@ def enabled(config: RunConfig) -> bool:
     return bool(c.memory_every_steps) and config.train.nnodes == 1 and c.format != "sharded"
 
 
-def _hash(*buffers: Any) -> str:
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    for b in buffers:
-        h.update(b)
-    return h.hexdigest()
-
-
 @dataclass(frozen=True)
-class Header:
-    """A slot's header (``rank-<r>.slot-<k>.head``): what the slot holds and its hash."""
+class _Pending:
+    """A snapshot the writer thread is making ready (rule 7)."""
 
-    step: int
-    fingerprint: str
-    world_size: int
-    rank: int
-    #: (part, key, dtype name, shape, offset, bytes) of each tensor, in the slot's order.
-    tensors: Any  # a list of those; written as the layout's serialised places (an orjson Fragment)
-    #: Where in the slot the JSON skeletons of the parts are (:mod:`training.checkpointing.codec`):
-    #: [start, end), after the tensors' bytes.
-    skeletons: list[int]
-    size: int
-    digest: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT, **self.__dict__}
-
-    @classmethod
-    def read(cls, path: Path) -> Header | None:
-        """The header committed in ``path``, or None: none committed, being written, torn or of
-        another format (see :func:`encode_header`)."""
-        try:
-            d = json.loads(decode_header(path.read_bytes()) or b"null")
-            fields = {k: d[k] for k in cls.__dataclass_fields__}
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        return cls(**fields) if d.get("format") == FORMAT else None
-
-
-#: A header file: the body's length (8 bytes, 0 = no header), the body's xxh64 (8), the body (JSON).
-_HEAD = 16
-
-
-def encode_header(body: bytes) -> tuple[bytes, bytes]:
-    """(length and checksum, body) as a header file holds them; the first part is written last:
-    the commit."""
-    import xxhash
-
-    return len(body).to_bytes(8, "little") + xxhash.xxh64_digest(body), body
-
-
-def decode_header(data: bytes) -> bytes | None:
-    """The committed body of a header file, or None where there is none or it does not check out
-    (a kill in the middle of its write)."""
-    import xxhash
-
-    n = int.from_bytes(data[:8], "little")
-    body = data[_HEAD : _HEAD + n]
-    if not n or len(body) != n or xxhash.xxh64_digest(body) != data[8:_HEAD]:
-        return None
-    return body
+    ready: Future[bytes | None]  # its header's commit, once the slot is written and hashed
+    plan: SnapshotPlan  # whose tensors' versions...
+    versions: tuple[int, ...]  # ...were these when it was taken
+    slot: int
 
 
 class MemoryTier:
     """One rank's memory tier (see the module docstring)."""
 
-    def __init__(self, root: Path, fingerprint: str, rank: int = 0, world_size: int = 1, plans: bool = True) -> None:
+    def __init__(
+        self,
+        root: Path,
+        fingerprint: str,
+        rank: int = 0,
+        world_size: int = 1,
+        plans: bool = True,
+        overlap: bool = False,
+    ) -> None:
         self.root, self.fingerprint, self.rank, self.world_size = root, fingerprint, rank, world_size
         #: Whether snapshots may take a plan's fast path (off: the full walk every time, as the
         #: tests compare).
@@ -195,6 +181,17 @@ class MemoryTier:
         #: Each slot's header, mapped: written in place (a snapshot every step should not pay for
         #: an unlink, a file written and a rename).
         self._heads: dict[int, mmap.mmap] = {}
+        #: Rule 7: the thread that copies, hashes and commits a snapshot while the loop goes on
+        #: (one job at a time), and the job in flight.  Started here, in the worker, never in a
+        #: process that forks workers (the zygote builds no tier).
+        self._writer = WriterThread() if overlap else None
+        #: Whether the next snapshot may be copied beside the loop (off once one was refused).
+        self.beside = overlap
+        self._pending: _Pending | None = None
+        #: Snapshots left uncommitted (rule 7): a parameter changed before the commit, the plan
+        #: found broken by the writer thread.
+        self.changed_before_commit = self.broken_before_commit = 0
+        self._unbilled_s = 0.0  # commit waits not yet told to the schedule
         steps = {k: h.step for k in SLOTS if (h := Header.read(self._header(rank, k))) is not None}
         self.next_slot = min(SLOTS, key=lambda k: steps.get(k, -1))  # overwrite the older one first
 
@@ -206,23 +203,67 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ writing
     def snapshot(self, state: TrainState, schedule: MemorySchedule) -> None:
-        """This rank's state at its step into the next slot, on the calling thread; the schedule
-        learns what it cost."""
-        t0 = time.perf_counter()
-        self.write_content(state.step, self._content(state))
-        self.last_stall_s = time.perf_counter() - t0
-        schedule.saved(state.step, self.last_stall_s)
+        """This rank's state at its step into the next slot; the schedule learns what it cost.
 
-    def _content(self, state: TrainState) -> SlotContent:
-        """The state laid out for a slot: through the plan while it holds, else by the full walk,
-        which makes the next plan (:mod:`training.checkpointing.snapshot_plan`)."""
+        With ``overlap`` (the worker's tier) a snapshot through a plan of a model in host memory
+        is copied, hashed and made ready on the tier's writer thread while the loop goes on, and
+        committed by :meth:`settle`, which the loop calls before its next optimizer step (rule 7)."""
+        self.settle()  # the loop settled it before its optimizer step already (rule 7)
+        t0 = time.perf_counter()
+        slot, self.next_slot = self.next_slot, 1 - self.next_slot
+        beside = self.beside and self._plan is not None and self._plan.on_cpu
+        content, plan = self._content(state, checked=not beside)
+        head = self._map(self._heads, self._header(self.rank, slot), HEAD, slot)
+        head[:8] = bytes(8)  # uncommitted: a kill from here on leaves this slot without a header
+        skeleton = skeleton_bytes(content.skeletons)
+        buf = self._map(self._maps, self._data(self.rank, slot), content.layout.end + len(skeleton), slot)
+        if beside and plan is not None and self._writer is not None:
+            detached = plan.detached(content)
+            ready = self._writer.submit(self._fill_checked, plan, state.step, slot, detached, skeleton, buf)
+            self._pending = _Pending(ready, plan, plan.versions(), slot)
+        else:
+            self._heads[slot][:HEAD] = self._fill(state.step, slot, content, skeleton, buf)
+        self.last_stall_s = time.perf_counter() - t0
+        # The schedule's cost: this stall and the last commit's wait (a snapshot's whole cost).
+        schedule.saved(state.step, self.last_stall_s + self._unbilled_s)
+        self._unbilled_s = 0.0
+
+    def settle(self) -> float:
+        """Commit the snapshot the writer thread made ready, once it is (its error is raised
+        here), unless a tensor an optimizer step changes has changed since it was taken: that
+        snapshot is left without a header (the other slot, one older, stays).  Returns how long
+        this waited.  The loop calls it before its optimizer step changes what was taken."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        commit = pending.ready.result()
+        if commit is not None and pending.plan.versions() == pending.versions:
+            self._heads[pending.slot][:HEAD] = commit  # (the body may have grown its mapping)
+            self._unbilled_s += (waited := time.perf_counter() - t0)
+            return waited
+        # Not committed; the next snapshot takes this slot again: the other is the newest one.
+        self.next_slot = pending.slot
+        if commit is None:  # the plan no longer held: the next snapshot walks and makes a new one
+            self._plan, self._plans_failed = None, self._plans_failed + 1
+            self.broken_before_commit += 1
+        else:  # a model that edits its weights between two steps: copied on this thread from now
+            self.changed_before_commit += 1
+            self.beside = False
+        return time.perf_counter() - t0
+
+    def _content(self, state: TrainState, checked: bool = True) -> tuple[SlotContent, SnapshotPlan | None]:
+        """The state laid out for a slot, and the plan that did it: through the plan while it
+        holds, else by the full walk (no plan), which makes the next plan
+        (:mod:`training.checkpointing.snapshot_plan`).  ``checked=False``: the plan's watch is
+        left to the writer thread (:meth:`_fill_checked`)."""
         if self._plan is not None:
             try:
-                fast = self._plan.content(state, self.rank)
+                fast = self._plan.content(state, self.rank, check=checked)
             except _PLAN_ERRORS:  # a plan that cannot tell does not hold: the full walk decides
                 fast = None
             if fast is not None:
-                return fast
+                return fast, self._plan
             self._plan, self._plans_failed = None, self._plans_failed + 1
         include = self.rank == 0
         full = split_parts(state.checkpoint_parts(self.rank, include_replicated=include, sharded=False))
@@ -232,35 +273,45 @@ class MemoryTier:
             except _PLAN_ERRORS:
                 self._plan = None
             self._plans_failed += self._plan is None
-        return SlotContent.of(full, self._layouts)
+        return SlotContent.of(full, self._layouts), None
 
     def write(self, step: int, parts: dict[str, Any]) -> None:
-        """``parts`` (``TrainState.checkpoint_parts``) of ``step`` into the next slot."""
-        self.write_content(step, SlotContent.of(split_parts(parts), self._layouts))
-
-    def write_content(self, step: int, content: SlotContent) -> None:
-        slot = self.next_slot
-        head = self._map(self._heads, self._header(self.rank, slot), _HEAD)
-        head[:8] = bytes(8)  # uncommitted: a kill from here on leaves this slot without a header
-        offset = content.layout.end
+        """``parts`` (``TrainState.checkpoint_parts``) of ``step`` into the next slot, on this thread."""
+        self.settle()
+        slot, self.next_slot = self.next_slot, 1 - self.next_slot
+        content = SlotContent.of(split_parts(parts), self._layouts)
+        head = self._map(self._heads, self._header(self.rank, slot), HEAD, slot)
+        head[:8] = bytes(8)
         skeleton = skeleton_bytes(content.skeletons)
+        buf = self._map(self._maps, self._data(self.rank, slot), content.layout.end + len(skeleton), slot)
+        self._heads[slot][:HEAD] = self._fill(step, slot, content, skeleton, buf)
+
+    def _fill_checked(
+        self, plan: SnapshotPlan, step: int, slot: int, content: SlotContent, skeleton: bytes, buf: mmap.mmap
+    ) -> bytes | None:
+        """:meth:`_fill`, on the writer thread, if the plan still holds (no commit if not)."""
+        return self._fill(step, slot, content, skeleton, buf) if plan.holds() else None
+
+    def _fill(self, step: int, slot: int, content: SlotContent, skeleton: bytes, buf: mmap.mmap) -> bytes:
+        """The slot's bytes, their hash and its header's body (its length was zeroed before);
+        returns the header's commit: its length and checksum, written last."""
+        offset = content.layout.end
         size = offset + len(skeleton)
-        buf = self._map(self._maps, self._data(self.rank, slot), size)
         copy_into(buf, content.groups)
+        for start, end in content.layout.gaps:
+            buf[start:end] = bytes(end - start)
         buf[offset:size] = skeleton
-        digest = _hash(memoryview(buf)[:size])
+        digest = slot_hash(memoryview(buf)[:size])
         places = content.layout.places_json  # serialised once per layout: the same at every snapshot
         header = Header(step, self.fingerprint, self.world_size, self.rank, places, [offset, size], size, digest)
         commit, body = encode_header(orjson.dumps(header.as_dict()))
-        head = self._map(self._heads, self._header(self.rank, slot), _HEAD + len(body))
-        head[_HEAD : _HEAD + len(body)] = body
-        head[:_HEAD] = commit  # the commit, last; no fsync: the tier does not outlive the machine
-        self.next_slot = 1 - slot
+        head = self._map(self._heads, self._header(self.rank, slot), HEAD + len(body), slot)
+        head[HEAD : HEAD + len(body)] = body
+        return commit  # no fsync once written: the tier does not outlive the machine
 
-    def _map(self, maps: dict[int, mmap.mmap], path: Path, size: int) -> mmap.mmap:
-        """``path`` (one of the next slot's files) mapped, at least ``size`` bytes (grown when
-        the state grows)."""
-        slot = self.next_slot
+    def _map(self, maps: dict[int, mmap.mmap], path: Path, size: int, slot: int) -> mmap.mmap:
+        """``path`` (one of ``slot``'s files) mapped, at least ``size`` bytes (grown when the
+        state grows)."""
         current = maps.get(slot)
         if current is not None and len(current) >= size:
             return current
@@ -276,6 +327,7 @@ class MemoryTier:
     # ------------------------------------------------------------------ reading
     def headers(self) -> dict[int, dict[int, tuple[int, Header]]]:
         """Step -> rank -> (slot, header), of the slots of this run's trajectory and layout (rule 3)."""
+        self.settle()  # a snapshot of this tier in flight is read committed
         found: dict[int, dict[int, tuple[int, Header]]] = {}
         for r in range(self.world_size):
             for k in SLOTS:
@@ -304,8 +356,8 @@ class MemoryTier:
             data = {r: self._read_verified(k, headers[r]) for r, (k, _h) in sorted(slots.items())}
             parts = {}
             for r in sorted(headers):  # every rank's parts, as a disk checkpoint holds them: all judge alike
-                parts.update(_parts(headers[r], data[r]))
-            manifest = _manifest(step, headers)
+                parts.update(slot_parts(headers[r], data[r]))
+            manifest = slot_manifest(step, headers)
             if self.validator is not None:
                 self.validator(manifest, parts)
         except CheckpointRejected as exc:
@@ -317,7 +369,7 @@ class MemoryTier:
             data = bytearray(self._data(header.rank, slot).read_bytes()[: header.size])
         except OSError as exc:
             raise CheckpointRejected(f"memory slot of rank {header.rank}: unreadable ({exc})") from exc
-        digest = _hash(memoryview(data))
+        digest = slot_hash(memoryview(data))
         if len(data) != header.size or digest != header.digest:
             said = f"content hash {digest[:12]}… != header {header.digest[:12]}…"
             raise CheckpointRejected(f"memory slot of rank {header.rank}: {said} (corrupt)")
@@ -325,7 +377,12 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ end
     def release_when_done(self, step: int, total_steps: int) -> None:
-        """At a worker's end: unmap; once the run's last step is trained (on disk), free the RAM."""
+        """At a worker's end: the snapshot in flight committed, unmap; once the run's last step is
+        trained (on disk), free the RAM."""
+        with contextlib.suppress(OSError):  # a tier that failed is only unmapped
+            self.settle()
+        if self._writer is not None:
+            self._writer.shutdown()
         for m in (*self._maps.values(), *self._heads.values()):
             with contextlib.suppress(BufferError):
                 m.close()
@@ -335,39 +392,12 @@ class MemoryTier:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _parts(header: Header, data: bytearray) -> dict[str, Any]:
-    """The state parts a verified slot holds (tensors over a private copy of its bytes)."""
-    import torch
-
-    start, end = header.skeletons
-    skeletons = json.loads(bytes(data[start:end]))
-    tensors: dict[str, dict[str, Any]] = {part: {} for part in skeletons}
-    for part, key, dtype, shape, offset, nbytes in header.tensors:
-        flat = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else None
-        dt = getattr(torch, dtype)
-        tensors[part][key] = flat.view(dt).reshape(shape) if flat is not None else torch.empty(shape, dtype=dt)
-    return {part: join_tree(skel, tensors[part]) for part, skel in skeletons.items()}
-
-
-def _manifest(step: int, headers: dict[int, Header]) -> dict[str, Any]:
-    """What a restore reads of a checkpoint's manifest, for a snapshot."""
-    h0 = headers[0]
-    return {
-        "step": step,
-        "fingerprint": h0.fingerprint,
-        "world_size": h0.world_size,
-        "digest": _hash(*(h.digest.encode() for _, h in sorted(headers.items()))),
-        "files": {f"rank-{r}.slot": {"size": h.size} for r, h in headers.items()},
-        "tier": "memory",
-    }
-
-
 def open_tier(run_dir: str | Path, config: RunConfig, rank: int = 0, world_size: int = 1) -> MemoryTier | None:
     """The run's memory tier for one rank of a worker, or None when the run keeps none here."""
     root = tier_root(run_dir)
     if root is None or not enabled(config):
         return None
-    return MemoryTier(root, config.fingerprint(), rank, world_size)
+    return MemoryTier(root, config.fingerprint(), rank, world_size, overlap=config.checkpoint.memory_beside)
 
 
 def merged(memory: MemoryTier | None, disk: CheckpointStore) -> Iterator[tuple[Candidate, bool]]:

@@ -36,14 +36,19 @@ class Layout:
     places: list[tuple[str, str, str, list[int], int, int]]
     #: Where the tensors' bytes end (the skeletons follow).
     end: int
+    #: [start, end) of the alignment padding before each group: written as zeros, so a slot's
+    #: bytes are its content's alone, not also what an older layout left there.
+    gaps: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, signature: tuple[tuple[str, str, Any, Any], ...]) -> Layout:
         by_dtype: dict[Any, list[int]] = {}
         for i, (_part, _key, dtype, _shape) in enumerate(signature):
             by_dtype.setdefault(dtype, []).append(i)
-        order, places, offset = [], [], 0
+        order, places, offset, gaps = [], [], 0, []
         for dtype in sorted(by_dtype, key=str):
+            if offset % 64:
+                gaps.append((offset, offset + -offset % 64))
             offset += -offset % 64
             start, size = offset, dtype.itemsize
             for i in by_dtype[dtype]:
@@ -52,7 +57,7 @@ class Layout:
                 places.append((part, key, str(dtype).removeprefix("torch."), list(shape), offset, nbytes))
                 offset += nbytes
             order.append((dtype, start, (offset - start) // size, by_dtype[dtype]))
-        return cls(order, places, offset)
+        return cls(order, places, offset, tuple(gaps))
 
     @functools.cached_property
     def places_json(self) -> Any:

@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 PART = "state"
 #: Plans broken (rule 2) before the tier stops making them (rule 4).
 MAX_REBUILDS = 3
+_VERSION = operator.attrgetter("_version")
+#: What a check may raise on a model or optimizer it did not foresee.
+_CHECK_ERRORS = (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError)
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,13 @@ class SnapshotPlan:
         #: Each dtype group's tensors: the watched ones as 1-D views, None where a walked one goes.
         self.templates: list[list[Any]] = []
         self.light: list[_Light] = []
+        #: The model's parameters, whose versions tell an in-place change (rule 7 of the tier)...
+        self.stepped: tuple[Any, ...] = ()
+        #: ...and the places, (group, position), of the tensors an optimizer step does not change:
+        #: buffers, which a forward may update, and the walked rest (RNG states, a stream's position).
+        self.unstepped: list[tuple[int, int]] = []
+        #: Whether every watched tensor is in host memory (what a copy beside the loop copies).
+        self.on_cpu = False
 
     # ------------------------------------------------------------------ making one
     @classmethod
@@ -165,7 +175,8 @@ class SnapshotPlan:
             return None
         watch = _Collector()
         static: dict[str, torch.Tensor] = {}
-        if not _watch_model(model, watch, static) or not _watch_optimizer(optimizer, watch, static):
+        buffers: set[str] = set()
+        if not _watch_model(model, watch, static, buffers) or not _watch_optimizer(optimizer, watch, static):
             return None
         skeleton = full.skeletons[PART]
         static_skeleton = {  # serialised once, as the slot's skeletons are (keys sorted)
@@ -178,22 +189,51 @@ class SnapshotPlan:
             watch.hold(g, "params", g["params"])
             watch.lists.append((g["params"], tuple(g["params"])))
         plan = cls((model, optimizer), static_skeleton, watch.done(), groups)
-        plan._lay_out(full.flat(), static)
+        plan._lay_out(full.flat(), static, buffers)
         return plan if plan.agrees(state, full) else None
 
-    def _lay_out(self, flat: Flat, static: dict[str, torch.Tensor]) -> None:
+    def _lay_out(self, flat: Flat, static: dict[str, torch.Tensor], buffers: set[str]) -> None:
         """The slot's layout, with the watched tensors' 1-D views in place."""
         self.layout = Layout.of(signature(flat))
+        stepped = []
         for g, (_dtype, _offset, _numel, idx) in enumerate(self.layout.order):
             template: list[Any] = []
             for i in idx:
                 part, key, t = flat[i]
                 if part == PART and key in static:
+                    if key in buffers:
+                        self.unstepped.append((g, len(template)))
+                    elif key.startswith("model."):
+                        stepped.append(static[key])
                     template.append(static[key].reshape(-1))
                 else:
+                    self.unstepped.append((g, len(template)))
                     self.light.append(_Light(g, len(template), part, key, t.dtype, t.shape))
                     template.append(None)
             self.templates.append(template)
+        self.stepped = tuple(stepped)
+        self.on_cpu = not any(t.is_cuda for t in static.values())
+
+    def holds(self) -> bool:
+        """Rule 2's check; one that raises (a container it did not foresee) does not hold."""
+        try:
+            return self.watch.holds()
+        except _CHECK_ERRORS:
+            return False
+
+    def versions(self) -> tuple[int, ...]:
+        """The version counters of the model's parameters: an in-place change to one (but
+        through ``.data``, which autograd does not see) moves its counter.  The optimizer's state
+        is left out: only its ``step`` changes it."""
+        return tuple(map(_VERSION, self.stepped))
+
+    def detached(self, content: SlotContent) -> SlotContent:
+        """``content`` (this plan's) with every tensor an optimizer step does not change copied
+        now: buffers and the walked rest may change before the next step does (memory tier rule 7)."""
+        groups = [(d, o, n, list(ts)) for d, o, n, ts in content.groups]
+        for g, position in self.unstepped:
+            groups[g][3][position] = groups[g][3][position].clone()
+        return SlotContent(content.skeletons, groups, content.layout)
 
     def agrees(self, state: TrainState, full: Split) -> bool:
         """Rule 4: this plan's content for ``state`` is the full walk's ``full``, bytes and all."""
@@ -216,11 +256,14 @@ class SnapshotPlan:
         return True
 
     # ------------------------------------------------------------------ using one
-    def content(self, state: TrainState, rank: int) -> SlotContent | None:
+    def content(self, state: TrainState, rank: int, check: bool = True) -> SlotContent | None:
         """Rank ``rank``'s snapshot of ``state``, as the full walk would lay it out, or None when
-        the model or optimizer is no longer what the plan saw (rule 2)."""
+        the model or optimizer is no longer what the plan saw (rule 2).  ``check=False`` leaves
+        the watch to the caller, who must run :meth:`holds` before it uses what this returns."""
         model, optimizer = self.parts
-        if state.parts.model is not model or state.parts.optimizer is not optimizer or not self.watch.holds():
+        if state.parts.model is not model or state.parts.optimizer is not optimizer:
+            return None
+        if check and not self.holds():
             return None
         light = state.checkpoint_parts(rank, include_replicated=True, sharded=True)
         light[PART]["optimizer"] = {
@@ -293,9 +336,9 @@ class _Collector:
         )
 
 
-def _watch_model(model: Any, watch: _Collector, static: dict[str, Any]) -> bool:
-    """Rule 2's entries for the model, and its state-dict tensors by checkpoint key; False where
-    rule 3 says no plan."""
+def _watch_model(model: Any, watch: _Collector, static: dict[str, Any], buffers: set[str]) -> bool:
+    """Rule 2's entries for the model, its state-dict tensors by checkpoint key (the keys of its
+    buffers into ``buffers``); False where rule 3 says no plan."""
     import torch
 
     for _path, module in model.named_modules(remove_duplicate=False):
@@ -319,6 +362,8 @@ def _watch_model(model: Any, watch: _Collector, static: dict[str, Any]) -> bool:
             return False
         watch.tensor(value)
         static[f"model.{key}"] = value.detach()
+        if holder is owner._buffers:
+            buffers.add(f"model.{key}")
     return True
 
 
