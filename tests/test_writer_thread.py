@@ -4,11 +4,14 @@ errors raised to whoever waits, a name the worker's thread audit knows, nothing 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import pytest
+import torch
 
 from training import hermetic
+from training.checkpointing import memory_tier
 from training.checkpointing.writer_thread import NAME, WriterThread
 
 
@@ -43,3 +46,17 @@ def test_a_writer_dropped_without_shutdown_stops_its_thread() -> None:
     gc.collect()
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_the_worker_copies_beside_the_loop_only_with_a_cpu_left_free() -> None:
+    """A copy beside the loop on a CPU the step uses too only moves its cost into the step
+    (bench/RESULTS.md): the tier copies beside the loop only when torch's threads leave a CPU."""
+    cpus, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    try:
+        torch.set_num_threads(cpus)
+        assert not memory_tier.spare_cpu()
+        if cpus > 1:
+            torch.set_num_threads(cpus - 1)
+            assert memory_tier.spare_cpu()
+    finally:
+        torch.set_num_threads(threads)

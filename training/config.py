@@ -193,8 +193,9 @@ class CheckpointConfig(_Strict):
     memory_min_overhead: float = Field(0.005, gt=0, lt=1)
     #: Copy a snapshot of a state in host memory beside the next step's forward and backward, and
     #: commit it before that step's optimizer step (less stall; the newest snapshot is held by
-    #: one slot until then); false: copy and commit on the loop's thread, so both slots hold a
-    #: committed snapshot between two snapshots (a corrupt newest one falls back to the older).
+    #: one slot until then), where the process has a CPU its torch threads leave free; false:
+    #: copy and commit on the loop's thread, so both slots hold a committed snapshot between two
+    #: snapshots (a corrupt newest one falls back to the older).
     memory_beside: bool = True
 
     @model_validator(mode="after")
