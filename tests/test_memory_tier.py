@@ -118,6 +118,8 @@ def test_a_killed_worker_resumes_from_its_memory_snapshot_and_ends_bitwise(tmp_p
     assert resumed["tier"] == "memory" and resumed["step"] == snapshot, resumed
     assert killed_at - resumed["step"] <= 1, "more than one step lost"
     assert _digest(run_dir) == _digest(reference)
+    # Its snapshots were copied beside the loop (tier rule 7: OMP_NUM_THREADS=1 leaves a CPU free).
+    assert "convoy-memory" in read_events(run_dir, Event.WORKER_DONE)[-1]["threads"]
     assert memory_tier.tier_root(run_dir) is not None and not memory_tier.tier_root(run_dir).exists()  # freed
 
 

@@ -428,6 +428,7 @@ class Worker:
 
     def finish(self, loss: float | None) -> int:
         store, step = self.runtime.store, self.runtime.state.step
+        threads = hermetic.thread_names()  # invariant 12: what ran beside training (before it stops)
         store.wait()
         if self.runtime.memory is not None:  # the run's last step on disk: nothing resumes from it
             self.runtime.memory.release_when_done(step, self.config.train.total_steps)
@@ -440,7 +441,7 @@ class Worker:
             step=step,
             digest=digest,
             loss=loss,
-            threads=hermetic.thread_names(),  # invariant 12: what ran beside training
+            threads=threads,
             network_clients=hermetic.loaded_network_clients(),
         )
         self.log(f"{WorkerSays.DONE_AT} {step} (digest {digest})")
