@@ -58,5 +58,6 @@ def test_the_worker_copies_beside_the_loop_only_with_a_cpu_left_free() -> None:
         if cpus > 1:
             torch.set_num_threads(cpus - 1)
             assert memory_tier.spare_cpu()
+            assert not memory_tier.spare_cpu(ranks=2)  # two ranks' threads on this node fill it
     finally:
         torch.set_num_threads(threads)

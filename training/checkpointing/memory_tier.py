@@ -397,18 +397,18 @@ def open_tier(run_dir: str | Path, config: RunConfig, rank: int = 0, world_size:
     root = tier_root(run_dir)
     if root is None or not enabled(config):
         return None
-    beside = config.checkpoint.memory_beside and spare_cpu()
+    beside = config.checkpoint.memory_beside and spare_cpu(world_size)  # one node: every rank is here
     return MemoryTier(root, config.fingerprint(), rank, world_size, overlap=beside)
 
 
-def spare_cpu() -> bool:
-    """Whether this process may run on a CPU its torch threads leave free: a copy beside the
-    loop (rule 7) on a CPU the step uses too only moves the cost into the step (with the demo's
-    two threads on two CPUs: a 6.6 % stall and a 7 % slower step, against 7.3 % on the loop's
-    thread, bench/snapshot_cost.py)."""
+def spare_cpu(ranks: int = 1) -> bool:
+    """Whether this process may run on a CPU that the torch threads of the ``ranks`` processes
+    training beside each other leave free: a copy beside the loop (rule 7) on a CPU the step uses
+    too only moves the cost into the step (with the demo's two threads on two CPUs: a 6.6 % stall
+    and a 7 % slower step, against 7.3 % on the loop's thread, bench/snapshot_cost.py)."""
     import torch
 
-    return len(os.sched_getaffinity(0)) > torch.get_num_threads()
+    return len(os.sched_getaffinity(0)) > torch.get_num_threads() * ranks
 
 
 def merged(memory: MemoryTier | None, disk: CheckpointStore) -> Iterator[tuple[Candidate, bool]]:
