@@ -100,6 +100,7 @@ from training.checkpointing.slot_format import (
 from training.checkpointing.slot_layout import Layouts, copy_into
 from training.checkpointing.snapshot_plan import (
     MAX_REBUILDS,
+    PLAN_ERRORS,
     SlotContent,
     SnapshotPlan,
     skeleton_bytes,
@@ -116,10 +117,6 @@ if TYPE_CHECKING:  # the loop's types: the tier is built before them
     from training.checkpointing.schedule import MemorySchedule
     from training.state import TrainState
 
-#: What a plan's check or making may raise on a model or optimizer it did not foresee (a custom
-#: ``state_dict``, a replaced ``param_groups``; torch's out-of-memory is a RuntimeError): the
-#: full walk decides, the snapshot is still taken.
-_PLAN_ERRORS = (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError)
 #: Where the tier lives: a RAM file system on Linux.
 SHM = Path("/dev/shm")
 #: Another place for it (a tmpfs of your own; the tests keep theirs in a temporary directory).
@@ -260,7 +257,7 @@ class MemoryTier:
         if self._plan is not None:
             try:
                 fast = self._plan.content(state, self.rank, check=checked)
-            except _PLAN_ERRORS:  # a plan that cannot tell does not hold: the full walk decides
+            except PLAN_ERRORS:  # a plan that cannot tell does not hold: the full walk decides
                 fast = None
             if fast is not None:
                 return fast, self._plan
@@ -270,7 +267,7 @@ class MemoryTier:
         if include and self.plans and self._plans_failed < MAX_REBUILDS:
             try:  # a model the plan's walk trips on (a custom state_dict) gets no plan, not a crash
                 self._plan = SnapshotPlan.build(state, full)
-            except _PLAN_ERRORS:
+            except PLAN_ERRORS:
                 self._plan = None
             self._plans_failed += self._plan is None
         return SlotContent.of(full, self._layouts), None

@@ -53,8 +53,10 @@ PART = "state"
 #: Plans broken (rule 2) before the tier stops making them (rule 4).
 MAX_REBUILDS = 3
 _VERSION = operator.attrgetter("_version")
-#: What a check may raise on a model or optimizer it did not foresee.
-_CHECK_ERRORS = (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError)
+#: What a plan's check or making may raise on a model or optimizer it did not foresee (a custom
+#: ``state_dict``, a replaced ``param_groups``; torch's out-of-memory is a RuntimeError): a plan
+#: that does not hold, the full walk decides and the snapshot is still taken.
+PLAN_ERRORS = (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError)
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,7 @@ class SnapshotPlan:
         """Rule 2's check; one that raises (a container it did not foresee) does not hold."""
         try:
             return self.watch.holds()
-        except _CHECK_ERRORS:
+        except PLAN_ERRORS:
             return False
 
     def versions(self) -> tuple[int, ...]:
