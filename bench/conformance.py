@@ -157,17 +157,30 @@ class Service:
         self._health = health
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 240) -> None:
-        log = open(self.home / f"{self.name}.log", "ab")  # noqa: SIM115 - lives as long as the server
-        self.proc = subprocess.Popen(
-            self._cmd(self.port), cwd=self.home, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        while not _answers(self.url + self._health):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not start; see {self.home / f'{self.name}.log'}")
-            time.sleep(0.5)
+    def start(self, timeout_s: float = 240, tries: int = 3) -> None:
+        """Start the server and wait until it answers.  Its port was free when this service was
+        made; a server of another test started since may hold it (the server exits at once):
+        then a new free port, up to ``tries`` times (CI saw moto lose that race once).  A
+        restart (after a fault) keeps its port: clients know it."""
+        if self.proc is not None:
+            tries = 1
+        for attempt in range(tries):
+            log = open(self.home / f"{self.name}.log", "ab")  # noqa: SIM115 - lives as long as the server
+            self.proc = subprocess.Popen(
+                self._cmd(self.port), cwd=self.home, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+            deadline = time.monotonic() + timeout_s
+            while not _answers(self.url + self._health):
+                if self.proc.poll() is not None and attempt + 1 < tries:
+                    break  # exited before it answered: the port, most likely
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name} did not start; see {self.home / f'{self.name}.log'}")
+                time.sleep(0.5)
+            else:
+                return
+            self.port = _free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
 
     def signal(self, sig: int) -> None:
         if self.proc is not None:
