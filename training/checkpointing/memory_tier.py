@@ -13,11 +13,11 @@ Why not a checkpoint directory on tmpfs: written by the store's background threa
 manifest, rename, retention: mostly Python), every-step snapshots slowed the demo's loop by 30 %,
 the thread fighting the loop for the interpreter lock.  A snapshot here is a few C-level copies
 with no system call once the slots are mapped — split the state, copy its tensors into a mapped
-slot, hash the slot with the checkpoints' hash (xxh3-128), commit a small header — and the copy,
-the hash and the commit run beside the loop's fetch of its next batch (rule 7), none of them
-holding the interpreter lock.  The split walks only the small part of the state: the model's and
-optimizer's tensors are found once by a plan (:mod:`training.checkpointing.snapshot_plan`),
-checked at every snapshot and copied.
+slot, hash the slot with the checkpoints' hash (xxh3-128), commit a small header — and, where a
+CPU is free, the copy and the hash run beside the next step's fetch, forward and backward, none of
+them holding the interpreter lock, and the commit just before its optimizer step (rule 7).  The
+split walks only the small part of the state: the model's and optimizer's tensors are found once
+by a plan (:mod:`training.checkpointing.snapshot_plan`), checked at every snapshot and copied.
 
 Layout, per rank ``r``: two slots, ``rank-<r>.slot-<k>.bin`` (every tensor's bytes, one after the
 other, then the JSON skeletons of the state) and ``rank-<r>.slot-<k>.head`` (its header: step,
@@ -62,8 +62,8 @@ Rules (numbered; cited in code):
    batch and runs its forward and backward, which change none of those tensors.  Before the
    optimizer step the loop calls :meth:`MemoryTier.settle`, which waits for the writer and
    commits, as torchtitan's async checkpointing waits for its staging before the optimizer step.
-   A parameter or optimizer state changed in place between the snapshot and the commit (a hook
-   that edits weights in the forward) moves its version counter; that snapshot is not
+   A parameter changed in place between the snapshot and the commit (a hook that edits weights
+   in the forward) moves its version counter (only the optimizer's step changes its state); that snapshot is not
    committed (``changed_before_commit``), the other slot stays.  A kill before the commit
    leaves the slot without a header and the other slot, one snapshot older, is restored: the
    step lost is the one the snapshot held, one at most, as before.  The wait in ``settle``
@@ -207,13 +207,9 @@ class MemoryTier:
         committed by :meth:`settle`, which the loop calls before its next optimizer step (rule 7)."""
         self.settle()  # the loop settled it before its optimizer step already (rule 7)
         t0 = time.perf_counter()
-        slot, self.next_slot = self.next_slot, 1 - self.next_slot
         beside = self.beside and self._plan is not None and self._plan.on_cpu
         content, plan = self._content(state, checked=not beside)
-        head = self._map(self._heads, self._header(self.rank, slot), HEAD, slot)
-        head[:8] = bytes(8)  # uncommitted: a kill from here on leaves this slot without a header
-        skeleton = skeleton_bytes(content.skeletons)
-        buf = self._map(self._maps, self._data(self.rank, slot), content.layout.end + len(skeleton), slot)
+        slot, skeleton, buf = self._open_slot(content)
         if beside and plan is not None and self._writer is not None:
             detached = plan.detached(content)
             ready = self._writer.submit(self._fill_checked, plan, state.step, slot, detached, skeleton, buf)
@@ -275,13 +271,20 @@ class MemoryTier:
     def write(self, step: int, parts: dict[str, Any]) -> None:
         """``parts`` (``TrainState.checkpoint_parts``) of ``step`` into the next slot, on this thread."""
         self.settle()
-        slot, self.next_slot = self.next_slot, 1 - self.next_slot
         content = SlotContent.of(split_parts(parts), self._layouts)
+        slot, skeleton, buf = self._open_slot(content)
+        self._heads[slot][:HEAD] = self._fill(step, slot, content, skeleton, buf)
+
+    def _open_slot(self, content: SlotContent) -> tuple[int, bytes, mmap.mmap]:
+        """The next slot, its header uncommitted, its data mapped for ``content``: (slot, the
+        skeleton bytes, the mapping).  ``/dev/shm`` full raises OSError here, on the caller's
+        thread."""
+        slot, self.next_slot = self.next_slot, 1 - self.next_slot
         head = self._map(self._heads, self._header(self.rank, slot), HEAD, slot)
-        head[:8] = bytes(8)
+        head[:8] = bytes(8)  # uncommitted: a kill from here on leaves this slot without a header
         skeleton = skeleton_bytes(content.skeletons)
         buf = self._map(self._maps, self._data(self.rank, slot), content.layout.end + len(skeleton), slot)
-        self._heads[slot][:HEAD] = self._fill(step, slot, content, skeleton, buf)
+        return slot, skeleton, buf
 
     def _fill_checked(
         self, plan: SnapshotPlan, step: int, slot: int, content: SlotContent, skeleton: bytes, buf: mmap.mmap
