@@ -10,6 +10,7 @@ digest with no process left behind.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -106,7 +107,12 @@ def test_a_killed_zygote_is_replaced_and_its_worker_trains_on(tmp_path: Path) ->
 
 
 def test_every_recovery_of_a_flow_run_is_a_fork_of_the_zygote(
-    prefect_api: str, data_dir: Path, tmp_path: Path, reference_digest: str, monkeypatch: pytest.MonkeyPatch
+    prefect_api: str,
+    data_dir: Path,
+    tmp_path: Path,
+    reference_digest: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Kills: in chunk 1 (the worker the first attempt forked), between chunks 1 and 2 (the worker
     parked at the boundary, before chunk 2's task adopts it: replaced at once, issue 30 item 2), in
@@ -126,6 +132,7 @@ def test_every_recovery_of_a_flow_run_is_a_fork_of_the_zygote(
     faults_spec = f"step_delay=0.05,slow_flag={flag}:20,handoff_hold=2:{hold},slow_step={CHUNK + 7}:5"
     monkeypatch.setenv("CONVOY_FAULTS", faults_spec)
     faults.reset()  # this process reads CONVOY_FAULTS once (the flow's tasks are its threads)
+    caplog.set_level(logging.INFO, logger="convoy.handoff")  # why a parked worker was not replaced
     cfg = config(params(tmp_path, data_dir, "zygote", heartbeat={"stall_s": 30}, orchestration={"retries": 3}))
     run_dir = cfg.run_dir.resolve()
     kills: list[tuple[str, int]] = []
@@ -144,7 +151,13 @@ def test_every_recovery_of_a_flow_run_is_a_fork_of_the_zygote(
         parked_at = time.time()
         os.kill(read_heartbeat(run_dir, 0).pid, signal.SIGKILL)
         replaced_at.append(parked_at)
+        deadline = time.monotonic() + 90
         while not [e for e in read_events(run_dir, Event.ATTEMPT_STARTED) if e.get("replaces")]:
+            if time.monotonic() > deadline:  # say why, and let the run go on (chunk 2's task adopts it dead)
+                hold.touch()
+                handoff = [r.getMessage() for r in caplog.records if r.name == "convoy.handoff"]
+                kinds = [(e["kind"], e.get("chunk"), e.get("attempt")) for e in read_events(run_dir)]
+                raise AssertionError(f"the parked worker was not replaced: {handoff} {kinds[-12:]}")
             time.sleep(0.01)  # reported and replaced by the parking, no task: chunk 2's may go on now
         hold.touch()
         released_at.append(time.time())  # not the file's mtime: the kernel stamps it from a coarse clock (~4 ms)

@@ -90,18 +90,26 @@ class Parked:
 
     def _watch(self) -> None:
         """Until a task adopts it: wait for its death (noted in ``worker.died_at``), then replace it."""
-        while not self.adopted.is_set():
-            if self.worker.wait_exit(_ADOPTED_POLL_S):
-                with self._lock:  # a task that disarmed first gets no replacement (:meth:`disarm`)
-                    on_death, self.replacing = self.on_death, self.on_death is not None
-                if on_death is not None:
-                    try:
-                        dead = self.worker
-                        ran = self.runner.submit(on_death, dead).result() if self.runner else on_death(dead)
-                        self.replacement = ran
-                    except Exception:  # the next task adopts the dead worker: recovery as before
-                        log.exception("replacing the parked worker pid %d failed", self.worker.pid)
-                return
+        try:
+            while not self.adopted.is_set():
+                if self.worker.wait_exit(_ADOPTED_POLL_S):
+                    self._replace()
+                    return
+        except Exception:  # noqa: BLE001 - a dead watcher thread would say nothing; the task adopts as before
+            log.exception("watching the parked worker pid %d failed", self.worker.pid)
+
+    def _replace(self) -> None:
+        """It died unadopted: ``on_death`` unless a task disarmed it first (:meth:`disarm`)."""
+        with self._lock:
+            on_death, self.replacing = self.on_death, self.on_death is not None
+        if on_death is None:
+            log.info("parked worker pid %d died; a task came first (or no successor): it reports it", self.worker.pid)
+            return
+        try:
+            dead = self.worker
+            self.replacement = self.runner.submit(on_death, dead).result() if self.runner else on_death(dead)
+        except Exception:  # noqa: BLE001 - the next task adopts the dead worker: recovery as before
+            log.exception("replacing the parked worker pid %d failed", self.worker.pid)
 
     def disarm(self) -> bool:
         """No replacement from now on (the next task is here: a later death is its to report).

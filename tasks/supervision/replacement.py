@@ -33,6 +33,7 @@ that task's to report.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -48,6 +49,8 @@ from training.fsutil import file_size
 from training.paths import RunPaths
 from training.tracking.attempts import AttemptId, next_attempt, record_start
 
+log = logging.getLogger("convoy.handoff")
+
 #: The ``reason`` of the ``resubmitted`` event a replaced attempt gets (a preemption's is ``preempted``).
 REPLACED = "replaced"
 
@@ -61,11 +64,13 @@ def replace_parked(
     ``spec_for``: that chunk's attempt as its task would run it."""
     rc = dead.poll()
     if rc is None or rc >= 0:  # alive, or ended by itself: the next task judges it
+        log.info("parked worker pid %d: exit status %s, not a kill: the next task judges it", dead.pid, rc)
         return None
     probe = spec_for(next_chunk)
     run_dir, boundary = probe.run_dir, probe.boundary_step
     if boundary is not None and chunk_boundary.boundary_committed(run_dir, boundary):
-        return None  # it finished the next chunk before it died: the chunk after's to report
+        log.info("parked worker pid %d died after committing step %d: the chunk after's", dead.pid, boundary)
+        return None
     number = next_attempt(read_events(run_dir), next_chunk.chunk)
     dead_id = replace(next_chunk, attempt=number, resumes_from=next_chunk.start)
     record_start(run_dir, dead_id, None, since.metrics_offset, parked=True)  # its MLflow run comes later
