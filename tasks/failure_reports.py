@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tasks.missed_notes import note_title
 from tasks.retry_policy import retry_start, will_retry
 from tasks.supervision.handoff import Replacement
 from tasks.supervision.supervisor import ChunkFailed
@@ -60,7 +61,7 @@ def report_failure(
         )
         publish(
             cfg.run_name,
-            f"chunk {chunk} attempt {number}: {exc.kind}",
+            note_title(chunk, number, exc.kind),
             [
                 f"{short}",
                 f"detected after {d.detected_after_s} s; last beat step {d.last_beat_step}",
@@ -95,7 +96,7 @@ def say_replaced(logger: Any, cfg: RunConfig, r: Replacement, try_number: int, p
     )
     publish(
         cfg.run_name,
-        f"chunk {dead.chunk} attempt {dead.attempt}: {r.kind}",
+        note_title(dead.chunk, dead.attempt, r.kind),
         [
             f"{short} (while parked between chunk tasks)",
             f"detected after {d.detected_after_s} s; last beat step {d.last_beat_step}",

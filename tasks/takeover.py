@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.artifacts import artifact_key, chunk_table, prefect_ui_url, publish_failure_note
+from tasks.missed_notes import note_title, publish_missed_notes
 from tasks.records import run_records
 from tasks.records.run_links import flow_run_endings
 from training.checkpointing.store import CheckpointStore
@@ -121,6 +122,10 @@ def take_over(
         crashed_task_runs=[t for c in crashed for t in c["crashed_task_runs"]],
     )
     _publish_links(config, run_dir, crashed, (current, name), orphans)
+    # Older than the orphans' failures: the notes a dead flow run had not sent yet go first.
+    late = publish_missed_notes(config.run_name, read_events(run_dir), previous, name or str(current))
+    if late:
+        logger.warning("sent %d failure note(s) the dead flow run(s) had not sent", late)
     for o in orphans:
         logger.warning(
             "chunk %s attempt %s was orphaned by a flow run that died (trained to step %s); it resumes from step %s",
@@ -131,7 +136,7 @@ def take_over(
         )
         publish_failure_note(  # one failures artifact per failure, this one too
             config.run_name,
-            f"chunk {o.chunk} attempt {o.attempt}: {o.kind}",
+            note_title(o.chunk, o.attempt, o.kind),
             [
                 o.details.reason or "its flow run died while it ran",
                 f"trained to step {o.details.trained_to}; resumes from step {o.details.last_committed_step or 0} "
