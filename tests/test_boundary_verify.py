@@ -40,15 +40,19 @@ def test_a_boundary_that_does_not_verify_releases_the_parked_worker(tmp_path: Pa
     parked = spawn(cmd, tmp_path / "parked.log", "parked", cwd=None, env={})
     cfg = load_run_config(run_dir)
     resources = RunResources(cfg, run_dir)
-    parking = resources.slots.parking
-    parking.park(parked, cmd)
-    assert parking.parked_pid() == parked.pid
-    run = ChunkRun(cfg, run_dir, (1, 0, 20), resources, _Log())
-    with pytest.raises(ChunkFailed, match="no valid checkpoint at step 20") as failed:
-        run.committed(time.time(), Outcome(0, 1.0, 20, tmp_path / "parked.log"))
-    assert failed.value.details.last_committed_step == 10
-    assert parking.parked_pid() is None and parking.adopt(cmd) is None
-    assert parked.wait_exit(10), "the parked worker still runs"
+    try:
+        parking = resources.slots.parking
+        parking.park(parked, cmd)
+        assert parking.parked_pid() == parked.pid
+        run = ChunkRun(cfg, run_dir, (1, 0, 20), resources, _Log())
+        with pytest.raises(ChunkFailed, match="no valid checkpoint at step 20") as failed:
+            run.committed(time.time(), Outcome(0, 1.0, 20, tmp_path / "parked.log"))
+        assert failed.value.details.last_committed_step == 10
+        assert parking.parked_pid() is None and parking.adopt(cmd) is None
+        assert parked.wait_exit(10), "the parked worker still runs"
+    finally:
+        resources.close()  # its worker zygote, which would live as long as this test process
+        parked.stop(5.0)
 
 
 def test_a_retry_sets_a_corrupt_boundary_aside_and_trains_to_it_again(tmp_path: Path) -> None:

@@ -145,9 +145,12 @@ def test_flow_summary_verifies_the_newest_checkpoint_once(tmp_path: Path, monkey
 
     monkeypatch.setattr(store_module, "load_checkpoint", counting_load)  # the real reading, counted
     run = TrainingRun(load_run_config(run_dir), run_dir, None, logging.getLogger(__name__))
-    run.committed = 20
-    run.chunk(1, 0, 20)  # committed already: skipped, its checkpoint verified for the row
-    assert run.final_checkpoint() == (20, newest.digest)
-    assert loaded == [run_dir / "checkpoints" / "step-000000020"]
-    run.rows[-1].digest = None  # a row without a digest: the run's store is asked
-    assert run.final_checkpoint() == (20, newest.digest) and len(loaded) == 1
+    try:
+        run.committed = 20
+        run.chunk(1, 0, 20)  # committed already: skipped, its checkpoint verified for the row
+        assert run.final_checkpoint() == (20, newest.digest)
+        assert loaded == [run_dir / "checkpoints" / "step-000000020"]
+        run.rows[-1].digest = None  # a row without a digest: the run's store is asked
+        assert run.final_checkpoint() == (20, newest.digest) and len(loaded) == 1
+    finally:
+        run.resources.close()  # its worker zygote, which would live as long as this test process
