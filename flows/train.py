@@ -158,7 +158,7 @@ class TrainingRun:
         if reap_stale_worker(run_dir, cfg.train.world_size):
             logger.warning("stopped a worker of this run left over from a flow that died")
         run.flow_run_name = flow_run_name
-        run.taken_over = take_over(cfg, run_dir, flow_run, logger, run.resources.checkpoints)
+        run.taken_over = take_over(cfg, run_dir, flow_run, logger, run.resources.checkpoints, run.resources.notes)
         run.committed = run.newest_committed()
         append_event(
             run_dir,

@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import logging
 import re
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -103,12 +104,16 @@ class FailureNotes:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="convoy-notes")
-        self._pending: list[Future[str | None]] = []
+        self._pending: list[Future[Any]] = []
 
     def publish(self, run_name: str, title: str, lines: list[str]) -> None:
         """:func:`publish_failure_note`, without waiting for it."""
+        self.later(publish_failure_note, run_name, title, lines)
+
+    def later(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` after the notes said so far (a takeover's late notes), without waiting."""
         context = contextvars.copy_context()
-        self._pending.append(self._pool.submit(context.run, publish_failure_note, run_name, title, lines))
+        self._pending.append(self._pool.submit(context.run, fn, *args))
 
     def join(self, timeout_s: float = 30.0) -> None:
         """Wait for every note said so far (each logs its own failure; none raises)."""

@@ -27,10 +27,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tasks.artifacts import artifact_key, chunk_table, prefect_ui_url, publish_failure_note
+from tasks.artifacts import FailureNotes, artifact_key, chunk_table, prefect_ui_url, publish_failure_note
 from tasks.missed_notes import note_title, publish_missed_notes
 from tasks.records import run_records
 from tasks.records.run_links import flow_run_endings
@@ -99,10 +100,13 @@ def take_over(
     flow_run: tuple[str | None, str | None],
     logger: Any,
     checkpoints: CheckpointStore | None = None,
+    notes: FailureNotes | None = None,
 ) -> dict[str, Any] | None:
     """Close what the run's earlier, dead flow runs left open (see the module docstring);
     ``flow_run``: (id, name) of this flow run; ``checkpoints``: the run's store (else a fresh
-    one).  Returns the ``flow_taken_over`` event, or None when there was nothing to close."""
+    one); ``notes``: the run's notes thread, which sends the failure notes off the path to the
+    first step (else they are sent here).  Returns the ``flow_taken_over`` event, or None when
+    there was nothing to close."""
     current, name = flow_run
     previous = unfinished_flow_runs(read_events(run_dir), current)
     orphans = record_orphans(run_dir, flow_run, checkpoints or CheckpointStore(run_dir))
@@ -122,10 +126,9 @@ def take_over(
         crashed_task_runs=[t for c in crashed for t in c["crashed_task_runs"]],
     )
     _publish_links(config, run_dir, crashed, (current, name), orphans)
+    send = notes.later if notes is not None else _now
     # Older than the orphans' failures: the notes a dead flow run had not sent yet go first.
-    late = publish_missed_notes(config.run_name, read_events(run_dir), previous, name or str(current))
-    if late:
-        logger.warning("sent %d failure note(s) the dead flow run(s) had not sent", late)
+    send(_send_late_notes, config.run_name, run_dir, previous, name or str(current), logger)
     for o in orphans:
         logger.warning(
             "chunk %s attempt %s was orphaned by a flow run that died (trained to step %s); it resumes from step %s",
@@ -134,7 +137,8 @@ def take_over(
             o.details.trained_to,
             o.details.last_committed_step or 0,
         )
-        publish_failure_note(  # one failures artifact per failure, this one too
+        send(  # one failures artifact per failure, this one too
+            publish_failure_note,
             config.run_name,
             note_title(o.chunk, o.attempt, o.kind),
             [
@@ -146,6 +150,16 @@ def take_over(
     if crashed:
         logger.warning("marked the dead flow run(s) %s Crashed", ", ".join(c["name"] for c in crashed))
     return event
+
+
+def _now(fn: Callable[..., Any], *args: Any) -> None:
+    fn(*args)
+
+
+def _send_late_notes(run_name: str, run_dir: Path, previous: list[str], by: str, logger: Any) -> None:
+    """The failure notes the dead flow runs had not sent (:mod:`tasks.missed_notes`)."""
+    if previous and (late := publish_missed_notes(run_name, read_events(run_dir), previous, by)):
+        logger.warning("sent %d failure note(s) the dead flow run(s) had not sent", late)
 
 
 def failures_seen(events: list[dict[str, Any]], flow_run_id: str, chunk: int) -> list[str]:
