@@ -76,6 +76,17 @@ def publish_chunk_table(run_name: str, rows: list[dict[str, Any]], mlflow_url: s
         return None
 
 
+def note_title(chunk: int | None, attempt: int | None, kind: str) -> str:
+    """The title of a failure's note: one wording for every note, so a flow that takes a dead
+    one's run over can tell which failures have theirs (:mod:`tasks.missed_notes`)."""
+    return f"chunk {chunk} attempt {attempt}: {kind}"
+
+
+def note_description(run_name: str, title: str = "") -> str:
+    """A note's description in Prefect: the run, then its title (without one: the prefix)."""
+    return f"convoy run {run_name}: {title}"
+
+
 def publish_failure_note(run_name: str, title: str, lines: list[str]) -> str | None:
     """Markdown note naming a failure and the step the next attempt resumes from."""
     from prefect.artifacts import create_markdown_artifact
@@ -84,7 +95,7 @@ def publish_failure_note(run_name: str, title: str, lines: list[str]) -> str | N
     try:
         return str(
             create_markdown_artifact(
-                markdown=body, key=artifact_key(run_name, "failures"), description=f"convoy run {run_name}: {title}"
+                markdown=body, key=artifact_key(run_name, "failures"), description=note_description(run_name, title)
             )
         )
     except Exception as exc:  # noqa: BLE001

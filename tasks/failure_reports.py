@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tasks.missed_notes import note_title
+from tasks.artifacts import note_title
 from tasks.retry_policy import retry_start, will_retry
 from tasks.supervision.handoff import Replacement
 from tasks.supervision.supervisor import ChunkFailed

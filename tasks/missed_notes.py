@@ -7,7 +7,7 @@ run's ``flowkill`` lands a few steps after its full disk), and so does a Prefect
 when the note was due: the run's failures artifact then lists fewer failures than its events.
 The events are the record.  The flow that takes the run over (:func:`tasks.takeover.take_over`)
 compares the failures of the dead flow runs' attempts with the notes Prefect holds, by title
-(:func:`note_title`, the one wording every note uses), and publishes each one missing from its
+(:func:`tasks.artifacts.note_title`, the one wording every note uses), and publishes each one missing from its
 ``failure`` event, saying who sent it late and why.  The orphans the takeover records itself
 are left to it.  Best effort, like every note: a Prefect that cannot be read sends nothing.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tasks.artifacts import artifact_key, publish_failure_note
+from tasks.artifacts import artifact_key, note_description, note_title, publish_failure_note
 from training.events import Event, FailureKind
 
 log = logging.getLogger("convoy.takeover")
@@ -26,18 +26,13 @@ log = logging.getLogger("convoy.takeover")
 _PAGE = 200
 
 
-def note_title(chunk: int | None, attempt: int | None, kind: str) -> str:
-    """The title of a failure's note (and, after ``convoy run <name>: ``, its description)."""
-    return f"chunk {chunk} attempt {attempt}: {kind}"
-
-
 def published_titles(run_name: str) -> set[str]:
     """The titles of the run's failure notes that Prefect holds (every version of the key)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     wanted = ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key(run_name, "failures")]))
-    prefix = f"convoy run {run_name}: "
+    prefix = note_description(run_name)
     titles: set[str] = set()
     with get_client(sync_client=True) as client:
         offset = 0

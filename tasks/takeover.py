@@ -31,8 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tasks.artifacts import FailureNotes, artifact_key, chunk_table, prefect_ui_url, publish_failure_note
-from tasks.missed_notes import note_title, publish_missed_notes
+from tasks.artifacts import FailureNotes, artifact_key, chunk_table, note_title, prefect_ui_url, publish_failure_note
+from tasks.missed_notes import publish_missed_notes
 from tasks.records import run_records
 from tasks.records.run_links import flow_run_endings
 from training.checkpointing.store import CheckpointStore

@@ -10,8 +10,8 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from tasks.artifacts import artifact_key, publish_failure_note
-from tasks.missed_notes import note_title, publish_missed_notes, published_titles
+from tasks.artifacts import artifact_key, note_title, publish_failure_note
+from tasks.missed_notes import publish_missed_notes, published_titles
 from training.events import Event, append_event, read_events
 
 
