@@ -49,6 +49,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,18 +195,37 @@ class Service:
             self.proc.wait(timeout=30)
 
 
-class Services:
-    """Prefect, MLflow and an S3 endpoint, all this script's own."""
+class RunningService(Service):
+    """A server this script did not start (``--prefect-api``): waited for, never signalled."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, name: str, url: str, health: str, home: Path) -> None:
+        self.name, self.url, self._health, self.home, self.proc = name, url.rstrip("/"), health, home, None
+
+    def start(self, timeout_s: float = 240, tries: int = 1) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not _answers(self.url + self._health):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} at {self.url} does not answer {self._health}")
+            time.sleep(0.5)
+
+
+class Services:
+    """Prefect, MLflow and an S3 endpoint, all this script's own; or a Prefect API already running
+    (a test suite's shared server: a Prefect server's start is most of the setup's ~25 s)."""
+
+    def __init__(self, home: Path, prefect_api: str | None = None) -> None:
         py = Path(sys.executable).parent
         base = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false"}
-        self.prefect = Service(
-            "prefect",
-            lambda p: [str(py / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(p)],
-            "/api/health",
-            home,
-            {**base, "PREFECT_HOME": str(home / "prefect-home")},
+        self.prefect: Service = (
+            RunningService("prefect", prefect_api.rstrip("/").removesuffix("/api"), "/api/health", home)
+            if prefect_api
+            else Service(
+                "prefect",
+                lambda p: [str(py / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(p)],
+                "/api/health",
+                home,
+                {**base, "PREFECT_HOME": str(home / "prefect-home")},
+            )
         )
         self.mlflow = Service(
             "mlflow",
@@ -225,8 +245,10 @@ class Services:
         self.all = (self.prefect, self.mlflow, self.s3)
 
     def start(self) -> None:
-        for service in self.all:
-            service.start()
+        # All three at once: each start is mostly waiting (Prefect's ~15-20 s of migrations and
+        # imports), so the setup costs the slowest server's start, not the sum (~25 s here).
+        with ThreadPoolExecutor(len(self.all)) as pool:
+            list(pool.map(lambda service: service.start(), self.all))
         import boto3
 
         boto3.client("s3", endpoint_url=self.s3.url, **self.s3_credentials()).create_bucket(Bucket="convoy")
@@ -256,9 +278,11 @@ class Services:
 class Bench:
     """The services, a git + DVC project folder and the cells' references."""
 
-    def __init__(self, home: Path, steps: int, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, home: Path, steps: int, log: Callable[[str], None] = print, prefect_api: str | None = None
+    ) -> None:
         self.home, self.steps, self.log = home, steps, log
-        self.services = Services(home)
+        self.services = Services(home, prefect_api)
         self.project = home / "project"
         self.references: dict[Cell, tuple[str, list[tuple[int, float]]]] = {}
 
@@ -569,10 +593,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (servers' logs, runs)")
     ap.add_argument("--cells", nargs="*", help="draw only from these cells (e.g. map-aug-w0-r1)")
     ap.add_argument("--faults", nargs="*", choices=FAULTS, help="draw only these faults")
+    ap.add_argument(
+        "--prefect-api",
+        help="use this running Prefect API (e.g. http://127.0.0.1:4200/api), not one of the bench's own",
+    )
     args = ap.parse_args(argv)
+    if args.prefect_api and (args.faults is None or "prefect-stop" in args.faults):
+        ap.error("--prefect-api needs --faults without prefect-stop: that fault stops the bench's own Prefect server")
     trials = draw_trials(args.trials, args.seed, args.steps, args.cells, args.faults)
     home = Path(tempfile.mkdtemp(prefix="convoy-conformance-"))
-    bench = Bench(home, args.steps)
+    bench = Bench(home, args.steps, prefect_api=args.prefect_api)
     verdicts = read_verdicts(args.json, trials) if args.resume and args.json and args.json.exists() else []
     done = {v.trial.number for v in verdicts}
     for v in verdicts:

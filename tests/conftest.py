@@ -124,9 +124,9 @@ _LAUNCHERS = {"prefect_api": _launch_prefect, "mlflow_server": _launch_mlflow, "
 #: Seconds a module took on the idle 2-vCPU VM (``pytest --durations=0 -n 2``, 2026-12-06, setup +
 #: call + teardown; modules of 30 s or more): the order the xdist workers take modules in.
 _MODULE_SECONDS = {
-    "test_any_node": 289, "test_run_identity": 235, "test_flow": 164, "test_resume": 160,
-    "test_hermetic": 155, "test_hostile_inputs": 155, "test_distributed": 153, "test_stream_adapters": 144,
-    "test_conformance": 119, "test_data_pipelines": 98, "test_multinode": 98, "test_deploy": 97,
+    "test_any_node": 190, "test_run_identity": 235, "test_flow": 164, "test_resume": 160,
+    "test_hermetic": 85, "test_hostile_inputs": 155, "test_distributed": 153, "test_stream_adapters": 144,
+    "test_conformance": 75, "test_data_pipelines": 98, "test_multinode": 98, "test_deploy": 97,
     "test_memory_tier": 92, "test_real_models": 85, "test_sharded": 83, "test_dvc": 81, "test_chaos": 75,
     "test_report": 71, "test_elastic_streams": 63, "test_config": 63, "test_mlflow": 60, "test_zygote": 58,
     "test_example": 40, "test_supervisor": 38, "test_reliability": 36, "test_standby": 32,

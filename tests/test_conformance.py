@@ -30,9 +30,10 @@ def test_trials_are_drawn_from_the_seed_alone_and_cover_the_matrix() -> None:
 
 
 @pytest.mark.slow
-def test_one_real_trial_passes_and_the_report_ends_with_the_count() -> None:
+def test_one_real_trial_passes_and_the_report_ends_with_the_count(prefect_api: str) -> None:
+    """On the session's Prefect server (the fault is MLflow's, the bench's own server)."""
     cmd = [sys.executable, str(REPO / "bench" / "conformance.py"), "--trials", "1", "--seed", "2", "--steps", "24"]
-    cmd += ["--cells", "map-aug-w0-r1", "--faults", "mlflow-kill"]
+    cmd += ["--cells", "map-aug-w0-r1", "--faults", "mlflow-kill", "--prefect-api", prefect_api]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=560)
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
