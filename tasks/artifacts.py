@@ -116,6 +116,7 @@ class FailureNotes:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="convoy-notes")
         self._pending: list[Future[Any]] = []
+        self._closed = False
 
     def publish(self, run_name: str, title: str, lines: list[str]) -> None:
         """:func:`publish_failure_note`, without waiting for it."""
@@ -124,6 +125,10 @@ class FailureNotes:
     def later(self, fn: Callable[..., Any], *args: Any) -> None:
         """``fn(*args)`` after the notes said so far (a takeover's late notes), without waiting."""
         context = contextvars.copy_context()
+        if self._closed:  # said after the run's end (none of convoy's paths does): said now
+            with contextlib.suppress(Exception):
+                context.run(fn, *args)
+            return
         self._pending.append(self._pool.submit(context.run, fn, *args))
 
     def join(self, timeout_s: float = 30.0) -> None:
@@ -132,3 +137,10 @@ class FailureNotes:
         for note in pending:
             with contextlib.suppress(Exception):
                 note.result(timeout=timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """:meth:`join`, then end the thread: a process that trains many runs (a flow server's
+        fork, a test session) kept one idle ``convoy-notes`` thread per run before."""
+        self._closed = True
+        self.join(timeout_s)
+        self._pool.shutdown(wait=False)

@@ -111,7 +111,7 @@ class RunResources:
             shipper.stop(self.config.tracking.ship_drain_s)
         self.audit.join()
         self.goodput.join()
-        self.notes.join()
+        self.notes.close()
         versioned = self.versioning.collect()
         with self._lock:
             uploader, self._uploader = self._uploader, None

@@ -138,9 +138,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     instead of one idling while the other runs a long module handed out last (the longest-first
     rule: ~1 min of a 26 min run here, simulated); but the first module of each worker needs no
     server, so the servers (10-50 s to start) come up in the background meanwhile.  Under xdist
-    this order holds only with ``--no-loadscope-reorder``: by default ``--dist loadfile`` hands
-    out modules by their number of tests, and the Makefile does not pass it yet (a change of
-    order to be measured over a whole run first).
+    this order holds only with ``--no-loadscope-reorder``, which the Makefile does not pass: by
+    default ``--dist loadfile`` hands out modules by their number of tests.  Measured over a whole
+    run (bench/RESULTS.md, 2026-12-06 09:06 UTC): the workers ended together (module sums 1709
+    and 1686 s) but the run took 1725 s, not 1570: longest-first runs the CPU-bound modules
+    (test_resume, test_distributed, the stream modules) side by side on the two cores, each up to
+    2.9x slower, where the default order pairs them with modules that mostly wait.
     Then the modules not listed: those without a server, then those on the Prefect server, then
     those on the MLflow server too.  Whole modules move, so a module-scoped fixture (a trained
     reference run) is built once."""

@@ -38,8 +38,13 @@ def build_host_draws(config: RunConfig, device: torch.device) -> TaskParts:
 
 def build_with_a_thread(config: RunConfig, device: torch.device) -> TaskParts:
     """The example task, plus a library-style thread that draws from ``random`` every 10 ms (what
-    urllib3's retry backoff does while a server is down): the worker must name it."""
+    urllib3's retry backoff does while a server is down): the worker must name it.  The thread
+    ends with the model, as a library's ends with its client: a process that only builds the
+    task to check it (the test's own, through the config's check) must not keep a thread that
+    draws from ``random`` for good, moving every later test's python RNG (CI saw
+    tests/test_snapshot_plan.py's tiers capture different states for it)."""
     import threading
+    import weakref
 
     stop = threading.Event()
 
@@ -48,4 +53,6 @@ def build_with_a_thread(config: RunConfig, device: torch.device) -> TaskParts:
             random.random()
 
     threading.Thread(target=jitter, name="jitter-thread", daemon=True).start()
-    return char_gpt.build(config, device)
+    parts = char_gpt.build(config, device)
+    weakref.finalize(parts.model, stop.set)
+    return parts

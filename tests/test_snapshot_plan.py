@@ -82,11 +82,19 @@ class _Pair:
         self.slow = MemoryTier(root / "slow", "fp", plans=False)
         self.beside = MemoryTier(root / "beside", "fp", overlap=True)
         self.schedule = MemorySchedule("auto", 0.03)
+        self.foreign_draws = 0  # steps not compared (see snapshot)
 
     def snapshot(self, state: TrainState, forward: bool = True) -> None:
         broken = self.beside.broken_before_commit
+        python_rng = random.getstate()
         for tier in (self.fast, self.slow, self.beside):
             tier.snapshot(state, self.schedule)
+        # A thread of the test process drew from python's generator between two tiers' captures
+        # (Prefect's client threads do, now and then: pytest runs them beside this module): the
+        # tiers did not see one state, so this step's bytes cannot be compared.  A worker runs
+        # no such thread (invariant 12).
+        one_state = random.getstate() == python_rng
+        self.foreign_draws += not one_state
         if forward:
             _forward_backward(state)  # what the loop does before its optimizer step...
         self.beside.settle()  # ...which it precedes with this
@@ -96,7 +104,7 @@ class _Pair:
         else:  # its writer found the plan broken: that snapshot is not committed (tier rule 7)
             assert slot_format.Header.read(self.beside.root / f"rank-0.slot-{self.beside.next_slot}.head") is None
         theirs = _committed(self.slow)
-        for tier in compared:  # the committed header and the bytes it covers (a file may be longer)
+        for tier in compared if one_state else []:  # the committed header and the bytes it covers
             assert _committed(tier) == theirs, f"{tier.root.name}: the slot differs at step {state.step}"
         assert self.slow._plan is None and self.beside.changed_before_commit == 0
 
