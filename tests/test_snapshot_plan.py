@@ -95,6 +95,7 @@ class _Pair:
         # no such thread (invariant 12).
         one_state = random.getstate() == python_rng
         self.foreign_draws += not one_state
+        assert self.foreign_draws <= 3, "a thread of the test process keeps drawing from python's generator"
         if forward:
             _forward_backward(state)  # what the loop does before its optimizer step...
         self.beside.settle()  # ...which it precedes with this
