@@ -233,7 +233,7 @@ class Services:
                        "--host", "127.0.0.1", "--port", str(p), "--workers", "1"],
             "/health",
             home,
-            dict(os.environ),
+            {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no huey jobs: unused here
         )  # fmt: skip
         self.s3 = Service(
             "s3",

@@ -111,11 +111,16 @@ def _launch_prefect(home: Path) -> _Server:
 
 
 def _launch_mlflow(home: Path, port: int | None = None) -> _Server:
+    """An ``mlflow server`` without MLflow's job execution (GenAI scorers, prompt optimisation:
+    nothing convoy uses), which runs a huey consumer of 8 processes (0.77 s of CPU a minute idle
+    against 0.12 s without, measured side by side) and leaves its store in a /dev/shm folder each
+    time a test kills the server."""
     port = port or _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{home}/mlflow.db"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    return _Server(*_start_server(cmd, home, cwd=home), home, url)
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    return _Server(*_start_server(cmd, home, env=env, cwd=home), home, url)
 
 
 _LAUNCHERS = {"prefect_api": _launch_prefect, "mlflow_server": _launch_mlflow, "mlflow_outage": _launch_mlflow}
