@@ -44,10 +44,6 @@ def lit_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return out
 
 
-#: MosaicML's shared memory (``<6 digits>_<name>`` in /dev/shm), left by each killed process.
-_MOSAIC_SHM = re.compile(r"\d{6}_(barrier|cache_usage|locals|next_epoch|resume|shard_access_times|shard_states)")
-
-
 @pytest.fixture(scope="module")
 def mds_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The samples written by MosaicML's ``MDSWriter``.  Afterwards, the shared memory that this
@@ -59,13 +55,16 @@ def mds_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         streaming_base()
     except ConfigError as exc:
         pytest.skip(str(exc))
+    from streaming.base.constant import SHM_TO_CLEAN  # MosaicML's own list of its names
+
+    mosaic_shm = re.compile(rf"\d{{6}}_({'|'.join(map(re.escape, SHM_TO_CLEAN))})")  # <prefix>_<name>
     shm = Path("/dev/shm")
     before = set(os.listdir(shm)) if shm.is_dir() else set()
     out = str(tmp_path_factory.mktemp("mds"))
     write_mds(out)
     yield out
     for name in set(os.listdir(shm)) - before if shm.is_dir() else ():
-        if _MOSAIC_SHM.fullmatch(name):
+        if mosaic_shm.fullmatch(name):
             (shm / name).unlink(missing_ok=True)
 
 
