@@ -19,7 +19,7 @@ import pytest
 import torch
 from engine_util import kill_group, make_run, run_worker, start_worker, wait_for_step
 
-from training.checkpointing import memory_tier, slot_format
+from training.checkpointing import memory_tier, slot_files, slot_format
 from training.checkpointing.store import CheckpointStore
 from training.events import Event, read_events
 from training.heartbeat import read_heartbeat
@@ -91,10 +91,10 @@ def test_a_snapshot_cut_short_leaves_its_slot_without_a_header(tmp_path: Path, m
     for step in (5, 6):
         tier.write(step, {"rank-0": {"step": step, "x": torch.full((3,), float(step))}})
 
-    def cut(buf: Any, groups: Any) -> None:
+    def cut(buf: Any, groups: Any, on_cpu: bool = False) -> None:
         raise OSError("killed in the copy")
 
-    monkeypatch.setattr(memory_tier, "copy_into", cut)
+    monkeypatch.setattr(slot_files, "copy_into", cut)
     with pytest.raises(OSError):
         tier.write(7, {"rank-0": {"step": 7, "x": torch.full((3,), 7.0)}})  # over step 5's slot
     assert slot_format.Header.read(tier.root / "rank-0.slot-0.head") is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,11 +56,29 @@ def _state(model: nn.Module | None = None, opt: Callable[..., Any] = torch.optim
     return TrainState(parts, torch.amp.GradScaler("cpu", enabled=False))
 
 
-def _forward_backward(state: TrainState) -> None:
+def _forward_backward(state: TrainState, before_backward: Callable[[], object] = lambda: None) -> None:
     p = state.parts
     random.random(), np.random.rand()  # the next batch's fetch draws
     p.optimizer.zero_grad()
-    p.loss_fn(p.model, torch.randn(5, 6)).backward()
+    if isinstance(state.stream, _LiveStream):
+        state.stream.fetch()
+    loss = p.loss_fn(p.model, torch.randn(5, 6))  # the forward updates a buffer in place
+    before_backward()
+    loss.backward()
+
+
+class _LiveStream:
+    """A stream whose ``state_dict`` is its live position, which the next batch's fetch moves in place."""
+
+    def __init__(self) -> None:
+        self.position = {"samples": 0, "shard": [0, 0]}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.position
+
+    def fetch(self) -> None:
+        self.position["samples"] += 5
+        self.position["shard"][1] += 1
 
 
 def _step(state: TrainState) -> None:
@@ -85,7 +104,6 @@ class _Pair:
         self.foreign_draws = 0  # steps not compared (see snapshot)
 
     def snapshot(self, state: TrainState, forward: bool = True) -> None:
-        broken = self.beside.broken_before_commit
         python_rng = random.getstate()
         for tier in (self.fast, self.slow, self.beside):
             tier.snapshot(state, self.schedule)
@@ -96,13 +114,14 @@ class _Pair:
         one_state = random.getstate() == python_rng
         self.foreign_draws += not one_state
         assert self.foreign_draws <= 3, "a thread of the test process keeps drawing from python's generator"
-        if forward:
-            _forward_backward(state)  # what the loop does before its optimizer step...
+        broken = self.beside.broken_before_commit
+        if forward:  # what the loop does before its optimizer step; the copy beside starts at the backward
+            _forward_backward(state, self.beside.backward_begins)
         self.beside.settle()  # ...which it precedes with this
         compared = [self.fast]
         if self.beside.broken_before_commit == broken:
             compared.append(self.beside)
-        else:  # its writer found the plan broken: that snapshot is not committed (tier rule 7)
+        else:  # its writer found the walked rest changed: that snapshot is not committed (tier rule 7)
             assert slot_format.Header.read(self.beside.root / f"rank-0.slot-{self.beside.next_slot}.head") is None
         theirs = _committed(self.slow)
         for tier in compared if one_state else []:  # the committed header and the bytes it covers
@@ -288,3 +307,38 @@ def test_a_snapshot_whose_parameters_change_before_its_commit_is_not_committed(t
     _step(state)
     tier.snapshot(state, schedule)  # committed at once
     assert tier.complete_steps() == [5, 3]
+
+
+def test_a_streams_position_is_laid_out_before_the_next_fetch_moves_it(tmp_path: Path) -> None:
+    """Memory tier rule 7: the writer thread lays out only what the capture made for it; a stream's
+    position may be the stream's live state, which the next fetch moves before the backward (where
+    the copy beside the loop starts): it is laid out on the loop's thread, the same bytes."""
+    state, pair = _state(), _Pair(tmp_path)
+    state.stream = _LiveStream()
+    for _ in range(4):
+        _step(state)
+        pair.snapshot(state)
+    assert pair.planned(state) and pair.beside.beside and pair.beside.broken_before_commit == 0
+
+
+def test_a_copy_beside_the_loop_waits_for_the_backward(tmp_path: Path) -> None:
+    """The writer's job starts when the loop says its backward begins (or when the loop settles
+    without having said so): its Python never runs beside the loop's fetch and forward."""
+    state, tier = _state(), MemoryTier(tmp_path / "beside", "fp", overlap=True)
+    schedule = MemorySchedule("auto", 0.03)
+    for _ in range(2):  # a plan; the loop has said once that its backward begins
+        _step(state)
+        tier.snapshot(state, schedule)
+        tier.backward_begins()
+        tier.settle()
+    _step(state)
+    tier.snapshot(state, schedule)
+    job = tier._beside._job
+    assert job is not None and job.done is None  # not handed to the writer thread yet
+    time.sleep(0.2)
+    older = slot_format.Header.read(tier.root / f"rank-0.slot-{job.slot}.head")
+    assert job.done is None and older is not None and older.step == state.step - 2  # its slot untouched
+    tier.backward_begins()
+    assert job.done is not None and job.done.result(5) is not None
+    tier.settle()
+    assert tier.newest_step() == state.step

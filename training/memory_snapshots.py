@@ -53,6 +53,17 @@ class MemorySnapshots:
                 "that snapshot was not committed, the next ones are copied on the loop's thread"
             )
 
+    def hooks(self, tier: Callable[[], MemoryTier | None]) -> tuple[Callable[[], None], Callable[[], None]]:
+        """``train_step``'s ``before_update`` and ``before_backward`` for the tier ``tier()``
+        returns (None once dropped): settle before the optimizer step, and start the snapshot
+        copied beside the loop when the backward begins (memory tier rule 7)."""
+
+        def begin() -> None:
+            if (now := tier()) is not None:
+                now.backward_begins()
+
+        return lambda: self.settle(tier()), begin
+
     def pop_stall(self) -> float:
         """The stall since the last call (for the journal row of the step just trained)."""
         stall, self.stall_s = self.stall_s, 0.0

@@ -23,6 +23,7 @@ import xxhash
 from training.checkpointing import sharded
 from training.checkpointing.state_check import select_cuda_rng
 from training.data import Cursor
+from training.numpy_rng import legacy_state
 from training.task import TaskParts
 
 
@@ -65,7 +66,7 @@ def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
     RNG).  Other visible devices are none of this rank's business: with torchrun every rank sees
     every GPU of its node, and saving them all tied a checkpoint to the node's GPU count."""
     py = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = legacy_state()  # np.random.get_state(), fast
     state: dict[str, Any] = {
         "python": {"version": py[0], "state": list(py[1]), "gauss_next": py[2]},
         "numpy": {

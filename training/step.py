@@ -30,7 +30,10 @@ def _nothing() -> None:
 
 
 def train_step(
-    runtime: Runtime, micro_batches: list[Any], before_update: Callable[[], object] = _nothing
+    runtime: Runtime,
+    micro_batches: list[Any],
+    before_update: Callable[[], object] = _nothing,
+    before_backward: Callable[[], object] = _nothing,
 ) -> dict[str, float]:
     """One optimizer step over ``grad_accum_steps`` micro-batches (invariant 4: a kill anywhere
     inside it leaves the last checkpoint, at an optimizer-step boundary, as the resume point).
@@ -39,7 +42,9 @@ def train_step(
     optimizer batch; DDP skips its all-reduce (``no_sync``) on all but the last micro-batch;
     the AMP scaler unscales, steps and updates once per optimizer step.  ``before_update`` runs
     just before the first change to parameters, optimizer state, scaler or LR schedule (before
-    a task's own update, which makes them itself): the memory tier commits a snapshot there."""
+    a task's own update, which makes them itself): the memory tier commits a snapshot there.
+    ``before_backward`` runs just before the first backward (not with a task's own update): a
+    snapshot copied beside the loop starts there, where the loop holds no interpreter lock."""
     parts = runtime.parts
     runtime.model.train()
     parts.optimizer.zero_grad(set_to_none=True)
@@ -47,7 +52,7 @@ def train_step(
         before_update()
         out = custom_step(runtime, micro_batches[0])
     else:
-        out = accumulate(runtime, micro_batches, runtime.config.train.grad_clip, before_update)
+        out = accumulate(runtime, micro_batches, runtime.config.train.grad_clip, before_update, before_backward)
     out.update(learning_rates(runtime))
     if parts.scheduler is not None:
         parts.scheduler.step()
@@ -55,7 +60,11 @@ def train_step(
 
 
 def accumulate(
-    runtime: Runtime, micro_batches: list[Any], grad_clip: float, before_update: Callable[[], object] = _nothing
+    runtime: Runtime,
+    micro_batches: list[Any],
+    grad_clip: float,
+    before_update: Callable[[], object] = _nothing,
+    before_backward: Callable[[], object] = _nothing,
 ) -> dict[str, float]:
     """Backward over each micro-batch, then one clipped, scaled optimizer step."""
     parts, scaler, n = runtime.parts, runtime.scaler, len(micro_batches)
@@ -68,6 +77,8 @@ def accumulate(
         with sync:
             with torch.autocast(runtime.device.type, dtype=runtime.autocast_dtype, enabled=runtime.amp):
                 loss = parts.loss_fn(runtime.model, batch)
+            if i == 0:
+                before_backward()
             # n == 1 keeps the unscaled loss: bit for bit the update of runs without accumulation
             scaler.scale(loss if n == 1 else loss / n).backward()
         total = loss.detach() if total is None else total + loss.detach()

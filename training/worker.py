@@ -379,7 +379,7 @@ class Worker:
         t0 = time.perf_counter()
         faults.slow_step(state.step + 1)
         batch = [next(batches) for _ in range(cfg.train.grad_accum_steps)]
-        out = train_step(runtime, batch, before_update=lambda: self.snapshots.settle(self.runtime.memory))
+        out = train_step(runtime, batch, *self.snapshots.hooks(lambda: runtime.memory))
         state.step += 1
         size = None if is_stream(parts.train_data) else len(parts.train_data)  # type: ignore[arg-type]
         state.cursor = state.cursor.advance(step_samples, size)

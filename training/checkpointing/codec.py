@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # imported by split_tree, which meets tensors: joining a tree
 _MARKERS = ("__t__", "__nd__", "__tuple__", "__map__", "__float__")
 _MARKER_SET = frozenset(_MARKERS)
 _INT = frozenset((int,))
+_PLAIN = frozenset((int, str, bool, type(None)))
 
 
 def split_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
@@ -36,7 +37,9 @@ def split_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor
     def walk(node: Any, path: str) -> Any:
         kind = type(node)  # exact types first: the memory tier splits the state at every snapshot
         if (kind is dict or kind is OrderedDict) and all(type(k) is str for k in node) and _MARKER_SET.isdisjoint(node):
-            return {k: walk(v, sub(path, k)) for k, v in node.items()}  # a module's state_dict is an OrderedDict
+            # A module's state_dict is an OrderedDict.  Plain leaves are kept without a call (and
+            # without the path a call would build): most of a scheduler's or a param group's.
+            return {k: v if _plain(v) else walk(v, sub(path, k)) for k, v in node.items()}
         if kind is dict and all(type(k) is int for k in node):  # optimizer state, keyed by parameter index
             return {"__map__": [[k, walk(v, sub(path, k))] for k, v in node.items()]}
         if kind is int or kind is str or kind is bool or node is None:
@@ -59,7 +62,7 @@ def split_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor
         if isinstance(node, tuple):
             return {"__tuple__": [walk(v, sub(path, i)) for i, v in enumerate(node)]}
         if isinstance(node, list):
-            return [walk(v, sub(path, i)) for i, v in enumerate(node)]
+            return [v if _plain(v) else walk(v, sub(path, i)) for i, v in enumerate(node)]
         if isinstance(node, dict):
             if all(isinstance(k, str) and k not in _MARKERS for k in node):
                 return {k: walk(v, sub(path, k)) for k, v in node.items()}
@@ -71,6 +74,14 @@ def split_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor
         )
 
     return walk(tree, prefix), tensors
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is its own skeleton: an exact int, str, bool or None, or a finite float
+    (``x - x`` is nan for an infinity and for nan).  A subclass (a numpy scalar, an IntEnum) is
+    not: :func:`split_tree`'s walk decides for it."""
+    kind = type(value)
+    return kind in _PLAIN or (kind is float and value - value == 0)
 
 
 def join_tree(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:

@@ -76,28 +76,26 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import mmap
 import os
 import shutil
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
+from training.checkpointing.beside import BesideCopy
 from training.checkpointing.errors import CheckpointRejected
-from training.checkpointing.slot_format import (
-    HEAD,
-    Header,
-    encode_header,
-    slot_hash,
-    slot_manifest,
-    slot_parts,
+from training.checkpointing.slot_files import (
+    SLOTS,
+    SlotFiles,
+    copy_and_hash,
+    data_path,
+    header_body,
+    header_path,
+    place_skeleton,
 )
-from training.checkpointing.slot_layout import Layouts, copy_into
+from training.checkpointing.slot_format import Header, slot_hash, slot_manifest, slot_parts
+from training.checkpointing.slot_layout import Layout, Layouts
 from training.checkpointing.snapshot_plan import (
     MAX_REBUILDS,
     PLAN_ERRORS,
@@ -108,12 +106,13 @@ from training.checkpointing.snapshot_plan import (
 )
 from training.checkpointing.store import Candidate, CheckpointStore
 from training.checkpointing.verify import Checkpoint, Validator, parse_step
-from training.checkpointing.writer_thread import WriterThread
 from training.config import RunConfig
 from training.paths import RunPaths, checkpoint_name
 from training.rundir import run_info
 
 if TYPE_CHECKING:  # the loop's types: the tier is built before them
+    import mmap
+
     from training.checkpointing.schedule import MemorySchedule
     from training.state import TrainState
 
@@ -121,7 +120,9 @@ if TYPE_CHECKING:  # the loop's types: the tier is built before them
 SHM = Path("/dev/shm")
 #: Another place for it (a tmpfs of your own; the tests keep theirs in a temporary directory).
 DIR_ENV = "CONVOY_MEMORY_DIR"
-SLOTS = (0, 1)
+#: A stream's position in a rank's checkpoint part (``TrainState.checkpoint_parts``): a snapshot
+#: that holds one is laid out on the loop's thread (the next fetch may move it; rule 7).
+STREAM = "stream"
 
 
 def tier_root(run_dir: str | Path) -> Path | None:
@@ -139,16 +140,6 @@ def enabled(config: RunConfig) -> bool:
     """Whether this run keeps a memory tier (rule 5)."""
     c = config.checkpoint
     return bool(c.memory_every_steps) and config.train.nnodes == 1 and c.format != "sharded"
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """A snapshot the writer thread is making ready (rule 7)."""
-
-    ready: Future[bytes | None]  # its header's commit, once the slot is written and hashed
-    plan: SnapshotPlan  # whose tensors' versions...
-    versions: tuple[int, ...]  # ...were these when it was taken
-    slot: int
 
 
 class MemoryTier:
@@ -171,72 +162,75 @@ class MemoryTier:
         self._plans_failed = 0
         self.root.mkdir(parents=True, exist_ok=True)
         self.validator: Validator | None = None
-        self._maps: dict[int, mmap.mmap] = {}
+        #: This rank's slot files, mapped once (:mod:`training.checkpointing.slot_files`).
+        self._files = SlotFiles(root, rank)
         #: The slot layout, the same at every snapshot of a run.
         self._layouts = Layouts()
         self.last_stall_s = 0.0
-        #: Each slot's header, mapped: written in place (a snapshot every step should not pay for
-        #: an unlink, a file written and a rename).
-        self._heads: dict[int, mmap.mmap] = {}
-        #: Rule 7: the thread that copies, hashes and commits a snapshot while the loop goes on
-        #: (one job at a time), and the job in flight.  Started here, in the worker, never in a
+        #: Rule 7: the writer thread that lays out, copies and hashes a snapshot while the loop
+        #: goes on (:mod:`training.checkpointing.beside`).  Built here, in the worker, never in a
         #: process that forks workers (the zygote builds no tier).
-        self._writer = WriterThread() if overlap else None
+        self._beside = BesideCopy(self._files, self._header_body) if overlap else None
         #: Whether the next snapshot may be copied beside the loop (off once one was refused).
         self.beside = overlap
-        self._pending: _Pending | None = None
         #: Snapshots left uncommitted (rule 7): a parameter changed before the commit, the plan
         #: found broken by the writer thread.
         self.changed_before_commit = self.broken_before_commit = 0
         self._unbilled_s = 0.0  # commit waits not yet told to the schedule
-        steps = {k: h.step for k in SLOTS if (h := Header.read(self._header(rank, k))) is not None}
+        steps = {k: h.step for k in SLOTS if (h := Header.read(header_path(root, rank, k))) is not None}
         self.next_slot = min(SLOTS, key=lambda k: steps.get(k, -1))  # overwrite the older one first
-
-    def _header(self, rank: int, slot: int) -> Path:
-        return self.root / f"rank-{rank}.slot-{slot}.head"
-
-    def _data(self, rank: int, slot: int) -> Path:
-        return self.root / f"rank-{rank}.slot-{slot}.bin"
 
     # ------------------------------------------------------------------ writing
     def snapshot(self, state: TrainState, schedule: MemorySchedule) -> None:
         """This rank's state at its step into the next slot; the schedule learns what it cost.
 
         With ``overlap`` (the worker's tier) a snapshot through a plan of a model in host memory
-        is copied, hashed and made ready on the tier's writer thread while the loop goes on, and
+        is laid out, copied and hashed on the tier's writer thread while the loop goes on, and
         committed by :meth:`settle`, which the loop calls before its next optimizer step (rule 7)."""
         self.settle()  # the loop settled it before its optimizer step already (rule 7)
         t0 = time.perf_counter()
-        beside = self.beside and self._plan is not None and self._plan.on_cpu
-        content, plan = self._content(state, checked=not beside)
-        slot, skeleton, buf = self._open_slot(content)
-        if beside and plan is not None and self._writer is not None:
-            detached = plan.detached(content)
-            ready = self._writer.submit(self._fill_checked, plan, state.step, slot, detached, skeleton, buf)
-            self._pending = _Pending(ready, plan, plan.versions(), slot)
+        plan = self._plan
+        light = self._planned(state)  # the plan checked here, on the loop's thread (rule 7)
+        beside = self._beside if light is not None and self.beside and plan is not None and plan.on_cpu else None
+        if beside is not None and plan is not None and STREAM not in light[f"rank-{self.rank}"]:
+            beside.submit(plan, self._take_slot(), state.step, light=light)
         else:
-            self._heads[slot][:HEAD] = self._fill(state.step, slot, content, skeleton, buf)
+            content = self._laid_out(light)
+            if content is None:
+                content, beside = self._walked(state), None
+            if beside is not None and plan is not None:  # a stream's position: laid out here
+                beside.submit(plan, self._take_slot(), state.step, content=plan.detached(content))
+            else:
+                slot, buf, size = self._open_slot(content)
+                self._commit(slot, state.step, content.layout, size, copy_and_hash(buf, content.groups, size))
         self.last_stall_s = time.perf_counter() - t0
         # The schedule's cost: this stall and the last commit's wait (a snapshot's whole cost).
         schedule.saved(state.step, self.last_stall_s + self._unbilled_s)
         self._unbilled_s = 0.0
 
+    def backward_begins(self) -> None:
+        """The loop's backward begins: a snapshot waiting for it is written from now (rule 7)."""
+        if self._beside is not None:
+            self._beside.backward_begins()
+
     def settle(self) -> float:
-        """Commit the snapshot the writer thread made ready, once it is (its error is raised
-        here), unless a tensor an optimizer step changes has changed since it was taken: that
-        snapshot is left without a header (the other slot, one older, stays).  Returns how long
-        this waited.  The loop calls it before its optimizer step changes what was taken."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+        """Commit the snapshot the writer thread wrote, once it has (its error is raised here),
+        unless a parameter has changed in place since it was taken or the plan no longer laid
+        the state out: that snapshot is left without a header (the other slot, one older,
+        stays).  Returns how long this took.  The loop calls it before its optimizer step changes
+        what was taken."""
+        job = self._beside.take() if self._beside is not None else None
+        if job is None:
             return 0.0
         t0 = time.perf_counter()
-        commit = pending.ready.result()
-        if commit is not None and pending.plan.versions() == pending.versions:
-            self._heads[pending.slot][:HEAD] = commit  # (the body may have grown its mapping)
-            self._unbilled_s += (waited := time.perf_counter() - t0)
-            return waited
+        assert job.done is not None  # handed over by take()
+        commit = job.done.result()
+        if commit is not None and job.plan.versions() == job.versions:
+            self._files.write_commit(job.slot, commit)
+            self._unbilled_s += (took := time.perf_counter() - t0)
+            return took
         # Not committed; the next snapshot takes this slot again: the other is the newest one.
-        self.next_slot = pending.slot
+        self.next_slot = job.slot
         if commit is None:  # the plan no longer held: the next snapshot walks and makes a new one
             self._plan, self._plans_failed = None, self._plans_failed + 1
             self.broken_before_commit += 1
@@ -245,19 +239,34 @@ class MemoryTier:
             self.beside = False
         return time.perf_counter() - t0
 
-    def _content(self, state: TrainState, checked: bool = True) -> tuple[SlotContent, SnapshotPlan | None]:
-        """The state laid out for a slot, and the plan that did it: through the plan while it
-        holds, else by the full walk (no plan), which makes the next plan
-        (:mod:`training.checkpointing.snapshot_plan`).  ``checked=False``: the plan's watch is
-        left to the writer thread (:meth:`_fill_checked`)."""
-        if self._plan is not None:
-            try:
-                fast = self._plan.content(state, self.rank, check=checked)
-            except PLAN_ERRORS:  # a plan that cannot tell does not hold: the full walk decides
-                fast = None
-            if fast is not None:
-                return fast, self._plan
+    def _planned(self, state: TrainState) -> dict[str, Any] | None:
+        """The walked rest of ``state`` through the plan (checked), or None: no plan, or one that
+        no longer holds (dropped: the full walk decides and makes the next)."""
+        if self._plan is None:
+            return None
+        try:
+            light = self._plan.light_parts(state, self.rank)
+        except PLAN_ERRORS:  # a plan that cannot tell does not hold
+            light = None
+        if light is None:
             self._plan, self._plans_failed = None, self._plans_failed + 1
+        return light
+
+    def _laid_out(self, light: dict[str, Any] | None) -> SlotContent | None:
+        """``light`` laid out by the plan, or None (the plan dropped when it cannot)."""
+        if light is None or self._plan is None:
+            return None
+        try:
+            content = self._plan.lay_out(light)
+        except PLAN_ERRORS:
+            content = None
+        if content is None:
+            self._plan, self._plans_failed = None, self._plans_failed + 1
+        return content
+
+    def _walked(self, state: TrainState) -> SlotContent:
+        """The state laid out by the full walk (:mod:`training.checkpointing.snapshot_plan`),
+        which makes the next plan."""
         include = self.rank == 0
         full = split_parts(state.checkpoint_parts(self.rank, include_replicated=include, sharded=False))
         if include and self.plans and self._plans_failed < MAX_REBUILDS:
@@ -266,63 +275,34 @@ class MemoryTier:
             except PLAN_ERRORS:
                 self._plan = None
             self._plans_failed += self._plan is None
-        return SlotContent.of(full, self._layouts), None
+        return SlotContent.of(full, self._layouts)
 
     def write(self, step: int, parts: dict[str, Any]) -> None:
         """``parts`` (``TrainState.checkpoint_parts``) of ``step`` into the next slot, on this thread."""
         self.settle()
         content = SlotContent.of(split_parts(parts), self._layouts)
-        slot, skeleton, buf = self._open_slot(content)
-        self._heads[slot][:HEAD] = self._fill(step, slot, content, skeleton, buf)
+        slot, buf, size = self._open_slot(content)
+        self._commit(slot, step, content.layout, size, copy_and_hash(buf, content.groups, size))
 
-    def _open_slot(self, content: SlotContent) -> tuple[int, bytes, mmap.mmap]:
-        """The next slot, its header uncommitted, its data mapped for ``content``: (slot, the
-        skeleton bytes, the mapping).  ``/dev/shm`` full raises OSError here, on the caller's
-        thread."""
+    def _take_slot(self) -> int:
+        """The slot the next snapshot writes (the older one)."""
         slot, self.next_slot = self.next_slot, 1 - self.next_slot
-        head = self._map(self._heads, self._header(self.rank, slot), HEAD, slot)
-        head[:8] = bytes(8)  # uncommitted: a kill from here on leaves this slot without a header
+        return slot
+
+    def _open_slot(self, content: SlotContent) -> tuple[int, mmap.mmap, int]:
+        """The next slot, its header uncommitted, its data mapped for ``content`` and its
+        skeletons written (:mod:`~training.checkpointing.slot_files`' step 1): (slot, the mapping,
+        the slot's size)."""
+        slot = self._take_slot()
         skeleton = skeleton_bytes(content.skeletons)
-        buf = self._map(self._maps, self._data(self.rank, slot), content.layout.end + len(skeleton), slot)
-        return slot, skeleton, buf
+        buf = self._files.open(slot, content.layout.end + len(skeleton))
+        return slot, buf, place_skeleton(buf, content.layout, skeleton)
 
-    def _fill_checked(
-        self, plan: SnapshotPlan, step: int, slot: int, content: SlotContent, skeleton: bytes, buf: mmap.mmap
-    ) -> bytes | None:
-        """:meth:`_fill`, on the writer thread, if the plan still holds (no commit if not)."""
-        return self._fill(step, slot, content, skeleton, buf) if plan.holds() else None
+    def _commit(self, slot: int, step: int, layout: Layout, size: int, digest: str) -> None:
+        self._files.commit(slot, self._header_body(step, layout, size, digest))
 
-    def _fill(self, step: int, slot: int, content: SlotContent, skeleton: bytes, buf: mmap.mmap) -> bytes:
-        """The slot's bytes, their hash and its header's body (its length was zeroed before);
-        returns the header's commit: its length and checksum, written last."""
-        offset = content.layout.end
-        size = offset + len(skeleton)
-        copy_into(buf, content.groups)
-        for start, end in content.layout.gaps:
-            buf[start:end] = bytes(end - start)
-        buf[offset:size] = skeleton
-        digest = slot_hash(memoryview(buf)[:size])
-        places = content.layout.places_json  # serialised once per layout: the same at every snapshot
-        header = Header(step, self.fingerprint, self.world_size, self.rank, places, [offset, size], size, digest)
-        commit, body = encode_header(orjson.dumps(header.as_dict()))
-        head = self._map(self._heads, self._header(self.rank, slot), HEAD + len(body), slot)
-        head[HEAD : HEAD + len(body)] = body
-        return commit  # no fsync once written: the tier does not outlive the machine
-
-    def _map(self, maps: dict[int, mmap.mmap], path: Path, size: int, slot: int) -> mmap.mmap:
-        """``path`` (one of ``slot``'s files) mapped, at least ``size`` bytes (grown when the
-        state grows)."""
-        current = maps.get(slot)
-        if current is not None and len(current) >= size:
-            return current
-        if current is not None:
-            current.close()
-        with open(path, "a+b") as f:
-            # Allocated now, not on first touch: a full tmpfs is an OSError here, where a write
-            # into a mapped hole would be a SIGBUS that kills the worker.
-            os.posix_fallocate(f.fileno(), 0, max(size, 1))
-            maps[slot] = mmap.mmap(f.fileno(), max(size, 1))
-        return maps[slot]
+    def _header_body(self, step: int, layout: Layout, size: int, digest: str) -> bytes:
+        return header_body(step, self.fingerprint, self.world_size, self.rank, layout, size, digest)
 
     # ------------------------------------------------------------------ reading
     def headers(self) -> dict[int, dict[int, tuple[int, Header]]]:
@@ -331,7 +311,7 @@ class MemoryTier:
         found: dict[int, dict[int, tuple[int, Header]]] = {}
         for r in range(self.world_size):
             for k in SLOTS:
-                h = Header.read(self._header(r, k))
+                h = Header.read(header_path(self.root, r, k))
                 if h is not None and h.fingerprint == self.fingerprint and h.world_size == self.world_size:
                     found.setdefault(h.step, {})[r] = (k, h)
         return found
@@ -366,7 +346,7 @@ class MemoryTier:
 
     def _read_verified(self, slot: int, header: Header) -> bytearray:
         try:
-            data = bytearray(self._data(header.rank, slot).read_bytes()[: header.size])
+            data = bytearray(data_path(self.root, header.rank, slot).read_bytes()[: header.size])
         except OSError as exc:
             raise CheckpointRejected(f"memory slot of rank {header.rank}: unreadable ({exc})") from exc
         digest = slot_hash(memoryview(data))
@@ -381,13 +361,9 @@ class MemoryTier:
         trained (on disk), free the RAM."""
         with contextlib.suppress(OSError):  # a tier that failed is only unmapped
             self.settle()
-        if self._writer is not None:
-            self._writer.shutdown()
-        for m in (*self._maps.values(), *self._heads.values()):
-            with contextlib.suppress(BufferError):
-                m.close()
-        self._maps.clear()
-        self._heads.clear()
+        if self._beside is not None:
+            self._beside.shutdown()
+        self._files.close()
         if self.rank == 0 and step >= total_steps:
             shutil.rmtree(self.root, ignore_errors=True)
 

@@ -90,16 +90,17 @@ class Layouts:
         return self._kept[1]
 
 
-def copy_into(buf: mmap.mmap, groups: list[Group]) -> None:
+def copy_into(buf: mmap.mmap, groups: list[Group], on_cpu: bool = False) -> None:
     """Each dtype group's tensors into the mapped slot with one concatenation (a CUDA group is
-    concatenated on its device, then copied to the host once)."""
+    concatenated on its device, then copied to the host once).  ``on_cpu``: the caller knows every
+    tensor is in host memory (the writer thread's copy: no Python loop over the tensors)."""
     import torch
 
     for dtype, offset, numel, tensors in groups:
         if not numel:
             continue
         dst = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
-        if any(map(_IS_CUDA, tensors)):
+        if not on_cpu and any(map(_IS_CUDA, tensors)):
             # One group can hold both: Adam keeps its step counts on the CPU beside CUDA parameters
             # (unless capturable or fused), numpy's RNG keys share int64 with a BatchNorm's count.
             device = next(t.device for t in tensors if t.is_cuda)

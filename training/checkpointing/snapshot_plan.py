@@ -165,6 +165,8 @@ class SnapshotPlan:
         #: ...and the places, (group, position), of the tensors an optimizer step does not change:
         #: buffers, which a forward may update, and the walked rest (RNG states, a stream's position).
         self.unstepped: list[tuple[int, int]] = []
+        #: Of those, the buffers' places.
+        self.buffers: list[tuple[int, int]] = []
         #: Whether every watched tensor is in host memory (what a copy beside the loop copies).
         self.on_cpu = False
 
@@ -205,6 +207,7 @@ class SnapshotPlan:
                 if part == PART and key in static:
                     if key in buffers:
                         self.unstepped.append((g, len(template)))
+                        self.buffers.append((g, len(template)))
                     elif key.startswith("model."):
                         stepped.append(static[key])
                     template.append(static[key].reshape(-1))
@@ -258,14 +261,18 @@ class SnapshotPlan:
         return True
 
     # ------------------------------------------------------------------ using one
-    def content(self, state: TrainState, rank: int, check: bool = True) -> SlotContent | None:
+    def content(self, state: TrainState, rank: int) -> SlotContent | None:
         """Rank ``rank``'s snapshot of ``state``, as the full walk would lay it out, or None when
-        the model or optimizer is no longer what the plan saw (rule 2).  ``check=False`` leaves
-        the watch to the caller, who must run :meth:`holds` before it uses what this returns."""
+        the model or optimizer is no longer what the plan saw (rule 2)."""
+        light = self.light_parts(state, rank)
+        return None if light is None else self.lay_out(light)
+
+    def light_parts(self, state: TrainState, rank: int) -> dict[str, Any] | None:
+        """Rule 2's check, then the walked rest of ``state`` as checkpoint parts (step, RNG
+        states, scheduler, scaler, cursor, stream position, the optimizer's ``param_groups``):
+        what :meth:`lay_out` lays out.  None when the plan does not hold."""
         model, optimizer = self.parts
-        if state.parts.model is not model or state.parts.optimizer is not optimizer:
-            return None
-        if check and not self.holds():
+        if state.parts.model is not model or state.parts.optimizer is not optimizer or not self.holds():
             return None
         light = state.checkpoint_parts(rank, include_replicated=True, sharded=True)
         light[PART]["optimizer"] = {
@@ -274,11 +281,17 @@ class SnapshotPlan:
                 for g, idx in zip(optimizer.param_groups, self.groups, strict=True)
             ]
         }
+        return light
+
+    def lay_out(self, light: dict[str, Any], templates: list[list[Any]] | None = None) -> SlotContent | None:
+        """The slot content of ``light`` (:meth:`light_parts`) with the watched tensors of
+        ``templates`` (the plan's own by default, :meth:`frozen_templates`' for a copy made
+        later); None when a tensor appeared in the walked rest (the full walk lays it out)."""
         walked = split_parts(light)
         tensors = walked.tensors
         if sum(map(len, tensors.values())) != len(self.light):
-            return None  # a tensor appeared in the walked rest: the full walk lays it out
-        groups = [list(t) for t in self.templates]
+            return None
+        groups = [list(t) for t in templates or self.templates]
         for w in self.light:
             t = tensors[w.part].get(w.key)
             if t is None or t.dtype != w.dtype or t.shape != w.shape:
@@ -292,6 +305,14 @@ class SnapshotPlan:
         return SlotContent(
             skeletons, [(d, o, n, g) for (d, o, n, _i), g in zip(order, groups, strict=True)], self.layout
         )
+
+    def frozen_templates(self) -> list[list[Any]]:
+        """The plan's templates with each buffer copied now: a forward may update one in place
+        before a copy made beside the loop reads it (memory tier rule 7)."""
+        templates = [list(t) for t in self.templates]
+        for g, position in self.buffers:
+            templates[g][position] = templates[g][position].clone()
+        return templates
 
 
 def _rank_of(split: Split) -> int:
