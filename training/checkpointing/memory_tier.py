@@ -14,8 +14,8 @@ manifest, rename, retention: mostly Python), every-step snapshots slowed the dem
 the thread fighting the loop for the interpreter lock.  A snapshot here is a few C-level copies
 with no system call once the slots are mapped — split the state, copy its tensors into a mapped
 slot, hash the slot with the checkpoints' hash (xxh3-128), commit a small header — and, where a
-CPU is free, the copy and the hash run beside the next step's fetch, forward and backward, none of
-them holding the interpreter lock, and the commit just before its optimizer step (rule 7).  The
+CPU is free, all but the capture run beside the next step's backward, which holds no interpreter
+lock, and the commit just before its optimizer step (rule 7).  The
 split walks only the small part of the state: the model's and optimizer's tensors are found once
 by a plan (:mod:`training.checkpointing.snapshot_plan`), checked at every snapshot and copied.
 
@@ -54,14 +54,17 @@ Rules (numbered; cited in code):
    (``convoy chaos``: a corrupt and a deleted checkpoint left no other).
 7. **Copied beside the loop, committed before the next update.**  The worker's tier
    (``overlap``), for a snapshot through a plan of a state in host memory, takes on the loop's
-   thread the plan's check, the walked rest (step, RNG states, scheduler, scaler, cursor, stream
-   position) and copies of the model's buffers (a forward may update them), zeroes the slot's
-   header length, and hands the copy of the parameters and the optimizer's state, the hash and
-   the header's body to its writer thread (``convoy-memory``,
-   :mod:`~training.checkpointing.writer_thread`): they run while the loop fetches its next
-   batch and runs its forward and backward, which change none of those tensors.  Before the
-   optimizer step the loop calls :meth:`MemoryTier.settle`, which waits for the writer and
-   commits, as torchtitan's async checkpointing waits for its staging before the optimizer step.
+   thread the plan's check, the walked rest (step, RNG states, scheduler, scaler, cursor) as new
+   objects and copies of the model's buffers (a forward may update them), and hands the rest to
+   its writer thread (``convoy-memory``, :mod:`~training.checkpointing.beside`): lay the walked
+   rest out, serialise the skeletons, zero the slot's header length, copy the parameters and the
+   optimizer's state, hash, write the header's body.  The job is handed over when the loop's
+   next backward begins (``train_step``'s ``before_backward``): autograd holds no interpreter
+   lock, so the writer's Python does not slow the loop as it did beside the fetch and forward,
+   and neither changes those tensors.  A stream's position (which the next fetch may move) is
+   laid out on the loop's thread.  Before the optimizer step the loop calls
+   :meth:`MemoryTier.settle`, which waits for the writer and commits, as torchtitan's async
+   checkpointing waits for its staging before the optimizer step.
    A parameter changed in place between the snapshot and the commit (a hook that edits weights
    in the forward) moves its version counter (only the optimizer's step changes its state); that snapshot is not
    committed (``changed_before_commit``), the other slot stays.  A kill before the commit

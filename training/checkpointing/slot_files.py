@@ -1,18 +1,14 @@
 """One rank's memory-tier slot files, mapped, and the three steps that write a slot.
 
 Why a module of its own: :mod:`training.checkpointing.memory_tier` decides *when* a slot is
-written and which snapshot a resume takes; this writes the bytes.  A slot is written in three
-steps, split by which thread may run them (memory tier rule 7):
+written and which snapshot a resume takes; this writes the bytes, on the loop's thread or on the
+tier's writer thread (:mod:`training.checkpointing.beside`, memory tier rule 7), in three steps:
 
-1. :meth:`SlotFiles.open` and :func:`place_skeleton`, on the loop's thread: the slot's header
+1. :meth:`SlotFiles.open` and :func:`place_skeleton`: the slot's header
    length zeroed (uncommitted from here on), its data mapped at the state's size, the alignment
    gaps zeroed and the JSON skeletons written after the tensors' bytes;
 2. :func:`copy_and_hash`: the tensors copied into the mapping and the whole slot hashed — a few C
-   calls that release the interpreter lock, so they may run on the tier's writer thread beside the
-   next step.  Nothing else runs there: measured with the demo at one torch thread
-   (``bench/snapshot_cost.py``), each millisecond of Python on that thread slowed the loop's step
-   by about three (the two threads hand the lock back and forth at every torch call of the step),
-   while the copy and the hash alone cost the step ~0.7 %;
+   calls that release the interpreter lock;
 3. :meth:`SlotFiles.commit`: the header's body (:meth:`SlotFiles.prepare`, which the writer
    thread may run), then its length and checksum, written last, on the loop's thread
    (:meth:`SlotFiles.write_commit`, :func:`~training.checkpointing.slot_format.encode_header`).
