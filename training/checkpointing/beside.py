@@ -11,7 +11,9 @@ runs in C++), so a job that starts there runs beside it for free: the loop tells
 :meth:`BesideCopy.backward_begins` (``training.step.accumulate`` calls it before the first
 backward; until then the writer thread sleeps, woken by nothing), and :meth:`BesideCopy.take`
 hands over a job no backward did (a task's own ``train_step``, which has no such call: its
-snapshots are copied while the loop waits).
+snapshots are copied while the loop waits).  A backward shorter than the job (a model far smaller
+than its optimizer's state) leaves the rest to the settle's wait, which counts as the snapshot's
+stall, so ``memory_every_steps: auto`` sees it.
 
 What the writer reads must not change before it does (memory tier rule 7): the parameters and the
 optimizer's state change only in the optimizer step, after the commit; the buffers are copied on
