@@ -31,8 +31,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from training.checkpointing.slot_files import SlotFiles, copy_and_hash, place_skeleton
-from training.checkpointing.snapshot_plan import PLAN_ERRORS, SlotContent, SnapshotPlan, skeleton_bytes
+from training.checkpointing.slot_files import SlotFiles, copy_and_hash
+from training.checkpointing.snapshot_plan import PLAN_ERRORS, SlotContent, SnapshotPlan
 from training.checkpointing.writer_thread import WriterThread
 
 if TYPE_CHECKING:
@@ -116,8 +116,6 @@ class BesideCopy:
                 content = None
             if content is None:
                 return None
-        skeleton = skeleton_bytes(content.skeletons)
-        buf = self._files.open(slot, content.layout.end + len(skeleton))
-        size = place_skeleton(buf, content.layout, skeleton)
+        buf, size = self._files.open_for(slot, content)
         digest = copy_and_hash(buf, content.groups, size, on_cpu=True)
         return self._files.prepare(slot, self._header(step, content.layout, size, digest))

@@ -95,7 +95,6 @@ from training.checkpointing.slot_files import (
     data_path,
     header_body,
     header_path,
-    place_skeleton,
 )
 from training.checkpointing.slot_format import Header, slot_hash, slot_manifest, slot_parts
 from training.checkpointing.slot_layout import Layout, Layouts
@@ -104,7 +103,6 @@ from training.checkpointing.snapshot_plan import (
     PLAN_ERRORS,
     SlotContent,
     SnapshotPlan,
-    skeleton_bytes,
     split_parts,
 )
 from training.checkpointing.store import Candidate, CheckpointStore
@@ -235,7 +233,7 @@ class MemoryTier:
         # Not committed; the next snapshot takes this slot again: the other is the newest one.
         self.next_slot = job.slot
         if commit is None:  # the plan no longer held: the next snapshot walks and makes a new one
-            self._plan, self._plans_failed = None, self._plans_failed + 1
+            self._drop_plan()
             self.broken_before_commit += 1
         else:  # a model that edits its weights between two steps: copied on this thread from now
             self.changed_before_commit += 1
@@ -252,7 +250,7 @@ class MemoryTier:
         except PLAN_ERRORS:  # a plan that cannot tell does not hold
             light = None
         if light is None:
-            self._plan, self._plans_failed = None, self._plans_failed + 1
+            self._drop_plan()
         return light
 
     def _laid_out(self, light: dict[str, Any] | None) -> SlotContent | None:
@@ -264,8 +262,13 @@ class MemoryTier:
         except PLAN_ERRORS:
             content = None
         if content is None:
-            self._plan, self._plans_failed = None, self._plans_failed + 1
+            self._drop_plan()
         return content
+
+    def _drop_plan(self) -> None:
+        """The plan no longer holds: the next snapshot takes the full walk, which makes another
+        (until :data:`MAX_REBUILDS` of them broke)."""
+        self._plan, self._plans_failed = None, self._plans_failed + 1
 
     def _walked(self, state: TrainState) -> SlotContent:
         """The state laid out by the full walk (:mod:`training.checkpointing.snapshot_plan`),
@@ -297,9 +300,7 @@ class MemoryTier:
         skeletons written (:mod:`~training.checkpointing.slot_files`' step 1): (slot, the mapping,
         the slot's size)."""
         slot = self._take_slot()
-        skeleton = skeleton_bytes(content.skeletons)
-        buf = self._files.open(slot, content.layout.end + len(skeleton))
-        return slot, buf, place_skeleton(buf, content.layout, skeleton)
+        return slot, *self._files.open_for(slot, content)
 
     def _commit(self, slot: int, step: int, layout: Layout, size: int, digest: str) -> None:
         self._files.commit(slot, self._header_body(step, layout, size, digest))

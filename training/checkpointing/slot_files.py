@@ -25,6 +25,7 @@ import orjson
 
 from training.checkpointing.slot_format import FORMAT, HEAD, encode_header, slot_hash
 from training.checkpointing.slot_layout import Group, copy_into
+from training.checkpointing.snapshot_plan import SlotContent, skeleton_bytes
 
 if TYPE_CHECKING:
     from training.checkpointing.slot_layout import Layout
@@ -57,6 +58,13 @@ class SlotFiles:
         head = _mapped(self._head_maps, self.heads[slot], HEAD, slot)
         head[:8] = bytes(8)
         return _mapped(self._data_maps, self.datas[slot], data_size, slot)
+
+    def open_for(self, slot: int, content: SlotContent) -> tuple[mmap.mmap, int]:
+        """Step 1 for ``content``: :meth:`open` at its size, then :func:`place_skeleton`;
+        returns (the mapping, the slot's size)."""
+        skeleton = skeleton_bytes(content.skeletons)
+        buf = self.open(slot, content.layout.end + len(skeleton))
+        return buf, place_skeleton(buf, content.layout, skeleton)
 
     def commit(self, slot: int, body: bytes) -> None:
         """``body`` (the header's JSON) into ``slot``'s header, its length and checksum last."""
