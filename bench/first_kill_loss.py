@@ -2,7 +2,7 @@
 
 For each of ``--runs`` fresh runs: a worker trains, is SIGKILLed (with its process group) after a
 random step between ``--after`` and ``--before``, and the loss is the last step its journal shows
-minus the step the next worker would resume from (:func:`training.checkpointing.memory_tier.resume_step`:
+minus the step the next worker would resume from (:func:`training.checkpointing.memory.run_memory.resume_step`:
 the memory snapshot when it is newer than the newest verified disk checkpoint).  A first kill is
 the worst case of ``auto``: before any failure the run's MTBF is ``checkpoint.mtbf_hours`` and
 the memory tier snapshots as rarely as ``memory_min_overhead`` allows.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.checkpointing import memory_tier  # noqa: E402
+from training import run_memory  # noqa: E402
 from training.checkpointing.store import CheckpointStore  # noqa: E402
 from training.config import load_config  # noqa: E402
 from training.corpus import prepare  # noqa: E402
@@ -54,7 +54,7 @@ def one_kill(run_dir: Path, target: int) -> tuple[int, int]:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
     disk = CheckpointStore(run_dir).latest_valid(record=False)
-    resume = memory_tier.resume_step(run_dir, disk.step if disk else 0) or 0
+    resume = run_memory.resume_step(run_dir, disk.step if disk else 0) or 0
     return last_row_step(journal), resume
 
 
@@ -75,7 +75,7 @@ def main() -> None:
         last, resume = one_kill(run_dir, rng.randint(args.after, args.before))
         lost.append(last - resume)
         print(f"run {i}: killed after step {last}, resumes at {resume}: {last - resume} step(s) lost", flush=True)
-        memory_tier.remove(run_dir)
+        run_memory.remove(run_dir)
     shutil.rmtree(root, ignore_errors=True)
     print(f"steps lost per first kill: mean {statistics.mean(lost):.1f}, max {max(lost)} ({args.runs} runs)")
 

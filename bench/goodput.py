@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.supervision.worker_zygote import WorkerZygote
-from training.checkpointing import memory_tier
+from training import run_memory
 from training.checkpointing.store import CheckpointStore
 from training.config import load_config
 from training.corpus import prepare
@@ -106,7 +106,7 @@ def train_with_kills(run_dir: Path, zygote: WorkerZygote | None, end: float, kil
                 attempt=attempt,
                 detected_at=round(killed_at, 3),
                 detected_after_s=0,
-                last_committed_step=memory_tier.resume_step(run_dir, resumes.step if resumes else 0),
+                last_committed_step=run_memory.resume_step(run_dir, resumes.step if resumes else 0),
             )
 
 

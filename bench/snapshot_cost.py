@@ -12,11 +12,11 @@ side is drawn at random (seeded) for the snapshot that follows it:
 * ``plan``  — a snapshot through the tier's plan, all on the loop's thread (a worker without a
   free CPU);
 * ``walk``  — a snapshot by the full walk of model and optimizer (a tier without plans, what every
-  snapshot did before ``training/checkpointing/snapshot_plan.py``);
+  snapshot did before ``training/checkpointing/memory/snapshot_plan.py``);
 * ``beside`` — the worker's tier: the loop's thread checks the plan, captures the small rest (step,
   RNG states, scheduler, cursor) and copies the buffers; the writer thread lays it out, copies the
   parameters and the optimizer's state and hashes the slot once the next step's backward begins
-  (``training/checkpointing/beside.py``), and the ``settle`` before that step's optimizer step
+  (``training/checkpointing/memory/beside.py``), and the ``settle`` before that step's optimizer step
   commits the header (memory tier rule 7).
 
 Why drawn per step: the VM's pace drifts (the same step takes 20 ms for a while, then 33 ms; one
@@ -67,9 +67,10 @@ def setup(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from training.checkpointing.memory_tier import MemoryTier, tier_root
+    from training.checkpointing.memory.memory_tier import MemoryTier
     from training.config import load_config
     from training.corpus import prepare
+    from training.run_memory import tier_root
     from training.rundir import open_run
     from training.runtime import build_runtime
     from training.state import configure_determinism

@@ -58,8 +58,7 @@ from tasks.supervision.replacement import REPLACED, replace_parked
 from tasks.supervision.supervisor import ChunkFailed, Outcome, supervise, worker_command
 from tasks.supervision.worker_handle import WorkerHandle
 from tasks.supervision.worker_liveness import DetectionLimits
-from training import faults
-from training.checkpointing import memory_tier
+from training import faults, run_memory
 from training.checkpointing.store import CheckpointStore, ResumePoint, checkpoint_name
 from training.chunk_boundary import boundary_step
 from training.config import RunConfig
@@ -287,7 +286,7 @@ class ChunkRun:
         point = self.resources.checkpoints.resume_point()
         self.set_aside_bad_boundary(point)
         passed_over = point.passed_over_dicts()
-        self.resumed_from = memory_tier.resume_step(rd, point.step) or 0  # the memory tier's when newer
+        self.resumed_from = run_memory.resume_step(rd, point.step) or 0  # the memory tier's when newer
         if self.resumed_from < self.start:
             self.logger.warning(
                 "chunk %d: newest valid checkpoint is step %d, before the chunk start %d%s",

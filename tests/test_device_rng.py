@@ -1,7 +1,7 @@
 """Per-rank device RNG, AMP dtype and device moves: the selection logic, tested without CUDA.
 
 Which saved CUDA generator state applies to which device is a pure function
-(:func:`training.checkpointing.state_check.select_cuda_rng`); the real CUDA round trip is in ``tests/test_cuda.py``.
+(:func:`training.device_rng.select_cuda_rng`); the real CUDA round trip is in ``tests/test_cuda.py``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.checkpointing.state_check import select_cuda_rng
 from training.checkpointing.store import CheckpointStore
 from training.config import SYNTHETIC_GENERATOR, load_config
+from training.device_rng import select_cuda_rng
 from training.state import TrainState, capture_rng, fallback_cuda_seed, restore_rng
 from training.task import TaskParts
 from training.worker import amp_dtype

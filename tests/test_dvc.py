@@ -45,7 +45,7 @@ def dvc_repo(path: Path) -> Path:
 def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
     from tasks.remote.dvc_pull import checkpoint_dvcfiles, pull_run
     from tasks.remote.dvc_version import version_checkpoint, version_checkpoint_async
-    from training.checkpointing import memory_tier
+    from training import run_memory
 
     repo = dvc_repo(tmp_path / "repo")
     remote = tmp_path / "remote"
@@ -91,7 +91,7 @@ def test_version_pull_resume_same_digest(tmp_path: Path) -> None:
             shutil.rmtree(path)
     (run_dir / "checkpoints" / "LATEST").unlink(missing_ok=True)
     shutil.rmtree(repo / ".dvc" / "cache")
-    memory_tier.remove(run_dir)  # another machine's RAM holds nothing of this run either
+    run_memory.remove(run_dir)  # another machine's RAM holds nothing of this run either
     assert CheckpointStore(run_dir).latest_valid(record=False) is None
     assert [p.name for p in checkpoint_dvcfiles(run_dir)] == ["step-000000030.dvc"]
     pulled = pull_run(repo, run_dir, remote=str(remote))

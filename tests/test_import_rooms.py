@@ -2,7 +2,9 @@
 no circle between product modules, no import against the rooms' direction
 (flows -> tasks -> training; inside tasks: top -> {supervision, remote, records},
 remote -> records), Prefect only in the Prefect rooms, MLflow never in ``training``, and no two
-product modules with the same name."""
+product modules with the same name.  Inside ``training``: its checkpoint rooms stand on
+training's base alone, the memory tier's room (``training.checkpointing.memory``) above the rest
+of ``training.checkpointing``, and the state imports no checkpoint room."""
 
 from __future__ import annotations
 
@@ -30,6 +32,27 @@ FORBIDDEN = {
     "tasks.records": {"prefect", "dvc"},
     "tasks.remote": {"prefect"},
 }
+
+#: Training's base: what a checkpoint is made of and where it lives (config, paths, files,
+#: events, the task's parts).  The checkpoint rooms import, of training's top, these alone; they
+#: import, of training, only each other.
+TRAINING_BASE = {
+    "training.chunk_boundary",
+    "training.config",
+    "training.device_rng",
+    "training.events",
+    "training.faults",
+    "training.fsutil",
+    "training.locks",
+    "training.parts",
+    "training.paths",
+    "training.sample_rng",
+    "training.trajectory",
+}
+CHECKPOINTING = "training.checkpointing"
+MEMORY = "training.checkpointing.memory"
+#: What checkpointing stores: any store must be able to take it, so it imports no checkpoint room.
+STATE = {"training.state", "training.task", "training.parts"}
 
 
 def module_name(path: Path) -> str:
@@ -126,3 +149,48 @@ def test_no_two_product_modules_share_a_name() -> None:
     names = Counter(name.rpartition(".")[2] for name, path in product_modules().items() if path.stem != "__init__")
     names.pop("__main__", None)
     assert [n for n, count in names.items() if count > 1] == []
+
+
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def layer_violations(edges: dict[str, set[str]]) -> list[str]:
+    """Imports against training's inner layers: base <- checkpointing <- memory; state apart."""
+    wrong = []
+    for module, deps in edges.items():
+        mine = {d for d in deps if within(d, "training") and d != "training"}
+        if within(module, CHECKPOINTING):
+            wrong += [
+                f"{module} imports {d} (not training's base)"
+                for d in mine
+                if not within(d, CHECKPOINTING) and d not in TRAINING_BASE
+            ]
+            if not within(module, MEMORY):
+                wrong += [f"{module} imports the memory room's {d}" for d in mine if within(d, MEMORY)]
+        if module in TRAINING_BASE:
+            wrong += [f"{module} (base) imports {d}" for d in mine if d not in TRAINING_BASE]
+        if module in STATE:
+            wrong += [f"{module} (the state) imports {d}" for d in mine if within(d, CHECKPOINTING)]
+    return sorted(wrong)
+
+
+def test_training_keeps_its_inner_layers() -> None:
+    edges = {m: deps - {m.rpartition(".")[0]} for m, deps in graph().items() if within(m, "training")}
+    assert set(TRAINING_BASE) <= edges.keys()  # a base module renamed away is said here
+    assert layer_violations(edges) == []
+
+
+def test_the_layer_check_finds_each_kind_of_wrong_import() -> None:
+    edges = {
+        "training.checkpointing.memory.memory_tier": {"training.rundir", "training.paths"},
+        "training.checkpointing.store": {"training.checkpointing.memory.slot_files", "training.config"},
+        "training.paths": {"training.state"},
+        "training.state": {"training.checkpointing.sharded", "training.data"},
+    }
+    assert layer_violations(edges) == [
+        "training.checkpointing.memory.memory_tier imports training.rundir (not training's base)",
+        "training.checkpointing.store imports the memory room's training.checkpointing.memory.slot_files",
+        "training.paths (base) imports training.state",
+        "training.state (the state) imports training.checkpointing.sharded",
+    ]

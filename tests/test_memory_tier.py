@@ -1,4 +1,4 @@
-"""The memory tier (training/checkpointing/memory_tier.py): the newest state in RAM, in front of disk.
+"""The memory tier (training/checkpointing/memory/memory_tier.py): the newest state in RAM, in front of disk.
 
 Real worker processes, real SIGKILLs: a worker killed between two disk checkpoints resumes from
 its memory snapshot (at most one step lost) and ends bitwise where an uninterrupted run ends; a
@@ -19,7 +19,8 @@ import pytest
 import torch
 from engine_util import kill_group, make_run, run_worker, start_worker, wait_for_step
 
-from training.checkpointing import memory_tier, slot_files, slot_format
+from training import run_memory
+from training.checkpointing.memory import memory_tier, slot_files, slot_format
 from training.checkpointing.store import CheckpointStore
 from training.events import Event, read_events
 from training.heartbeat import read_heartbeat
@@ -55,7 +56,7 @@ def _killed_with_both_slots(where: Path) -> Path:
     for attempt in range(3):
         run_dir = make_run(where / f"try-{attempt}", extra=[*TIERS, "checkpoint.memory_beside=false"])
         _kill_at(run_dir, 56, settle_s=0.01)
-        root = memory_tier.tier_root(run_dir)
+        root = run_memory.tier_root(run_dir)
         heads = [root / f"rank-0.slot-{k}.head" for k in memory_tier.SLOTS] if root is not None else []
         if heads and all(slot_format.Header.read(h) is not None for h in heads):
             return run_dir
@@ -110,7 +111,7 @@ def test_a_killed_worker_resumes_from_its_memory_snapshot_and_ends_bitwise(tmp_p
     assert run_worker(reference, 120)[0] == 0
     run_dir = make_run(tmp_path / "run", extra=TIERS)
     killed_at = _kill_at(run_dir, 37)
-    snapshot = memory_tier.newest_step(run_dir, _fingerprint(run_dir))
+    snapshot = run_memory.newest_step(run_dir, _fingerprint(run_dir))
     assert snapshot is not None and killed_at - 1 <= snapshot <= killed_at, (snapshot, killed_at)
     code, out = run_worker(run_dir, 120)
     assert code == 0, out
@@ -120,12 +121,12 @@ def test_a_killed_worker_resumes_from_its_memory_snapshot_and_ends_bitwise(tmp_p
     assert _digest(run_dir) == _digest(reference)
     # Its snapshots were copied beside the loop (tier rule 7: OMP_NUM_THREADS=1 leaves a CPU free).
     assert "convoy-memory" in read_events(run_dir, Event.WORKER_DONE)[-1]["threads"]
-    assert memory_tier.tier_root(run_dir) is not None and not memory_tier.tier_root(run_dir).exists()  # freed
+    assert run_memory.tier_root(run_dir) is not None and not run_memory.tier_root(run_dir).exists()  # freed
 
 
 def _slots(run_dir: Path) -> list[tuple[int, Path, Path]]:
     """(step, header, data) of rank 0's two memory slots, newest first."""
-    root = memory_tier.tier_root(run_dir)
+    root = run_memory.tier_root(run_dir)
     assert root is not None
     out = []
     for k in memory_tier.SLOTS:
@@ -149,7 +150,7 @@ def test_a_stale_foreign_or_corrupt_snapshot_is_never_restored(tmp_path: Path) -
         header.write_bytes(
             b"".join(slot_format.encode_header(json.dumps({**saved, "fingerprint": "0123456789abcdef"}).encode()))
         )
-    assert memory_tier.newest_step(run_dir, _fingerprint(run_dir)) is None
+    assert run_memory.newest_step(run_dir, _fingerprint(run_dir)) is None
     code, out = run_worker(run_dir, 60)
     assert code == 0, out
     assert _resumed(run_dir)["tier"] == "disk" and _resumed(run_dir)["step"] == 50
@@ -175,7 +176,7 @@ def test_a_stale_foreign_or_corrupt_snapshot_is_never_restored(tmp_path: Path) -
     # (every 16 steps: 48, then 64) leaves 48 in memory; its successor resumes 50 from disk.
     run_dir = make_run(tmp_path / "older", extra=["checkpoint.every_steps=50", "checkpoint.memory_every_steps=16"])
     _kill_at(run_dir, 53)
-    assert memory_tier.newest_step(run_dir, _fingerprint(run_dir)) == 48
+    assert run_memory.newest_step(run_dir, _fingerprint(run_dir)) == 48
     code, out = run_worker(run_dir, 60)
     assert code == 0, out
     assert _resumed(run_dir)["tier"] == "disk" and _resumed(run_dir)["step"] == 50
@@ -186,17 +187,17 @@ def test_a_run_directory_made_again_is_another_run(tmp_path: Path) -> None:
     and training it again never resumes the deleted run's snapshot."""
     run_dir = make_run(tmp_path, extra=TIERS)
     _kill_at(run_dir, 12)
-    first = memory_tier.tier_root(run_dir)
+    first = run_memory.tier_root(run_dir)
     assert first is not None and first.exists()
     import shutil
 
     shutil.rmtree(run_dir)
     again = make_run(tmp_path, extra=TIERS)
-    assert again == run_dir and memory_tier.tier_root(again) != first
+    assert again == run_dir and run_memory.tier_root(again) != first
     code, out = run_worker(again, 10)
     assert code == 0, out
     assert read_events(again, Event.STARTED) and not read_events(again, Event.RESUMED)  # from step 0
-    memory_tier.remove(run_dir)
+    run_memory.remove(run_dir)
     shutil.rmtree(first, ignore_errors=True)
 
 
@@ -219,10 +220,10 @@ def test_a_snapshot_past_a_boundary_that_never_reached_disk_is_passed_over(tmp_p
     kill_group(p, signal.SIGKILL)
     p.wait()
     disk = [step for step, _ in CheckpointStore(run_dir).step_dirs()]
-    snapshot = memory_tier.newest_step(run_dir, _fingerprint(run_dir))
+    snapshot = run_memory.newest_step(run_dir, _fingerprint(run_dir))
     assert 50 not in disk and snapshot is not None and snapshot > 50, (disk, snapshot)
     newest_disk = max(disk, default=0)
-    assert memory_tier.resume_step(run_dir, newest_disk) == newest_disk  # what the flow reports agrees
+    assert run_memory.resume_step(run_dir, newest_disk) == newest_disk  # what the flow reports agrees
 
     code, out = run_worker(run_dir, 120)
     assert code == 0, out

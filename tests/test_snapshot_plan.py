@@ -1,4 +1,4 @@
-"""The memory tier's fast path (training/checkpointing/snapshot_plan.py): same bytes, or no plan.
+"""The memory tier's fast path (training/checkpointing/memory/snapshot_plan.py): same bytes, or no plan.
 
 Two tiers snapshot the same live train state at every step, one through plans, one by the full
 walk of model and optimizer every time; their slots must be byte-for-byte equal (rule 1), also
@@ -22,10 +22,10 @@ import pytest
 import torch
 from torch import nn
 
-from training.checkpointing import slot_format
-from training.checkpointing.memory_tier import MemoryTier
+from training.checkpointing.memory import slot_format
+from training.checkpointing.memory.memory_tier import MemoryTier
+from training.checkpointing.memory.snapshot_plan import MAX_REBUILDS
 from training.checkpointing.schedule import MemorySchedule
-from training.checkpointing.snapshot_plan import MAX_REBUILDS
 from training.state import TrainState
 from training.task import TaskParts
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from training import hermetic
-from training.checkpointing import memory_tier
+from training.checkpointing.memory import memory_tier
 from training.checkpointing.writer_thread import NAME, WriterThread
 
 

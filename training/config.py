@@ -180,7 +180,7 @@ class CheckpointConfig(_Strict):
     keep_every: int = Field(0, ge=0)
     #: Byte cap over all checkpoints (0 = no cap); the newest verified one is always kept.
     max_bytes: int = Field(0, ge=0)
-    #: The memory tier (``training.checkpointing.memory_tier``): snapshot the state into RAM
+    #: The memory tier (``training.checkpointing.memory.memory_tier``): snapshot the state into RAM
     #: (``/dev/shm``) every N steps, restored after a kill when newer than the disk tier; ``auto``:
     #: Young/Daly with the snapshot's measured cost and the run's MTBF, held between
     #: ``memory_min_overhead`` and ``memory_max_overhead`` of the step time; null: off.  Never

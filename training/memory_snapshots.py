@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from training.checkpointing.memory_tier import MemoryTier
+from training.checkpointing.memory.memory_tier import MemoryTier
 from training.checkpointing.schedule import MemorySchedule
 from training.state import TrainState
 

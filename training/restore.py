@@ -26,12 +26,14 @@ from typing import Any
 import torch
 
 from training import distributed
+from training.checkpointing import sharded
 from training.checkpointing.errors import CheckpointRejected
-from training.checkpointing.memory_tier import merged
+from training.checkpointing.memory.memory_tier import merged
 from training.checkpointing.store import Candidate, Checkpoint
 from training.config import ConfigError
 from training.data import mix_seed
 from training.events import Event, append_event
+from training.parts import TaskParts
 from training.rundir import describe_change, recorded_trajectories, run_info
 from training.runtime import Runtime
 from training.state import seed_everything
@@ -57,7 +59,7 @@ class Restored:
 
 def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) -> Restored:
     """Walk the candidates newest first — the memory tier's snapshot among the disk checkpoints
-    where its step puts it (:func:`~training.checkpointing.memory_tier.merged`); see the module
+    where its step puts it (:func:`~training.checkpointing.memory.memory_tier.merged`); see the module
     docstring for what happens to each."""
     t0 = time.perf_counter()
     for candidate, in_memory in merged(runtime.memory, runtime.store):
@@ -143,7 +145,7 @@ def apply(
     rank, world = runtime.rank, runtime.world_size
     saved_world = int(checkpoint.manifest.get("world_size", 1))
     has_rng = f"rank-{rank}" in parts
-    runtime.state.restore(parts, rank, restore_rng_state=has_rng, checkpoint_dir=checkpoint.path)
+    runtime.state.restore(parts, rank, restore_rng_state=has_rng, load_weights=sharded_weights(checkpoint, parts))
     if has_rng and runtime.device.type == "cuda":
         log(runtime.state.rng_note)
     if not has_rng:  # more ranks than when saved: a fresh, deterministic stream for this rank
@@ -155,6 +157,15 @@ def apply(
         log(f"world size changed {saved_world} -> {world}: same global batch and sample position")
         append_event(run_dir, Event.WORLD_SIZE_CHANGED, step=checkpoint.step, old=saved_world, new=world)
     return world_changed
+
+
+def sharded_weights(checkpoint: Checkpoint, parts: dict[str, Any]) -> Callable[[TaskParts], None] | None:
+    """How a sharded checkpoint's model and optimizer are loaded (collectively, from its
+    directory: every rank calls it), or None: they are in ``parts`` (the replicated format)."""
+    if sharded.LAYOUT not in parts:
+        return None
+    skeleton = parts[sharded.LAYOUT]
+    return lambda p: sharded.load_shards(checkpoint.path, skeleton, p.model, p.optimizer)
 
 
 def resume_stream(runtime: Runtime, step: int, saved_world: int, parts: dict[str, Any]) -> None:

@@ -26,15 +26,17 @@ import torch
 
 from training import distributed
 from training.checkpointing import sharded
-from training.checkpointing.memory_tier import MemoryTier, open_tier
+from training.checkpointing.memory.memory_tier import MemoryTier
 from training.checkpointing.schedule import MemorySchedule, SaveSchedule
 from training.checkpointing.state_check import ExpectedState, checkpoint_validator, write_task_shapes
 from training.checkpointing.store import CheckpointStore, WriterGroup
 from training.config import ConfigError, RunConfig
 from training.data import mix_seed
+from training.parts import TaskParts
 from training.paths import RunPaths
+from training.run_memory import open_tier
 from training.state import TrainState, configure_determinism, seed_everything
-from training.task import TaskParts, build_task
+from training.task import build_task
 
 
 def pick_device(config: RunConfig) -> torch.device:
@@ -128,7 +130,7 @@ class Runtime:
     state: TrainState
     store: CheckpointStore
     fresh: FreshSettings
-    #: The memory tier's store (:mod:`training.checkpointing.memory_tier`); None when off.
+    #: The memory tier's store (:mod:`training.checkpointing.memory.memory_tier`); None when off.
     memory: MemoryTier | None = None
 
     @property
@@ -222,7 +224,7 @@ def open_store(config: RunConfig, run_dir: Path, parts: TaskParts, rank: int, wo
 
 def open_memory_tier(config: RunConfig, store: CheckpointStore) -> MemoryTier | None:
     """The memory tier beside ``store`` (this rank, same validation), or None where the run
-    keeps none (:func:`training.checkpointing.memory_tier.enabled`)."""
+    keeps none (:func:`training.run_memory.open_tier`)."""
     memory = open_tier(store.run_dir, config, store.rank, store.world_size)
     if memory is not None:
         memory.validator = store.validator

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import xxhash
 
-from training.checkpointing import sharded
-from training.checkpointing.state_check import select_cuda_rng
 from training.data import Cursor
+from training.device_rng import select_cuda_rng
 from training.numpy_rng import legacy_state
-from training.task import TaskParts
+from training.parts import TaskParts
 
 
 def configure_determinism(deterministic: bool, device: torch.device) -> None:
@@ -135,7 +134,7 @@ class TrainState:
 
     def checkpoint_parts(self, rank: int = 0, include_replicated: bool = True, sharded: bool = False) -> dict[str, Any]:
         """What the store writes for this rank.  ``sharded``: model and optimizer are left out
-        (``training.checkpointing.sharded`` writes them collectively); the rest stays in rank 0's ``state``."""
+        (the sharded format writes them collectively); the rest stays in rank 0's ``state``."""
         out: dict[str, Any] = {f"rank-{rank}": {"rng": capture_rng(self.device), "step": self.step}}
         stream = self.stream.state_dict() if self.stream is not None else self.stream_saved
         if stream is not None:  # absent for map-style data: those checkpoints stay as they were
@@ -153,20 +152,23 @@ class TrainState:
         return out
 
     def restore(
-        self, loaded: dict[str, Any], rank: int = 0, restore_rng_state: bool = True, checkpoint_dir: Path | None = None
+        self,
+        loaded: dict[str, Any],
+        rank: int = 0,
+        restore_rng_state: bool = True,
+        load_weights: Callable[[TaskParts], None] | None = None,
     ) -> None:
-        """``loaded`` is ``CheckpointStore.load``'s parts.  A sharded checkpoint (its parts carry the
-        shard skeleton) is read collectively from ``checkpoint_dir``: every rank must call this.
+        """``loaded`` is ``CheckpointStore.load``'s parts.  ``load_weights``: model and optimizer
+        are loaded by the caller, not from ``loaded["state"]`` (a sharded checkpoint, read
+        collectively from its directory by :mod:`training.restore`: every rank calls this).
 
         ``loaded`` passed :func:`checkpoint_validator` (the store does not hand out parts that did
         not): the checks below restate its promises, so one failing here is a bug and raises as
         such (a crash of the worker), never a reason to pass the checkpoint over."""
         saved = loaded["state"]
         p = self.parts
-        if sharded.LAYOUT in loaded:
-            if checkpoint_dir is None:
-                raise ValueError("sharded checkpoint: restore needs the checkpoint directory")
-            sharded.load_shards(checkpoint_dir, loaded[sharded.LAYOUT], p.model, p.optimizer)
+        if load_weights is not None:
+            load_weights(p)
         else:
             p.model.load_state_dict(saved["model"])
             p.optimizer.load_state_dict(saved["optimizer"])

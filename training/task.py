@@ -4,60 +4,23 @@
 ``factory(config, device)`` and returns :class:`TaskParts`.  Everything in it must be built
 deterministically from ``config`` (convoy seeds every RNG before calling it), because a resumed
 worker rebuilds the parts and then overwrites their state from the checkpoint.
+
+:class:`TaskParts` lives in :mod:`training.parts` (a bottom module the checkpoint rooms may name)
+and is re-exported here, where users' factories import it from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch.utils.data import Dataset
 
 from training.config import ConfigError, DataMissing, RunConfig, resolve_task_factory
-from training.sample_rng import HOST_RNGS, check_rngs
+from training.parts import TaskParts
+from training.sample_rng import check_rngs
 from training.streams import check_stream, is_stream
 
-
-@dataclass
-class TaskParts:
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    #: Stepped once per optimizer step; its position is the global step.
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None
-    #: A map-style ``Dataset``, or a stream: an ``IterableDataset`` with ``state_dict()`` and
-    #: ``load_state_dict()`` (an endless one, sharded by rank and loader worker; see
-    #: :mod:`training.streams`).  Each sample is fetched with python, numpy and torch's CPU
-    #: generator seeded by its place in the run (:mod:`training.sample_rng`).
-    train_data: Dataset
-    #: ``loss_fn(model, batch) -> scalar loss``: ``batch`` is what the DataLoader yields (after
-    #: ``collate_fn``) with every tensor moved to the device, whatever its structure: a tensor, a
-    #: tuple/list, a dict such as ``{"input_ids", "attention_mask", "labels"}``, or a nesting of
-    #: those (:mod:`training.batch`).  With gradient accumulation it is called once per
-    #: micro-batch and must return the micro-batch's mean loss; convoy scales it.
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
-    val_data: Dataset | None = None
-    #: Tokens per sample, for the tokens-seen counter and tokens/s.
-    tokens_per_sample: int = 1
-    #: Builds a batch from a list of samples (DataLoader's ``collate_fn``); None = PyTorch's
-    #: default, which stacks tensors inside tuples, lists and dicts alike.  Used for the
-    #: validation batches too.  Must be deterministic and must not draw from the global RNG.
-    collate_fn: Callable[[list[Any]], Any] | None = None
-    #: Escape hatch for updates the default step does not cover (two optimizers, custom
-    #: clipping): ``train_step(model, batch, optimizer, scaler) -> metrics`` does the whole
-    #: update (zero_grad, backward, optimizer step) for one batch on the device and returns at
-    #: least ``{"loss": float}``.  convoy still owns the state, cursor, LR scheduler (stepped
-    #: after it), checkpoints and metrics.  Not combinable with ``train.grad_accum_steps`` > 1.
-    train_step: Callable[[torch.nn.Module, Any, torch.optim.Optimizer, Any], dict[str, float]] | None = None
-    #: The host generators a sample's fetch draws from, each seeded per sample: any of
-    #: ``"torch"`` (CPU), ``"numpy"``, ``"python"``.  All three by default; a task whose
-    #: ``__getitem__`` draws only from torch (torchvision-style transforms) may name just
-    #: ``("torch",)`` (the default already seeds numpy and python only for samples that draw
-    #: from them, :mod:`training.sample_rng`).  A generator left out is
-    #: seeded once per loader worker only: drawing from it makes samples depend on the worker.
-    sample_rngs: tuple[str, ...] = HOST_RNGS
+__all__ = ["TaskParts", "build_task", "check_task"]
 
 
 def build_task(config: RunConfig, device: torch.device) -> TaskParts:

@@ -47,6 +47,7 @@ from training.events import (
 )
 from training.heartbeat import Heartbeat
 from training.memory_snapshots import MemorySnapshots
+from training.parts import TaskParts
 from training.paths import RunPaths
 from training.restore import Restored, restore_newest
 from training.rundir import RunBusy, load_run_config, run_info
@@ -54,7 +55,6 @@ from training.runtime import Runtime, Session, amp_dtype, build_runtime, pick_de
 from training.state import TrainState
 from training.step import micro_batches, train_step, validation_enabled, validation_loss
 from training.streams import is_stream
-from training.task import TaskParts
 from training.tracking.metrics import JsonlBackend, MetricBackend, StepMetricLogger
 
 #: Re-exported: tests and benchmarks import them from here.

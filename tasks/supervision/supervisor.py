@@ -43,8 +43,7 @@ from tasks.supervision.multinode import failed_node, launcher_command
 from tasks.supervision.worker_liveness import Watch, failure_verdict, fresh_beats
 from tasks.supervision.worker_log import LogFollower
 from tasks.supervision.worker_source import Acquired, Source, WorkerSource, clock
-from training import chunk_boundary
-from training.checkpointing import memory_tier
+from training import chunk_boundary, run_memory
 from training.events import EXIT_CONFIG, Event, FailureKind, Phase, append_event
 from training.fsutil import file_size
 from training.heartbeat import read_heartbeat
@@ -321,7 +320,7 @@ class WorkerAttempt:
         """Audit the failure (one ``failure`` event, steps lost by their one definition) and say it."""
         verdict = self.classify(rc)
         point = self.spec.store().resume_point()
-        committed, passed_over = memory_tier.resume_step(self.run_dir, point.step), point.passed_over_dicts()
+        committed, passed_over = run_memory.resume_step(self.run_dir, point.step), point.passed_over_dicts()
         trained_to = trained_high_water(self.run_dir, self.watched.last_step, self.metrics_offset)
         details = FailureDetails(
             detected_after_s=round(verdict.detected_after_s, 3),

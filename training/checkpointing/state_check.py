@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 from training.checkpointing import sharded
 from training.checkpointing.errors import CheckpointRejected
 from training.checkpointing.safetensors_io import TensorMeta
+from training.device_rng import select_cuda_rng
 from training.fsutil import atomic_write_json
 
 if TYPE_CHECKING:
-    from training.task import TaskParts
+    from training.parts import TaskParts
 
 
 def is_tensor(x: Any) -> bool:
@@ -34,34 +35,6 @@ def is_tensor(x: Any) -> bool:
         return not x.array
     torch = sys.modules.get("torch")  # a real tensor exists only where torch was imported
     return torch is not None and isinstance(x, torch.Tensor)
-
-
-def select_cuda_rng(saved: list[Any], device_index: int) -> tuple[Any, str]:
-    """Pick the saved CUDA generator state that belongs to this rank's device (pure: no CUDA).
-
-    Returns ``(state, how)``; ``state`` None means none applies (``how`` says why) and the
-    caller seeds a fresh stream (:func:`fallback_cuda_seed`).  Formats:
-
-    * current: ``[{"device": i, "state": t}]``, this rank's own stream.  It is taken whatever
-      ``i`` is: the stream belongs to the rank, and a resume may put the rank on another device
-      index (other visible devices, another node shape); ``i`` is kept for diagnostics.
-    * old (before per-rank device RNG): a list of plain tensors, one per device visible to the
-      rank when saved, by index.  The entry for ``device_index`` is taken when present; when the
-      checkpoint has fewer entries (resumed with more visible devices), there is none.
-    * ``[]`` (saved on CPU): none.
-    """
-    if not saved:
-        return None, "checkpoint has no CUDA RNG state (saved on CPU)"
-    if all(isinstance(e, dict) and "state" in e for e in saved):
-        if len(saved) != 1:
-            raise ValueError(f"rank RNG holds {len(saved)} per-rank CUDA states; expected one")
-        entry = saved[0]
-        return entry["state"], f"rank stream (saved on cuda:{entry.get('device')})"
-    if not all(is_tensor(e) for e in saved):
-        raise ValueError("rank RNG 'cuda' entry is neither per-rank nor a list of device states")
-    if device_index < len(saved):
-        return saved[device_index], f"old all-devices format, entry {device_index} of {len(saved)}"
-    return None, f"old all-devices format holds {len(saved)} device(s), none for cuda:{device_index}"
 
 
 #: Per-parameter optimizer buffers of torch's built-in optimizers that mirror the parameter's
@@ -188,7 +161,7 @@ def _check_cuda_rng(saved: Any, rank: int) -> None:
     if not isinstance(saved, list):
         raise CheckpointRejected(f"rank-{rank}: RNG 'cuda' entry is not a list")
     try:
-        select_cuda_rng(saved, 0)
+        select_cuda_rng(saved, 0, is_tensor)
     except ValueError as exc:  # select_cuda_rng names what is malformed
         raise CheckpointRejected(f"rank-{rank}: {exc}") from None
 

@@ -17,7 +17,7 @@ slot, hash the slot with the checkpoints' hash (xxh3-128), commit a small header
 CPU is free, all but the capture run beside the next step's backward, which holds no interpreter
 lock, and the commit just before its optimizer step (rule 7).  The
 split walks only the small part of the state: the model's and optimizer's tensors are found once
-by a plan (:mod:`training.checkpointing.snapshot_plan`), checked at every snapshot and copied.
+by a plan (:mod:`training.checkpointing.memory.snapshot_plan`), checked at every snapshot and copied.
 
 Layout, per rank ``r``: two slots, ``rank-<r>.slot-<k>.bin`` (every tensor's bytes, one after the
 other, then the JSON skeletons of the state) and ``rank-<r>.slot-<k>.head`` (its header: step,
@@ -56,7 +56,7 @@ Rules (numbered; cited in code):
    (``overlap``), for a snapshot through a plan of a state in host memory, takes on the loop's
    thread the plan's check, the walked rest (step, RNG states, scheduler, scaler, cursor) as new
    objects and copies of the model's buffers (a forward may update them), and hands the rest to
-   its writer thread (``convoy-memory``, :mod:`~training.checkpointing.beside`): lay the walked
+   its writer thread (``convoy-memory``, :mod:`~training.checkpointing.memory.beside`): lay the walked
    rest out, serialise the skeletons, zero the slot's header length, copy the parameters and the
    optimizer's state, hash, write the header's body.  The job is handed over when the loop's
    next backward begins (``train_step``'s ``before_backward``): autograd holds no interpreter
@@ -86,9 +86,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from training.checkpointing.beside import BesideCopy
 from training.checkpointing.errors import CheckpointRejected
-from training.checkpointing.slot_files import (
+from training.checkpointing.memory.beside import BesideCopy
+from training.checkpointing.memory.slot_files import (
     SLOTS,
     SlotFiles,
     copy_and_hash,
@@ -96,9 +96,9 @@ from training.checkpointing.slot_files import (
     header_body,
     header_path,
 )
-from training.checkpointing.slot_format import Header, slot_hash, slot_manifest, slot_parts
-from training.checkpointing.slot_layout import Layout, Layouts
-from training.checkpointing.snapshot_plan import (
+from training.checkpointing.memory.slot_format import Header, slot_hash, slot_manifest, slot_parts
+from training.checkpointing.memory.slot_layout import Layout, Layouts
+from training.checkpointing.memory.snapshot_plan import (
     MAX_REBUILDS,
     PLAN_ERRORS,
     SlotContent,
@@ -106,35 +106,39 @@ from training.checkpointing.snapshot_plan import (
     split_parts,
 )
 from training.checkpointing.store import Candidate, CheckpointStore
-from training.checkpointing.verify import Checkpoint, Validator, parse_step
+from training.checkpointing.verify import Checkpoint, Validator
 from training.config import RunConfig
-from training.paths import RunPaths, checkpoint_name
-from training.rundir import run_info
+from training.paths import checkpoint_name
 
 if TYPE_CHECKING:  # the loop's types: the tier is built before them
     import mmap
 
+    from training.checkpointing.memory.source import SnapshotSource
     from training.checkpointing.schedule import MemorySchedule
-    from training.state import TrainState
 
 #: Where the tier lives: a RAM file system on Linux.
 SHM = Path("/dev/shm")
 #: Another place for it (a tmpfs of your own; the tests keep theirs in a temporary directory).
 DIR_ENV = "CONVOY_MEMORY_DIR"
-#: A stream's position in a rank's checkpoint part (``TrainState.checkpoint_parts``): a snapshot
+#: A stream's position in a rank's checkpoint part (``SnapshotSource.checkpoint_parts``): a snapshot
 #: that holds one is laid out on the loop's thread (the next fetch may move it; rule 7).
 STREAM = "stream"
 
 
-def tier_root(run_dir: str | Path) -> Path | None:
-    """The run's memory tier directory (rule 3), or None where there is no RAM file system."""
-    base = Path(os.environ[DIR_ENV]) if os.environ.get(DIR_ENV) else SHM / f"convoy-{os.getuid()}"
+def tier_dir(run_dir: str | Path, created: str) -> Path | None:
+    """The memory tier directory of the run at ``run_dir`` created at ``created`` (its
+    ``run.json``; rule 3), or None where there is no RAM file system."""
+    base = tier_base()
     if not base.parent.is_dir() or not os.access(base.parent, os.W_OK):
         return None
     run_dir = Path(run_dir).resolve()
-    created = (run_info(run_dir) or {}).get("created", "")
     key = hashlib.blake2b(f"{run_dir}\0{created}".encode(), digest_size=8).hexdigest()
     return base / f"{run_dir.name}-{key}"
+
+
+def tier_base() -> Path:
+    """The folder that holds every run's tier on this machine, for this user."""
+    return Path(os.environ[DIR_ENV]) if os.environ.get(DIR_ENV) else SHM / f"convoy-{os.getuid()}"
 
 
 def enabled(config: RunConfig) -> bool:
@@ -163,13 +167,13 @@ class MemoryTier:
         self._plans_failed = 0
         self.root.mkdir(parents=True, exist_ok=True)
         self.validator: Validator | None = None
-        #: This rank's slot files, mapped once (:mod:`training.checkpointing.slot_files`).
+        #: This rank's slot files, mapped once (:mod:`training.checkpointing.memory.slot_files`).
         self._files = SlotFiles(root, rank)
         #: The slot layout, the same at every snapshot of a run.
         self._layouts = Layouts()
         self.last_stall_s = 0.0
         #: Rule 7: the writer thread that lays out, copies and hashes a snapshot while the loop
-        #: goes on (:mod:`training.checkpointing.beside`).  Built here, in the worker, never in a
+        #: goes on (:mod:`training.checkpointing.memory.beside`).  Built here, in the worker, never in a
         #: process that forks workers (the zygote builds no tier).
         self._beside = BesideCopy(self._files, self._header_body) if overlap else None
         #: Whether the next snapshot may be copied beside the loop (off once one was refused).
@@ -182,7 +186,7 @@ class MemoryTier:
         self.next_slot = min(SLOTS, key=lambda k: steps.get(k, -1))  # overwrite the older one first
 
     # ------------------------------------------------------------------ writing
-    def snapshot(self, state: TrainState, schedule: MemorySchedule) -> None:
+    def snapshot(self, state: SnapshotSource, schedule: MemorySchedule) -> None:
         """This rank's state at its step into the next slot; the schedule learns what it cost.
 
         With ``overlap`` (the worker's tier) a snapshot through a plan of a model in host memory
@@ -240,7 +244,7 @@ class MemoryTier:
             self.beside = False
         return time.perf_counter() - t0
 
-    def _planned(self, state: TrainState) -> dict[str, Any] | None:
+    def _planned(self, state: SnapshotSource) -> dict[str, Any] | None:
         """The walked rest of ``state`` through the plan (checked), or None: no plan, or one that
         no longer holds (dropped: the full walk decides and makes the next)."""
         if self._plan is None:
@@ -270,8 +274,8 @@ class MemoryTier:
         (until :data:`MAX_REBUILDS` of them broke)."""
         self._plan, self._plans_failed = None, self._plans_failed + 1
 
-    def _walked(self, state: TrainState) -> SlotContent:
-        """The state laid out by the full walk (:mod:`training.checkpointing.snapshot_plan`),
+    def _walked(self, state: SnapshotSource) -> SlotContent:
+        """The state laid out by the full walk (:mod:`training.checkpointing.memory.snapshot_plan`),
         which makes the next plan."""
         include = self.rank == 0
         full = split_parts(state.checkpoint_parts(self.rank, include_replicated=include, sharded=False))
@@ -284,7 +288,7 @@ class MemoryTier:
         return SlotContent.of(full, self._layouts)
 
     def write(self, step: int, parts: dict[str, Any]) -> None:
-        """``parts`` (``TrainState.checkpoint_parts``) of ``step`` into the next slot, on this thread."""
+        """``parts`` (``SnapshotSource.checkpoint_parts``) of ``step`` into the next slot, on this thread."""
         self.settle()
         content = SlotContent.of(split_parts(parts), self._layouts)
         slot, buf, size = self._open_slot(content)
@@ -297,7 +301,7 @@ class MemoryTier:
 
     def _open_slot(self, content: SlotContent) -> tuple[int, mmap.mmap, int]:
         """The next slot, its header uncommitted, its data mapped for ``content`` and its
-        skeletons written (:mod:`~training.checkpointing.slot_files`' step 1): (slot, the mapping,
+        skeletons written (:mod:`~training.checkpointing.memory.slot_files`' step 1): (slot, the mapping,
         the slot's size)."""
         slot = self._take_slot()
         return slot, *self._files.open_for(slot, content)
@@ -372,15 +376,6 @@ class MemoryTier:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def open_tier(run_dir: str | Path, config: RunConfig, rank: int = 0, world_size: int = 1) -> MemoryTier | None:
-    """The run's memory tier for one rank of a worker, or None when the run keeps none here."""
-    root = tier_root(run_dir)
-    if root is None or not enabled(config):
-        return None
-    beside = config.checkpoint.memory_beside and spare_cpu(world_size)  # one node: every rank is here
-    return MemoryTier(root, config.fingerprint(), rank, world_size, overlap=beside)
-
-
 def spare_cpu(ranks: int = 1) -> bool:
     """Whether this process may run on a CPU that the torch threads of the ``ranks`` processes
     training beside each other leave free: a copy beside the loop (rule 7) on a CPU the step uses
@@ -437,41 +432,3 @@ def missing_boundary(step: int, boundary_every: int, on_disk: set[int]) -> int |
         return None
     boundary = step // boundary_every * boundary_every
     return boundary if boundary > 0 and boundary not in on_disk else None
-
-
-def newest_step(run_dir: str | Path, fingerprint: str, world_size: int = 1) -> int | None:
-    """Step of the tier's newest snapshot by its headers alone (no hashing): what the flow reports
-    a worker will resume from; the worker verifies it before it restores."""
-    root = tier_root(run_dir)
-    if root is None or not root.is_dir():
-        return None
-    return MemoryTier(root, fingerprint, 0, world_size).newest_step()
-
-
-def resume_step(run_dir: str | Path, disk_step: int | None) -> int | None:
-    """The step the next worker of the run resumes from, as the flow reports it: the memory
-    snapshot's when the run keeps the tier and it is newer than ``disk_step`` (rule 2), else
-    ``disk_step``.  The worker's own restore, which verifies, has the last word."""
-    from training.rundir import load_run_config
-
-    try:
-        config = load_run_config(run_dir)
-    except (OSError, ValueError):
-        return disk_step
-    if not enabled(config):
-        return disk_step
-    memory = newest_step(run_dir, config.fingerprint(), config.train.world_size)
-    if memory is None or memory <= (disk_step or 0):
-        return disk_step
-    on_disk = {step for step in (parse_step(p.name) for p in RunPaths(run_dir).checkpoints.glob("step-*")) if step}
-    on_disk |= committed_boundaries(run_dir)
-    return disk_step if missing_boundary(memory, config.train.chunk_steps, on_disk) is not None else memory
-
-
-def remove(run_dir: str | Path) -> bool:
-    """Drop the run's memory tier (the run finished: nothing will resume from it)."""
-    root = tier_root(run_dir)
-    if root is None or not root.exists():
-        return False
-    shutil.rmtree(root, ignore_errors=True)
-    return True

@@ -17,7 +17,7 @@ stall, so ``memory_every_steps: auto`` sees it.
 
 What the writer reads must not change before it does (memory tier rule 7): the parameters and the
 optimizer's state change only in the optimizer step, after the commit; the buffers are copied on
-the loop's thread (:meth:`~training.checkpointing.snapshot_plan.SnapshotPlan.frozen_templates`);
+the loop's thread (:meth:`~training.checkpointing.memory.snapshot_plan.SnapshotPlan.frozen_templates`);
 the walked rest is the capture's own objects (fresh RNG states, new dicts of plain values) —
 except a stream's position, which the next batch's fetch may move: a snapshot holding one is laid
 out on the loop's thread, and the writer gets that content (:meth:`BesideCopy.submit`'s
@@ -31,12 +31,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from training.checkpointing.slot_files import SlotFiles, copy_and_hash
-from training.checkpointing.snapshot_plan import PLAN_ERRORS, SlotContent, SnapshotPlan
+from training.checkpointing.memory.slot_files import SlotFiles, copy_and_hash
+from training.checkpointing.memory.snapshot_plan import PLAN_ERRORS, SlotContent, SnapshotPlan
 from training.checkpointing.writer_thread import WriterThread
 
 if TYPE_CHECKING:
-    from training.checkpointing.slot_layout import Layout
+    from training.checkpointing.memory.slot_layout import Layout
 
 #: (step, layout, slot size, digest) -> the header's body.
 HeaderBody = Callable[[int, "Layout", int, str], bytes]

@@ -41,14 +41,14 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from training.checkpointing.codec import split_tree
-from training.checkpointing.slot_layout import Flat, Group, Layout, Layouts, signature
+from training.checkpointing.memory.slot_layout import Flat, Group, Layout, Layouts, signature
 
 if TYPE_CHECKING:
     import torch
 
-    from training.state import TrainState
+    from training.checkpointing.memory.source import SnapshotSource
 
-#: The checkpoint part that holds model and optimizer (``TrainState.checkpoint_parts``).
+#: The checkpoint part that holds model and optimizer (``SnapshotSource.checkpoint_parts``).
 PART = "state"
 #: Plans broken (rule 2) before the tier stops making them (rule 4).
 MAX_REBUILDS = 3
@@ -172,7 +172,7 @@ class SnapshotPlan:
 
     # ------------------------------------------------------------------ making one
     @classmethod
-    def build(cls, state: TrainState, full: Split) -> SnapshotPlan | None:
+    def build(cls, state: SnapshotSource, full: Split) -> SnapshotPlan | None:
         """A plan for ``state``, whose full walk gave ``full``; None where rule 3 or 4 says no."""
         model, optimizer = state.parts.model, state.parts.optimizer
         if optimizer._optimizer_state_dict_pre_hooks or optimizer._optimizer_state_dict_post_hooks:
@@ -240,7 +240,7 @@ class SnapshotPlan:
             groups[g][3][position] = groups[g][3][position].clone()
         return SlotContent(content.skeletons, groups, content.layout)
 
-    def agrees(self, state: TrainState, full: Split) -> bool:
+    def agrees(self, state: SnapshotSource, full: Split) -> bool:
         """Rule 4: this plan's content for ``state`` is the full walk's ``full``, bytes and all."""
         import torch
 
@@ -261,13 +261,13 @@ class SnapshotPlan:
         return True
 
     # ------------------------------------------------------------------ using one
-    def content(self, state: TrainState, rank: int) -> SlotContent | None:
+    def content(self, state: SnapshotSource, rank: int) -> SlotContent | None:
         """Rank ``rank``'s snapshot of ``state``, as the full walk would lay it out, or None when
         the model or optimizer is no longer what the plan saw (rule 2)."""
         light = self.light_parts(state, rank)
         return None if light is None else self.lay_out(light)
 
-    def light_parts(self, state: TrainState, rank: int) -> dict[str, Any] | None:
+    def light_parts(self, state: SnapshotSource, rank: int) -> dict[str, Any] | None:
         """Rule 2's check, then the walked rest of ``state`` as checkpoint parts (step, RNG
         states, scheduler, scaler, cursor, stream position, the optimizer's ``param_groups``):
         what :meth:`lay_out` lays out.  None when the plan does not hold."""

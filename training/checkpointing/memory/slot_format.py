@@ -1,7 +1,7 @@
 """What a memory-tier slot's files hold: the header (its format, its commit), the slot's hash,
 and the checkpoint parts and manifest a verified slot stands for.
 
-Kept apart from :mod:`training.checkpointing.memory_tier` (which writes and picks the slots) so the
+Kept apart from :mod:`training.checkpointing.memory.memory_tier` (which writes and picks the slots) so the
 format is read in one place: the header file is the body's length (8 bytes, 0 = none), the body's
 xxh64 (8), then the body (JSON); a slot's bytes are hashed with the checkpoints' xxh3-128.
 """

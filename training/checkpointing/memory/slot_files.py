@@ -1,8 +1,8 @@
 """One rank's memory-tier slot files, mapped, and the three steps that write a slot.
 
-Why a module of its own: :mod:`training.checkpointing.memory_tier` decides *when* a slot is
+Why a module of its own: :mod:`training.checkpointing.memory.memory_tier` decides *when* a slot is
 written and which snapshot a resume takes; this writes the bytes, on the loop's thread or on the
-tier's writer thread (:mod:`training.checkpointing.beside`, memory tier rule 7), in three steps:
+tier's writer thread (:mod:`training.checkpointing.memory.beside`, memory tier rule 7), in three steps:
 
 1. :meth:`SlotFiles.open` and :func:`place_skeleton`: the slot's header
    length zeroed (uncommitted from here on), its data mapped at the state's size, the alignment
@@ -11,7 +11,7 @@ tier's writer thread (:mod:`training.checkpointing.beside`, memory tier rule 7),
    calls that release the interpreter lock;
 3. :meth:`SlotFiles.commit`: the header's body (:meth:`SlotFiles.prepare`, which the writer
    thread may run), then its length and checksum, written last, on the loop's thread
-   (:meth:`SlotFiles.write_commit`, :func:`~training.checkpointing.slot_format.encode_header`).
+   (:meth:`SlotFiles.write_commit`, :func:`~training.checkpointing.memory.slot_format.encode_header`).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from training.checkpointing.slot_format import FORMAT, HEAD, encode_header, slot_hash
-from training.checkpointing.slot_layout import Group, copy_into
-from training.checkpointing.snapshot_plan import SlotContent, skeleton_bytes
+from training.checkpointing.memory.slot_format import FORMAT, HEAD, encode_header, slot_hash
+from training.checkpointing.memory.slot_layout import Group, copy_into
+from training.checkpointing.memory.snapshot_plan import SlotContent, skeleton_bytes
 
 if TYPE_CHECKING:
-    from training.checkpointing.slot_layout import Layout
+    from training.checkpointing.memory.slot_layout import Layout
 
 SLOTS = (0, 1)
 
@@ -112,7 +112,7 @@ def copy_and_hash(buf: mmap.mmap, groups: list[Group], size: int, on_cpu: bool =
 def header_body(
     step: int, fingerprint: str, world_size: int, rank: int, layout: Layout, size: int, digest: str
 ) -> bytes:
-    """Step 3's body: the header of a slot (:class:`~training.checkpointing.slot_format.Header`'s
+    """Step 3's body: the header of a slot (:class:`~training.checkpointing.memory.slot_format.Header`'s
     fields, in its order)."""
     return orjson.dumps(
         {
