@@ -44,6 +44,7 @@ from training.config import ConfigError, RunConfig, load_config
 from training.corpus import entropy_floor
 from training.events import Event, append_event, read_events
 from training.locks import holding
+from training.memory_sweep import free_orphans, freed_line
 from training.paths import RunPaths
 from training.rundir import keyed_config, link_current, open_run, run_info, update_run_info
 from training.tracking.attempts import chunk_history, recorded_digest
@@ -157,6 +158,8 @@ class TrainingRun:
         run_records.begin_run(cfg, run_dir)
         if reap_stale_worker(run_dir, cfg.train.world_size):
             logger.warning("stopped a worker of this run left over from a flow that died")
+        if line := freed_line(free_orphans(cfg.checkpoint.memory_keep_hours, current=run_dir)):
+            logger.warning(line)  # no snapshot outlives its run (training.memory_sweep)
         run.flow_run_name = flow_run_name
         run.taken_over = take_over(cfg, run_dir, flow_run, logger, run.resources.checkpoints, run.resources.notes)
         run.committed = run.newest_committed()

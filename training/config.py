@@ -197,6 +197,10 @@ class CheckpointConfig(_Strict):
     #: copy and commit on the loop's thread, so both slots hold a committed snapshot between two
     #: snapshots (a corrupt newest one falls back to the older).
     memory_beside: bool = True
+    #: A memory tier not resumed for this long (no slot written, no worker's beat) is freed by the
+    #: next flow started on the machine (``training.memory_sweep``), as is one whose run directory
+    #: is gone; ``convoy snapshots`` lists them.  The run still resumes from its disk checkpoints.
+    memory_keep_hours: float = Field(24.0, gt=0)
 
     @model_validator(mode="after")
     def _overhead_band(self) -> CheckpointConfig:

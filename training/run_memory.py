@@ -20,25 +20,36 @@ from training.checkpointing.memory.memory_tier import (
     spare_cpu,
     tier_dir,
 )
+from training.checkpointing.memory.tier_folders import TierOwner
 from training.checkpointing.verify import parse_step
 from training.config import RunConfig
 from training.paths import RunPaths
 from training.rundir import load_run_config, run_info
 
 
+def owner(run_dir: str | Path) -> TierOwner:
+    """Whose a tier is: the run directory (resolved) and its creation time (``run.json``)."""
+    return TierOwner(str(Path(run_dir).resolve()), str((run_info(run_dir) or {}).get("created", "")))
+
+
 def tier_root(run_dir: str | Path) -> Path | None:
     """The run's memory tier directory (rule 3: keyed by the run directory and its creation
     time), or None where there is no RAM file system."""
-    return tier_dir(run_dir, (run_info(run_dir) or {}).get("created", ""))
+    whose = owner(run_dir)
+    return tier_dir(whose.run_dir, whose.created)
 
 
 def open_tier(run_dir: str | Path, config: RunConfig, rank: int = 0, world_size: int = 1) -> MemoryTier | None:
     """The run's memory tier for one rank of a worker, or None when the run keeps none here."""
-    root = tier_root(run_dir)
+    whose = owner(run_dir)
+    root = tier_dir(whose.run_dir, whose.created)
     if root is None or not enabled(config):
         return None
     beside = config.checkpoint.memory_beside and spare_cpu(world_size)  # one node: every rank is here
-    return MemoryTier(root, config.fingerprint(), rank, world_size, overlap=beside)
+    tier = MemoryTier(root, config.fingerprint(), rank, world_size, overlap=beside)
+    if rank == 0:  # whose it is, for the sweep of tiers whose run is gone (training.memory_sweep)
+        whose.write(root)
+    return tier
 
 
 def newest_step(run_dir: str | Path, fingerprint: str, world_size: int = 1) -> int | None:

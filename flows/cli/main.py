@@ -3,7 +3,8 @@
 Every command that takes params accepts ``[PARAMS]`` (default ``params.yaml``; built-in defaults
 if it does not exist) and repeated ``-S section.key=value`` overrides.  A bad input prints one
 line saying what is wrong and how to fix it, exits 2, and writes nothing (:mod:`flows.cli.common`).
-``convoy status`` is in :mod:`flows.cli.status`, ``convoy chaos`` in :mod:`flows.cli.chaos`.
+``convoy status`` is in :mod:`flows.cli.status`, ``convoy chaos`` in :mod:`flows.cli.chaos`,
+``convoy snapshots`` in :mod:`flows.cli.snapshots`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rich.table import Table
 
 from flows.cli.chaos import chaos
 from flows.cli.common import ParamsArg, SetOpt, config_or_exit, console, err, fail
+from flows.cli.snapshots import snapshots
 from flows.cli.status import status
 from training.config import ConfigError, RunConfig
 from training.events import Event, FailureKind
@@ -326,6 +328,7 @@ def _measured_from_run(run_dir: Path, values: dict) -> dict:
 # pull, because `convoy --help` lists the commands in the order they are registered.
 app.command()(status)
 app.command()(chaos)
+app.command()(snapshots)
 
 
 def _pull_target(run_dir: Path, cfg: RunConfig | None) -> Path:
