@@ -39,7 +39,7 @@ from tasks.run_resources import RunResources
 from tasks.supervision.process_group import reap_stale_worker
 from tasks.supervision.supervisor import ChunkFailed
 from tasks.takeover import mlflow_flow_tags, take_over
-from training import chunk_boundary
+from training import chunk_boundary, memory_budget
 from training.config import ConfigError, RunConfig, load_config
 from training.corpus import entropy_floor
 from training.events import Event, append_event, read_events
@@ -147,6 +147,7 @@ class TrainingRun:
         """Pin the run (fingerprint check), point ``runs/<name>`` at it, start its MLflow run,
         close what a dead flow before this one left open; ``flow_run``: (id, name)."""
         flow_run_id, flow_run_name = flow_run
+        cfg = fit_to_host(cfg, logger)
         run_dir = open_run(cfg, allow_config_change=allow_config_change).resolve()
         link_current(cfg)
         update_run_info(run_dir, prefect_ui=prefect_ui_base())  # for the links in MLflow's descriptions
@@ -158,8 +159,6 @@ class TrainingRun:
         run_records.begin_run(cfg, run_dir)
         if reap_stale_worker(run_dir, cfg.train.world_size):
             logger.warning("stopped a worker of this run left over from a flow that died")
-        if line := freed_line(free_orphans(cfg.checkpoint.memory_keep_hours, current=run_dir)):
-            logger.warning(line)  # no snapshot outlives its run (training.memory_sweep)
         run.flow_run_name = flow_run_name
         run.taken_over = take_over(cfg, run_dir, flow_run, logger, run.resources.checkpoints, run.resources.notes)
         run.committed = run.newest_committed()
@@ -367,6 +366,23 @@ def train(
         return run.summary()
 
 
+def fit_to_host(cfg: RunConfig, logger: Any) -> RunConfig:
+    """``cfg`` as this machine's host memory lets it run (``training.memory_budget``), the memory
+    tiers of runs that are gone freed first (``training.memory_sweep``: the budget counts what is
+    left); each thing given up is one line of the log.  Raises ConfigError for a run projected to
+    run out of memory even with everything given up."""
+    if line := freed_line(free_orphans(cfg.checkpoint.memory_keep_hours, current=cfg.run_dir)):
+        logger.warning(line)  # no snapshot outlives its run
+    fitted = memory_budget.fitted(cfg)
+    if fitted is None:
+        logger.info("host memory: not projected here (the task's data is not on this machine)")
+        return cfg
+    logger.info(fitted.line)
+    for line in fitted.gave_up:
+        logger.warning(line)
+    return fitted.config
+
+
 def run_training(
     config: RunConfig, allow_config_change: bool = False, overrides: list[str] | None = None
 ) -> dict[str, Any]:
@@ -400,6 +416,7 @@ def run_training(
             "changing its settings would break that name; train the new settings as their own run instead"
         )
     config = keyed_config(config)
+    memory_budget.fitted(config)  # refuse a run projected to run out of memory before a flow run exists
     with run_lock(config.run_dir, config.run_name):
         open_run(config, allow_config_change=allow_config_change)
     from prefect import tags

@@ -201,6 +201,13 @@ class CheckpointConfig(_Strict):
     #: next flow started on the machine (``training.memory_sweep``), as is one whose run directory
     #: is gone; ``convoy snapshots`` lists them.  The run still resumes from its disk checkpoints.
     memory_keep_hours: float = Field(24.0, gt=0)
+    #: The share of the host memory offered (``host_memory_gb``, else the cgroup's room or
+    #: MemAvailable) that convoy's projected peak may take; above it convoy gives up, in this order,
+    #: the memory tier and the async save's staging copy, one line each (``training.memory_budget``),
+    #: and it refuses a run projected over all of it even then.
+    host_memory_share: float = Field(0.85, gt=0, le=1)
+    #: The host memory to plan against, in GB; null: this machine's.
+    host_memory_gb: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _overhead_band(self) -> CheckpointConfig:

@@ -50,6 +50,7 @@ def validate(
         raise fail(str(exc)) from None
     if show:
         console.print_json(json.dumps(cfg.model_dump(mode="json")))
+    fitted = _host_memory_or_exit(cfg, built)
     task = (
         "task built, first batches fetched"
         if built is not None
@@ -60,6 +61,23 @@ def validate(
         highlight=False,
         soft_wrap=True,
     )
+    if fitted is not None:
+        console.print(fitted.line, highlight=False, soft_wrap=True)
+        for line in fitted.gave_up:
+            console.print(f"convoy train would give up: {line}", highlight=False, soft_wrap=True)
+
+
+def _host_memory_or_exit(cfg: RunConfig, built: object) -> object:
+    """The run's host-memory projection (``training.memory_budget``), or one line and exit 2 for a
+    run projected to run out of memory; None where the task could not be built here."""
+    from training.memory_budget import fitted
+
+    if built is None:
+        return None
+    try:
+        return fitted(cfg, built)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
 
 
 @app.command()
