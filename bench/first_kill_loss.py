@@ -7,7 +7,7 @@ the memory snapshot when it is newer than the newest verified disk checkpoint). 
 the worst case of ``auto``: before any failure the run's MTBF is ``checkpoint.mtbf_hours`` and
 the memory tier snapshots as rarely as ``memory_min_overhead`` allows.
 
-    .venv/bin/python bench/first_kill_loss.py --runs 8 [-S checkpoint.memory_every_steps=1]
+    .venv/bin/python bench/first_kill_loss.py --runs 8 [-S checkpoint.memory_every_steps=1 -S checkpoint.memory_slots=2]
 """
 
 from __future__ import annotations

@@ -207,7 +207,13 @@ def measure_memory_tier(args: argparse.Namespace, base: list[str]) -> tuple[list
     steps = args.memory_steps
     cfg = load_config(
         None,
-        [*base, "run_name=memory", "checkpoint.memory_every_steps=1", f"train.total_steps={steps}"]
+        [
+            *base,
+            "run_name=memory",
+            "checkpoint.memory_every_steps=1",
+            "checkpoint.memory_slots=2",
+            f"train.total_steps={steps}",
+        ]
         + [f"train.chunk_steps={steps}"],
     )
     prepare(cfg.data, cfg.train.seed)

@@ -58,35 +58,40 @@ def test_the_state_sized_on_meta_is_what_it_holds_once_trained(tmp_path: Path) -
 
 def test_the_projection_counts_each_tier_and_every_rank() -> None:
     size = StateSize(model=400, optimizer=800, trainable=400)
-    one = project(_demo(), size, on_cpu=True)
-    assert (one.live, one.tier, one.staging, one.standby) == (1600, 2400, 1200, 0)
+    one = project(_demo(), size, on_cpu=True)  # one slot, which the async save stages in too
+    assert (one.live, one.tier, one.staging, one.standby) == (1600, 1200, 0, 0)
+    assert (project(_demo("checkpoint.memory_slots=2"), size, on_cpu=True).tier, one.staging) == (2400, 0)
+    no_tier = project(_demo("checkpoint.memory_every_steps=null"), size, on_cpu=True)
+    assert (no_tier.tier, no_tier.staging) == (0, 1200)  # the save stages its own copy then
     two = project(_demo("train.ranks=2", "train.batch_size=16"), size, on_cpu=True)
-    assert (two.live, two.tier, two.staging) == (3200, 2400, 1200)  # replicas live; rank 0's copies
+    assert (two.live, two.tier, two.staging) == (3200, 1200, 0)  # replicas live; rank 0's copies
     sharded = project(_demo("train.ranks=2", "train.batch_size=16", "checkpoint.format=sharded"), size, on_cpu=True)
     assert (sharded.live, sharded.tier, sharded.staging) == (1600, 0, 1200)  # a share each; no tier
     gpu = project(_demo("orchestration.standby=true"), size, on_cpu=False)
     assert (gpu.live, gpu.standby) == (0, 400)
 
 
-def test_over_the_budget_it_gives_up_the_tier_then_the_staging_then_refuses() -> None:
+def test_over_the_budget_it_gives_up_a_slot_then_the_last_copy_then_refuses() -> None:
     size = StateSize(model=int(1 * GB), optimizer=int(2 * GB), trainable=int(1 * GB))
-    cfg = _demo()
+    cfg = _demo("checkpoint.memory_slots=2")
     kept = fit(cfg, size, PLENTY, on_cpu=True)
     assert kept.config == cfg and kept.gave_up == []
-    assert kept.line.startswith("host memory: state 3.00 GB, 1 rank(s) on this node; projected peak 13.70 GB")
+    assert kept.line.startswith("host memory: state 3.00 GB, 1 rank(s) on this node; projected peak 10.70 GB")
 
-    full = project(cfg, size, on_cpu=True).peak  # live 4 + tier 6 + staging 3 + 0.7 GB
-    tight = HostMemory(int((full - 4 * GB) / 0.85), int(50 * GB), "test")  # room without the tier
+    tight = HostMemory(int(8.2 * GB / 0.85), int(50 * GB), "test")  # room for one slot, not two
     one = fit(cfg, size, tight, on_cpu=True)
-    assert one.config.checkpoint.memory_every_steps is None and one.config.checkpoint.async_save
-    assert len(one.gave_up) == 1 and "memory tier off (checkpoint.memory_every_steps: null)" in one.gave_up[0]
-    assert "checkpoint.every_steps = 50" in one.gave_up[0]
+    assert one.config.checkpoint.memory_slots == 1 and one.config.checkpoint.memory_every_steps == "auto"
+    assert len(one.gave_up) == 1 and "memory tier down to one slot (checkpoint.memory_slots: 1)" in one.gave_up[0]
+    assert one.projection.peak == int(7.7 * GB)
 
-    tighter = HostMemory(int((full - 7.5 * GB) / 0.85), int(50 * GB), "test")
-    both = fit(cfg, size, tighter, on_cpu=True)
-    assert both.config.checkpoint.memory_every_steps is None and not both.config.checkpoint.async_save
-    assert "asynchronous saves off (checkpoint.async_save: false)" in both.gave_up[1]
-    assert both.config.fingerprint() == cfg.fingerprint()  # nothing of the trajectory was given up
+    tighter = HostMemory(int(5.7 * GB / 0.85), int(50 * GB), "test")  # room for no copy at all
+    none = fit(cfg, size, tighter, on_cpu=True)
+    c = none.config.checkpoint
+    assert c.memory_every_steps is None and not c.async_save and len(none.gave_up) == 2
+    assert "memory tier off (checkpoint.memory_every_steps: null)" in none.gave_up[1]
+    assert "checkpoint.every_steps = 50" in none.gave_up[1]
+    assert "asynchronous saves off (checkpoint.async_save: false)" in none.gave_up[1]
+    assert none.config.fingerprint() == cfg.fingerprint()  # nothing of the trajectory was given up
 
     with pytest.raises(ConfigError) as refused:
         fit(cfg, size, HostMemory(int(4 * GB), int(50 * GB), "test"), on_cpu=True)
@@ -101,10 +106,11 @@ def test_a_dev_shm_too_small_for_the_tier_turns_it_off_in_one_line() -> None:
     out = fit(_demo(), size, small, on_cpu=True)
     assert out.config.checkpoint.memory_every_steps is None and out.config.checkpoint.async_save
     assert out.gave_up == [
-        "host memory: /dev/shm has 64.0 MB free, the memory tier needs 600.0 MB (two slots of the state): memory "
+        "host memory: /dev/shm has 64.0 MB free, the memory tier's 1 slot(s) need 300.0 MB: memory "
         "tier off (checkpoint.memory_every_steps: null); a kill now loses up to the steps since the last disk "
         "checkpoint (checkpoint.every_steps = 50) instead of those since the last snapshot"
     ]
+    assert out.projection.staging == int(0.3 * GB)  # the save stages its own copy, in private memory
 
 
 def test_validate_prints_the_projection_and_refuses_a_run_that_cannot_fit(tmp_path: Path) -> None:
@@ -137,11 +143,11 @@ def test_a_run_that_cannot_keep_its_tiers_says_so_trains_and_resumes_bitwise(
     p = params(tmp_path, data_dir, "budget", heartbeat={"stall_s": 30})
     cfg = config(p)
     size = StateSize.of(check_task(cfg))
-    # A budget with room for training and the tier's absence, but not for the staging copy.
+    # A budget with room for training and the tier's absence, but not for the save's own staging.
     without_tier = project(memory_budget._tier_off(cfg), size, on_cpu=True)
     p["checkpoint"]["host_memory_gb"] = (without_tier.peak - without_tier.staging / 2) / 0.85 / GB
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
-    shm = max(64 * 1024, size.state)  # holds one slot, not the tier's two
+    shm = -(-size.state // 2 // 4096) * 4096  # half a slot of the state
     train = shlex.join([sys.executable, "-m", "flows.cli.main", "train", str(tmp_path / "params.yaml")])
     script = f"mount -t tmpfs -o size={shm} tmpfs /dev/shm && exec {train}"
     env = {k: v for k, v in os.environ.items() if k != "CONVOY_MEMORY_DIR"}  # the tier in /dev/shm
@@ -165,7 +171,7 @@ def test_a_run_that_cannot_keep_its_tiers_says_so_trains_and_resumes_bitwise(
             flow.wait()
     assert flow.returncode == 0, err[-3000:]
     said = out + err
-    assert "host memory: /dev/shm has " in said and "the memory tier needs" in said, said[-3000:]
+    assert "host memory: /dev/shm has " in said and "the memory tier's 1 slot(s) need" in said, said[-3000:]
     assert "asynchronous saves off (checkpoint.async_save: false)" in said, said[-3000:]
     ran = json.loads((run_dir / "config.json").read_text())["checkpoint"]
     assert ran["memory_every_steps"] is None and ran["async_save"] is False

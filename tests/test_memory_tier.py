@@ -28,7 +28,7 @@ from training.tracking.resume_audit import trained_high_water
 
 #: Disk checkpoints every 50 steps; the memory tier every step (the demo's ``auto`` choice, pinned
 #: here so a loaded machine cannot widen it).
-TIERS = ["checkpoint.every_steps=50", "checkpoint.memory_every_steps=1"]
+TIERS = ["checkpoint.every_steps=50", "checkpoint.memory_every_steps=1", "checkpoint.memory_slots=2"]
 
 
 def _kill_at(run_dir: Path, step: int, settle_s: float = 0.0) -> int:
@@ -208,7 +208,12 @@ def test_a_snapshot_past_a_boundary_that_never_reached_disk_is_passed_over(tmp_p
     would then miss); they are passed over, the disk tier decides and the boundary is trained to
     and committed again, bitwise as an uninterrupted run."""
     # Both slots committed at the kill (copied on the loop's thread): both are passed over.
-    chunks = ["checkpoint.every_steps=25", "checkpoint.memory_every_steps=1", "train.chunk_steps=50"]
+    chunks = [
+        "checkpoint.every_steps=25",
+        "checkpoint.memory_every_steps=1",
+        "checkpoint.memory_slots=2",
+        "train.chunk_steps=50",
+    ]
     chunks.append("checkpoint.memory_beside=false")
     reference = make_run(tmp_path / "ref", extra=chunks)
     assert run_worker(reference, 120)[0] == 0

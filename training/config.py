@@ -200,6 +200,10 @@ class CheckpointConfig(_Strict):
     #: A memory tier not resumed for this long (no slot written, no worker's beat) is freed by the
     #: next flow started on the machine (``training.memory_sweep``), as is one whose run directory
     #: is gone; ``convoy snapshots`` lists them.  The run still resumes from its disk checkpoints.
+    #: Slots per rank in the memory tier: 1 holds the state once, and the async save persists from
+    #: it (one copy of the state beside the live one); 2 keep the older snapshot committed while
+    #: the newer is written or persisted (a kill then always finds one), at a second copy.
+    memory_slots: int = Field(1, ge=1, le=2)
     memory_keep_hours: float = Field(24.0, gt=0)
     #: The share of the host memory offered (``host_memory_gb``, else the cgroup's room or
     #: MemAvailable) that convoy's projected peak may take; above it convoy gives up, in this order,

@@ -11,7 +11,8 @@ kill the worker provably inside a gradient-accumulation window; ``upload_stall=S
 stalls the checkpoint uploader between the data and the index of step S; ``handoff_hold=K:PATH``
 holds chunk K's task, before it adopts the worker the chunk before parked, until PATH exists (a
 slow Prefect: a test's kill then lands provably between the two chunk tasks, and the test says
-when the task may go on).  Unset in normal runs: every check is one dict
+when the task may go on); ``slot_stall=N:SECONDS:PATH`` stalls the N-th memory-tier slot write
+with its header uncommitted.  Unset in normal runs: every check is one dict
 lookup.
 """
 
@@ -80,6 +81,25 @@ def slow_step(step: int) -> None:
             with open(f"{flag}.done.tmp", "w") as fh:
                 fh.write(f'{{"step": {step}, "seconds": {time.monotonic() - t0:.3f}}}\n')
             os.replace(f"{flag}.done.tmp", f"{flag}.done")
+
+
+_slot_writes = 0
+
+
+def slot_stall() -> None:
+    """``slot_stall=N:SECONDS:PATH``: the N-th memory-tier slot write of this process, its header
+    just uncommitted, creates PATH and stalls SECONDS, once (not again once PATH exists), so a
+    test can kill a worker provably in the middle of writing a slot."""
+    global _slot_writes
+    spec = _faults().get("slot_stall")
+    if not spec:
+        return
+    _slot_writes += 1
+    at, seconds, path = spec.split(":", 2)
+    if _slot_writes == int(at) and not os.path.exists(path):
+        with open(path, "w") as fh:
+            fh.write(f'{{"write": {_slot_writes}}}\n')
+        time.sleep(float(seconds))
 
 
 def micro_stall(step: int, micro: int) -> None:

@@ -13,18 +13,21 @@ Rules (numbered; cited in code):
 
 1. **What is counted, per node.**  The live state where it lives in host memory (a CPU run:
    weights, gradients, optimizer state; activations are not known before the run and are not
-   counted), each rank's copies per tier (the memory tier: two slots of the rank's share, in
-   ``/dev/shm``, which is RAM; the async save's staging: one), every rank on this node, and a warm
+   counted), each rank's copies per tier (the memory tier: ``checkpoint.memory_slots`` copies of
+   the rank's share, in ``/dev/shm``, which is RAM; the async save's staging: one, unless the
+   tier holds it, memory tier rule 8), every rank on this node, and a warm
    standby's built model.  Replicated state is held whole by rank 0's copies and by each rank's
    live replica; a sharded one, a share per rank.
 2. **Against what is offered.**  The cgroup's limit less its usage where one applies, else the
    kernel's ``MemAvailable``; ``checkpoint.host_memory_gb`` stands in for both (planning for
    another machine, tests).  ``/dev/shm``'s free space bounds the memory tier apart.
 3. **Degrade before running out, in this order**, while the projected peak exceeds
-   ``checkpoint.host_memory_share`` of what is offered: the memory tier off (a kill loses up to
-   the disk interval instead of a few steps), then asynchronous saves off (no staging copy; each
-   save holds the loop for its write).  Each is one line saying what was given up and what it
-   costs.  A tier that ``/dev/shm`` cannot hold is off whatever the share, in one line too.
+   ``checkpoint.host_memory_share`` of what is offered: the memory tier down to one slot (which
+   is also the async save's staging, memory tier rule 8), then that last copy: the tier off and
+   saves synchronous together (either alone keeps one copy of the state; without both a kill
+   loses up to the disk interval and each save holds the loop for its write).  Each is one line
+   saying what was given up and what it costs.  A tier that ``/dev/shm`` cannot hold loses slots
+   or goes off whatever the share, in one line too (the save then stages its own copy).
 4. **Never start what is projected to run out.**  If, with everything given up, the projection
    exceeds all that is offered (not only the share: a bare loop may use it all), the run is
    refused in one line (exit 2) before any process starts.  Where a bare loop would fit, convoy,
@@ -193,8 +196,10 @@ def project(config: RunConfig, size: StateSize, on_cpu: bool) -> Projection:
     share = size.state // t.world_size if sharded else size.state  # what one rank's copies hold
     copies = share if sharded else size.state  # replicated: rank 0's copies hold it whole
     live = ranks * (share + (size.trainable // (t.world_size if sharded else 1))) if on_cpu else 0
-    tier = 2 * copies * (ranks if sharded else 1) if tier_on(config) else 0
-    staging = copies * (ranks if sharded else 1) if c.async_save and c.every_steps is not None else 0
+    holders = ranks if sharded else 1  # replicated: rank 0's copies hold the state whole
+    tier = c.memory_slots * copies * holders if tier_on(config) else 0
+    # An async save stages its own copy, unless the tier holds it (memory tier rule 8).
+    staging = copies * holders if c.async_save and c.every_steps is not None and not tier else 0
     standby = size.model if config.orchestration.standby and ranks == 1 else 0
     return Projection(size, ranks, live, tier, staging, standby)
 
@@ -226,24 +231,21 @@ def fit(config: RunConfig, size: StateSize, host: HostMemory, on_cpu: bool) -> F
     budget = c.host_memory_share * host.available
     gave_up: list[str] = []
     p = project(config, size, on_cpu)
-    if p.tier and host.shm_free is not None and p.tier > host.shm_free:
-        config = _tier_off(config)
+    while p.tier and host.shm_free is not None and p.tier > host.shm_free:
+        slots = config.checkpoint.memory_slots
+        config, cost = _fewer_slots(config)
         gave_up.append(
-            f"host memory: /dev/shm has {size_text(host.shm_free)} free, the memory tier needs "
-            f"{size_text(p.tier)} (two slots of the state): {_tier_cost(config)}"
+            f"host memory: /dev/shm has {size_text(host.shm_free)} free, the memory tier's {slots} slot(s) need "
+            f"{size_text(p.tier)}: {cost}"
         )
         p = project(config, size, on_cpu)
-    if p.peak > budget and p.tier:
-        config = _tier_off(config)
-        gave_up.append(f"{_over(p, budget, host)}: {_tier_cost(config)}")
+    while p.peak > budget and p.tier and config.checkpoint.memory_slots > 1:
+        config, cost = _fewer_slots(config)
+        gave_up.append(f"{_over(p, budget, host)}: {cost}")
         p = project(config, size, on_cpu)
-    if p.peak > budget and p.staging:
-        config = _with_checkpoint(config, async_save=False)
-        gave_up.append(
-            f"{_over(p, budget, host)}: asynchronous saves off (checkpoint.async_save: false): no staging copy of "
-            f"the state; each save holds the loop while it writes {size_text(size.state)} "
-            f"(~{size.state / GB / 0.7:.2g} s at 0.7 GB/s)"
-        )
+    if p.peak > budget and (p.tier or p.staging):  # the one copy left serves both tiers: both go
+        config, cost = _no_copy(config, size)
+        gave_up.append(f"{_over(p, budget, host)}: {cost}")
         p = project(config, size, on_cpu)
     if p.peak > host.available:
         raise ConfigError(
@@ -263,13 +265,39 @@ def _tier_off(config: RunConfig) -> RunConfig:
     return _with_checkpoint(config, memory_every_steps=None)
 
 
-def _tier_cost(config: RunConfig) -> str:
+def _fewer_slots(config: RunConfig) -> tuple[RunConfig, str]:
+    """The memory tier one slot smaller, or off, and what that costs."""
+    if config.checkpoint.memory_slots > 1:
+        cost = (
+            "memory tier down to one slot (checkpoint.memory_slots: 1); a kill while a snapshot is written, "
+            "or while a save persists from the slot, falls back to the newest disk checkpoint"
+        )
+        return _with_checkpoint(config, memory_slots=1), cost
+    return _tier_off(config), _TIER_OFF.format(interval=_interval(config))
+
+
+def _no_copy(config: RunConfig, size: StateSize) -> tuple[RunConfig, str]:
+    """Rule 3's last step: no copy of the state beside the live one (tier off, saves synchronous)."""
+    said = []
+    if tier_on(config):
+        said.append(_TIER_OFF.format(interval=_interval(config)))
+    if config.checkpoint.async_save:
+        said.append(
+            "asynchronous saves off (checkpoint.async_save: false): no staging copy of the state; each save holds "
+            f"the loop while it writes {size_text(size.state)} (~{size.state / GB / 0.7:.2g} s at 0.7 GB/s)"
+        )
+    return _with_checkpoint(_tier_off(config), async_save=False), "; ".join(said)
+
+
+_TIER_OFF = (
+    "memory tier off (checkpoint.memory_every_steps: null); a kill now loses up to the steps since the last "
+    "disk checkpoint ({interval}) instead of those since the last snapshot"
+)
+
+
+def _interval(config: RunConfig) -> str:
     every = config.checkpoint.every_steps
-    interval = f"checkpoint.every_steps = {every}" if every is not None else "the disk interval"
-    return (
-        "memory tier off (checkpoint.memory_every_steps: null); a kill now loses up to the steps since the last "
-        f"disk checkpoint ({interval}) instead of those since the last snapshot"
-    )
+    return f"checkpoint.every_steps = {every}" if every is not None else "the disk interval"
 
 
 def _over(p: Projection, budget: float, host: HostMemory) -> str:

@@ -31,7 +31,7 @@ class MemorySnapshots:
         try:
             tier.snapshot(state, schedule)
         except OSError as exc:
-            self._failed(exc)
+            self.failed(exc)
             return
         self.stall_s += tier.last_stall_s
 
@@ -44,7 +44,7 @@ class MemorySnapshots:
         try:
             self.settled_s = tier.settle()
         except OSError as exc:
-            self._failed(exc)
+            self.failed(exc)
             return
         self.stall_s += self.settled_s
         if beside and not tier.beside:
@@ -69,6 +69,7 @@ class MemorySnapshots:
         stall, self.stall_s = self.stall_s, 0.0
         return stall
 
-    def _failed(self, exc: OSError) -> None:
+    def failed(self, exc: OSError) -> None:
+        """The tier failed (``/dev/shm`` full): one line, and the worker trains without it."""
         self.log(f"memory tier off: {exc}")
         self.drop()

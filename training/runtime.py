@@ -18,6 +18,8 @@ expensive part of a restart (imports, task build) is done before a failure happe
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -142,14 +144,32 @@ class Runtime:
         """What ``torch.autocast`` is given (unused when AMP is off, but it must be a dtype)."""
         return self.autocast or torch.float16
 
-    def save_checkpoint(self, blocking: bool, extra: dict[str, Any] | None) -> float:
+    def save_checkpoint(
+        self, blocking: bool, extra: dict[str, Any] | None, tier_failed: Callable[[OSError], None]
+    ) -> float:
         """This rank's state into the store (persisted in the background unless ``blocking``;
-        sharded: model and optimizer written collectively first); returns the loop's stall."""
+        sharded: model and optimizer written collectively first); returns the loop's stall.
+
+        Persisted in the background with a memory tier, the state is staged in the tier's slot
+        and persisted from there (memory tier rule 8: one copy of the state serves both tiers); a
+        tier that fails there (``/dev/shm`` full) is told to ``tier_failed`` and the store stages
+        its own copy."""
+        t0 = time.perf_counter()
         rank, shard = self.rank, self.config.checkpoint.format == "sharded"
         parts = self.state.checkpoint_parts(rank, include_replicated=rank == 0, sharded=shard)
         model, optimizer = self.parts.model, self.parts.optimizer
         writer = (lambda tmp: sharded.save_shards(tmp, model, optimizer, rank)) if shard else None
-        return self.store.save(self.state.step, parts, blocking=blocking, extra_manifest=extra, collective_write=writer)
+        staged = None
+        if self.memory is not None and not (blocking or shard or not self.store.policy.async_save):
+            self.store.wait()  # the previous persist has released the slot it read (rule 8)
+            try:
+                staged = self.memory.stage(self.state.step, parts)
+            except OSError as exc:
+                tier_failed(exc)
+        self.store.save(
+            self.state.step, parts, blocking=blocking, extra_manifest=extra, collective_write=writer, staged=staged
+        )
+        return time.perf_counter() - t0
 
     def rebuilt(self) -> Runtime:
         """A fresh runtime on the same device with the same store (the restore's fallback)."""

@@ -295,7 +295,7 @@ class Worker:
         runtime, rank = self.runtime, self.rank
         self.hb.set(phase=Phase.SAVE)
         extra = {"mlflow_run_id": self.session.mlflow_run_id} if rank == 0 else None
-        stall = runtime.save_checkpoint(blocking, extra)
+        stall = runtime.save_checkpoint(blocking, extra, self.snapshots.failed)
         store = runtime.store
         self.hb.set(phase=Phase.TRAIN)
         if rank == 0:

@@ -31,7 +31,8 @@ from training.checkpointing import sharded
 from training.checkpointing.codec import split_tree
 from training.checkpointing.errors import CheckpointError, CheckpointRejected
 from training.checkpointing.install import install, point_latest
-from training.checkpointing.verified import PassedOver, ResumePoint, Verdicts, with_missing
+from training.checkpointing.staged import Staged
+from training.checkpointing.verified import Candidate, PassedOver, ResumePoint, Verdicts, with_missing
 from training.checkpointing.verify import (
     FORMAT_VERSION,
     MANIFEST,
@@ -73,19 +74,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One checkpoint directory as the resume meets it, newest first (:meth:`CheckpointStore.candidates`).
-
-    ``loaded`` is the verified checkpoint and its parts, or None when it was rejected: then
-    ``reason`` says why (already recorded as ``checkpoint_skipped``)."""
-
-    step: int
-    path: Path
-    reason: str
-    loaded: tuple[Checkpoint, dict[str, Any]] | None
-
-
 @dataclass
 class _Snapshot:
     step: int
@@ -95,6 +83,8 @@ class _Snapshot:
     cuda_event: Any = None
     #: Files already written into the temp dir by a collective writer (sharded mode), by name.
     prewritten: dict[str, dict[str, Any]] | None = None
+    #: The holder of the staged copy this snapshot's tensors are views of (the memory tier's slot).
+    staged: Staged | None = None
 
 
 @dataclass(frozen=True)
@@ -294,9 +284,12 @@ class CheckpointStore:
         blocking: bool = False,
         extra_manifest: dict[str, Any] | None = None,
         collective_write: Callable[[Path], dict[str, dict[str, Any]]] | None = None,
+        staged: Staged | None = None,
     ) -> float:
         """Snapshot ``parts`` into reused CPU buffers, then persist (in the background unless
         ``blocking``).  Returns the stall in seconds: the time the caller was held up.
+        ``staged``: the state was copied already (the memory tier's slot, rule 8 there): its
+        views are persisted and ``parts`` is not read.
 
         ``collective_write(tmp)`` (sharded mode) runs first, on the calling thread on every rank:
         it writes the big state into the temp dir itself (collectives are not allowed on the
@@ -310,10 +303,10 @@ class CheckpointStore:
                 shutil.rmtree(tmp)  # with more ranks rank 0 removed stale temp dirs at start-up
             tmp.mkdir(exist_ok=True)
             prewritten = collective_write(tmp)
-        skeletons: dict[str, Any] = {}
-        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        skeletons: dict[str, Any] = {} if staged is None else staged.skeletons
+        tensors: dict[str, dict[str, torch.Tensor]] = {} if staged is None else staged.tensors
         any_cuda = False
-        for part, tree in parts.items():
+        for part, tree in parts.items() if staged is None else ():
             skel, flat = split_tree(tree)
             skeletons[part] = skel
             tensors[part] = {}
@@ -321,7 +314,7 @@ class CheckpointStore:
                 any_cuda |= t.is_cuda
                 tensors[part][key] = self._snapshot_tensor(f"{part}/{key}", t, blocking or not self.policy.async_save)
         extra = {**(extra_manifest or {}), **({"layout": sharded.LAYOUT} if prewritten is not None else {})}
-        snap = _Snapshot(step, skeletons, tensors, extra, prewritten=prewritten)
+        snap = _Snapshot(step, skeletons, tensors, extra, prewritten=prewritten, staged=staged)
         if any_cuda:
             snap.cuda_event = sys.modules["torch"].cuda.Event()  # tensors exist: torch is imported
             snap.cuda_event.record()
@@ -344,6 +337,8 @@ class CheckpointStore:
         t0 = time.perf_counter()
         tmp = self.root / f".tmp-{checkpoint_name(snap.step)}"
         try:
+            if snap.staged is not None:
+                snap.staged.before_write()
             if snap.cuda_event is not None:
                 snap.cuda_event.synchronize()
             if self.world_size == 1 and tmp.exists() and snap.prewritten is None:
@@ -392,6 +387,9 @@ class CheckpointStore:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # uncommitted, ours: safe to remove
             self._error = exc
+        finally:
+            if snap.staged is not None:
+                snap.staged.release()
 
     def _gather_rank_files(self, tmp: Path, step: int) -> dict[str, dict[str, Any]]:
         deadline = time.time() + self.gather_timeout_s

@@ -34,6 +34,19 @@ Signature = tuple[tuple[str, int, int, int], ...]
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """One checkpoint directory as the resume meets it, newest first (:meth:`CheckpointStore.candidates`).
+
+    ``loaded`` is the verified checkpoint and its parts, or None when it was rejected: then
+    ``reason`` says why (already recorded as ``checkpoint_skipped``)."""
+
+    step: int
+    path: Path
+    reason: str
+    loaded: tuple[Checkpoint, dict[str, Any]] | None
+
+
+@dataclass(frozen=True)
 class PassedOver:
     """A checkpoint newer than the resume point that did not verify, and why."""
 

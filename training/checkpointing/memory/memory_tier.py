@@ -19,13 +19,15 @@ lock, and the commit just before its optimizer step (rule 7).  The
 split walks only the small part of the state: the model's and optimizer's tensors are found once
 by a plan (:mod:`training.checkpointing.memory.snapshot_plan`), checked at every snapshot and copied.
 
-Layout, per rank ``r``: two slots, ``rank-<r>.slot-<k>.bin`` (every tensor's bytes, one after the
-other, then the JSON skeletons of the state) and ``rank-<r>.slot-<k>.head`` (its header: step,
+Layout, per rank ``r``: one or two slots (``checkpoint.memory_slots``; rule 8),
+``rank-<r>.slot-<k>.bin`` (every tensor's bytes, one after the other, then the JSON skeletons of
+the state) and ``rank-<r>.slot-<k>.head`` (its header: step,
 fingerprint, world size, the tensors' places, the hash; as JSON after its length and its own
 xxh64, :func:`encode_header`).  A snapshot writes the slot not written last: it zeroes that
 slot's header length first and writes the new header's length and checksum last, both in the
 mapped file, so a worker killed in the middle of a snapshot leaves that slot without a header (a
-torn header fails its checksum) and the other slot, one snapshot older, intact.
+torn header fails its checksum) and the other slot, one snapshot older, intact (with one slot:
+no snapshot, and the disk tier decides).
 
 Rules (numbered; cited in code):
 
@@ -73,6 +75,15 @@ Rules (numbered; cited in code):
    counts as the snapshot's stall.  A state on a GPU is copied on the loop's thread, as
    without ``overlap`` (a device-to-host copy beside the loop would wait for the queued
    forward).
+8. **One copy for both tiers.**  A durable save persisted in the background is staged in this
+   tier's slot, not in a copy of its own (:meth:`MemoryTier.stage`): the loop copies the state
+   into the slot the next snapshot would take, the store's persist thread hashes and commits it
+   (the tier's snapshot of that step) and then writes the checkpoint's files from it, and the
+   slot is held until the persist ends.  With ``checkpoint.memory_slots: 1`` (the default) the
+   state is held once beside the live one; snapshots wait while the slot is held (a kill then
+   loses the steps since that save, which the slot holds), and a kill while the slot is being
+   written finds no snapshot: the disk tier decides.  ``memory_slots: 2`` keeps the other slot
+   committed meanwhile, at a second copy of the state.
 """
 
 from __future__ import annotations
@@ -96,8 +107,8 @@ from training.checkpointing.memory.slot_files import (
     header_body,
     header_path,
 )
-from training.checkpointing.memory.slot_format import Header, slot_hash, slot_manifest, slot_parts
-from training.checkpointing.memory.slot_layout import Layout, Layouts
+from training.checkpointing.memory.slot_format import Header, slot_hash, slot_manifest, slot_parts, tensor_views
+from training.checkpointing.memory.slot_layout import Layout, Layouts, copy_into
 from training.checkpointing.memory.snapshot_plan import (
     MAX_REBUILDS,
     PLAN_ERRORS,
@@ -105,6 +116,7 @@ from training.checkpointing.memory.snapshot_plan import (
     SnapshotPlan,
     split_parts,
 )
+from training.checkpointing.staged import Staged
 from training.checkpointing.store import Candidate, CheckpointStore
 from training.checkpointing.verify import Checkpoint, Validator
 from training.config import RunConfig
@@ -158,8 +170,13 @@ class MemoryTier:
         world_size: int = 1,
         plans: bool = True,
         overlap: bool = False,
+        slots: int = 2,
     ) -> None:
         self.root, self.fingerprint, self.rank, self.world_size = root, fingerprint, rank, world_size
+        #: How many slots this rank keeps (rule 8): 1 holds the state once, 2 keep the older too.
+        self.slots = slots
+        #: The slot a durable save is persisting from (rule 8), or None.
+        self._held: int | None = None
         #: Whether snapshots may take a plan's fast path (off: the full walk every time, as the
         #: tests compare).
         self.plans = plans
@@ -168,7 +185,7 @@ class MemoryTier:
         self.root.mkdir(parents=True, exist_ok=True)
         self.validator: Validator | None = None
         #: This rank's slot files, mapped once (:mod:`training.checkpointing.memory.slot_files`).
-        self._files = SlotFiles(root, rank)
+        self._files = SlotFiles(root, rank, slots)
         #: The slot layout, the same at every snapshot of a run.
         self._layouts = Layouts()
         self.last_stall_s = 0.0
@@ -182,8 +199,11 @@ class MemoryTier:
         #: found broken by the writer thread.
         self.changed_before_commit = self.broken_before_commit = 0
         self._unbilled_s = 0.0  # commit waits not yet told to the schedule
-        steps = {k: h.step for k in SLOTS if (h := Header.read(header_path(root, rank, k))) is not None}
-        self.next_slot = min(SLOTS, key=lambda k: steps.get(k, -1))  # overwrite the older one first
+        steps = {k: h.step for k in range(slots) if (h := Header.read(header_path(root, rank, k))) is not None}
+        self.next_slot = min(range(slots), key=lambda k: steps.get(k, -1))  # overwrite the older one first
+        for k in SLOTS[slots:]:  # a slot a run kept before it kept fewer: its RAM freed
+            header_path(root, rank, k).unlink(missing_ok=True)
+            data_path(root, rank, k).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ writing
     def snapshot(self, state: SnapshotSource, schedule: MemorySchedule) -> None:
@@ -193,6 +213,9 @@ class MemoryTier:
         is laid out, copied and hashed on the tier's writer thread while the loop goes on, and
         committed by :meth:`settle`, which the loop calls before its next optimizer step (rule 7)."""
         self.settle()  # the loop settled it before its optimizer step already (rule 7)
+        self.last_stall_s = 0.0
+        if self._held is not None and self.slots == 1:
+            return  # rule 8: the only slot is being persisted from; a later step snapshots
         t0 = time.perf_counter()
         plan = self._plan
         light = self._planned(state)  # the plan checked here, on the loop's thread (rule 7)
@@ -295,9 +318,35 @@ class MemoryTier:
         self._commit(slot, step, content.layout, size, copy_and_hash(buf, content.groups, size))
 
     def _take_slot(self) -> int:
-        """The slot the next snapshot writes (the older one)."""
-        slot, self.next_slot = self.next_slot, 1 - self.next_slot
+        """The slot the next snapshot writes: the older one, never one a save persists from."""
+        slot = self.next_slot if self.next_slot != self._held else (self.next_slot + 1) % self.slots
+        self.next_slot = (slot + 1) % self.slots
         return slot
+
+    def stage(self, step: int, parts: dict[str, Any]) -> Staged:
+        """Rule 8: ``parts`` (``checkpoint_parts`` of ``step``) copied on this thread into the slot
+        the next snapshot would take, for the store to persist from; the slot's hash and commit
+        run on the persist thread before its files are written, and the slot is held until the
+        store releases it.  Call once the store's previous persist ended (it may read the only
+        slot).  ``/dev/shm`` full raises OSError here; the slot is then left uncommitted."""
+        self.settle()
+        split = split_parts(parts)
+        content = SlotContent.of(split, self._layouts)
+        slot, buf, size = self._open_slot(content)
+        copy_into(buf, content.groups)
+        self._held = slot
+
+        def commit() -> None:
+            digest = slot_hash(memoryview(buf)[:size])
+            self._files.commit(slot, self._header_body(step, content.layout, size, digest))
+
+        tensors: dict[str, dict[str, Any]] = {part: {} for part in split.skeletons}
+        tensors.update(tensor_views(buf, content.layout.places))
+        return Staged(split.skeletons, tensors, commit, self._release)
+
+    def _release(self) -> None:
+        """The store persisted from the held slot (or gave up): snapshots may take it again."""
+        self._held = None
 
     def _open_slot(self, content: SlotContent) -> tuple[int, mmap.mmap, int]:
         """The next slot, its header uncommitted, its data mapped for ``content`` and its

@@ -16,6 +16,7 @@ tier's writer thread (:mod:`training.checkpointing.memory.beside`, memory tier r
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from training import faults
 from training.checkpointing.memory.slot_format import FORMAT, HEAD, encode_header, slot_hash
 from training.checkpointing.memory.slot_layout import Group, copy_into
 from training.checkpointing.memory.snapshot_plan import SlotContent, skeleton_bytes
@@ -42,12 +44,12 @@ def data_path(root: Path, rank: int, slot: int) -> Path:
 
 
 class SlotFiles:
-    """Rank ``rank``'s two slots under ``root``: each slot's header and data file, mapped once and
+    """Rank ``rank``'s slots (one or two) under ``root``: each slot's header and data file, mapped once and
     grown when the state grows (a snapshot every step pays for no open, unlink or rename)."""
 
-    def __init__(self, root: Path, rank: int) -> None:
-        self.heads = [header_path(root, rank, k) for k in SLOTS]
-        self.datas = [data_path(root, rank, k) for k in SLOTS]
+    def __init__(self, root: Path, rank: int, slots: int = len(SLOTS)) -> None:
+        self.heads = [header_path(root, rank, k) for k in SLOTS[:slots]]
+        self.datas = [data_path(root, rank, k) for k in SLOTS[:slots]]
         self._head_maps: dict[int, mmap.mmap] = {}
         self._data_maps: dict[int, mmap.mmap] = {}
 
@@ -57,6 +59,7 @@ class SlotFiles:
         thread."""
         head = _mapped(self._head_maps, self.heads[slot], HEAD, slot)
         head[:8] = bytes(8)
+        faults.slot_stall()  # a test's kill lands here: the slot uncommitted
         return _mapped(self._data_maps, self.datas[slot], data_size, slot)
 
     def open_for(self, slot: int, content: SlotContent) -> tuple[mmap.mmap, int]:
@@ -135,7 +138,8 @@ def _mapped(maps: dict[int, mmap.mmap], path: Path, size: int, slot: int) -> mma
     if current is not None and len(current) >= size:
         return current
     if current is not None:
-        current.close()
+        with contextlib.suppress(BufferError):  # still exported to a staged save's views: it stays
+            current.close()
     with open(path, "a+b") as f:
         # Allocated now, not on first touch: a full tmpfs is an OSError here, where a write into
         # a mapped hole would be a SIGBUS that kills the worker.

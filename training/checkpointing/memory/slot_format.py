@@ -9,6 +9,7 @@ xxh64 (8), then the body (JSON); a slot's bytes are hashed with the checkpoints'
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,16 +85,26 @@ def decode_header(data: bytes) -> bytes | None:
 
 def slot_parts(header: Header, data: bytearray) -> dict[str, Any]:
     """The state parts a verified slot holds (tensors over a private copy of its bytes)."""
-    import torch
-
     start, end = header.skeletons
     skeletons = json.loads(bytes(data[start:end]))
     tensors: dict[str, dict[str, Any]] = {part: {} for part in skeletons}
-    for part, key, dtype, shape, offset, nbytes in header.tensors:
-        flat = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else None
-        dt = getattr(torch, dtype)
-        tensors[part][key] = flat.view(dt).reshape(shape) if flat is not None else torch.empty(shape, dtype=dt)
+    tensors.update(tensor_views(data, header.tensors))
     return {part: join_tree(skel, tensors[part]) for part, skel in skeletons.items()}
+
+
+def tensor_views(data: Any, places: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    """Each place's tensor (``(part, key, dtype, shape, offset, bytes)``, as a header lists them)
+    as a view of ``data``, a slot's bytes, by part and key: no copy."""
+    import torch
+
+    out: dict[str, dict[str, Any]] = {}
+    for part, key, dtype, shape, offset, nbytes in places:
+        dt = getattr(torch, dtype)
+        flat = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else None
+        out.setdefault(part, {})[key] = (
+            flat.view(dt).reshape(shape) if flat is not None else torch.empty(shape, dtype=dt)
+        )
+    return out
 
 
 def slot_manifest(step: int, headers: dict[int, Header]) -> dict[str, Any]:
