@@ -13,8 +13,10 @@ uninterrupted run ends.
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -94,10 +96,6 @@ def _digest(run_dir: Path) -> str:
     return ck.digest
 
 
-def _resumed(run_dir: Path) -> dict:
-    return read_events(run_dir, Event.RESUMED)[-1]
-
-
 def _measured(run_dir: Path) -> tuple[int, int]:
     """Train ``run_dir`` to the end in a worker, sampled: (peak Pss_Anon, peak Pss_Anon + tier)."""
     tier = run_memory.tier_root(run_dir)
@@ -132,35 +130,38 @@ def test_one_copy_of_the_state_and_kills_in_its_windows_resume_bitwise(tmp_path:
     # slot was committed first, so the resume takes it.
     mid_persist = make_run(tmp_path / "persist", extra=ONE_COPY)
     p = start_worker(mid_persist, UNTIL, {"CONVOY_FAULTS": "step_delay=0.05,persist_delay=4"})
-    deadline = time.monotonic() + 240
-    while not [e for e in read_events(mid_persist, Event.CHECKPOINT_SAVED) if e["step"] == 20]:
-        assert time.monotonic() < deadline and p.poll() is None
-        time.sleep(0.02)
-    time.sleep(1.0)  # inside the 4 s persist: the slot committed, the files not yet
+    _kill_when(p, lambda: any(e["step"] == 20 for e in read_events(mid_persist, Event.CHECKPOINT_SAVED)), 1.0)
     assert not [e for e in read_events(mid_persist, Event.CHECKPOINT_COMMITTED) if e["step"] == 20]
-    kill_group(p, signal.SIGKILL)
-    p.wait()
-    p = start_worker(mid_persist, UNTIL)
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out[-3000:]
-    resumed = _resumed(mid_persist)
+    resumed = _resumed_to_the_end(mid_persist)
     assert resumed["step"] == 20 and resumed["tier"] == "memory", resumed
     assert _digest(mid_persist) == reference
 
-    # Killed while a snapshot writes the only slot (the 4th slot write: step 12's snapshot, after
-    # the saves of 3, 6, 9 and 10's staging): no snapshot is committed, the disk decides.
+    # Killed while a snapshot writes the only slot (the 5th slot write: after the snapshots of 3, 6
+    # and 9 and step 10's staging, a later snapshot or step 20's staging): nothing is committed
+    # there, and the disk decides.
     flag = tmp_path / "slot-stalled"
     mid_snapshot = make_run(tmp_path / "snapshot", extra=ONE_COPY)
     p = start_worker(mid_snapshot, UNTIL, {"CONVOY_FAULTS": f"slot_stall=5:30:{flag}"})
-    deadline = time.monotonic() + 240
-    while not flag.exists():
-        assert time.monotonic() < deadline and p.poll() is None
-        time.sleep(0.02)
-    kill_group(p, signal.SIGKILL)
-    p.wait()
-    p = start_worker(mid_snapshot, UNTIL)
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out[-3000:]
-    resumed = _resumed(mid_snapshot)
+    _kill_when(p, flag.exists)
+    resumed = _resumed_to_the_end(mid_snapshot)
     assert resumed["step"] == 10 and resumed["tier"] == "disk", resumed
     assert _digest(mid_snapshot) == reference
+
+
+def _kill_when(p: subprocess.Popen, ready: Callable[[], bool], settle_s: float = 0.0) -> None:
+    """SIGKILL the worker ``p`` once ``ready()`` (and ``settle_s`` more)."""
+    deadline = time.monotonic() + 240
+    while not ready():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.02)
+    time.sleep(settle_s)
+    kill_group(p, signal.SIGKILL)
+    p.wait()
+
+
+def _resumed_to_the_end(run_dir: Path) -> dict:
+    """A new worker trains ``run_dir`` to the end; the ``resumed`` event it wrote."""
+    p = start_worker(run_dir, UNTIL)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    return read_events(run_dir, Event.RESUMED)[-1]

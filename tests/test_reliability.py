@@ -113,7 +113,10 @@ def test_plan_prints_each_figure_with_its_unit() -> None:
     out = plan("--save-hours", "0.01")
     assert "None" not in out and "- (give --params)" in out, out  # sizes are estimated from --params only
     assert "7.746 h" in out and "0.2582%" in out and "yes" in out, out  # interval, overhead, resume beats rerun
-    assert "84 GB" in plan("--params", "7e9")  # 7e9 parameters x (weights + 2 Adam moments) x 4 bytes
+    sized = plan("--params", "7e9", "--gpus", "64")
+    assert "84 GB" in sized  # 7e9 parameters x (weights + 2 Adam moments) x 4 bytes
+    # convoy's one copy per node: rank 0's whole state replicated, 8 of 64 shares sharded
+    assert "replicated │     84 GB" in sized and "sharded    │   10.5 GB" in sized, sized
 
 
 def _memory_schedule(mtbf_s: float, cost_s: float = 0.003, step_s: float = 0.037) -> Any:

@@ -242,6 +242,7 @@ def plan(
     restart_minutes: float = typer.Option(5.0, help="time to detect, reload and rebuild (MTTR)"),
     interval_hours: float | None = typer.Option(None, help="your checkpoint interval, to compare"),
     keep_last: int = typer.Option(3, help="checkpoints kept (storage estimate)"),
+    gpus_per_node: int = typer.Option(8, help="GPUs per node (host memory per node)"),
     from_run: Path | None = typer.Option(None, help="fill measured save time and failures from a run dir"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -263,6 +264,7 @@ def plan(
             restart_minutes=restart_minutes,
             interval_hours=interval_hours,
             keep_last=keep_last,
+            gpus_per_node=gpus_per_node,
         ).items()
         if v is not None
     }
@@ -292,6 +294,8 @@ _PLAN_LABELS = {
     "save_hours": "save time",
     "expected_lost_hours": "expected time lost",
     "storage_bytes": "storage (keep-last copies)",
+    "host_copy_replicated_bytes": "host memory per node beside training, replicated",
+    "host_copy_sharded_bytes": "host memory per node beside training, sharded",
 }
 
 

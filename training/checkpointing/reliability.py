@@ -60,6 +60,7 @@ class PlanInput(BaseModel):
     restart_minutes: float = Field(5.0, ge=0, description="detect + reload + rebuild time (MTTR)")
     interval_hours: float | None = Field(None, gt=0, description="your checkpoint interval, to compare")
     keep_last: int = Field(3, ge=1)
+    gpus_per_node: int = Field(8, gt=0, description="GPUs (ranks) per node, for the host memory per node")
 
     @model_validator(mode="after")
     def _needs_save_time(self) -> PlanInput:
@@ -91,5 +92,10 @@ def plan(p: PlanInput) -> dict[str, Any]:
         "expected_lost_hours": failures * (chosen / 2 + mttr_h),
         "availability": availability(mtbf, mttr_h),
         "storage_bytes": size * p.keep_last if size else None,
+        # convoy's host memory per node beside training (training.memory_budget, memory tier rule 8):
+        # one copy, the tier's slot that the async save persists from; rank 0's whole state when
+        # replicated, each rank's share when sharded (the tier is off there: the save's staging).
+        "host_copy_replicated_bytes": size,
+        "host_copy_sharded_bytes": size * min(p.gpus_per_node, p.gpus) / p.gpus if size else None,
         "resume_beats_rerun": rerun_h > mttr_h + RESUME_MARGIN_H,
     }
