@@ -173,10 +173,20 @@ def test_a_stale_foreign_or_corrupt_snapshot_is_never_restored(tmp_path: Path) -
     assert len(read_events(run_dir, Event.MEMORY_SNAPSHOT_REFUSED)) == 2
 
     # Older than disk: a worker killed after the disk save at 50 but before its next snapshot
-    # (every 16 steps: 48, then 64) leaves 48 in memory; its successor resumes 50 from disk.
-    run_dir = make_run(tmp_path / "older", extra=["checkpoint.every_steps=50", "checkpoint.memory_every_steps=16"])
+    # (every 16 steps: 48, then 64) leaves 48 in memory; its successor resumes 50 from disk.  Saves
+    # synchronous: an asynchronous one is staged in the slot (rule 8), which then holds 50 itself.
+    older = ["checkpoint.every_steps=50", "checkpoint.memory_every_steps=16", "checkpoint.async_save=false"]
+    run_dir = make_run(tmp_path / "older", extra=older)
     _kill_at(run_dir, 53)
     assert run_memory.newest_step(run_dir, _fingerprint(run_dir)) == 48
+    code, out = run_worker(run_dir, 60)
+    assert code == 0, out
+    assert _resumed(run_dir)["tier"] == "disk" and _resumed(run_dir)["step"] == 50
+
+    # As old as disk: with the save staged in the slot, the slot holds the disk's step; the disk wins.
+    run_dir = make_run(tmp_path / "same", extra=older[:2])
+    _kill_at(run_dir, 53)
+    assert run_memory.newest_step(run_dir, _fingerprint(run_dir)) == 50
     code, out = run_worker(run_dir, 60)
     assert code == 0, out
     assert _resumed(run_dir)["tier"] == "disk" and _resumed(run_dir)["step"] == 50

@@ -37,6 +37,8 @@ Rules (numbered; cited in code):
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,13 +311,23 @@ def fitted(config: RunConfig, parts: TaskParts | None = None) -> Fitted | None:
     default the task built on the meta device); None where it cannot be built here (its data is
     not on this machine: the worker's machine decides then)."""
     from training.checkpointing.memory.memory_tier import tier_base
-    from training.task import check_task
 
-    parts = parts if parts is not None else check_task(config)
-    if parts is None:
+    size = StateSize.of(parts) if parts is not None else _sized(config.model_dump_json())
+    if size is None:
         return None
     host = HostMemory.of_machine(config, tier_base())
-    return fit(config, StateSize.of(parts), host, on_cpu=trains_on_cpu(config))
+    return fit(config, size, host, on_cpu=trains_on_cpu(config))
+
+
+@functools.cache
+def _sized(config_json: str) -> StateSize | None:
+    """The state's size for a config, the task built once per process (a flow's start sizes it
+    before and inside the flow run: a task built on the CPU, where meta fails, is not cheap)."""
+    from training.config import config_from_dict
+    from training.task import check_task
+
+    parts = check_task(config_from_dict(json.loads(config_json), "memory budget", check_task=False))
+    return StateSize.of(parts) if parts is not None else None
 
 
 def trains_on_cpu(config: RunConfig) -> bool:
