@@ -402,10 +402,18 @@ class MemoryTier:
         return Candidate(step, path, "", (Checkpoint(step, path, manifest), parts))
 
     def _read_verified(self, slot: int, header: Header) -> bytearray:
+        # One copy, into the buffer the restored tensors view (read_bytes, a slice and a bytearray
+        # made three: a resume from the tier read 270 MB 5x slower than a raw read, bench/scale.py).
+        data = bytearray(header.size)
         try:
-            data = bytearray(data_path(self.root, header.rank, slot).read_bytes()[: header.size])
+            with open(data_path(self.root, header.rank, slot), "rb", buffering=0) as f:
+                got, view = 0, memoryview(data)
+                while got < header.size and (n := f.readinto(view[got:])):
+                    got += n
         except OSError as exc:
             raise CheckpointRejected(f"memory slot of rank {header.rank}: unreadable ({exc})") from exc
+        if got != header.size:
+            raise CheckpointRejected(f"memory slot of rank {header.rank}: {got} of {header.size} bytes (cut short)")
         digest = slot_hash(memoryview(data))
         if len(data) != header.size or digest != header.digest:
             said = f"content hash {digest[:12]}… != header {header.digest[:12]}…"
