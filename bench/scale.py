@@ -22,7 +22,8 @@ as ``tests/memory_tasks.py`` builds it.  Per size:
   against the same loop holding no copy (memory tier off, synchronous saves): peak ``Pss_Anon``
   plus the tier's pages in ``/dev/shm``, sampled every 20 ms; the difference in states.
 * **resume**: a worker killed after step 12 and started again: its restore (``load_s`` of the
-  ``resumed`` event: verify and load, from the memory tier) against the raw read of that size.
+  ``resumed`` event: read, verify, ``load_state_dict``; from the memory tier where it holds a newer
+  step than disk, else from disk) against the raw read of that size.
 
 Figures of one run only mean something against each other: the ratios are the result.  The
 largest state this machine's host memory would let convoy train (``training.memory_budget``) is
@@ -76,6 +77,7 @@ def io_figures(size_gib: float, tmp: Path, repeats: int) -> dict[str, float]:
     tier = MemoryTier(Path(tempfile.mkdtemp(dir="/dev/shm")), "bench", slots=1)
     out: dict[str, list[float]] = {k: [] for k in ("copy", "stall", "persist", "write", "load", "read")}
     raw = tmp / "raw.bin"
+    view = memoryview(bytearray(nbytes + (1 << 20)))  # touched once here: the raw read reuses it
     for step in range(2, 2 + repeats + 1):  # the first round maps the slot: not counted
         out["copy"].append(ck.timed(ck.copy_all, bufs, src)[0])
         t0 = time.perf_counter()
@@ -89,7 +91,6 @@ def io_figures(size_gib: float, tmp: Path, repeats: int) -> dict[str, float]:
         path = run_dir / "checkpoints" / f"step-{step:09d}"
         fresh = CheckpointStore(run_dir, CheckpointConfig(keep_last=2), "bench")  # nothing verified yet
         out["load"].append(ck.timed(_restored, fresh, path)[0])
-        view = memoryview(bytearray(nbytes))
         out["read"].append(
             sum(ck.timed(ck.raw_readinto, f, view[: f.stat().st_size])[0] for f in path.glob("*.safetensors"))
         )
