@@ -288,8 +288,7 @@ class CheckpointStore:
     ) -> float:
         """Snapshot ``parts`` into reused CPU buffers, then persist (in the background unless
         ``blocking``).  Returns the stall in seconds: the time the caller was held up.
-        ``staged``: the state was copied already (the memory tier's slot, rule 8 there): its
-        views are persisted and ``parts`` is not read.
+        ``staged``: the state was copied already (the tier's slot, its rule 8): ``parts`` unread.
 
         ``collective_write(tmp)`` (sharded mode) runs first, on the calling thread on every rank:
         it writes the big state into the temp dir itself (collectives are not allowed on the
@@ -345,14 +344,7 @@ class CheckpointStore:
                 shutil.rmtree(tmp)
             tmp.mkdir(exist_ok=True)
             faults.check_disk_full(snap.step)
-            files: dict[str, dict[str, Any]] = dict(snap.prewritten or {})
-            for part in sorted(snap.skeletons):
-                skel = (json.dumps(snap.skeletons[part], sort_keys=True, indent=1) + "\n").encode()
-                skel_path = tmp / f"{part}.json"
-                atomic_write_bytes(skel_path, skel, durable=True)
-                files[skel_path.name] = {"size": len(skel), "xxh3_128": safetensors.hash_bytes(skel)}
-                size, digest = safetensors.write_file(tmp / f"{part}.safetensors", snap.tensors[part])
-                files[f"{part}.safetensors"] = {"size": size, "xxh3_128": digest}
+            files = _write_parts(snap, tmp)
             if self.world_size > 1:
                 atomic_write_json(tmp / f".rank-{self.rank}.files.json", files)
                 if self.rank != 0:
@@ -487,6 +479,19 @@ class CheckpointStore:
         for p in self.root.iterdir():
             if p.name.startswith((".tmp-", ".deleting-")):
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def _write_parts(snap: _Snapshot, tmp: Path) -> dict[str, dict[str, Any]]:
+    """This rank's parts into ``tmp``, fsynced: their manifest entries (a collective writer's too)."""
+    files: dict[str, dict[str, Any]] = dict(snap.prewritten or {})
+    for part in sorted(snap.skeletons):
+        skel = (json.dumps(snap.skeletons[part], sort_keys=True, indent=1) + "\n").encode()
+        skel_path = tmp / f"{part}.json"
+        atomic_write_bytes(skel_path, skel, durable=True)
+        files[skel_path.name] = {"size": len(skel), "xxh3_128": safetensors.hash_bytes(skel)}
+        size, digest = safetensors.write_file(tmp / f"{part}.safetensors", snap.tensors[part])
+        files[f"{part}.safetensors"] = {"size": size, "xxh3_128": digest}
+    return files
 
 
 def newest_verified_step(run_dir: str | Path) -> int | None:
