@@ -416,8 +416,8 @@ def run_training(
             "changing its settings would break that name; train the new settings as their own run instead"
         )
     config = keyed_config(config)
-    memory_budget.fitted(config)  # refuse a run projected to run out of memory before a flow run exists
-    with run_lock(config.run_dir, config.run_name):
+    with run_lock(config.run_dir, config.run_name):  # a second flow is refused first, at once
+        memory_budget.fitted(config)  # a run projected to run out of memory: before a flow run exists
         open_run(config, allow_config_change=allow_config_change)
     from prefect import tags
 

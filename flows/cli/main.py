@@ -51,6 +51,10 @@ def validate(
     if show:
         console.print_json(json.dumps(cfg.model_dump(mode="json")))
     fitted = _host_memory_or_exit(cfg, built)
+    if fitted is not None:  # before the verdict, which stays the last line (scripts read it)
+        console.print(fitted.line, highlight=False, soft_wrap=True)
+        for line in fitted.gave_up:
+            console.print(f"convoy train would give up: {line}", highlight=False, soft_wrap=True)
     task = (
         "task built, first batches fetched"
         if built is not None
@@ -61,10 +65,6 @@ def validate(
         highlight=False,
         soft_wrap=True,
     )
-    if fitted is not None:
-        console.print(fitted.line, highlight=False, soft_wrap=True)
-        for line in fitted.gave_up:
-            console.print(f"convoy train would give up: {line}", highlight=False, soft_wrap=True)
 
 
 def _host_memory_or_exit(cfg: RunConfig, built: object) -> object:
