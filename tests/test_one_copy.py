@@ -1,6 +1,6 @@
 """One copy of the state serves both tiers (memory tier rule 8, issue 42 item 1).
 
-Real worker processes training a ~200 MB state (a stack of linear layers and AdamW): with the
+Real worker processes training a ~100 MB state (a stack of linear layers and AdamW): with the
 defaults (memory tier on, one slot; asynchronous saves) the async save persists from the tier's
 slot, so the worker's peak host memory, measured (its private resident pages, ``Pss_Anon``, plus
 the tier's pages in ``/dev/shm``, counted once), stays within the live state's plus 1.1x the
@@ -30,7 +30,7 @@ from training.paths import checkpoint_name
 UNTIL = 24
 ONE_COPY = [
     "task=tests.memory_tasks:build_linear_stack",
-    'task_args={"width": 1024, "layers": 16}',
+    'task_args={"width": 1024, "layers": 8}',
     "train.total_steps=24",
     "train.chunk_steps=24",
     "train.warmup_steps=0",
