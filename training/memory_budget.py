@@ -43,6 +43,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from training.checkpointing.memory.memory_tier import enabled
 from training.config import ConfigError, RunConfig
 from training.parts import TaskParts
 
@@ -199,17 +200,11 @@ def project(config: RunConfig, size: StateSize, on_cpu: bool) -> Projection:
     copies = share if sharded else size.state  # replicated: rank 0's copies hold it whole
     live = ranks * (share + (size.trainable // (t.world_size if sharded else 1))) if on_cpu else 0
     holders = ranks if sharded else 1  # replicated: rank 0's copies hold the state whole
-    tier = c.memory_slots * copies * holders if tier_on(config) else 0
+    tier = c.memory_slots * copies * holders if enabled(config) else 0
     # An async save stages its own copy, unless the tier holds it (memory tier rule 8).
     staging = copies * holders if c.async_save and c.every_steps is not None and not tier else 0
     standby = size.model if config.orchestration.standby and ranks == 1 else 0
     return Projection(size, ranks, live, tier, staging, standby)
-
-
-def tier_on(config: RunConfig) -> bool:
-    """Whether ``config`` keeps a memory tier (memory tier rule 5, as the worker decides)."""
-    c = config.checkpoint
-    return bool(c.memory_every_steps) and config.train.nnodes == 1 and c.format != "sharded"
 
 
 @dataclass(frozen=True)
@@ -281,7 +276,7 @@ def _fewer_slots(config: RunConfig) -> tuple[RunConfig, str]:
 def _no_copy(config: RunConfig, size: StateSize) -> tuple[RunConfig, str]:
     """Rule 3's last step: no copy of the state beside the live one (tier off, saves synchronous)."""
     said = []
-    if tier_on(config):
+    if enabled(config):
         said.append(_TIER_OFF.format(interval=_interval(config)))
     if config.checkpoint.async_save:
         said.append(

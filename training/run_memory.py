@@ -67,7 +67,6 @@ def resume_step(run_dir: str | Path, disk_step: int | None) -> int | None:
     """The step the next worker of the run resumes from, as the flow reports it: the memory
     snapshot's when the run keeps the tier and it is newer than ``disk_step`` (rule 2), else
     ``disk_step``.  The worker's own restore, which verifies, has the last word."""
-
     try:
         config = load_run_config(run_dir)
     except (OSError, ValueError):
