@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+from collections.abc import Callable
 from functools import cache
 
 
@@ -56,8 +57,10 @@ def check_disk_full(step: int) -> None:
         raise OSError(errno.ENOSPC, f"No space left on device (injected once by CONVOY_FAULTS at step {step})")
 
 
-def slow_step(step: int) -> None:
-    """``slow_step=S:SECONDS`` stalls step S once per process; ``slow_flag=PATH:SECONDS`` stalls
+def slow_step(step: int, stopping: Callable[[], bool] = lambda: False) -> None:
+    """``slow_step=S:SECONDS`` stalls step S once per process, cut short once ``stopping()`` turns
+    true (a preempted worker saves at once, so a test may give the stall a wide margin without
+    waiting it out); ``slow_flag=PATH:SECONDS`` stalls
     the next step once PATH exists (``convoy chaos`` creates it, so the stall lands exactly when
     the runner says, whatever a resume replayed before); ``step_delay=SECONDS`` pauses before
     every step (tests use it so short chunks last several heartbeats)."""
@@ -68,7 +71,9 @@ def slow_step(step: int) -> None:
     if spec:
         at, _, seconds = spec.partition(":")
         if step == int(at):
-            time.sleep(float(seconds or 5))
+            until = time.monotonic() + float(seconds or 5)
+            while time.monotonic() < until and not stopping():
+                time.sleep(min(0.1, max(0.0, until - time.monotonic())))
     flag_spec = _faults().get("slow_flag")
     if flag_spec:
         flag, _, seconds = flag_spec.rpartition(":")

@@ -377,7 +377,7 @@ class Worker:
         step_samples = cfg.train.batch_size * cfg.train.grad_accum_steps  # one optimizer step, all ranks
         runtime.store.check()
         t0 = time.perf_counter()
-        faults.slow_step(state.step + 1)
+        faults.slow_step(state.step + 1, stopping=lambda: self.claimed.preempt.requested)
         batch = [next(batches) for _ in range(cfg.train.grad_accum_steps)]
         out = train_step(runtime, batch, *self.snapshots.hooks(lambda: runtime.memory))
         state.step += 1
