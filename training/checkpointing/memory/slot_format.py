@@ -83,7 +83,7 @@ def decode_header(data: bytes) -> bytes | None:
     return body
 
 
-def slot_parts(header: Header, data: bytearray) -> dict[str, Any]:
+def slot_parts(header: Header, data: Any) -> dict[str, Any]:
     """The state parts a verified slot holds (tensors over a private copy of its bytes)."""
     start, end = header.skeletons
     skeletons = json.loads(bytes(data[start:end]))
