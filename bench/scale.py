@@ -21,9 +21,18 @@ as ``tests/memory_tasks.py`` builds it.  Per size:
 * **peak host memory**: real worker processes training the state 24 steps with the defaults,
   against the same loop holding no copy (memory tier off, synchronous saves): peak ``Pss_Anon``
   plus the tier's pages in ``/dev/shm``, sampled every 20 ms; the difference in states.
+* **T_fetch**: the state fetched from a local-directory DVC remote by another repository (read
+  the index, copy, verify, install; bench/remote_fetch.py's measurement) against a raw copy of
+  the same object files.
 * **resume**: a worker killed after step 12 and started again: its restore (``load_s`` of the
   ``resumed`` event: read, verify, ``load_state_dict``; from the memory tier where it holds a newer
-  step than disk, else from disk) against the raw read of that size.
+  step than disk, else from disk) against the raw read of that size, and the time from the kill to
+  the new worker's first step (a new process: interpreter, imports, task, restore, one step; a
+  flow's zygote forks instead, and detection adds a fixed ~0.1-0.3 s: bench/mttr.py).
+* **2 ranks** (``--rank-sizes``): the peak over the bare loop, every rank's process summed, for
+  the replicated and the sharded format, beside what the budget projects for the copies.
+
+``--largest`` adds a row at the largest state the budget lets convoy train here (workers only).
 
 Figures of one run only mean something against each other: the ratios are the result.  The
 largest state this machine's host memory would let convoy train (``training.memory_budget``) is
@@ -62,6 +71,11 @@ from training.memory_budget import CONVOY_PROCESSES, GB, HostMemory  # noqa: E40
 GIB = 1 << 30
 STEPS = 24
 FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
+#: From this state size on, glibc's own thresholds: with the fixed 1 MiB threshold every
+#: temporary of AdamW's per-parameter update is a fresh mapping faulted in and unmapped each step,
+#: and a 4 GiB state stepped in 20-30 s instead of ~2 s; what the fixed thresholds hide (50-90 MB
+#: of freed temporaries kept in the heap) is under 2 % of such a state.
+BIG_GIB = 2.0
 
 
 def io_figures(size_gib: float, tmp: Path, repeats: int) -> dict[str, float]:
@@ -107,28 +121,11 @@ def _restored(store: CheckpointStore, path: Path) -> None:
         t.sum()
 
 
-def _worker_peak(run_dir: Path, tier: Path | None, until: int, env: dict[str, str]) -> tuple[int, subprocess.Popen]:
-    """Train ``run_dir`` in a worker to ``until``, sampled: (peak Pss_Anon + tier bytes, process)."""
-    from engine_util import start_worker
-    from test_one_copy import Sampler
-
-    p = start_worker(run_dir, until, {**env, **FIXED_MALLOC})
-    sampler = Sampler(p.pid, tier or Path("/nonexistent"))
-    p.wait()
-    rows = sampler.stop()
-    return max((a + s for a, s in rows), default=0), p
-
-
-def memory_and_resume(size_gib: float, tmp: Path) -> dict[str, float]:
-    """Peak host memory of the defaults over the bare loop's, and a resume from the tier."""
-    from engine_util import make_run
-
-    from training import run_memory
-    from training.events import Event, read_events
-
+def _linear_stack(size_gib: float) -> list[str]:
+    """The run's settings: a linear stack of ``size_gib`` of state, 24 steps, one chunk."""
     width = 2048 if size_gib >= 0.5 else 1024
     layers = max(1, round(size_gib * GIB / 12 / (width * width + width)))
-    base = [
+    return [
         "task=tests.memory_tasks:build_linear_stack",
         f'task_args={{"width": {width}, "layers": {layers}}}',
         f"train.total_steps={STEPS}",
@@ -138,35 +135,94 @@ def memory_and_resume(size_gib: float, tmp: Path) -> dict[str, float]:
         "checkpoint.memory_every_steps=3",
         "checkpoint.memory_beside=false",
     ]
-    bare = make_run(
-        tmp / f"bare-{size_gib}", extra=[*base, "checkpoint.memory_every_steps=null", "checkpoint.async_save=false"]
-    )
-    live, _ = _worker_peak(bare, None, STEPS, {})
-    run = make_run(tmp / f"convoy-{size_gib}", extra=base)
-    peak, _ = _worker_peak(run, run_memory.tier_root(run), STEPS, {})
-    state = sum(f.stat().st_size for f in (run / "checkpoints").glob(f"step-{STEPS:09d}/*.safetensors"))
-    # A kill after step 12 (the slot holds 12), then a new worker: its restore from the tier.
-    killed = make_run(tmp / f"killed-{size_gib}", extra=base)
-    from engine_util import start_worker, wait_for_step
 
-    p = start_worker(killed, STEPS, {"CONVOY_FAULTS": "slow_step=13:30"})
+
+def _start(run_dir: Path, until: int, env: dict[str, str], ranks: int) -> subprocess.Popen:
+    """A worker (one rank) or torchrun's ranks training ``run_dir`` to ``until``."""
+    from engine_util import start_worker, worker_cmd
+
+    if ranks == 1:
+        return start_worker(run_dir, until, env)
+    cmd = worker_cmd(run_dir, until)
+    cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "training.worker"]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **env},
+        start_new_session=True,
+    )
+
+
+def _worker_peak(run_dir: Path, tier: Path | None, ranks: int, size_gib: float) -> int:
+    """Train ``run_dir`` to the end, sampled: peak Pss_Anon of every process + the tier's bytes."""
+    from test_one_copy import Sampler
+
+    p = _start(run_dir, STEPS, FIXED_MALLOC if size_gib < BIG_GIB else {}, ranks)
+    sampler = Sampler(p.pid, tier or Path("/nonexistent"), tree=ranks > 1)
+    out, _ = p.communicate()
+    rows = sampler.stop()
+    if p.returncode != 0:
+        raise RuntimeError(f"worker of {run_dir} failed:\n{out[-3000:]}")
+    return max((a + s for a, s in rows), default=0)
+
+
+def memory_figures(size_gib: float, tmp: Path, ranks: int = 1, fmt: str = "replicated") -> dict[str, float]:
+    """Peak host memory of the defaults over the same loop holding no copy, and the budget's
+    projection of that difference (``training.memory_budget.project``)."""
+    from engine_util import make_run
+
+    from training import run_memory
+    from training.memory_budget import StateSize, project
+    from training.rundir import load_run_config
+
+    base = [*_linear_stack(size_gib), f"train.ranks={ranks}", f"checkpoint.format={fmt}"]
+    tag = f"{size_gib}-{ranks}-{fmt}"
+    bare = make_run(
+        tmp / f"bare-{tag}", extra=[*base, "checkpoint.memory_every_steps=null", "checkpoint.async_save=false"]
+    )
+    live = _worker_peak(bare, None, ranks, size_gib)
+    run = make_run(tmp / f"convoy-{tag}", extra=base)
+    peak = _worker_peak(run, run_memory.tier_root(run), ranks, size_gib)
+    state = sum(f.stat().st_size for f in (run / "checkpoints").glob(f"step-{STEPS:09d}/**/*.safetensors"))
+    projected = project(load_run_config(run), StateSize(int(state), 0, 0), on_cpu=True)  # the copies only
+    return {"state": state, "bare_peak": live, "peak": peak, "projected_copies": projected.tier + projected.staging}
+
+
+def resume_figures(size_gib: float, tmp: Path) -> dict[str, float]:
+    """A worker killed in step 14 (the memory tier's slot holds 12) and a new one started at once: its restore
+    (the ``resumed`` event's ``load_s``; from the tier where it is newer than disk) and the time
+    from the kill to its first step done (a new process: interpreter, imports, task, restore)."""
+    from engine_util import make_run, wait_for_step
+
+    from training.events import Event, read_events
+
+    # No disk save before the kill: a save persisting from the one slot holds it (memory tier rule
+    # 8), so at a small state (fast steps) the snapshot of 12 could be skipped for the save of 10.
+    killed = make_run(tmp / f"killed-{size_gib}", extra=[*_linear_stack(size_gib), "checkpoint.every_steps=20"])
+    # Step 14 stalls: the heartbeat says 13 while it does, the snapshot of 12 was taken by then.
+    p = _start(killed, STEPS, {"CONVOY_FAULTS": "slow_step=14:600"}, 1)
     wait_for_step(killed, p, 13, timeout=1800)
     time.sleep(0.5)
     os.killpg(p.pid, signal.SIGKILL)
+    t_kill = time.time()
     p.wait()
-    t0 = time.perf_counter()
-    p = start_worker(killed, 14, {})
+    p = _start(killed, 15, {}, 1)
     p.wait()
-    restart = time.perf_counter() - t0
     resumed = read_events(killed, Event.RESUMED)[-1]
-    return {
-        "state": state,
-        "bare_peak": live,
-        "peak": peak,
-        "load_s": resumed["load_s"],
-        "tier": resumed["tier"],
-        "restart_s": restart,
-    }
+    first = read_events(killed, Event.FIRST_STEP)[-1]
+    return {"load_s": resumed["load_s"], "tier": resumed["tier"], "mttr_s": first["time"] - t_kill}
+
+
+def fetch_figures(size_gib: float, tmp: Path, repeats: int) -> dict[str, float]:
+    """T_fetch of the state from a local-directory DVC remote against a raw copy of its objects
+    (bench/remote_fetch.py's measurement at this size)."""
+    import remote_fetch
+
+    out = remote_fetch.fetch_bench(tmp / f"fetch-{size_gib}", size_gib * GIB / 12, repeats)
+    shutil.rmtree(tmp / f"fetch-{size_gib}", ignore_errors=True)
+    return {"fetch": statistics.median(out["fetch_s"]), "raw_copy": statistics.median(out["copy_s"])}
 
 
 def largest_state() -> float:
@@ -183,27 +239,72 @@ def _defaults():
     return load_config(None, [])
 
 
+def _ratio(r: dict[str, float], num: str, den: str, fmt: str = ".3f") -> str:
+    """``num s / den s = **ratio**``, or "-" where the row did not measure them."""
+    if num not in r or den not in r:
+        return "-"
+    return f"{r[num]:{fmt}} s / {r[den]:{fmt}} s = **{r[num] / r[den]:.2f}**"
+
+
 def table(rows: list[dict[str, float]]) -> str:
+    """One row a state size, one rank: every cost beside its baseline."""
     head = (
-        "| state | save stall / copy | persist / raw write+fsync | restore (load) / raw read | "
-        "peak over bare loop | resume load / raw read |\n|---|---|---|---|---|---|\n"
+        "| state | save stall / copy | persist / raw write+fsync | restore (load) / raw read | T_fetch / raw copy "
+        "| peak over bare loop | resume load / raw read | kill -> first step (new process) |\n"
+        "|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
+        over = r["peak"] - r["bare_peak"]
+        resume = f"{r['load_s']:.3f} s ({r['tier']})" + (
+            f" / {r['read']:.3f} s = **{r['load_s'] / r['read']:.2f}**" if "read" in r else ""
+        )
         lines.append(
-            f"| {r['bytes'] / GB:.2f} GB | {r['stall']:.3f} s / {r['copy']:.3f} s = **{r['stall'] / r['copy']:.2f}** "
-            f"| {r['persist']:.2f} s / {r['write']:.2f} s = **{r['persist'] / r['write']:.2f}** "
-            f"| {r['load']:.3f} s / {r['read']:.3f} s = **{r['load'] / r['read']:.2f}** "
-            f"| +{(r['peak'] - r['bare_peak']) / GB:.2f} GB = "
-            f"**+{(r['peak'] - r['bare_peak']) / r['state']:.2f}x** the state "
-            f"| {r['load_s']:.3f} s ({r['tier']}) / {r['read']:.3f} s = **{r['load_s'] / r['read']:.2f}** |"
+            f"| {r['state'] / GB:.2f} GB | {_ratio(r, 'stall', 'copy')} | {_ratio(r, 'persist', 'write', '.2f')} "
+            f"| {_ratio(r, 'load', 'read')} | {_ratio(r, 'fetch', 'raw_copy', '.2f')} "
+            f"| +{over / GB:.2f} GB = **+{over / r['state']:.2f}x** the state | {resume} | {r['mttr_s']:.2f} s |"
         )
     return head + "\n".join(lines)
+
+
+def ranks_table(rows: list[dict[str, float]]) -> str:
+    """One row a multi-rank run: measured copies over the bare loop against the budget's projection."""
+    head = (
+        "| state | ranks | format | bare loop peak | convoy peak | over bare | projected copies |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
+    lines = [
+        f"| {r['state'] / GB:.2f} GB | {r['ranks']} | {r['format']} "
+        f"| {r['bare_peak'] / GB:.2f} GB | {r['peak'] / GB:.2f} GB "
+        f"| +{(r['peak'] - r['bare_peak']) / GB:.2f} GB = **+{(r['peak'] - r['bare_peak']) / r['state']:.2f}x** "
+        f"| {r['projected_copies'] / GB:.2f} GB = {r['projected_copies'] / r['state']:.2f}x |"
+        for r in rows
+    ]
+    return head + "\n".join(lines)
+
+
+def size_row(size: float, tmp: Path, repeats: int, io: bool) -> dict[str, float]:
+    """Every figure at one size; ``io`` False (the largest state): only the workers', since the
+    bench's own baselines would hold three more copies of the state."""
+    row: dict[str, float] = {}
+    if io:
+        print(f"state {size:.2f} GiB: I/O ...", flush=True)
+        row.update(io_figures(size, tmp, repeats))
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # the I/O state's pages back before the workers run
+        print(f"state {size:.2f} GiB: T_fetch ...", flush=True)
+        row.update(fetch_figures(size, tmp, repeats))
+    print(f"state {size:.2f} GiB: workers ...", flush=True)
+    row.update(memory_figures(size, tmp))
+    row.update(resume_figures(size, tmp))
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="0.25,1,4", help="states in GiB, comma-separated")
+    ap.add_argument("--largest", action="store_true", help="add the largest state the budget allows (workers only)")
+    ap.add_argument("--rank-sizes", default="0.25,1", help="states in GiB of the 2-rank rows ('' for none)")
     ap.add_argument("--repeats", type=int, default=3, help="repeats of the I/O figures (median)")
     ap.add_argument("--tmp", default=str(ROOT / ".bench-tmp"), help="scratch dir on the same disk as the repo")
     ap.add_argument("--json", help="write the raw figures here")
@@ -211,24 +312,26 @@ def main() -> None:
     tmp = Path(args.tmp) / "scale"
     tmp.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("CONVOY_MEMORY_DIR", tempfile.mkdtemp(prefix="convoy-scale-", dir="/dev/shm"))
-    rows = []
+    largest = largest_state() / GIB
+    print(f"largest state the budget lets convoy train here (CPU, one rank, defaults): {largest * GIB / GB:.1f} GB")
+    sizes = [(float(s), True) for s in args.sizes.split(",") if s] + ([(largest * 0.97, False)] if args.largest else [])
+    rows, ranked = [], []
     try:
-        for size in (float(s) for s in args.sizes.split(",")):
-            print(f"state {size} GiB: I/O ...", flush=True)
-            row = io_figures(size, tmp, args.repeats)
-            gc.collect()
-            ctypes.CDLL("libc.so.6").malloc_trim(0)  # the I/O state's pages back before the workers run
-            print(f"state {size} GiB: workers ...", flush=True)
-            row.update(memory_and_resume(size, tmp))
-            rows.append(row)
+        for size, io in sizes:
+            rows.append(size_row(size, tmp, args.repeats, io))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
+        for size in (float(s) for s in args.rank_sizes.split(",") if s):
+            for fmt in ("replicated", "sharded"):
+                print(f"state {size} GiB, 2 ranks, {fmt}: workers ...", flush=True)
+                ranked.append({"ranks": 2, "format": fmt, **memory_figures(size, tmp, 2, fmt)})
+                print(ranks_table(ranked[-1:]).splitlines()[-1], flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(os.environ["CONVOY_MEMORY_DIR"], ignore_errors=True)
     print(table(rows))
-    print(f"largest state the budget lets convoy train here (CPU, one rank, defaults): {largest_state() / GB:.1f} GB")
+    print(ranks_table(ranked))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"sizes": rows, "ranks": ranked}, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -49,22 +49,25 @@ FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_"
 
 
 class Sampler:
-    """Samples a process's ``Pss_Anon`` and a folder's allocated bytes every 20 ms."""
+    """Samples a process's ``Pss_Anon`` and a folder's allocated bytes every 20 ms; with ``tree``
+    the ``Pss_Anon`` of the process and all its descendants (torchrun's ranks), summed."""
 
-    def __init__(self, pid: int, shm: Path) -> None:
-        self.pid, self.shm, self.rows = pid, shm, []
+    def __init__(self, pid: int, shm: Path, tree: bool = False) -> None:
+        self.pid, self.shm, self.tree, self.rows = pid, shm, tree, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _anon(self) -> int | None:
+        if not self.tree:
+            return _pss_anon(self.pid)
+        import psutil
+
         try:
-            for line in Path(f"/proc/{self.pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss_Anon:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
+            pids = [self.pid, *(c.pid for c in psutil.Process(self.pid).children(recursive=True))]
+        except psutil.Error:
             return None
-        return None
+        return sum(_pss_anon(pid) or 0 for pid in pids)
 
     def _shm(self) -> int:
         try:
@@ -83,6 +86,17 @@ class Sampler:
         self._stop.set()
         self._thread.join()
         return self.rows
+
+
+def _pss_anon(pid: int) -> int | None:
+    """A process's private anonymous pages (proportional share), bytes; None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss_Anon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _state_bytes(run_dir: Path, step: int) -> int:
