@@ -375,3 +375,36 @@ def test_a_dead_flow_runs_chunks_and_a_removed_boundarys_digest_come_from_the_ev
     assert (one["start_step"], one["end_step"], one["seconds"]) == (0, 20, 5.0)
     assert (two["status"], two["attempts"], two["failure_kinds"]) == ("died with this flow run", 1, ["orphaned"])
     assert recorded_digest(events, 1) == "d1" and recorded_digest(events, 2) is None
+
+
+def test_a_launcher_report_names_the_rank_and_its_exception() -> None:
+    """torchrun's failure report (its format, torch.distributed.elastic): the first failed rank and
+    its exception's last line from the traceback ``@record`` left, or its signal without one."""
+    from tasks.supervision.failure_kinds import error_line
+
+    banner = [
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "============================================================",
+        "training.worker FAILED",
+        "------------------------------------------------------------",
+        "Failures:",
+        "  <NO_OTHER_FAILURES>",
+        "------------------------------------------------------------",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  time      : 2026-12-07_02:50:01",
+        "  host      : node-a",
+        "  rank      : 1 (local_rank: 1)",
+        "  exitcode  : 1 (pid: 4242)",
+        "  error_file: /tmp/torchelastic_x/none_y/attempt_0/1/error.json",
+        "  traceback : Traceback (most recent call last):",
+        '    File "/work/training/step.py", line 80, in accumulate',
+        "      loss = parts.loss_fn(runtime.model, batch)",
+        "  ValueError: rank 1 saw a batch of the wrong shape in step 3",
+        "  ",
+        "============================================================",
+    ]
+    assert error_line(banner) == "rank 1: ValueError: rank 1 saw a batch of the wrong shape in step 3"
+    killed = [*banner[:11], "  rank      : 0 (local_rank: 0)", "  exitcode  : -9 (pid: 4241) (SIGKILL)"]
+    killed += ["  error_file: <N/A>", "  traceback : To enable traceback see: https://pytorch.org/docs/", "=" * 60]
+    assert error_line(killed) == "rank 0: signal SIGKILL"

@@ -493,5 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # @record: torchrun's report quotes a failed rank's exception (failure_kinds.py)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())

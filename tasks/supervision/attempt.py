@@ -81,7 +81,9 @@ class AttemptSpec:
     env: dict[str, str] | None = None
     cwd: str | Path | None = None
     on_line: Callable[[str], None] | None = None
-    tail_lines: int = 80
+    #: Lines of the attempt's output kept for the verdict: enough for torchrun's failure report,
+    #: which repeats the failed rank's whole traceback after the rank's own and torchrun's.
+    tail_lines: int = 240
     boundary_step: int | None = None
     standby_order: StandbyOrder | None = None
     #: Where a worker waits between chunks and the warm standby: the run's, shared by its chunk

@@ -156,10 +156,45 @@ def plain_error(line: str) -> str:
     return _ERRNO.sub("", _SELF_EXPLAINING.sub("", text))
 
 
+#: Where torchrun's failure report names the rank that failed first (its banner follows).
+_ROOT_CAUSE = "Root Cause (first observed failure):"
+_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*)$")
+
+
+def launcher_error(tail: Sequence[str]) -> str | None:
+    """``rank 1: ValueError: bad shape``: torchrun's "Root Cause" report, read as a person would
+    (the rank that failed first and its exception's last line, from the traceback the worker's
+    ``@record`` left; its exit or signal where it left none); None without such a report."""
+    lines = list(tail)
+    starts = [i for i, line in enumerate(lines) if _ROOT_CAUSE in line]
+    if not starts:
+        return None
+    section = lines[starts[-1] + 1 :]
+    end = next((i for i, line in enumerate(section) if line.strip().startswith("====")), len(section))
+    fields: dict[str, str] = {}
+    last = ""
+    for line in section[:end]:
+        if m := _FIELD.match(line):
+            fields.setdefault(m.group(1), m.group(2).strip())
+        if line.strip():
+            last = line.strip()
+    rank = fields.get("rank", "?").split(" ")[0]
+    traceback = fields.get("traceback", "")
+    if traceback and not traceback.startswith("To enable traceback"):
+        return f"rank {rank}: {plain_error(last.removeprefix('traceback :').strip())}"
+    try:
+        return f"rank {rank}: {signame(int(fields.get('exitcode', '').split(' ')[0]))}"
+    except ValueError:
+        return f"rank {rank}: failed (the launcher's report names no exit code)"
+
+
 def error_line(tail: Sequence[str]) -> str | None:
     """The line in a crashed worker's last output that says why it ended (a traceback's last
-    line, a fatal message), without module paths; None when its last words are only its own
-    progress lines, which would name something unrelated."""
+    line, a fatal message), without module paths; under torchrun, the first failed rank's
+    (:func:`launcher_error`), never the launcher's banner; None when its last words are only its
+    own progress lines, which would name something unrelated."""
+    if (from_launcher := launcher_error(tail)) is not None:
+        return from_launcher
     for line in reversed(tail):
         text = line.strip()
         if not text or text.startswith("# convoy"):

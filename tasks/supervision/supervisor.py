@@ -312,6 +312,8 @@ class WorkerAttempt:
         }.get(kind, signame(code) + ("" if code == rc else f" in a rank (launcher {signame(rc)})"))
         if kind not in _SAYS_WHY and (node := failed_node(tail)):
             reason += f"; first to fail: {node}"
+        if kind == FailureKind.CRASH and (why := error_line(tail)):  # the exception, never a banner
+            reason += f": {why}"
         # The exit happened between the last moment it was seen running and its detection: a few
         # milliseconds while waiting on its death, at most a verdict's computation otherwise.
         return Verdict(kind, reason, self.exit_seen - self.last_seen_running)
