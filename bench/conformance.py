@@ -6,7 +6,9 @@ against an uninterrupted reference.
 A trial is a cell — pipeline (``map-aug``: images with random flip and crop drawn from the global
 generators in ``__getitem__``; ``stream``: a stateful, worker-sharded ``IterableDataset``;
 ``third-party``: an HF ``datasets`` stream with ``.map`` augmentation, through convoy's adapter) × ``data.num_workers``
-{0, 2} × ranks {1, 2} — a fault and a moment.  Faults: SIGKILL, SIGTERM or SIGSTOP of the worker,
+{0, 2} × ranks {1, 2}, plus FSDP2 cells (``train.parallel: fsdp``, 2 ranks, ``map-aug`` and
+``stream`` × 0 and 2 loader workers, named ``…-r2-fsdp``) — a fault and a moment.  Faults:
+SIGKILL, SIGTERM or SIGSTOP of the worker,
 the newest checkpoint corrupted (then SIGKILL), the next save failing with ENOSPC, the MLflow
 server killed (started again 10 s later) or frozen (SIGSTOP past convoy's 10 s client timeout),
 the S3 remote (moto's server, the stand-in for AWS/MinIO) frozen, the Prefect server stopped
@@ -85,10 +87,12 @@ class Cell:
     pipeline: str
     workers: int
     ranks: int
+    #: ``train.parallel``: ``fsdp`` cells shard the model with FSDP2 (2 ranks, sharded checkpoints).
+    parallel: str = "ddp"
 
     @property
     def name(self) -> str:
-        return f"{self.pipeline}-w{self.workers}-r{self.ranks}"
+        return f"{self.pipeline}-w{self.workers}-r{self.ranks}" + ("-fsdp" if self.parallel == "fsdp" else "")
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,13 @@ class Verdict:
         return not self.reasons
 
 
+#: The pipelines of the FSDP2 cells (2 ranks each).
+FSDP_PIPELINES = ("map-aug", "stream")
+
+
 def all_cells() -> list[Cell]:
-    return [Cell(p, w, r) for p, w, r in itertools.product(PIPELINES, WORKERS, RANKS)]
+    replicated = [Cell(p, w, r) for p, w, r in itertools.product(PIPELINES, WORKERS, RANKS)]
+    return replicated + [Cell(p, w, 2, "fsdp") for p, w in itertools.product(FSDP_PIPELINES, WORKERS)]
 
 
 def draw_trials(
@@ -308,7 +317,7 @@ class Bench:
             "task_args": {},
             "data": {"prepared_dir": str(self.project / "data"), "seq_len": 16, "num_workers": cell.workers},
             "train": {"total_steps": self.steps, "chunk_steps": self.steps // 2, "batch_size": 8, "lr": 0.05,
-                      "ranks": cell.ranks},
+                      "ranks": cell.ranks, "parallel": cell.parallel},
             "checkpoint": {"every_steps": 4, "async_save": True, "keep_last": 3},
             "heartbeat": {"interval_s": 0.2, "stall_s": 6, "timeout_s": 6, "init_timeout_s": 120,
                           "save_timeout_s": 40, "grace_s": 3},

@@ -176,6 +176,31 @@ def build_raises_at_step_7(config: RunConfig, device: torch.device) -> TaskParts
     return parts
 
 
+def build_char_gpt_raises_on_rank_1(config: RunConfig, device: torch.device) -> TaskParts:
+    """The example model with a bug on one rank only: rank 1's loss_fn raises in step 3."""
+    from training.examples.char_gpt import build
+
+    parts = build(config, device)
+    inner, scheduler = parts.loss_fn, parts.scheduler
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        if torch.distributed.get_rank() == 1 and scheduler.last_epoch + 1 == 3:
+            raise ValueError("rank 1 saw a batch of the wrong shape in step 3")
+        return inner(m, batch)
+
+    parts.loss_fn = loss_fn
+    return parts
+
+
+def build_char_gpt_bad_units(config: RunConfig, device: torch.device) -> TaskParts:
+    """The example model naming shard units it does not have (a GRU)."""
+    from training.examples.char_gpt import build
+
+    parts = build(config, device)
+    parts.shard_units = (nn.GRU,)
+    return parts
+
+
 def build_bad_collate(config: RunConfig, device: torch.device) -> TaskParts:
     """The CNN task with a collate function that cannot handle its samples (tuples)."""
     parts = build_cnn(config, device)

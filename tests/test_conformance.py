@@ -23,7 +23,7 @@ def test_trials_are_drawn_from_the_seed_alone_and_cover_the_matrix() -> None:
     assert draw_trials(50, 7, 40) != draw_trials(50, 8, 40)
     many = draw_trials(400, 1, 40)
     assert {t.fault for t in many} == set(FAULTS) and {t.moment for t in many} == set(MOMENTS)
-    assert {t.cell for t in many} == set(all_cells()) and len(all_cells()) == 12
+    assert {t.cell for t in many} == set(all_cells()) and len(all_cells()) == 16
     assert all(3 <= t.at_step < 40 * 2 // 3 for t in many)
     only = draw_trials(20, 1, 40, cells=["stream-w2-r1"], faults=["sigstop"])
     assert {(t.cell.name, t.fault) for t in only} == {("stream-w2-r1", "sigstop")}

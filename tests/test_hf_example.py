@@ -91,3 +91,32 @@ def test_llama_family_builds_offline_with_ln_vocab_loss(tmp_path: Path) -> None:
     assert set(batch) == {"input_ids", "attention_mask", "labels"}
     with torch.no_grad():
         assert abs(float(parts.loss_fn(parts.model, batch)) - math.log(256)) < 0.1
+
+
+@pytest.mark.slow
+def test_fsdp_llama_with_activation_checkpointing_killed_resumes_bitwise(tmp_path: Path) -> None:
+    """``params-fsdp.yaml``'s model, small: a Llama sharded per decoder layer by convoy (FSDP2, 2
+    CPU ranks), activation checkpointing per layer, gradient accumulation; every rank SIGKILLed
+    at step 7 and resumed ends bitwise where an uninterrupted run ends."""
+    import json
+
+    import yaml
+
+    from tests.engine_util import wait_for_step
+    from tests.test_distributed import finish, losses, torchrun
+
+    shipped = yaml.safe_load((Path(__file__).parents[1] / "params-fsdp.yaml").read_text())
+    assert shipped["train"]["parallel"] == "fsdp" and shipped["task_args"]["activation_checkpointing"] is True
+    args = {**shipped["task_args"], "n_layer": 2, "d_model": 64}
+    llama = [*HF, f"task_args={json.dumps(args)}", "train.ranks=2"]
+    llama += ["train.parallel=fsdp", "train.eval_every=0"]
+    ref = make_run(tmp_path, "ref", llama)
+    finish(torchrun(ref, TOTAL, 2))
+    run = make_run(tmp_path, "killed", llama)
+    p = torchrun(run, TOTAL, 2)
+    wait_for_step(run, p, 7, timeout=300)
+    kill_group(p)
+    p.wait()
+    out = finish(torchrun(run, TOTAL, 2))
+    assert "resumed from step" in out
+    assert losses(run) == losses(ref) and final_digest(run) == final_digest(ref)

@@ -47,6 +47,7 @@ TRAINING_BASE = {
     "training.parts",
     "training.paths",
     "training.sample_rng",
+    "training.sharding",
     "training.trajectory",
 }
 CHECKPOINTING = "training.checkpointing"

@@ -121,6 +121,15 @@ class TrainConfig(_Strict):
     #: scaled by 1/grad_accum_steps; checkpoints fall only on optimizer-step boundaries.
     #: Left out of the fingerprint at 1, so every fingerprint from before it existed stays valid.
     grad_accum_steps: Annotated[int, Trajectory(omit_at=1)] = Field(1, ge=1, le=4096)
+    #: How more than one rank trains: ``ddp`` replicates the model (DistributedDataParallel);
+    #: ``fsdp`` shards parameters, gradients and optimizer state with FSDP2 (``fully_shard`` on each
+    #: of ``TaskParts.shard_units``, then the root; :mod:`training.sharding`), which needs
+    #: ``checkpoint.format: sharded`` (chosen for you when the format is not set).  Hashed only at
+    #: ``fsdp``: every fingerprint from before it existed stays valid.
+    parallel: Annotated[Literal["ddp", "fsdp"], Trajectory(omit_at="ddp")] = "ddp"
+    #: With ``fsdp``: free each unit's gathered parameters after its forward (less memory, one more
+    #: all-gather in the backward); FSDP2's ``reshard_after_forward``.
+    reshard_after_forward: bool = True
     #: Evaluate on the validation split every this many optimizer steps (0 = never); ``val_loss``
     #: is logged at that step.  Does not change the trajectory (own data order, RNG untouched).
     eval_every: int = Field(0, ge=0)
@@ -338,6 +347,25 @@ class RunConfig(_Strict):
     heartbeat: HeartbeatConfig = Field(default_factory=HeartbeatConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sharded_for_fsdp(cls, data: Any) -> Any:
+        """``train.parallel: fsdp`` picks ``checkpoint.format: sharded`` where the format is not set."""
+        if isinstance(data, dict) and isinstance(data.get("train"), dict) and data["train"].get("parallel") == "fsdp":
+            checkpoint = data.get("checkpoint")
+            if checkpoint is None or (isinstance(checkpoint, dict) and "format" not in checkpoint):
+                data = {**data, "checkpoint": {**(checkpoint or {}), "format": "sharded"}}
+        return data
+
+    @model_validator(mode="after")
+    def _fsdp_writes_shards(self) -> RunConfig:
+        if self.train.parallel == "fsdp" and self.checkpoint.format != "sharded":
+            raise ValueError(
+                "train.parallel = fsdp with checkpoint.format = replicated: a sharded model is saved by every "
+                "rank; set checkpoint.format: sharded (or leave it out)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _task_importable(self, info: ValidationInfo) -> RunConfig:

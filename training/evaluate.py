@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from training.batch import batch_len
+from training.checkpointing import sharded
 from training.checkpointing.safetensors_io import write_file
 from training.checkpointing.store import CheckpointStore
 from training.config import ConfigError, RunConfig, load_config
@@ -63,7 +64,10 @@ def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -
     if loaded is None:
         raise ConfigError(f"{run_dir}: no valid checkpoint to export; train first (`convoy train`)")
     checkpoint, parts = loaded
-    model = parts["state"]["model"]
+    if sharded.LAYOUT in parts:  # every rank's shard, read into whole tensors (no process group)
+        model = sharded.full_model(checkpoint.path, parts[sharded.LAYOUT])
+    else:
+        model = parts["state"]["model"]
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in sorted(model.items())}
     meta = {
         "step": str(checkpoint.step),

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from training.sample_rng import HOST_RNGS
+from training.sharding import ShardUnits
 
 
 @dataclass
@@ -57,3 +58,9 @@ class TaskParts:
     #: from them, :mod:`training.sample_rng`).  A generator left out is
     #: seeded once per loader worker only: drawing from it makes samples depend on the worker.
     sample_rngs: tuple[str, ...] = HOST_RNGS
+    #: With ``train.parallel: fsdp``, the units FSDP2 shards before the root: module classes (e.g.
+    #: ``(DecoderLayer,)``: every submodule of one of them) or ``fn(model) -> modules``.  None: the
+    #: root alone (one all-gather of the whole model per forward: fine for small models, the peak
+    #: memory of an unsharded one).  A factory that shards the model itself leaves it None
+    #: (:mod:`training.sharding`).
+    shard_units: ShardUnits | None = None

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from training import distributed
+from training import distributed, sharding
 from training.checkpointing import sharded
 from training.checkpointing.memory.memory_tier import MemoryTier
 from training.checkpointing.schedule import MemorySchedule, SaveSchedule
@@ -123,7 +123,8 @@ class Runtime:
     rank: int
     world_size: int
     parts: TaskParts
-    #: The module the loop calls: ``parts.model``, or its DDP wrapper with more than one rank.
+    #: The module the loop calls: ``parts.model`` (sharded in place with ``train.parallel: fsdp``),
+    #: or its DDP wrapper with more than one rank.
     model: torch.nn.Module
     scaler: torch.amp.GradScaler
     #: The autocast dtype; None when AMP is off.
@@ -188,6 +189,8 @@ def build_runtime(
 ) -> Runtime:
     """Seeded task parts, DDP wrapper, AMP scaler, an empty train state and the checkpoint store
     (``store``: the one to keep, else a new one for ``run_dir``, validating against these parts)."""
+    if config.train.parallel == "fsdp":  # before the task: a factory that shards itself needs the group
+        sharding.ensure_process_group(device)
     seed_everything(config.train.seed)  # identical model init on every rank
     parts = build_task(config, device)
     fresh = FreshSettings(
@@ -196,14 +199,10 @@ def build_runtime(
     )
     if rank > 0:  # rank 0 keeps the single-process stream; others get their own (dropout)
         seed_everything(mix_seed(config.train.seed, rank))
-    model = parts.model
-    if world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(parts.model, device_ids=[device.index] if device.type == "cuda" else None)
     dtype = amp_dtype(config, device)
     if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         raise ConfigError("train.amp_dtype = 'bfloat16' but this GPU does not support bfloat16; use float16")
+    model = parallel_model(config, parts, device, world_size, dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is not None)
     if store is None:
         assert run_dir is not None, "a new store needs the run directory"
@@ -223,6 +222,34 @@ def build_runtime(
         fresh=fresh,
         memory=memory,
     )
+
+
+def parallel_model(
+    config: RunConfig, parts: TaskParts, device: torch.device, world_size: int, dtype: torch.dtype | None
+) -> torch.nn.Module:
+    """The module the loop calls: ``parts.model`` sharded in place (``train.parallel: fsdp``), as
+    the factory sharded it, DDP-wrapped (replicated, more than one rank), or as it is."""
+    if sharding.is_sharded(parts.model):  # the factory applied FSDP2 / tensor parallel (sharding rule 2)
+        if config.checkpoint.format != "sharded":
+            raise ConfigError(
+                f"task = {config.task!r} returns a sharded model (DTensor parameters): set train.parallel: fsdp "
+                "(or checkpoint.format: sharded), since every rank saves its own shards"
+            )
+        return parts.model
+    if config.train.parallel == "fsdp":
+        t = config.train
+        try:
+            sharding.shard_model(
+                parts.model, parts.optimizer, parts.shard_units, device, t.reshard_after_forward, dtype
+            )
+        except ValueError as exc:
+            raise ConfigError(f"task = {config.task!r}, train.parallel = fsdp: {exc}") from None
+        return parts.model
+    if world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(parts.model, device_ids=[device.index] if device.type == "cuda" else None)
+    return parts.model
 
 
 def open_store(config: RunConfig, run_dir: Path, parts: TaskParts, rank: int, world_size: int) -> CheckpointStore:

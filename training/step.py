@@ -8,14 +8,13 @@ those and calls these functions.  Kept apart so the update itself can be read (a
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import default_collate
 
-from training import distributed, faults
+from training import distributed, faults, sharding
 from training.batch import to_device
 from training.config import ConfigError
 from training.data import LoaderSpec, validation_keys
@@ -39,7 +38,8 @@ def train_step(
     inside it leaves the last checkpoint, at an optimizer-step boundary, as the resume point).
 
     Each micro-batch's loss is scaled by 1/accum so the gradient is the mean over the whole
-    optimizer batch; DDP skips its all-reduce (``no_sync``) on all but the last micro-batch;
+    optimizer batch; DDP (``no_sync``) and FSDP2 (``set_requires_gradient_sync``) skip their
+    gradient reduction on all but the last micro-batch (:func:`training.sharding.gradient_sync`);
     the AMP scaler unscales, steps and updates once per optimizer step.  ``before_update`` runs
     just before the first change to parameters, optimizer state, scaler or LR schedule (before
     a task's own update, which makes them itself): the memory tier commits a snapshot there.
@@ -73,8 +73,7 @@ def accumulate(
         faults.micro_stall(runtime.state.step + 1, i + 1)
         batch = to_device(batch, runtime.device)
         last = i == n - 1
-        sync = runtime.model.no_sync() if runtime.world_size > 1 and not last else contextlib.nullcontext()
-        with sync:
+        with sharding.gradient_sync(runtime.model, on=last or runtime.world_size == 1):
             with torch.autocast(runtime.device.type, dtype=runtime.autocast_dtype, enabled=runtime.amp):
                 loss = parts.loss_fn(runtime.model, batch)
             if i == 0:
@@ -91,7 +90,7 @@ def accumulate(
     scaler.step(parts.optimizer)
     scaler.update()
     mean_loss = float(total) if n == 1 else float(total / n)
-    return {"loss": distributed.mean(mean_loss), "grad_norm": float(grad_norm)}
+    return {"loss": distributed.mean(mean_loss), "grad_norm": sharding.norm_value(grad_norm)}
 
 
 def custom_step(runtime: Runtime, batch: Any) -> dict[str, float]:

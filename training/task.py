@@ -11,10 +11,12 @@ and is re-exported here, where users' factories import it from.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 
+from training import sharding
 from training.config import ConfigError, DataMissing, RunConfig, resolve_task_factory
 from training.parts import TaskParts
 from training.sample_rng import check_rngs
@@ -64,21 +66,35 @@ def check_task(config: RunConfig, fetch: bool = False, resume_dir: Path | None =
     raises then becomes a one-line ConfigError.  Returns None when the data is not on this
     machine (:class:`DataMissing`, FileNotFoundError): what the factory checked before reading
     it was checked, and the worker, which needs the data, reports it."""
+    fsdp = config.train.parallel == "fsdp"
+    with sharding.rehearsal_group() if fsdp else contextlib.nullcontext():
+        parts = _built_somewhere(config)
+        if parts is not None and fsdp:
+            try:
+                sharding.rehearse(parts, config.train.reshard_after_forward)
+            except ValueError as exc:
+                raise ConfigError(f"task = {config.task!r}, train.parallel = fsdp: {exc}") from None
+    if parts is not None and fetch:  # outside the meta context: samples are read as the worker reads them
+        from training.preflight import fetch_first_batches
+
+        fetch_first_batches(config, parts, resume_dir)
+    return parts
+
+
+def _built_somewhere(config: RunConfig) -> TaskParts | None:
+    """:func:`check_task`'s build: on the meta device, else on the CPU; None without the data.
+    With ``train.parallel: fsdp`` it runs inside a one-rank process group
+    (:func:`training.sharding.rehearsal_group`), so a factory that shards its model itself takes
+    that path here too, on a mesh of one."""
     meta = torch.device("meta")
     for device in (meta, torch.device("cpu")):
         try:
             with device:
-                parts = build_task(config, device)
+                return build_task(config, device)
         except (DataMissing, FileNotFoundError):
             return None
         except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - not every factory can build on meta; on the CPU it is the factory's
             failure = exc
-        else:
-            if fetch:  # outside the meta context: samples are read as the worker reads them
-                from training.preflight import fetch_first_batches
-
-                fetch_first_batches(config, parts, resume_dir)
-            return parts
     raise ConfigError(f"task = {config.task!r}: the factory failed: {type(failure).__name__}: {failure}") from None

@@ -164,3 +164,26 @@ def load_shards(path: Path, skeleton: Any, model: torch.nn.Module, optimizer: to
         dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(path / SHARD_DIR)))
     tree = join_tree(skeleton, flat)
     set_state_dict(model, optimizer, model_state_dict=tree["model"], optim_state_dict=tree["optimizer"])
+
+
+def full_model(path: Path, skeleton: Any) -> dict[str, torch.Tensor]:
+    """The model's whole tensors, by parameter name, from a sharded checkpoint already verified
+    (:func:`verify_shards` gave ``skeleton``): read in this one process, no process group (DCP
+    then reads every rank's shard into each whole tensor), to export or register the finished
+    model, which loads into the unsharded model class.  Tied tensors come back under each name."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    refs = {
+        name: node["__t__"] for name, node in skeleton["model"].items() if isinstance(node, dict) and "__t__" in node
+    }
+    shapes = HuggingFaceStorageReader(str(path / SHARD_DIR)).read_metadata().state_dict_metadata
+    whole = {}
+    for key in sorted(set(refs.values())):
+        meta = shapes[key]
+        whole[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(whole, storage_reader=HuggingFaceStorageReader(str(path / SHARD_DIR)), no_dist=True)
+    return {name: whole[key] for name, key in refs.items()}

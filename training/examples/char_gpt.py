@@ -133,4 +133,5 @@ def build(config: RunConfig, device: torch.device) -> TaskParts:
         val_data=TokenWindows(val_tokens, seq),
         loss_fn=loss_fn,
         tokens_per_sample=seq,
+        shard_units=(Block,),  # train.parallel: fsdp shards each block, then the root (embeddings, head)
     )

@@ -12,7 +12,9 @@ Tokens are bytes of the prepared corpus (``convoy prepare``), so the vocabulary 
 first loss is about ln(256) ≈ 5.55 nats.  Needs the ``hf`` extra: ``pip install -e '.[hf]'``.
 ``params-hf.yaml`` runs it: ``convoy train params-hf.yaml``.
 
-``task_args`` (all optional): family (gpt2 | llama), n_layer, n_head, d_model, dropout.
+``task_args`` (all optional): family (gpt2 | llama), n_layer, n_head, d_model, dropout,
+activation_checkpointing.  With ``train.parallel: fsdp`` convoy shards each decoder layer, then
+the root (``TaskParts.shard_units``); ``params-fsdp.yaml`` trains a Llama that way on 2 ranks.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class HFArgs(BaseModel):
     d_model: int = Field(64, ge=8)
     #: GPT-2's residual, embedding and attention dropout (Llama: attention dropout).
     dropout: float = Field(0.1, ge=0, lt=1)
+    #: Recompute each decoder layer's activations in the backward instead of keeping them
+    #: (transformers' gradient checkpointing, non-reentrant): less memory, ~30 % more compute.
+    activation_checkpointing: bool = False
 
 
 class ByteWindows(Dataset):
@@ -120,6 +125,8 @@ def build(config: RunConfig, device: torch.device) -> TaskParts:
     n_val = int(len(tokens) * config.data.val_fraction)
     model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa").to(device)
     model.loss_type = "ForCausalLM"  # named, so transformers does not warn about guessing it
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     tc = config.train
     optimizer = torch.optim.AdamW(decay_groups(model, tc.weight_decay), lr=tc.lr, betas=(0.9, 0.95))
     scheduler = get_cosine_schedule_with_warmup(optimizer, tc.warmup_steps, tc.total_steps)
@@ -135,4 +142,12 @@ def build(config: RunConfig, device: torch.device) -> TaskParts:
         val_data=ByteWindows(tokens[len(tokens) - n_val :], seq),
         loss_fn=loss_fn,
         tokens_per_sample=seq,
+        shard_units=decoder_layers,  # train.parallel: fsdp shards each decoder layer, then the root
     )
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers (``GPT2Block``, ``LlamaDecoderLayer``...): the classes
+    transformers itself never splits across devices (``_no_split_modules``), FSDP2's natural units."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
