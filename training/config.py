@@ -181,8 +181,8 @@ class CheckpointConfig(_Strict):
     #: Save asynchronously (snapshot into reused buffers, persist on a background thread).
     async_save: bool = True
     #: ``replicated``: rank 0 writes model + optimizer (DDP).  ``sharded``: every rank writes its
-    #: shards through torch.distributed.checkpoint (FSDP-style state, re-sharded on load); the
-    #: shard write is synchronous, the rest of the save stays asynchronous.
+    #: pieces in torch.distributed.checkpoint's layout (FSDP-style state, re-sharded on load),
+    #: asynchronously like every save.
     format: Literal["replicated", "sharded"] = "replicated"
     keep_last: int = Field(3, ge=1)
     #: Also keep every checkpoint whose step is a multiple of this (0 = off).

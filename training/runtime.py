@@ -149,7 +149,7 @@ class Runtime:
         self, blocking: bool, extra: dict[str, Any] | None, tier_failed: Callable[[OSError], None]
     ) -> float:
         """This rank's state into the store (persisted in the background unless ``blocking``;
-        sharded: model and optimizer written collectively first); returns the loop's stall.
+        sharded: this rank's pieces of model and optimizer with it); returns the loop's stall.
 
         Persisted in the background with a memory tier, the state is staged in the tier's slot
         and persisted from there (memory tier rule 8: one copy of the state serves both tiers); a
@@ -158,8 +158,7 @@ class Runtime:
         t0 = time.perf_counter()
         rank, shard = self.rank, self.config.checkpoint.format == "sharded"
         parts = self.state.checkpoint_parts(rank, include_replicated=rank == 0, sharded=shard)
-        model, optimizer = self.parts.model, self.parts.optimizer
-        writer = (lambda tmp: sharded.save_shards(tmp, model, optimizer, rank)) if shard else None
+        pieces = sharded.local_shard(self.parts.model, self.parts.optimizer, rank, self.world_size) if shard else None
         staged = None
         if self.memory is not None and not (blocking or shard or not self.store.policy.async_save):
             self.store.wait()  # the previous persist has released the slot it read (rule 8)
@@ -167,9 +166,7 @@ class Runtime:
                 staged = self.memory.stage(self.state.step, parts)
             except OSError as exc:
                 tier_failed(exc)
-        self.store.save(
-            self.state.step, parts, blocking=blocking, extra_manifest=extra, collective_write=writer, staged=staged
-        )
+        self.store.save(self.state.step, parts, blocking=blocking, extra_manifest=extra, shard=pieces, staged=staged)
         return time.perf_counter() - t0
 
     def rebuilt(self) -> Runtime:

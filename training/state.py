@@ -134,7 +134,7 @@ class TrainState:
 
     def checkpoint_parts(self, rank: int = 0, include_replicated: bool = True, sharded: bool = False) -> dict[str, Any]:
         """What the store writes for this rank.  ``sharded``: model and optimizer are left out
-        (the sharded format writes them collectively); the rest stays in rank 0's ``state``."""
+        (the sharded format writes each rank's pieces of them); the rest stays in rank 0's ``state``."""
         out: dict[str, Any] = {f"rank-{rank}": {"rng": capture_rng(self.device), "step": self.step}}
         stream = self.stream.state_dict() if self.stream is not None else self.stream_saved
         if stream is not None:  # absent for map-style data: those checkpoints stay as they were

@@ -1,13 +1,22 @@
-"""Sharded model/optimizer state (``checkpoint.format: sharded``) via torch.distributed.checkpoint.
+"""Sharded model/optimizer state (``checkpoint.format: sharded``) in DCP's layout.
 
-Why DCP: FSDP-style state (DTensor shards) has to be written by every rank and re-sharded when
-the world size changes; DCP's planners do both (replicated DDP tensors are de-duplicated, each
-written by one rank).  Why not DCP's default ``FileSystemWriter``: it stores the checkpoint
-metadata with ``pickle``, and convoy never loads a file that can execute code.  So the tensors
-go through DCP's HuggingFace storage: each rank writes ``dcp/shard-<r+1>-model-….safetensors``
-whose JSON header carries the shard offsets, and the reader rebuilds DCP's metadata from those
-headers (``safetensors.safe_open``: no code execution).  Non-tensor leaves (optimizer
-hyper-parameters) stay in convoy's JSON skeleton ``dcp.json``, written by rank 0.
+Why DCP's layout: FSDP-style state (DTensor shards) has to be written by every rank and
+re-sharded when the world size changes; DCP's load planner re-shards.  Why its HuggingFace
+storage: DCP's default ``FileSystemWriter`` stores the metadata with ``pickle``, and convoy
+never loads a file that can execute code; in the HuggingFace layout each rank's
+``dcp/shard-<r+1>-model-00001-of-00001.safetensors`` carries its pieces' offsets in its JSON header,
+and the reader rebuilds DCP's metadata from those headers (``safetensors.safe_open``).
+Non-tensor leaves (optimizer hyper-parameters) and tied-tensor aliases stay in convoy's JSON
+skeleton ``dcp.json``, written by rank 0.
+
+Why not DCP's writer: its plan is agreed by collectives, which must run on the training thread
+(the loop's own collectives use the same process group), so every save held the loop for the
+whole write.  Each rank's pieces are known without asking the others (the local shard of each
+DTensor, its offset from the placement; a tensor every rank holds is written by one of them), so
+:func:`local_shard` takes them on the training thread, the store copies them into reused buffers
+like any part, and :func:`write_shard` writes them on the persist thread: an asynchronous sharded
+save.  The files are those DCP's writer made (same names, same header metadata); checkpoints it
+wrote load the same way.
 
 Everything else of the train state (scheduler, scaler, cursor, step, per-rank RNG) keeps the
 regular per-part files; the checkpoint store's manifest lists and hashes the shard files like any
@@ -17,9 +26,9 @@ other, so the commit protocol and the verify-before-load rule are unchanged.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +41,7 @@ SHARD_DIR = "dcp"
 SKELETON = "dcp.json"
 LAYOUT = "sharded"
 
-if TYPE_CHECKING:  # torch.distributed.checkpoint is imported where shards are written or read
+if TYPE_CHECKING:  # torch is imported where shards are taken, written or read
     import torch
 
 
@@ -83,36 +92,77 @@ def _flatten(trees: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
     return walk(skeleton), flat
 
 
-def save_shards(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
-    """Collective: every rank calls it with the same ``tmp``.  Returns this rank's manifest entries
-    (``dcp/…`` shard files it wrote, plus ``dcp.json`` on rank 0), each fsynced and hashed."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+@dataclass(frozen=True)
+class LocalShard:
+    """This rank's pieces of the model and optimizer state, laid out as DCP's HuggingFace storage
+    lays them out (so DCP's reader re-shards them on load), taken on the training thread without
+    any collective: the store copies the pieces like any part and writes them on its persist
+    thread (an asynchronous sharded save; the ranks meet through files, as for every save)."""
 
+    #: ``dcp/shard-<r+1>-model-00001-of-00001.safetensors``: the file this rank writes.
+    name: str
+    #: DCP key -> this rank's piece (a view of the live state until the store copies it).
+    tensors: dict[str, torch.Tensor]
+    #: DCP key -> where the piece starts in the whole tensor (DCP's ``saved_offsets``).
+    offsets: dict[str, list[int]]
+    #: The whole tree's skeleton (non-tensor leaves, aliases); rank 0's only, written as ``dcp.json``.
+    skeleton: Any | None
+
+    def metadata(self) -> dict[str, str]:
+        """The safetensors header metadata DCP's ``HuggingFaceStorageReader`` reads offsets from."""
+        info = {key: {"saved_offsets": self.offsets[key]} for key in sorted(self.tensors)}
+        return {"DCP_SHARDING_INFO": json.dumps(info, sort_keys=True), "DCP_VERSION": "1.0", "format": "pt"}
+
+
+def local_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int) -> LocalShard:
+    """This rank's pieces: of each DTensor the local shard (once per replicated mesh dimension);
+    of each plain tensor, which every rank holds (DDP, optimizer step counters), the whole tensor
+    on one rank, spread over the ranks by key order so that each writes its share."""
     skeleton, flat = _flatten(_trees(model, optimizer))
-    # DCP gives a tensor every rank holds (replicated state) to one writer, choosing in the order
-    # the state dict lists its items; an optimizer restored from a checkpoint lists its state in
-    # another order than one that trained from the start, so the same state went into other
-    # shards and the checkpoint's digest differed (tests/test_sharded.py, a real 2-rank kill).
-    # Sorted keys make the plan, hence the files, a function of the state alone.
-    flat = dict(sorted(flat.items()))
-    out = tmp / SHARD_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():  # one process without a process group is a supported case
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True))
-    files: dict[str, Any] = {}
-    for path in sorted(out.glob(f"shard-{rank + 1:05d}-*.safetensors")):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        size, digest, content = safetensors.hash_file_and_content(path)
-        files[f"{SHARD_DIR}/{path.name}"] = {"size": size, "xxh3_128": digest, "content": content}
-    fsync_dir(out)
-    if rank == 0:
-        blob = (json.dumps(skeleton, sort_keys=True, indent=1) + "\n").encode()
+    tensors: dict[str, torch.Tensor] = {}
+    offsets: dict[str, list[int]] = {}
+    plain = 0
+    for key in sorted(flat):
+        t = flat[key]
+        if hasattr(t, "device_mesh"):
+            piece = _dtensor_piece(t)
+        else:
+            piece = (t, [0] * t.dim()) if plain % world_size == rank else None
+            plain += 1
+        if piece is not None:
+            tensors[key], offsets[key] = piece
+    name = f"{SHARD_DIR}/shard-{rank + 1:05d}-model-00001-of-00001.safetensors"
+    return LocalShard(name, tensors, offsets, skeleton if rank == 0 else None)
+
+
+def _dtensor_piece(t: Any) -> tuple[torch.Tensor, list[int]] | None:
+    """A DTensor's local piece and its offset, None where another rank writes it (a replicated
+    mesh dimension is written by its first coordinate) or it is empty (uneven sharding)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    coordinate = t.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    if any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coordinate, strict=True)):
+        return None
+    local = t.to_local()
+    if local.numel() == 0:
+        return None
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return local, [int(o) for o in offset]
+
+
+def write_shard(shard: LocalShard, tmp: Path) -> dict[str, Any]:
+    """Write this rank's pieces (copied by the store) into ``tmp``, fsynced; rank 0 writes the
+    skeleton too.  Returns the manifest entries."""
+    path = tmp / shard.name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    size, digest = safetensors.write_file(path, shard.tensors, shard.metadata())
+    files: dict[str, Any] = {shard.name: {"size": size, "xxh3_128": digest}}
+    fsync_dir(path.parent)
+    if shard.skeleton is not None:
+        blob = (json.dumps(shard.skeleton, sort_keys=True, indent=1) + "\n").encode()
         atomic_write_bytes(tmp / SKELETON, blob, durable=True)
         files[SKELETON] = {"size": len(blob), "xxh3_128": safetensors.hash_bytes(blob)}
     return files

@@ -14,6 +14,7 @@ disk untouched.  Retention (invariant 3) never deletes the newest verified check
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -81,8 +82,8 @@ class _Snapshot:
     tensors: dict[str, dict[str, torch.Tensor]]
     extra_manifest: dict[str, Any] = field(default_factory=dict)
     cuda_event: Any = None
-    #: Files already written into the temp dir by a collective writer (sharded mode), by name.
-    prewritten: dict[str, dict[str, Any]] | None = None
+    #: This rank's pieces of a sharded model and optimizer (sharded mode), copied like the parts.
+    shard: sharded.LocalShard | None = None
     #: The holder of the staged copy this snapshot's tensors are views of (the memory tier's slot).
     staged: Staged | None = None
 
@@ -283,25 +284,20 @@ class CheckpointStore:
         parts: dict[str, Any],
         blocking: bool = False,
         extra_manifest: dict[str, Any] | None = None,
-        collective_write: Callable[[Path], dict[str, dict[str, Any]]] | None = None,
+        shard: sharded.LocalShard | None = None,
         staged: Staged | None = None,
     ) -> float:
         """Snapshot ``parts`` into reused CPU buffers, then persist (in the background unless
         ``blocking``).  Returns the stall in seconds: the time the caller was held up.
         ``staged``: the state was copied already (the tier's slot, its rule 8): ``parts`` unread.
-
-        ``collective_write(tmp)`` (sharded mode) runs first, on the calling thread on every rank:
-        it writes the big state into the temp dir itself (collectives are not allowed on the
-        persist thread) and returns manifest entries for what it wrote."""
+        ``shard`` (sharded mode): this rank's pieces of the model and optimizer, copied and
+        written the same way (:mod:`training.checkpointing.sharded`)."""
         t0 = time.perf_counter()
         self.wait()  # the buffers are reused: the previous persist must be done
-        prewritten = None
-        if collective_write is not None:
-            tmp = self.root / f".tmp-{checkpoint_name(step)}"
-            if self.world_size == 1 and tmp.exists():
-                shutil.rmtree(tmp)  # with more ranks rank 0 removed stale temp dirs at start-up
-            tmp.mkdir(exist_ok=True)
-            prewritten = collective_write(tmp)
+        copy_now = blocking or not self.policy.async_save
+        if shard is not None:
+            pieces = {k: self._snapshot_tensor(f"shard/{k}", t, copy_now) for k, t in shard.tensors.items()}
+            shard = dataclasses.replace(shard, tensors=pieces)
         skeletons: dict[str, Any] = {} if staged is None else staged.skeletons
         tensors: dict[str, dict[str, torch.Tensor]] = {} if staged is None else staged.tensors
         any_cuda = False
@@ -311,9 +307,9 @@ class CheckpointStore:
             tensors[part] = {}
             for key, t in flat.items():
                 any_cuda |= t.is_cuda
-                tensors[part][key] = self._snapshot_tensor(f"{part}/{key}", t, blocking or not self.policy.async_save)
-        extra = {**(extra_manifest or {}), **({"layout": sharded.LAYOUT} if prewritten is not None else {})}
-        snap = _Snapshot(step, skeletons, tensors, extra, prewritten=prewritten, staged=staged)
+                tensors[part][key] = self._snapshot_tensor(f"{part}/{key}", t, copy_now)
+        extra = {**(extra_manifest or {}), **({"layout": sharded.LAYOUT} if shard is not None else {})}
+        snap = _Snapshot(step, skeletons, tensors, extra, shard=shard, staged=staged)
         if any_cuda:
             snap.cuda_event = sys.modules["torch"].cuda.Event()  # tensors exist: torch is imported
             snap.cuda_event.record()
@@ -340,7 +336,7 @@ class CheckpointStore:
                 snap.staged.before_write()
             if snap.cuda_event is not None:
                 snap.cuda_event.synchronize()
-            if self.world_size == 1 and tmp.exists() and snap.prewritten is None:
+            if self.world_size == 1 and tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(exist_ok=True)
             faults.check_disk_full(snap.step)
@@ -482,8 +478,8 @@ class CheckpointStore:
 
 
 def _write_parts(snap: _Snapshot, tmp: Path) -> dict[str, dict[str, Any]]:
-    """This rank's parts into ``tmp``, fsynced: their manifest entries (a collective writer's too)."""
-    files: dict[str, dict[str, Any]] = dict(snap.prewritten or {})
+    """This rank's parts (and pieces of a sharded state) into ``tmp``, fsynced: their manifest entries."""
+    files: dict[str, dict[str, Any]] = sharded.write_shard(snap.shard, tmp) if snap.shard is not None else {}
     for part in sorted(snap.skeletons):
         skel = (json.dumps(snap.skeletons[part], sort_keys=True, indent=1) + "\n").encode()
         skel_path = tmp / f"{part}.json"
