@@ -196,6 +196,7 @@ def resume_figures(size_gib: float, tmp: Path) -> dict[str, float]:
     from the kill to its first step done (a new process: interpreter, imports, task, restore)."""
     from engine_util import make_run, wait_for_step
 
+    from training import run_memory
     from training.events import Event, read_events
 
     # No disk save before the kill: a save persisting from the one slot holds it (memory tier rule
@@ -210,6 +211,9 @@ def resume_figures(size_gib: float, tmp: Path) -> dict[str, float]:
     p.wait()
     p = _start(killed, 15, {}, 1)
     p.wait()
+    # The killed run never reaches its end, so its tier stays in /dev/shm: freed here, or the next
+    # row trains beside it (the largest state was OOM-killed beside the 4 GiB row's left-over tier).
+    run_memory.remove(killed)
     resumed = read_events(killed, Event.RESUMED)[-1]
     first = read_events(killed, Event.FIRST_STEP)[-1]
     return {"load_s": resumed["load_s"], "tier": resumed["tier"], "mttr_s": first["time"] - t_kill}
@@ -312,13 +316,15 @@ def main() -> None:
     tmp = Path(args.tmp) / "scale"
     tmp.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("CONVOY_MEMORY_DIR", tempfile.mkdtemp(prefix="convoy-scale-", dir="/dev/shm"))
-    largest = largest_state() / GIB
-    print(f"largest state the budget lets convoy train here (CPU, one rank, defaults): {largest * GIB / GB:.1f} GB")
-    sizes = [(float(s), True) for s in args.sizes.split(",") if s] + ([(largest * 0.97, False)] if args.largest else [])
     rows, ranked = [], []
     try:
-        for size, io in sizes:
-            rows.append(size_row(size, tmp, args.repeats, io))
+        for size in (float(s) for s in args.sizes.split(",") if s):
+            rows.append(size_row(size, tmp, args.repeats, True))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+        if args.largest:  # measured now: what the rows before left in memory is gone
+            largest = largest_state() / GIB
+            print(f"largest state the budget lets convoy train here (CPU, one rank): {largest * GIB / GB:.1f} GB")
+            rows.append(size_row(largest * 0.97, tmp, args.repeats, False))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
         for size in (float(s) for s in args.rank_sizes.split(",") if s):
             for fmt in ("replicated", "sharded"):
