@@ -142,7 +142,8 @@ def test_amp_dtype_choice() -> None:
 def _legacy_fingerprint(overrides: list[str]) -> str:
     """The fingerprint as computed before ``train.amp_dtype`` existed."""
     cfg = load_config(None, overrides)
-    newer = {"amp_dtype", "eval_samples", "grad_accum_steps"}  # settings added since (at their defaults here)
+    # settings added since (at their defaults here)
+    newer = {"amp_dtype", "eval_samples", "grad_accum_steps", "parallel", "reshard_after_forward"}
     train = cfg.train.model_dump(exclude={"chunk_steps", "eval_every", "ranks", "nnodes", "hosts", *newer})
     data = cfg.data.model_dump(exclude={"num_workers", "prepared_dir"})
     if cfg.data.source == "synthetic":  # a regenerated corpus is another run on purpose (SYNTHETIC_GENERATOR)

@@ -110,6 +110,7 @@ MARKED_CHANGES = {
     "train.total_steps": "train.total_steps=700",
     "train.batch_size": "train.batch_size=32",
     "train.lr": "train.lr=1e-4",
+    "train.parallel": "train.parallel=fsdp",
     "train.weight_decay": "train.weight_decay=0.1",
     "train.warmup_steps": "train.warmup_steps=5",
     "train.grad_clip": "train.grad_clip=0.5",

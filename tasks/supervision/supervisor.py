@@ -302,6 +302,8 @@ class WorkerAttempt:
                 and launcher_exit(self.run_dir, 1, tail, self.started) == EXIT_CONFIG
             ):  # a rank's config error: never retried
                 return replace(verdict, kind=FailureKind.CONFIG, reason=config_message(self.tail))
+            if verdict.kind == FailureKind.CRASH and (why := error_line(tail)):  # a lost rank's exception
+                return replace(verdict, reason=f"{verdict.reason}: {why}")
             return verdict
         code = rc if ranks <= 1 else launcher_exit(self.run_dir, rc, tail, self.started)
         kind = classify_exit(code, tail, self.oom_before, oom_kills())
