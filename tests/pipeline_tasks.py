@@ -162,34 +162,29 @@ def build_stateless(config: RunConfig, device: torch.device) -> TaskParts:
     return TaskParts(model, optimizer, None, Stateless(), lambda m, b: m(b).mean())
 
 
-def build_raises_at_step_7(config: RunConfig, device: torch.device) -> TaskParts:
-    """The CNN task with a bug: its loss_fn raises on step 7, every time."""
-    parts = build_cnn(config, device)
+def _raising_in(parts: TaskParts, step: int, error: Exception, rank: int | None = None) -> TaskParts:
+    """``parts`` whose loss_fn raises ``error`` in ``step`` (on ``rank`` only, or on every rank)."""
     inner, scheduler = parts.loss_fn, parts.scheduler
 
     def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
-        if scheduler.last_epoch + 1 == 7:
-            raise RuntimeError("loss exploded: NaN in batch statistics at step 7")
+        if scheduler.last_epoch + 1 == step and (rank is None or rank == torch.distributed.get_rank()):
+            raise error
         return inner(m, batch)
 
     parts.loss_fn = loss_fn
     return parts
+
+
+def build_raises_at_step_7(config: RunConfig, device: torch.device) -> TaskParts:
+    """The CNN task with a bug: its loss_fn raises on step 7, every time."""
+    return _raising_in(build_cnn(config, device), 7, RuntimeError("loss exploded: NaN in batch statistics at step 7"))
 
 
 def build_char_gpt_raises_on_rank_1(config: RunConfig, device: torch.device) -> TaskParts:
     """The example model with a bug on one rank only: rank 1's loss_fn raises in step 3."""
     from training.examples.char_gpt import build
 
-    parts = build(config, device)
-    inner, scheduler = parts.loss_fn, parts.scheduler
-
-    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
-        if torch.distributed.get_rank() == 1 and scheduler.last_epoch + 1 == 3:
-            raise ValueError("rank 1 saw a batch of the wrong shape in step 3")
-        return inner(m, batch)
-
-    parts.loss_fn = loss_fn
-    return parts
+    return _raising_in(build(config, device), 3, ValueError("rank 1 saw a batch of the wrong shape in step 3"), rank=1)
 
 
 def build_char_gpt_bad_units(config: RunConfig, device: torch.device) -> TaskParts:
