@@ -1,6 +1,7 @@
 """``train.parallel: fsdp``: FSDP2 applied by convoy to the example model (each block, then the
-root), 2 CPU ranks over gloo.  A run whose ranks are SIGKILLed (all of them, or one alone in the
-middle of a save) ends bitwise where an uninterrupted run ends, every step's loss equal; the
+root), 2 CPU ranks over gloo.  A run whose ranks are SIGKILLed (all of them, resumed from each
+rank's shard in the memory tier; or one alone in the middle of a save) ends bitwise where an
+uninterrupted run ends, every step's loss equal; the
 checkpoint restored on 1 and on 3 ranks is, gathered whole, bitwise the state that was saved; the
 same optimisation as DDP (gradient accumulation, the global gradient norm) within summation order;
 the finished model exported whole from the shards loads into the unsharded class."""
@@ -21,6 +22,8 @@ from tests.engine_util import final_digest, make_run, wait_for_step
 from tests.test_distributed import TOTAL, finish, losses, torchrun
 from training.checkpointing.store import CheckpointStore
 from training.events import read_events
+from training.heartbeat import read_heartbeat
+from training.tracking.resume_audit import trained_high_water
 
 pytestmark = pytest.mark.slow
 FSDP = ["train.parallel=fsdp", f"train.total_steps={TOTAL}", "train.ranks=2"]
@@ -48,8 +51,6 @@ def probe(run: Path, ranks: int, out: Path) -> dict:
 
 def kill_rank(run: Path, rank: int, at_step: int, p: subprocess.Popen) -> int:
     """SIGKILL one rank's process (its heartbeat names it) once it trains past ``at_step``."""
-    from training.heartbeat import read_heartbeat
-
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and p.poll() is None:
         hb = read_heartbeat(run, rank)
@@ -63,13 +64,15 @@ def kill_rank(run: Path, rank: int, at_step: int, p: subprocess.Popen) -> int:
 def test_fsdp_ranks_killed_resume_bitwise_and_restore_whole_on_any_world_size(tmp_path: Path) -> None:
     ref = make_run(tmp_path, "ref", FSDP)
     finish(torchrun(ref, TOTAL, 2))
-    run = make_run(tmp_path, "killed", [*FSDP, "checkpoint.every_steps=5"])
+    tiers = ["checkpoint.memory_every_steps=1", "checkpoint.memory_slots=2"]  # each rank's shard in RAM
+    run = make_run(tmp_path, "killed", [*FSDP, "checkpoint.every_steps=5", *tiers])
     p = torchrun(run, TOTAL, 2)
     wait_for_step(run, p, 17)
     from tests.engine_util import kill_group
 
     kill_group(p)  # every rank at once
     p.wait()
+    trained = trained_high_water(run, max(read_heartbeat(run, r).step for r in (0, 1)))
     # Rank 1 alone, while its save persists (slowed): torchrun stops rank 0, nothing half-saved commits.
     os.environ["CONVOY_FAULTS"] = "persist_delay=0.5"
     try:
@@ -83,6 +86,8 @@ def test_fsdp_ranks_killed_resume_bitwise_and_restore_whole_on_any_world_size(tm
     assert newest is not None and newest.step <= killed_at
     out = finish(torchrun(run, TOTAL, 2))
     assert "resumed from step" in out
+    first = read_events(run, "resumed")[0]  # the ranks killed at once: their shards from RAM (tier rule 9)
+    assert first["tier"] == "memory" and trained - first["step"] <= 1, (first, trained)
     assert losses(run) == losses(ref)  # every step, bitwise
     assert final_digest(run) == final_digest(ref)
     ck = CheckpointStore(run).latest_valid(record=False)

@@ -66,7 +66,7 @@ def test_the_projection_counts_each_tier_and_every_rank() -> None:
     two = project(_demo("train.ranks=2", "train.batch_size=16"), size, on_cpu=True)
     assert (two.live, two.tier, two.staging) == (3200, 1200, 0)  # replicas live; rank 0's copies
     sharded = project(_demo("train.ranks=2", "train.batch_size=16", "checkpoint.format=sharded"), size, on_cpu=True)
-    assert (sharded.live, sharded.tier, sharded.staging) == (1600, 0, 1200)  # a share each; no tier
+    assert (sharded.live, sharded.tier, sharded.staging) == (1600, 1200, 0)  # a share each, in each rank's tier
     gpu = project(_demo("orchestration.standby=true"), size, on_cpu=False)
     assert (gpu.live, gpu.standby) == (0, 400)
 

@@ -165,6 +165,9 @@ def sharded_weights(checkpoint: Checkpoint, parts: dict[str, Any]) -> Callable[[
     if sharded.LAYOUT not in parts:
         return None
     skeleton = parts[sharded.LAYOUT]
+    if sharded.PIECES in parts:  # a memory snapshot: this rank's pieces, from its own slot (tier rule 9)
+        pieces = parts[sharded.PIECES]
+        return lambda p: sharded.load_pieces(pieces, skeleton, p.model, p.optimizer)
     return lambda p: sharded.load_shards(checkpoint.path, skeleton, p.model, p.optimizer)
 
 

@@ -46,8 +46,10 @@ def open_tier(run_dir: str | Path, config: RunConfig, rank: int = 0, world_size:
     if root is None or not enabled(config):
         return None
     beside = config.checkpoint.memory_beside and spare_cpu(world_size)  # one node: every rank is here
+    c = config.checkpoint
+    sharded = c.format == "sharded"
     tier = MemoryTier(
-        root, config.fingerprint(), rank, world_size, overlap=beside, slots=config.checkpoint.memory_slots
+        root, config.fingerprint(), rank, world_size, overlap=beside, slots=c.memory_slots, sharded=sharded
     )
     if rank == 0:  # whose it is, for the sweep of tiers whose run is gone (training.memory_sweep)
         whose.write(root)

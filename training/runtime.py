@@ -158,14 +158,19 @@ class Runtime:
         t0 = time.perf_counter()
         rank, shard = self.rank, self.config.checkpoint.format == "sharded"
         parts = self.state.checkpoint_parts(rank, include_replicated=rank == 0, sharded=shard)
-        pieces = sharded.local_shard(self.parts.model, self.parts.optimizer, rank, self.world_size) if shard else None
+        walked = sharded.flattened(self.parts.model, self.parts.optimizer) if shard else None
+        model, optimizer = self.parts.model, self.parts.optimizer
+        pieces = sharded.local_shard(model, optimizer, rank, self.world_size, walked) if walked is not None else None
         staged = None
-        if self.memory is not None and not (blocking or shard or not self.store.policy.async_save):
+        if self.memory is not None and not (blocking or not self.store.policy.async_save):
             self.store.wait()  # the previous persist has released the slot it read (rule 8)
             try:
-                staged = self.memory.stage(self.state.step, parts)
+                tier_parts = {**parts, **sharded.snapshot_parts(walked)} if walked is not None else parts
+                staged = self.memory.stage(self.state.step, tier_parts)
             except OSError as exc:
                 tier_failed(exc)
+        if staged is not None and pieces is not None:  # the pieces persisted from the slot too
+            staged, pieces = sharded.staged_shard(staged, pieces)
         self.store.save(self.state.step, parts, blocking=blocking, extra_manifest=extra, shard=pieces, staged=staged)
         return time.perf_counter() - t0
 

@@ -28,13 +28,14 @@ from __future__ import annotations
 import json
 import struct
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from training.checkpointing import safetensors_io as safetensors
 from training.checkpointing.codec import join_tree, split_tree, tensor_refs
 from training.checkpointing.errors import CheckpointRejected
+from training.checkpointing.staged import Staged
 from training.fsutil import atomic_write_bytes, fsync_dir
 
 SHARD_DIR = "dcp"
@@ -114,11 +115,24 @@ class LocalShard:
         return {"DCP_SHARDING_INFO": json.dumps(info, sort_keys=True), "DCP_VERSION": "1.0", "format": "pt"}
 
 
-def local_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int) -> LocalShard:
+def flattened(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(skeleton, DCP key -> tensor, DTensors kept) of the live model and optimizer: what a save
+    and a snapshot of the same step both take their pieces from, walked once."""
+    return _flatten(_trees(model, optimizer))
+
+
+def local_shard(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    world_size: int,
+    walked: tuple[Any, dict[str, torch.Tensor]] | None = None,
+) -> LocalShard:
     """This rank's pieces: of each DTensor the local shard (once per replicated mesh dimension);
     of each plain tensor, which every rank holds (DDP, optimizer step counters), the whole tensor
-    on one rank, spread over the ranks by key order so that each writes its share."""
-    skeleton, flat = _flatten(_trees(model, optimizer))
+    on one rank, spread over the ranks by key order so that each writes its share.  ``walked``:
+    :func:`flattened` of this step, when the caller has it."""
+    skeleton, flat = walked or flattened(model, optimizer)
     tensors: dict[str, torch.Tensor] = {}
     offsets: dict[str, list[int]] = {}
     plain = 0
@@ -151,6 +165,69 @@ def _dtensor_piece(t: Any) -> tuple[torch.Tensor, list[int]] | None:
         return None
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return local, [int(o) for o in offset]
+
+
+def held_pieces(walked: tuple[Any, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """DCP key -> every piece this rank holds of :func:`flattened`'s tensors: of each DTensor its
+    local shard (empty ones too), of each plain tensor the whole.  What the memory tier snapshots
+    per rank: a resume from it runs on the same world size and mesh (memory tier rule 3), so each
+    piece goes back into the same rank's local tensor (:func:`load_pieces`) without DCP's
+    re-sharding or offsets."""
+    return {key: t.to_local() if hasattr(t, "device_mesh") else t for key, t in walked[1].items()}
+
+
+#: A sharded state in the memory tier: this rank's pieces (:func:`held_pieces`) under this part,
+#: the skeleton as JSON text under :data:`LAYOUT` (a text leaf: its tensor references are the
+#: pieces', not the slot's).
+PIECES = "shard"
+
+
+def snapshot_parts(walked: tuple[Any, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """What a rank's memory-tier slot holds of a sharded model and optimizer (:func:`flattened`),
+    beside its other parts."""
+    return {PIECES: held_pieces(walked), LAYOUT: json.dumps(walked[0], sort_keys=True)}
+
+
+def staged_shard(staged: Staged, shard: LocalShard) -> tuple[Staged, LocalShard]:
+    """A save staged in the memory tier's slot with :func:`snapshot_parts` (memory tier rule 8):
+    the regular parts for the store, and ``shard`` whose pieces are the slot's copies (the store
+    copies them no more)."""
+    views = staged.tensors[PIECES]
+    rest = {part: tree for part, tree in staged.skeletons.items() if part not in (PIECES, LAYOUT)}
+    tensors = {part: staged.tensors.get(part, {}) for part in rest}
+    pieces = {key: views[key] for key in shard.tensors}
+    return replace(staged, skeletons=rest, tensors=tensors), replace(shard, tensors=pieces)
+
+
+def load_pieces(
+    pieces: dict[str, torch.Tensor], skeleton: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """:func:`held_pieces` of a snapshot back into the live model and optimizer, on this rank
+    alone (no collective): each piece copied into the local tensor it was taken from.  A key or a
+    shape that differs is a snapshot that does not fit (CheckpointRejected)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    _, flat = _flatten(_trees(model, optimizer))
+    if set(pieces) != set(flat) or tensor_refs(skeleton) != set(flat):
+        missing, extra = sorted(set(pieces) - set(flat))[:5], sorted(set(flat) - set(pieces))[:5]
+        raise CheckpointRejected(
+            f"sharded snapshot does not match the model/optimizer: only in it {missing}, only in model {extra}"
+        )
+    import torch
+
+    locals_ = {key: live.to_local() if hasattr(live, "device_mesh") else live for key, live in flat.items()}
+    for key, local in locals_.items():  # all checked before any is written: a refusal changes nothing
+        piece = pieces[key]
+        if local.shape != piece.shape or local.dtype != piece.dtype:
+            raise CheckpointRejected(
+                f"sharded snapshot: {key} is {piece.dtype} {tuple(piece.shape)} in it, {local.dtype} "
+                f"{tuple(local.shape)} in the model (another sharding)"
+            )
+    with torch.no_grad():
+        for key, local in locals_.items():
+            local.copy_(pieces[key])
+    tree = join_tree(skeleton, flat)
+    set_state_dict(model, optimizer, model_state_dict=tree["model"], optim_state_dict=tree["optimizer"])
 
 
 def write_shard(shard: LocalShard, tmp: Path) -> dict[str, Any]:

@@ -289,13 +289,14 @@ class CheckpointStore:
     ) -> float:
         """Snapshot ``parts`` into reused CPU buffers, then persist (in the background unless
         ``blocking``).  Returns the stall in seconds: the time the caller was held up.
-        ``staged``: the state was copied already (the tier's slot, its rule 8): ``parts`` unread.
+        ``staged``: the state was copied already (the tier's slot, its rule 8): ``parts`` unread,
+        ``shard``'s pieces the slot's.
         ``shard`` (sharded mode): this rank's pieces of the model and optimizer, copied and
         written the same way (:mod:`training.checkpointing.sharded`)."""
         t0 = time.perf_counter()
         self.wait()  # the buffers are reused: the previous persist must be done
         copy_now = blocking or not self.policy.async_save
-        if shard is not None:
+        if shard is not None and staged is None:  # staged: the pieces are the slot's copies already
             pieces = {k: self._snapshot_tensor(f"shard/{k}", t, copy_now) for k, t in shard.tensors.items()}
             shard = dataclasses.replace(shard, tensors=pieces)
         skeletons: dict[str, Any] = {} if staged is None else staged.skeletons

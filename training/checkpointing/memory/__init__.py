@@ -2,10 +2,10 @@
 durable checkpoints, and everything a snapshot is made of.
 
 What lives here: the tier itself and its rules (``memory_tier``), the slot files and their
-three writing steps (``slot_files``), a slot's header and how it reads back (``slot_format``),
-where each tensor lies in a slot (``slot_layout``), the plan that finds the state's tensors once
-and checks them at every snapshot (``snapshot_plan``), the copy beside the loop's backward
-(``beside``), and the protocol a state must meet to be snapshotted (``source``).
+three writing steps (``slot_files``), a slot's header and what it holds (``slot_format``), its
+verified reading (``slot_read``), where each tensor lies in a slot (``slot_layout``), the plan
+that finds the state's tensors once and checks them at every snapshot (``snapshot_plan``), the
+copy beside the loop's backward (``beside``), and the protocol a state must meet to be snapshotted (``source``).
 
 What it may import (enforced by ``tests/test_import_rooms.py``): the rest of
 ``training.checkpointing`` (the store it stands in front of, verification, the codec) and

@@ -43,8 +43,8 @@ Rules (numbered; cited in code):
    (all ranks decide alike); one that does not verify (bit flips, a slot half written) is passed
    over, said in the log and recorded (``memory_snapshot_refused``), and the disk tier decides.
 5. **The machine is the limit.**  When the machine goes (reboot, a node lost), so does the tier;
-   the disk and remote tiers decide, as without it.  Multi-node runs and sharded checkpoints do
-   not use it, nor do machines without ``/dev/shm``.
+   the disk and remote tiers decide, as without it.  Multi-node runs do not use it, nor do
+   machines without ``/dev/shm``.
 6. **Never past a missing chunk boundary.**  A chunk's artifact is the disk checkpoint at its end
    step; a worker resumed from a snapshot at or past that step would never write it (its save
    failed, e.g. disk full, or was cut short by the kill), and every retry of the chunk would find
@@ -84,13 +84,21 @@ Rules (numbered; cited in code):
    loses the steps since that save, which the slot holds), and a kill while the slot is being
    written finds no snapshot: the disk tier decides.  ``memory_slots: 2`` keeps the other slot
    committed meanwhile, at a second copy of the state.
+9. **A sharded state: each rank its own pieces.**  With ``checkpoint.format: sharded`` each rank's
+   slot holds the pieces of the model and optimizer that rank holds (each DTensor's local shard,
+   :func:`~training.checkpointing.sharded.held_pieces`) and the tree's skeleton; rank 0's the rest
+   of the state, as on disk.  A resume reads its own slot whole and of the others' only their
+   small parts (RNG, step, cursor), each slot hashed where it lies (rule 4): a rank holds its share,
+   never every rank's.  The pieces go back into the same rank's local tensors, which rule 3's
+   world size guarantees are the same shards (another world size restores from disk, where DCP
+   re-shards).  No plan (it knows a replicated state only): the walk at every snapshot.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import mmap
+import json
 import os
 import shutil
 import time
@@ -98,8 +106,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from training.checkpointing import sharded
 from training.checkpointing.errors import CheckpointRejected
 from training.checkpointing.memory.beside import BesideCopy
 from training.checkpointing.memory.slot_files import (
@@ -112,6 +119,7 @@ from training.checkpointing.memory.slot_files import (
 )
 from training.checkpointing.memory.slot_format import Header, slot_hash, slot_manifest, slot_parts, tensor_views
 from training.checkpointing.memory.slot_layout import Layout, Layouts, copy_into
+from training.checkpointing.memory.slot_read import read_parts_but, read_whole
 from training.checkpointing.memory.snapshot_plan import (
     MAX_REBUILDS,
     PLAN_ERRORS,
@@ -158,8 +166,7 @@ def tier_base() -> Path:
 
 def enabled(config: RunConfig) -> bool:
     """Whether this run keeps a memory tier (rule 5)."""
-    c = config.checkpoint
-    return bool(c.memory_every_steps) and config.train.nnodes == 1 and c.format != "sharded"
+    return bool(config.checkpoint.memory_every_steps) and config.train.nnodes == 1
 
 
 class MemoryTier:
@@ -174,8 +181,12 @@ class MemoryTier:
         plans: bool = True,
         overlap: bool = False,
         slots: int = 2,
+        sharded: bool = False,
     ) -> None:
         self.root, self.fingerprint, self.rank, self.world_size = root, fingerprint, rank, world_size
+        #: The state is sharded (``checkpoint.format: sharded``, rule 9): each rank's slot holds its
+        #: own pieces, and a resume reads only its own of them.
+        self.sharded = sharded
         #: How many slots this rank keeps (rule 8): 1 holds the state once, 2 keep the older too.
         self.slots = slots
         #: The slot a durable save is persisting from (rule 8), or None.
@@ -304,8 +315,11 @@ class MemoryTier:
         """The state laid out by the full walk (:mod:`training.checkpointing.memory.snapshot_plan`),
         which makes the next plan."""
         include = self.rank == 0
-        full = split_parts(state.checkpoint_parts(self.rank, include_replicated=include, sharded=False))
-        if include and self.plans and self._plans_failed < MAX_REBUILDS:
+        parts = state.checkpoint_parts(self.rank, include_replicated=include, sharded=self.sharded)
+        if self.sharded:  # rule 9: this rank's pieces; no plan (it knows only a replicated state)
+            parts.update(sharded.snapshot_parts(sharded.flattened(state.parts.model, state.parts.optimizer)))
+        full = split_parts(parts)
+        if include and self.plans and not self.sharded and self._plans_failed < MAX_REBUILDS:
             try:  # a model the plan's walk trips on (a custom state_dict) gets no plan, not a crash
                 self._plan = SnapshotPlan.build(state, full)
             except PLAN_ERRORS:
@@ -393,41 +407,20 @@ class MemoryTier:
         try:
             if len(slots) != self.world_size:
                 raise CheckpointRejected(f"memory snapshot of step {step}: overwritten before it was read")
-            data = {r: self._read_verified(k, headers[r]) for r, (k, _h) in sorted(slots.items())}
             parts = {}
-            for r in sorted(headers):  # every rank's parts, as a disk checkpoint holds them: all judge alike
-                parts.update(slot_parts(headers[r], data[r]))
+            for r, (k, h) in sorted(slots.items()):  # every rank's parts, as a disk checkpoint holds them
+                if self.sharded and r != self.rank:  # rule 9: another rank's pieces stay in its slot
+                    parts.update(read_parts_but(data_path(self.root, r, k), h, (sharded.PIECES, sharded.LAYOUT)))
+                else:
+                    parts.update(slot_parts(h, read_whole(data_path(self.root, r, k), h)))
+            if self.sharded:
+                parts[sharded.LAYOUT] = json.loads(parts[sharded.LAYOUT])
             manifest = slot_manifest(step, headers)
             if self.validator is not None:
                 self.validator(manifest, parts)
         except CheckpointRejected as exc:
             return Candidate(step, path, str(exc), None)
         return Candidate(step, path, "", (Checkpoint(step, path, manifest), parts))
-
-    def _read_verified(self, slot: int, header: Header) -> np.ndarray:
-        # One copy, into the buffer the restored tensors view (read_bytes, a slice and a bytearray
-        # made three: a resume from the tier read 270 MB 5x slower than a raw read, bench/scale.py).
-        # Each page touched once before the read: a read into pages never touched faults them in
-        # one by one inside the kernel's copy (1.6-2.3 s for 1 GB here); bytearray(n) zeroes them
-        # all first (1.1 s + a 0.7 s read); a write per page, then the read: 0.15 + 0.6 s.
-        import torch
-
-        data = torch.empty(header.size, dtype=torch.uint8).numpy()
-        data[:: mmap.PAGESIZE] = 0
-        try:
-            with open(data_path(self.root, header.rank, slot), "rb", buffering=0) as f:
-                got, view = 0, memoryview(data)
-                while got < header.size and (n := f.readinto(view[got:])):
-                    got += n
-        except OSError as exc:
-            raise CheckpointRejected(f"memory slot of rank {header.rank}: unreadable ({exc})") from exc
-        if got != header.size:
-            raise CheckpointRejected(f"memory slot of rank {header.rank}: {got} of {header.size} bytes (cut short)")
-        digest = slot_hash(memoryview(data))
-        if len(data) != header.size or digest != header.digest:
-            said = f"content hash {digest[:12]}… != header {header.digest[:12]}…"
-            raise CheckpointRejected(f"memory slot of rank {header.rank}: {said} (corrupt)")
-        return data
 
     # ------------------------------------------------------------------ end
     def release_when_done(self, step: int, total_steps: int) -> None:
