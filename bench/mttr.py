@@ -36,6 +36,11 @@ MTTR p50 <= 0.5 s and p99 <= 1.0 s over >= 20 kills.
 
     .venv/bin/python bench/mttr.py [--repeats 20] [--kill-step 45] [--adopted-kill-step 75]
                                    [--interval-s 0.2] [--paths spawned,adopted,parked,standby,twice]
+                                   [--fsdp [--kill-rank 1]]
+
+``--fsdp``: the example sharded with FSDP2 over 2 ranks (``train.parallel: fsdp``); the kill takes
+one rank's process (``--kill-rank``), the others are stopped by torchrun, and every rank resumes
+(from its shard in the memory tier where that is newer than disk).
 """
 
 from __future__ import annotations
@@ -75,15 +80,17 @@ SETTINGS = [
 PATHS = ("spawned", "adopted", "parked", "standby", "twice")
 #: The ``twice`` path's run: long enough for a second kill 5 s after the first.
 TWICE = ["train.total_steps=600", "train.chunk_steps=300"]
+#: ``--fsdp``: the example model sharded with FSDP2 over 2 ranks; the kill takes one rank.
+FSDP = ["train.parallel=fsdp", "train.ranks=2"]
 KEYS = ("detect", "handover", "restore", "first_step", "mttr")
 
 
-def kill_when(run_dir: Path, step: int, path: str, out: dict[str, Any]) -> None:
-    """SIGKILL the worker at ``step`` or later (with a standby: once it is ready as well; parked:
-    as soon as the first chunk's task is done)."""
+def kill_when(run_dir: Path, step: int, path: str, out: dict[str, Any], rank: int = 0) -> None:
+    """SIGKILL the worker (rank ``rank``'s process) at ``step`` or later (with a standby: once it
+    is ready as well; parked: as soon as the first chunk's task is done)."""
     standby = path == "standby"
     while True:
-        beat = read_heartbeat(run_dir, 0)
+        beat = read_heartbeat(run_dir, rank)
         log = run_dir / "logs" / "standby-1.log"
         ready = not standby or (log.exists() and WorkerSays.STANDBY_READY in log.read_text(errors="replace"))
         if path == "parked":
@@ -128,12 +135,14 @@ def one(root: Path, path: str, i: int, kill_step: int, args: argparse.Namespace)
             f"data.prepared_dir={root / 'data'}",
             f"run_name={path}-{i}",
             f"orchestration.standby={str(standby).lower()}",
+            *(FSDP if args.fsdp else []),
         ],
     )
     prepare(cfg.data, cfg.train.seed)
     run_dir = cfg.run_dir.resolve()
     shot: dict[str, Any] = {}
-    threading.Thread(target=kill_when, args=(run_dir, kill_step, path, shot), daemon=True).start()
+    rank = args.kill_rank if args.fsdp else 0
+    threading.Thread(target=kill_when, args=(run_dir, kill_step, path, shot, rank), daemon=True).start()
     summary = run_training(cfg)
     assert summary["final_step"] == cfg.train.total_steps and shot, (summary, shot)
     return {**timeline(run_dir, shot["t"]), **{k: v for k, v in shot.items() if k.endswith("_mb")}}
@@ -242,6 +251,8 @@ def main() -> None:
     ap.add_argument("--interval-s", type=float, default=0.2, help="heartbeat.interval_s")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}")
     ap.add_argument("--no-zygote", dest="zygote", action="store_false", help="a new process per worker (before)")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 over 2 ranks (sharded checkpoints, each rank's tier)")
+    ap.add_argument("--kill-rank", type=int, default=1, help="with --fsdp: the rank whose process is killed")
     args = ap.parse_args()
     paths = [p for p in args.paths.split(",") if p]
     assert set(paths) <= set(PATHS), f"--paths: {paths} not in {PATHS}"

@@ -4,6 +4,7 @@ memory tests train it to measure what convoy holds beside the live state."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,4 +55,5 @@ def build_linear_stack(config: RunConfig, device: torch.device) -> TaskParts:
         x, y = batch
         return torch.nn.functional.mse_loss(m(x), y)
 
-    return TaskParts(model=model, optimizer=optimizer, scheduler=None, train_data=Regression(width), loss_fn=loss_fn)
+    parts = TaskParts(model=model, optimizer=optimizer, scheduler=None, train_data=Regression(width), loss_fn=loss_fn)
+    return replace(parts, shard_units=(torch.nn.Linear,))  # train.parallel: fsdp shards each layer

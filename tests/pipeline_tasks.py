@@ -196,6 +196,31 @@ def build_char_gpt_bad_units(config: RunConfig, device: torch.device) -> TaskPar
     return parts
 
 
+def build_char_gpt_sharding_itself(config: RunConfig, device: torch.device) -> TaskParts:
+    """The example model sharded by its own factory, as a user who applies FSDP2 herself writes
+    it: each block and the root over convoy's data-parallel mesh, then the optimizer and schedule
+    built on the sharded parameters; the plain model where no process group runs."""
+    from torch.distributed.fsdp import fully_shard
+
+    from training.examples.char_gpt import Block, build, warmup_cosine
+    from training.sharding import data_parallel_mesh
+
+    parts = build(config, device)
+    if not torch.distributed.is_initialized():
+        return parts
+    mesh = data_parallel_mesh(device)
+    for block in [m for m in parts.model.modules() if isinstance(m, Block)]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(parts.model, mesh=mesh)
+    tc = config.train
+    parts.optimizer = torch.optim.AdamW(
+        parts.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95)
+    )
+    parts.scheduler = torch.optim.lr_scheduler.LambdaLR(parts.optimizer, warmup_cosine(tc.warmup_steps, tc.total_steps))
+    parts.shard_units = None
+    return parts
+
+
 def build_bad_collate(config: RunConfig, device: torch.device) -> TaskParts:
     """The CNN task with a collate function that cannot handle its samples (tuples)."""
     parts = build_cnn(config, device)
