@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -100,7 +98,9 @@ def run_figures(size_gib: float, tmp: Path) -> dict[str, float]:
     saves = [e for e in read_events(run, Event.CHECKPOINT_SAVED) if not e.get("blocking")]
     gaps = step_times(run)
     p = scale._start(run, STEPS, {}, RANKS)  # nothing left to train: it restores step 24 from disk
-    p.communicate()
+    out, _ = p.communicate()
+    if p.returncode != 0:
+        raise RuntimeError(f"the restoring ranks failed:\n{out[-3000:]}")
     resumed = read_events(run, Event.RESUMED)[-1]
     shard = sorted((run / "checkpoints" / f"step-{STEPS:09d}" / "dcp").glob("shard-00001-*.safetensors"))[0]
     return {
@@ -116,24 +116,30 @@ def run_figures(size_gib: float, tmp: Path) -> dict[str, float]:
 
 def kill_figures(size_gib: float, tmp: Path) -> dict[str, float]:
     """Both ranks killed in step 14 (its snapshot of 12 in each rank's slot), started again."""
-    from engine_util import make_run, wait_for_step
+    from engine_util import kill_group, make_run, wait_for_step
 
     from training import run_memory
     from training.events import Event, read_events
 
     run = make_run(tmp / f"killed-{size_gib}", extra=[*settings(size_gib), "checkpoint.every_steps=20"])
     p = scale._start(run, STEPS, {"CONVOY_FAULTS": "slow_step=14:600"}, RANKS)
-    wait_for_step(run, p, 13, timeout=1800)
+    if wait_for_step(run, p, 13, timeout=1800) is None or p.poll() is not None:
+        raise RuntimeError(f"the ranks to be killed failed:\n{p.communicate()[0][-3000:]}")
     time.sleep(0.5)
     root = run_memory.tier_root(run)
-    slot = max((root.glob("rank-0.slot-*.bin")), key=lambda f: f.stat().st_mtime) if root else None
-    slot_read = raw_read_s(slot) if slot else float("nan")
-    os.killpg(p.pid, signal.SIGKILL)
+    slots = sorted(root.glob("rank-0.slot-*.bin"), key=lambda f: f.stat().st_mtime) if root else []
+    if not slots:
+        listed = sorted(root.iterdir()) if root and root.exists() else None
+        raise RuntimeError(f"no memory slot of rank 0 at step 13 in {root}: {listed}")
+    slot_read = raw_read_s(slots[-1])
+    kill_group(p)  # torchrun starts each rank in a session of its own: every one signalled
     t_kill = time.time()
     p.wait()
     p = scale._start(run, 15, {}, RANKS)
-    p.communicate()
+    out, _ = p.communicate()
     run_memory.remove(run)
+    if p.returncode != 0:
+        raise RuntimeError(f"the resumed ranks failed:\n{out[-3000:]}")
     resumed = read_events(run, Event.RESUMED)[-1]
     first = read_events(run, Event.FIRST_STEP)[-1]
     return {
@@ -160,7 +166,8 @@ def bare_figures(size_gib: float) -> dict[str, float]:
 
 def bare_loop(size_gib: float) -> None:
     """One rank of the bare loop: the task's model, FSDP2 on each linear layer and the root, the
-    task's AdamW and loss, this rank's half of each global batch; prints the steps' gaps."""
+    task's AdamW and loss, this rank's half of each global batch, clipping at ``train.grad_clip``
+    (the recipe's, not convoy's); prints the steps' gaps."""
     import torch.distributed as dist
     from memory_tasks import build_linear_stack
     from torch.distributed.device_mesh import init_device_mesh
@@ -187,6 +194,10 @@ def bare_loop(size_gib: float) -> None:
         x, y = (torch.stack(t) for t in zip(*(data[i] for i in idx), strict=True))
         loss = parts.loss_fn(parts.model, (x, y))
         loss.backward()
+        if t.grad_clip > 0:  # the recipe's clipping on the global norm, as convoy's step does it
+            norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(), t.grad_clip)
+            float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        float(loss)  # the loss read each step, as any loop that logs it
         opt.step()
         opt.zero_grad(set_to_none=True)
         stamps.append(time.perf_counter())

@@ -131,6 +131,32 @@ def test_a_factory_that_shards_its_model_itself_trains_and_resumes_bitwise(tmp_p
     assert ck.manifest["layout"] == "sharded" and sum(n.startswith("dcp/shard-") for n in ck.manifest["files"]) == 2
 
 
+def test_a_sharded_checkpoint_travels_to_another_machine_and_resumes_bitwise(tmp_path: Path) -> None:
+    """Machine A trains FSDP2 over 2 ranks and uploads step 10 (DVC, a local-directory remote);
+    machine B, with the repository and the remote only, fetches it (every shard verified against
+    the manifest), resumes on 2 ranks and ends at A's step 20 bit for bit."""
+    from tasks.remote.dvc_version import version_checkpoint
+    from tasks.remote.remote_checkpoints import fetch_newest
+    from tests.test_dvc import dvc_repo
+    from training.rundir import load_run_config
+
+    remote = str(tmp_path / "remote")
+    extra = [*FSDP, "train.total_steps=20", "train.chunk_steps=20", "checkpoint.every_steps=10"]
+    extra += ["tracking.dvc=true", f"tracking.dvc_remote={remote}"]
+    a = make_run(dvc_repo(tmp_path / "a"), "run", extra)
+    finish(torchrun(a, 20, 2))
+    version_checkpoint(None, a / "checkpoints" / "step-000000010", remote)
+    b = make_run(dvc_repo(tmp_path / "b"), "run", extra)
+    got = fetch_newest(load_run_config(b), b)
+    assert got is not None and got["step"] == 10 and got["refused"] == [], got
+    fetched = CheckpointStore(b).latest_valid(record=False)
+    assert fetched.step == 10 and sum(n.startswith("dcp/shard-") for n in fetched.manifest["files"]) == 2
+    out = finish(torchrun(b, 20, 2))
+    assert "resumed from step 10" in out
+    assert final_digest(b) == final_digest(a)
+    assert {s: v for s, v in losses(b).items() if s > 10} == {s: v for s, v in losses(a).items() if s > 10}
+
+
 def test_fsdp_matches_ddp_with_accumulation_and_resumes_on_one_rank_then_two(tmp_path: Path) -> None:
     """FSDP2 and DDP take the same steps (gradient accumulation over 2 micro-batches, clipping on
     the global norm), within the order of the gradient sums; a 2-rank FSDP run continued on one
