@@ -37,14 +37,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "bench", ROOT / "tests"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+import checkpoint as ck  # bench/checkpoint.py: the raw baselines
+import scale  # bench/scale.py (puts the repository and tests/ on the path): the linear stack, torchrun
+import torch
 
-import checkpoint as ck  # noqa: E402  bench/checkpoint.py: the raw baselines
-import scale  # noqa: E402  bench/scale.py: the linear stack's settings, workers under torchrun
-import torch  # noqa: E402
+ROOT = scale.ROOT
 
 GIB = 1 << 30
 RANKS = 2
