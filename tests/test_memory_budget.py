@@ -66,7 +66,9 @@ def test_the_projection_counts_each_tier_and_every_rank() -> None:
     two = project(_demo("train.ranks=2", "train.batch_size=16"), size, on_cpu=True)
     assert (two.live, two.tier, two.staging) == (3200, 1200, 0)  # replicas live; rank 0's copies
     sharded = project(_demo("train.ranks=2", "train.batch_size=16", "checkpoint.format=sharded"), size, on_cpu=True)
-    assert (sharded.live, sharded.tier, sharded.staging) == (1600, 1200, 0)  # a share each, in each rank's tier
+    assert (sharded.live, sharded.tier, sharded.staging) == (3200, 2400, 0)  # DDP: each rank's tier a replica
+    fsdp = project(_demo("train.ranks=2", "train.batch_size=16", "train.parallel=fsdp"), size, on_cpu=True)
+    assert (fsdp.live, fsdp.tier, fsdp.staging) == (1600, 1200, 0)  # FSDP: each rank's tier its share
     gpu = project(_demo("orchestration.standby=true"), size, on_cpu=False)
     assert (gpu.live, gpu.standby) == (0, 400)
 
@@ -97,7 +99,7 @@ def test_over_the_budget_it_gives_up_a_slot_then_the_last_copy_then_refuses() ->
         fit(cfg, size, HostMemory(int(4 * GB), int(50 * GB), "test"), on_cpu=True)
     said = str(refused.value)
     assert "\n" not in said and said.startswith("host memory: projected peak 4.70 GB (live state 4.00 GB) exceeds")
-    assert "checkpoint.format: sharded" in said
+    assert "train.parallel: fsdp" in said
 
 
 def test_a_dev_shm_too_small_for_the_tier_turns_it_off_in_one_line() -> None:

@@ -4,8 +4,9 @@ An FSDP2 model on a mesh of one (the one-rank group ``convoy validate`` uses) sn
 tier and trained on: the snapshot restores it bit for bit, into the local shards, with no
 collective.  With two ranks' slots (written here as two tiers would), a rank reads its own pieces
 and only the small parts of the other's slot, which is hashed all the same: a flipped byte there
-refuses the snapshot.  A snapshot of another fingerprint is never a candidate, and pieces that do
-not fit the model are refused before anything is written into it.
+refuses the snapshot.  A snapshot of another fingerprint or of the other checkpoint format is
+never restored, none is taken before the optimizer's first update, and pieces that do not fit the
+model are refused (on every rank alike) before anything is written into it.
 """
 
 from __future__ import annotations
@@ -92,8 +93,10 @@ def _local(state: _State) -> dict[str, torch.Tensor]:
 
 
 def test_a_sharded_snapshot_restores_the_local_shards_bitwise(fsdp_state: _State, tmp_path: Path) -> None:
-    _train(fsdp_state, 3)
     tier = memory_tier.MemoryTier(tmp_path / "tier", "fp", sharded=True)
+    tier.snapshot(fsdp_state, _Schedule())  # no update yet: none taken (DCP's walk would step the optimizer)
+    assert tier.complete_steps() == [] and not fsdp_state.parts.optimizer.state
+    _train(fsdp_state, 3)
     tier.snapshot(fsdp_state, _Schedule())
     at_snapshot = _local(fsdp_state)
     assert any(k.startswith("optimizer.state") and "exp_avg" in k for k in at_snapshot), sorted(at_snapshot)
@@ -113,6 +116,8 @@ def test_a_sharded_snapshot_restores_the_local_shards_bitwise(fsdp_state: _State
     wrong = {**parts[sharded.PIECES], "model.0.weight": torch.zeros(3, 3)}
     _train(fsdp_state, 1)
     before = _local(fsdp_state)
+    said = sharded.snapshot_misfit({**parts, sharded.PIECES: wrong}, fsdp_state.parts.model, fsdp_state.parts.optimizer)
+    assert said is not None and "model.0.weight" in said and "another sharding" in said  # asked on every rank
     with pytest.raises(CheckpointRejected, match="model.0.weight"):
         sharded.load_pieces(wrong, parts[sharded.LAYOUT], fsdp_state.parts.model, fsdp_state.parts.optimizer)
     assert all(torch.equal(t, before[k]) for k, t in _local(fsdp_state).items())  # nothing written
@@ -147,3 +152,16 @@ def test_a_rank_reads_its_own_pieces_and_verifies_the_other_slot(tmp_path: Path)
     other.write_bytes(bytes(data))
     refused = tiers[0].candidate(4)
     assert refused.loaded is None and "rank 1" in refused.reason and "corrupt" in refused.reason, refused.reason
+
+
+def test_a_slot_of_the_other_checkpoint_format_is_refused(tmp_path: Path) -> None:
+    """``checkpoint.format`` is not in the fingerprint (a DDP run may change it): a sharded tier
+    refuses a replicated snapshot, and a replicated tier a sharded one, instead of crashing."""
+    replicated = memory_tier.MemoryTier(tmp_path / "a", "fp")
+    replicated.write(4, {"rank-0": {"step": 4, "rng": torch.arange(3)}, "state": {"step": 4}})
+    refused = memory_tier.MemoryTier(tmp_path / "a", "fp", sharded=True).candidate(4)
+    assert refused.loaded is None and "checkpoint.format" in refused.reason, refused.reason
+    (tier,) = _two_rank_tier(tmp_path / "b")[:1]
+    assert tier.candidate(4).loaded is not None
+    refused = memory_tier.MemoryTier(tmp_path / "b", "fp", rank=0, world_size=2).candidate(4)
+    assert refused.loaded is None and "checkpoint.format" in refused.reason, refused.reason

@@ -17,7 +17,9 @@ Rules (numbered; cited in code):
    the rank's share, in ``/dev/shm``, which is RAM; the async save's staging: one, unless the
    tier holds it, memory tier rule 8), every rank on this node, and a warm
    standby's built model.  Replicated state is held whole by rank 0's copies and by each rank's
-   live replica; a sharded one, a share per rank.
+   live replica; an FSDP-sharded one (``train.parallel: fsdp``), a share per rank, live and in its
+   tier; a DDP replica saved in the sharded format, whole live and in each rank's tier (it holds
+   what the rank holds, memory tier rule 9), a share in its save's staging.
 2. **Against what is offered.**  The cgroup's limit less its usage where one applies, else the
    kernel's ``MemAvailable``; ``checkpoint.host_memory_gb`` stands in for both (planning for
    another machine, tests).  ``/dev/shm``'s free space bounds the memory tier apart.
@@ -195,12 +197,13 @@ def project(config: RunConfig, size: StateSize, on_cpu: bool) -> Projection:
     """The peak of ``config`` on one node (rule 1); ``on_cpu``: the state trains in host memory."""
     t, c = config.train, config.checkpoint
     ranks = t.ranks  # this node's
-    sharded = c.format == "sharded"
-    share = size.state // t.world_size if sharded else size.state  # what one rank's copies hold
-    copies = share if sharded else size.state  # replicated: rank 0's copies hold it whole
-    live = ranks * (share + (size.trainable // (t.world_size if sharded else 1))) if on_cpu else 0
+    sharded, fsdp = c.format == "sharded", t.parallel == "fsdp"  # fsdp: the live state sharded too
+    share = size.state // t.world_size if fsdp else size.state  # what one rank holds live
+    copies = size.state // t.world_size if sharded else size.state  # what one rank's save writes
+    live = ranks * (share + (size.trainable // (t.world_size if fsdp else 1))) if on_cpu else 0
     holders = ranks if sharded else 1  # replicated: rank 0's copies hold the state whole
-    tier = c.memory_slots * copies * holders if enabled(config) else 0
+    # The tier holds what a rank holds (tier rule 9): its share of an FSDP state, a DDP replica whole.
+    tier = c.memory_slots * (share if sharded else copies) * holders if enabled(config) else 0
     # An async save stages its own copy, unless the tier holds it (memory tier rule 8).
     staging = copies * holders if c.async_save and c.every_steps is not None and not tier else 0
     standby = size.model if config.orchestration.standby and ranks == 1 else 0
@@ -249,7 +252,7 @@ def fit(config: RunConfig, size: StateSize, host: HostMemory, on_cpu: bool) -> F
             f"host memory: projected peak {size_text(p.peak)} (live state {size_text(p.live)}) exceeds the "
             f"{size_text(host.available)} available ({host.source}) even with the memory tier and asynchronous "
             "saves off: train on a machine with more memory, shard the state over more ranks "
-            "(checkpoint.format: sharded), or set checkpoint.host_memory_gb if this is not the machine that trains"
+            "(train.parallel: fsdp), or set checkpoint.host_memory_gb if this is not the machine that trains"
         )
     return Fitted(config, gave_up, p, host)
 

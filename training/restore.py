@@ -63,7 +63,7 @@ def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) 
     docstring for what happens to each."""
     t0 = time.perf_counter()
     for candidate, in_memory in merged(runtime.memory, runtime.store):
-        candidate = agreed(candidate) if in_memory else candidate
+        candidate = agreed(candidate, runtime) if in_memory else candidate
         if candidate.loaded is None:
             refuse(runtime, run_dir, candidate.path, candidate.reason, in_memory, log, recorded=not in_memory)
             continue
@@ -90,9 +90,13 @@ def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) 
     return Restored(runtime, None, False, time.perf_counter() - t0)
 
 
-def agreed(snapshot: Candidate) -> Candidate:
-    """A memory snapshot every rank loaded, or refused on every rank (memory tier rule 4): ranks
-    that restored different steps could not train on together."""
+def agreed(snapshot: Candidate, runtime: Runtime) -> Candidate:
+    """A memory snapshot every rank loaded (and whose sharded pieces fit this rank's model), or
+    refused on every rank (memory tier rules 4 and 9): ranks that restored different steps could
+    not train on together, and a rank that failed alone would crash every retry."""
+    if snapshot.loaded is not None:
+        misfit = sharded.snapshot_misfit(snapshot.loaded[1], runtime.parts.model, runtime.parts.optimizer)
+        snapshot = snapshot if misfit is None else replace(snapshot, reason=misfit, loaded=None)
     (refused_somewhere,) = distributed.agree_any(snapshot.loaded is None)
     if refused_somewhere and snapshot.loaded is not None:
         return replace(snapshot, reason="refused by another rank", loaded=None)

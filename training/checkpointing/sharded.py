@@ -116,8 +116,8 @@ class LocalShard:
 
 
 def flattened(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(skeleton, DCP key -> tensor, DTensors kept) of the live model and optimizer: what a save
-    and a snapshot of the same step both take their pieces from, walked once."""
+    """(skeleton, DCP key -> tensor with DTensors kept) of the live model and optimizer: what a
+    save and a snapshot of the same step both take their pieces from, walked once."""
     return _flatten(_trees(model, optimizer))
 
 
@@ -188,6 +188,30 @@ def snapshot_parts(walked: tuple[Any, dict[str, torch.Tensor]]) -> dict[str, Any
     return {PIECES: held_pieces(walked), LAYOUT: json.dumps(walked[0], sort_keys=True)}
 
 
+def pieces_misfit(pieces: dict[str, torch.Tensor], skeleton: Any, flat: dict[str, torch.Tensor]) -> str | None:
+    """Why a snapshot's pieces do not fit :func:`flattened`'s tensors (another model, another
+    sharding), or None: each key there, each piece of its local tensor's shape and dtype."""
+    if set(pieces) != set(flat) or tensor_refs(skeleton) != set(flat):
+        missing, extra = sorted(set(pieces) - set(flat))[:5], sorted(set(flat) - set(pieces))[:5]
+        return f"sharded snapshot does not match the model/optimizer: only in it {missing}, only in model {extra}"
+    for key, live in flat.items():
+        local, piece = (live.to_local() if hasattr(live, "device_mesh") else live), pieces[key]
+        if local.shape != piece.shape or local.dtype != piece.dtype:
+            return (
+                f"sharded snapshot: {key} is {piece.dtype} {tuple(piece.shape)} in it, {local.dtype} "
+                f"{tuple(local.shape)} in the model (another sharding)"
+            )
+    return None
+
+
+def snapshot_misfit(parts: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """:func:`pieces_misfit` of a memory snapshot's parts (None for any other candidate): asked on
+    every rank before the snapshot is taken, so that all refuse it alike (memory tier rule 9)."""
+    if PIECES not in parts:
+        return None
+    return pieces_misfit(parts[PIECES], parts[LAYOUT], flattened(model, optimizer)[1])
+
+
 def staged_shard(staged: Staged, shard: LocalShard) -> tuple[Staged, LocalShard]:
     """A save staged in the memory tier's slot with :func:`snapshot_parts` (memory tier rule 8):
     the regular parts for the store, and ``shard`` whose pieces are the slot's copies (the store
@@ -205,24 +229,14 @@ def load_pieces(
     """:func:`held_pieces` of a snapshot back into the live model and optimizer, on this rank
     alone (no collective): each piece copied into the local tensor it was taken from.  A key or a
     shape that differs is a snapshot that does not fit (CheckpointRejected)."""
+    import torch
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     _, flat = _flatten(_trees(model, optimizer))
-    if set(pieces) != set(flat) or tensor_refs(skeleton) != set(flat):
-        missing, extra = sorted(set(pieces) - set(flat))[:5], sorted(set(flat) - set(pieces))[:5]
-        raise CheckpointRejected(
-            f"sharded snapshot does not match the model/optimizer: only in it {missing}, only in model {extra}"
-        )
-    import torch
-
+    misfit = pieces_misfit(pieces, skeleton, flat)
+    if misfit is not None:  # checked before any is written: a refusal changes nothing
+        raise CheckpointRejected(misfit)
     locals_ = {key: live.to_local() if hasattr(live, "device_mesh") else live for key, live in flat.items()}
-    for key, local in locals_.items():  # all checked before any is written: a refusal changes nothing
-        piece = pieces[key]
-        if local.shape != piece.shape or local.dtype != piece.dtype:
-            raise CheckpointRejected(
-                f"sharded snapshot: {key} is {piece.dtype} {tuple(piece.shape)} in it, {local.dtype} "
-                f"{tuple(local.shape)} in the model (another sharding)"
-            )
     with torch.no_grad():
         for key, local in locals_.items():
             local.copy_(pieces[key])

@@ -296,12 +296,13 @@ class CheckpointStore:
         t0 = time.perf_counter()
         self.wait()  # the buffers are reused: the previous persist must be done
         copy_now = blocking or not self.policy.async_save
+        any_cuda = False
         if shard is not None and staged is None:  # staged: the pieces are the slot's copies already
+            any_cuda = any(t.is_cuda for t in shard.tensors.values())  # copied non-blocking: an event below
             pieces = {k: self._snapshot_tensor(f"shard/{k}", t, copy_now) for k, t in shard.tensors.items()}
             shard = dataclasses.replace(shard, tensors=pieces)
         skeletons: dict[str, Any] = {} if staged is None else staged.skeletons
         tensors: dict[str, dict[str, torch.Tensor]] = {} if staged is None else staged.tensors
-        any_cuda = False
         for part, tree in parts.items() if staged is None else ():
             skel, flat = split_tree(tree)
             skeletons[part] = skel

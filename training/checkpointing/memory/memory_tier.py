@@ -87,11 +87,14 @@ Rules (numbered; cited in code):
 9. **A sharded state: each rank its own pieces.**  With ``checkpoint.format: sharded`` each rank's
    slot holds the pieces of the model and optimizer that rank holds (each DTensor's local shard,
    :func:`~training.checkpointing.sharded.held_pieces`) and the tree's skeleton; rank 0's the rest
-   of the state, as on disk.  A resume reads its own slot whole and of the others' only their
-   small parts (RNG, step, cursor), each slot hashed where it lies (rule 4): a rank holds its share,
-   never every rank's.  The pieces go back into the same rank's local tensors, which rule 3's
-   world size guarantees are the same shards (another world size restores from disk, where DCP
-   re-shards).  No plan (it knows a replicated state only): the walk at every snapshot.
+   of the state, as on disk.  A resume reads and hashes its own slot whole, and of the others'
+   only their small parts (RNG, step, cursor), each hashed where it lies (rule 4): a rank holds its
+   share, never every rank's.  A slot of the other ``checkpoint.format`` is refused.  The pieces
+   go back into the same rank's local tensors, which rule 3's world size guarantees are the same
+   shards (another world size restores from disk, where DCP re-shards); pieces that do not fit the
+   model are refused on every rank alike.  No plan (it knows a replicated state only): the walk at
+   every snapshot, and none before the optimizer's first update (DCP's walk would initialise an
+   empty optimizer state with a step of its own).
 """
 
 from __future__ import annotations
@@ -230,6 +233,8 @@ class MemoryTier:
         self.last_stall_s = 0.0
         if self._held is not None and self.slots == 1:
             return  # rule 8: the only slot is being persisted from; a later step snapshots
+        if self.sharded and not state.parts.optimizer.state:
+            return  # rule 9: no update yet (fp16 steps skipped); DCP's walk would take a fake one
         t0 = time.perf_counter()
         plan = self._plan
         light = self._planned(state)  # the plan checked here, on the loop's thread (rule 7)
@@ -413,6 +418,8 @@ class MemoryTier:
                     parts.update(read_parts_but(data_path(self.root, r, k), h, (sharded.PIECES, sharded.LAYOUT)))
                 else:
                     parts.update(slot_parts(h, read_whole(data_path(self.root, r, k), h)))
+            if (sharded.PIECES in parts) != self.sharded:  # checkpoint.format changed since (rule 3)
+                raise CheckpointRejected(f"memory snapshot of step {step}: of the other checkpoint.format")
             if self.sharded:
                 parts[sharded.LAYOUT] = json.loads(parts[sharded.LAYOUT])
             manifest = slot_manifest(step, headers)
