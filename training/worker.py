@@ -256,14 +256,15 @@ class Worker:
         schedule, memory = self.session.schedule, self.session.memory
         schedule.start(state.step)
         memory.start(state.step)
-        loss = None
+        loss, preempt = None, self.claimed.preempt
+        (stop,) = distributed.agree_any(preempt.requested)
         while state.step < self.until:
-            (stop,) = distributed.agree_any(self.claimed.preempt.requested)
             if stop:
                 return self.emergency_exit(metrics)
             loss = self.take_step(batches, metrics, evaluating)
             more = state.step < self.until
-            due, snap = distributed.agree_any(more and schedule.due(state.step), more and self.memory_due())
+            flags = (more and schedule.due(state.step), more and self.memory_due(), preempt.requested)
+            due, snap, stop = distributed.agree_any(*flags)  # one collective a plain step
             if due:
                 if state.step % self.config.train.chunk_steps == 0:
                     self.await_previous_boundary()
@@ -271,6 +272,8 @@ class Worker:
                 schedule.saved(state.step)
             elif snap:  # a disk save of this step makes a snapshot of it redundant (memory tier rule 2)
                 self.snapshot_to_memory(metrics)
+            if due or snap:  # long enough for a SIGTERM to arrive in: agreed again
+                (stop,) = distributed.agree_any(preempt.requested)
         self.await_previous_boundary()  # the final save retires older checkpoints too
         self.final_save(metrics)
         return self.finish(loss=loss)
@@ -408,14 +411,9 @@ class Worker:
         if not self.pipelined:
             return
         self.hb.set(phase=Phase.SAVE)  # the boundary save starts with the wait (save limits apply)
-        preempt = self.claimed.preempt
-        wait_for_previous_boundary(
-            self.run_dir,
-            self.runtime.state.step,
-            self.config.train.chunk_steps,
-            self.resumed_step(),
-            stop=lambda: preempt.requested,
-        )
+        preempt, step = self.claimed.preempt, self.runtime.state.step
+        chunk = self.config.train.chunk_steps
+        wait_for_previous_boundary(self.run_dir, step, chunk, self.resumed_step(), stop=lambda: preempt.requested)
 
     # ------------------------------------------------------------------ endings
     def emergency_exit(self, metrics: StepMetricLogger) -> int:
