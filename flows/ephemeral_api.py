@@ -1,0 +1,75 @@
+"""Prefect's temporary API server, started by convoy and stopped when convoy's process ends, however
+it ends (issue 44, item 6).
+
+Why: without ``PREFECT_API_URL`` Prefect starts a temporary server (uvicorn, ~200 MB) as a child of
+the first process that needs an API and stops it from an ``atexit`` hook.  SIGKILL and SIGTERM
+skip ``atexit``: after ``kill -9`` or ``kill`` of ``convoy train`` the server lived on with parent 1,
+for as long as the machine ran (3 of 3 times); on a preemptible node they pile up daily.
+
+How: :func:`start_tied` starts the server before Prefect would (Prefect's clients reuse the one
+server of this process), then starts a *reaper* (:mod:`flows.reaper`): a small process that holds
+the read end of a pipe whose write end only this process holds.  When this process ends the kernel
+closes the write end; the reaper then stops the server (SIGTERM, SIGKILL after a grace) and exits.
+A normal exit stops the server through Prefect's hook first; the reaper then finds nothing to do.
+
+Invariants:
+1. The write end is never inherited by another program (close-on-exec) and only this process's
+   own forks could hold it: convoy's forks (flow server, zygote) are started before or without it.
+2. The reaper stops only the process it was given, identified by pid *and* start time, so a pid
+   reused after the server ended is never signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import psutil
+
+#: Seconds the server is given to stop on SIGTERM before SIGKILL.
+GRACE_S = 5.0
+
+
+@contextlib.contextmanager
+def tied_prefect_api() -> Iterator[int | None]:
+    """Prefect's temporary server for the block, tied to this process (yields its pid; None when a
+    server is configured with ``PREFECT_API_URL`` or the temporary one is turned off).  Leaving the
+    block stops the server as Prefect's exit hook would, so a second block starts a fresh one."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        yield None
+        return
+    server = SubprocessASGIServer()  # the one instance Prefect's clients use (port None)
+    server.start()
+    if server.server_process is None:
+        yield None
+        return
+    pid = server.server_process.pid
+    write_end = tie_to_this_process(pid)
+    try:
+        yield pid
+    finally:
+        server.stop()
+        os.close(write_end)  # the reaper finds the server gone and exits
+
+
+def tie_to_this_process(pid: int) -> int:
+    """Start a reaper that stops ``pid`` (SIGTERM, then SIGKILL) once this process has ended or
+    closed the returned fd (the pipe's write end, never written)."""
+    created = psutil.Process(pid).create_time()
+    read_end, write_end = os.pipe()  # both close-on-exec (PEP 446): rule 1
+    try:
+        subprocess.Popen(
+            [sys.executable, "-m", "flows.reaper", str(read_end), str(pid), repr(created), str(GRACE_S)],
+            stdin=subprocess.DEVNULL,
+            pass_fds=(read_end,),
+            start_new_session=True,  # a Ctrl-C of the terminal's group must not stop the reaper first
+        )
+    finally:
+        os.close(read_end)
+    return write_end
