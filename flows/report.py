@@ -173,6 +173,8 @@ def progress_line(st: dict[str, Any], chunk_steps: int) -> str:
         parts.append(f"loss {st['loss']:.4f}")
     if st["tokens_per_s"]:
         parts.append(f"{st['tokens_per_s']:,.0f} tok/s")
+    elif st.get("samples_per_s"):  # a task without tokens
+        parts.append(f"{st['samples_per_s']:,.0f} samples/s")
     if st["steps_per_s"]:
         parts.append(f"{st['steps_per_s']:.2f} steps/s")
     if st["eta_s"] is not None:

@@ -117,7 +117,7 @@ MARKED_CHANGES = {
     "train.seed": "train.seed=1",
     "train.device": "train.device=cuda",
     "train.amp": "train.amp=false",
-    "train.amp_dtype": "train.amp_dtype=float16",
+    "train.amp_dtype": "train.amp_dtype=bfloat16",
     "train.deterministic": "train.deterministic=false",
     "train.grad_accum_steps": "train.grad_accum_steps=2",
 }

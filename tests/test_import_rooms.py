@@ -39,6 +39,7 @@ FORBIDDEN = {
 TRAINING_BASE = {
     "training.chunk_boundary",
     "training.config",
+    "training.config_text",
     "training.device_rng",
     "training.events",
     "training.faults",

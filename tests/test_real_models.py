@@ -394,11 +394,11 @@ def test_evaluate_restores_every_rng_stream_and_the_train_mode(tmp_path: Path) -
         worker.restore()
         worker.parts.model.train()
         before = (torch.get_rng_state().clone(), py_random.getstate(), np.random.get_state()[1].copy())
-        val = worker.evaluate()
+        val = worker.evaluate()["val_loss"]
         after = (torch.get_rng_state(), py_random.getstate(), np.random.get_state()[1])
         assert math.isfinite(val) and worker.parts.model.training
         assert torch.equal(before[0], after[0]) and before[1] == after[1] and (before[2] == after[2]).all()
-        assert worker.evaluate() == val  # deterministic order, same weights: same value
+        assert worker.evaluate() == {"val_loss": val}  # deterministic order, same weights: same value
     finally:
         worker.hb.stop()
         if worker.lease is not None:

@@ -23,11 +23,18 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from training.config_text import (
+    CPU_FLOAT16,
+    EMA_FSDP,
+    ConfigError,
+    apply_overrides,
+    format_validation_error,
+    yaml_error_line,
+)
 from training.trajectory import Trajectory, trajectory_of
 
-
-class ConfigError(ValueError):
-    """A bad configuration; its message is a single line meant for the user."""
+#: ConfigError and format_validation_error live in training.config_text; tasks import them from here.
+__all__ = ["ConfigError", "DataMissing", "RunConfig", "config_from_dict", "format_validation_error", "load_config"]
 
 
 class DataMissing(ConfigError):
@@ -99,9 +106,11 @@ class TrainConfig(_Strict):
     grad_clip: Annotated[float, Trajectory()] = Field(1.0, ge=0)
     seed: Annotated[int, Trajectory()] = Field(1234, ge=0)
     device: Annotated[Literal["cpu", "cuda", "auto"], Trajectory()] = "cpu"
-    #: Mixed precision (CUDA only; a GradScaler is part of the saved state).
+    #: Mixed precision: ``torch.autocast`` on the run's device (CUDA: float16 or bfloat16; CPU:
+    #: bfloat16); a GradScaler is part of the saved state.
     amp: Annotated[bool, Trajectory()] = False
-    #: Autocast dtype with ``amp``: ``auto`` = bfloat16 where the GPU supports it, else float16.
+    #: Autocast dtype with ``amp``: ``auto`` = bfloat16 on CPU and where the GPU supports it, else
+    #: float16 (refused on CPU: its autocast is bfloat16 here).
     #: float16 uses the GradScaler's dynamic loss scale; bfloat16 needs none (the scaler still runs).
     #: Hashed only with AMP on and a dtype chosen: every fingerprint from before it existed stays valid.
     amp_dtype: Annotated[Literal["auto", "float16", "bfloat16"], Trajectory(omit_at="auto", only_with="amp")] = "auto"
@@ -130,6 +139,13 @@ class TrainConfig(_Strict):
     #: With ``fsdp``: free each unit's gathered parameters after its forward (less memory, one more
     #: all-gather in the backward); FSDP2's ``reshard_after_forward``.
     reshard_after_forward: bool = True
+    #: An EMA of the weights with this decay (e.g. 0.999), saved and restored bitwise, ``val_loss_ema``
+    #: at each eval (:mod:`training.ema`); ``ema_registered: ema`` registers it as the model.
+    ema_decay: Annotated[float | None, Trajectory(omit_at=None)] = Field(None, gt=0, lt=1)
+    ema_registered: Literal["model", "ema"] = "model"
+    #: ``torch.compile``: ``model`` (the whole call) or ``units`` (each of ``TaskParts.shard_units``),
+    #: in place: checkpoints keep the plain names (:mod:`training.compiling`).
+    compile: Annotated[Literal["off", "model", "units"], Trajectory(omit_at="off")] = "off"
     #: Evaluate on the validation split every this many optimizer steps (0 = never); ``val_loss``
     #: is logged at that step.  Does not change the trajectory (own data order, RNG untouched).
     eval_every: int = Field(0, ge=0)
@@ -150,6 +166,10 @@ class TrainConfig(_Strict):
                 f"{self.world_size} (train.ranks = {self.ranks} x train.nnodes = {self.nnodes}); "
                 "the global batch is split evenly over ranks"
             )
+        if self.amp and self.amp_dtype == "float16" and self.device == "cpu":
+            raise ValueError(CPU_FLOAT16)
+        if self.ema_decay is not None and self.parallel == "fsdp":
+            raise ValueError(EMA_FSDP)
         if self.nnodes > 1 and len(self.hosts) != self.nnodes:
             raise ValueError(
                 f"train.hosts = {self.hosts}: train.nnodes = {self.nnodes} needs exactly {self.nnodes} host "
@@ -246,6 +266,8 @@ class HeartbeatConfig(_Strict):
     #: Limit for one in-loop validation (phase ``eval``, ``train.eval_every``): a long eval is not
     #: a hang, an eval stuck past this is.
     eval_timeout_s: float = Field(300.0, gt=0)
+    #: Limit for a compiled model's first step in each worker (phase ``compile``), where it compiles.
+    compile_timeout_s: float = Field(900.0, gt=0)
     #: SIGTERM → SIGKILL grace period when the supervisor stops a worker.
     grace_s: float = Field(10.0, gt=0)
 
@@ -394,56 +416,13 @@ def resolve_task_factory(spec: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"task = {spec!r}: cannot import module {module_name!r} ({exc})") from None
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]
+        hint = f"; is the folder holding {exc.name!r} on PYTHONPATH (e.g. export PYTHONPATH=$PWD)?" if missing else ""
+        raise ValueError(f"task = {spec!r}: cannot import module {module_name!r} ({exc}){hint}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"task = {spec!r}: module {module_name!r} has no callable {attr!r}")
     return factory
-
-
-def _parse_override(text: str) -> tuple[list[str], Any]:
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. train.lr=3e-4")
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set ``a.b.c=value`` entries (values parsed as YAML scalars) into a nested dict."""
-    for text in overrides:
-        path, value = _parse_override(text)
-        node = data
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {part!r} is not a section")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def format_validation_error(exc: ValidationError, source: str) -> str:
-    """One line: where, which key, which value, what is allowed."""
-    err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-    msg = err["msg"].removeprefix("Value error, ")
-    more = f" (and {len(exc.errors()) - 1} more error(s))" if len(exc.errors()) > 1 else ""
-    if err["type"] == "extra_forbidden":
-        return f"{source}: unknown key {loc!r}; remove it or check its spelling"
-    if err["type"] == "value_error":  # our own validators already name the key and the value
-        return f"{source}: {msg}{more}"
-    value = err.get("input")
-    shown = "" if isinstance(value, dict) else f" = {value!r}"
-    return f"{source}: {loc}{shown}: {msg}{more}"
-
-
-def yaml_error_line(path: Path, exc: yaml.YAMLError) -> str:
-    """``params.yaml:12:5: not valid YAML: <problem> (<context>)``: where an editor can jump."""
-    mark = getattr(exc, "problem_mark", None)
-    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    context = getattr(exc, "context", None)
-    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
 
 
 def config_from_dict(data: dict[str, Any], source: str = "config", check_task: bool = True) -> RunConfig:

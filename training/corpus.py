@@ -119,9 +119,16 @@ def prepare(data: DataConfig, seed: int) -> Path:
     return out_dir / CORPUS_FILE
 
 
-def entropy_floor(data: DataConfig) -> float | None:
-    """The prepared corpus's entropy floor in nats/char (None: not prepared here, or a file
+#: The built-in tasks whose loss is nats per character of the prepared corpus: the floor is theirs.
+CORPUS_TASKS = ("training.examples.char_gpt:build", "training.examples.hf_causal_lm:build")
+
+
+def entropy_floor(data: DataConfig, task: str) -> float | None:
+    """The prepared corpus's entropy floor in nats/char for a ``task`` that trains on it (None: a
+    task of another loss, whatever its working directory holds; not prepared here; or a file
     corpus, whose floor nobody knows)."""
+    if task not in CORPUS_TASKS:
+        return None
     try:
         meta = json.loads((Path(data.prepared_dir) / META_FILE).read_text())
     except (OSError, ValueError):

@@ -52,8 +52,11 @@ def _atomic_write(path: Path, data: bytes) -> None:
     atomic_write_bytes(path, data)
 
 
-def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -> dict[str, Any]:
-    """Write the model tensors of the run's newest valid checkpoint to ``out_path`` (safetensors).
+def export_final_model(
+    run_dir: str | Path, out_path: str | Path = MODEL_PATH, weights: str = "model"
+) -> dict[str, Any]:
+    """Write the model tensors of the run's newest valid checkpoint to ``out_path`` (safetensors);
+    ``weights="ema"``: the EMA's average of them (``train.ema_decay``), same names and shapes.
 
     Tied/shared tensors are written as separate copies (safetensors forbids aliasing); loading
     with ``load_state_dict`` restores the tie.  Written with convoy's own writer (sorted header —
@@ -64,7 +67,12 @@ def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -
     if loaded is None:
         raise ConfigError(f"{run_dir}: no valid checkpoint to export; train first (`convoy train`)")
     checkpoint, parts = loaded
-    if sharded.LAYOUT in parts:  # every rank's shard, read into whole tensors (no process group)
+    if weights == "ema":
+        ema = (parts["state"].get("extra") or {}).get("ema")
+        if ema is None:
+            raise ConfigError(f"{checkpoint.path}: holds no EMA of the weights (train.ema_decay was not set)")
+        model = ema["weights"]
+    elif sharded.LAYOUT in parts:  # every rank's shard, read into whole tensors (no process group)
         model = sharded.full_model(checkpoint.path, parts[sharded.LAYOUT])
     else:
         model = parts["state"]["model"]
@@ -75,6 +83,7 @@ def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -
         "fingerprint": str(checkpoint.manifest.get("fingerprint", "")),
         "checkpoint": checkpoint.path.name,
         "format": "convoy-model-1",
+        **({"weights": "ema"} if weights == "ema" else {}),
     }
     with atomic_replace(Path(out_path)) as tmp:
         write_file(tmp, tensors, meta)
@@ -83,6 +92,7 @@ def export_final_model(run_dir: str | Path, out_path: str | Path = MODEL_PATH) -
         "step": checkpoint.step,
         "digest": checkpoint.digest,
         "fingerprint": meta["fingerprint"],
+        "weights": weights,
         "tensors": len(tensors),
         "parameters": sum(t.numel() for t in tensors.values()),
     }
@@ -228,10 +238,9 @@ def validation_loss(
 
 
 def _entropy_floor(config: RunConfig) -> float | None:
-    meta = Path(config.data.prepared_dir) / "corpus.json"
-    if not meta.exists():
-        return None
-    return json.loads(meta.read_text()).get("entropy_floor_nats_per_char")
+    from training.corpus import entropy_floor
+
+    return entropy_floor(config.data, config.task)
 
 
 def main(argv: list[str] | None = None) -> int:

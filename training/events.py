@@ -107,6 +107,8 @@ class Phase(StrEnum):
     INIT = "init"
     LOAD = "load"
     TRAIN = "train"
+    #: A compiled model's first step in a worker, where it compiles (``heartbeat.compile_timeout_s``).
+    COMPILE = "compile"
     EVAL = "eval"
     SAVE = "save"
     DONE = "done"

@@ -37,6 +37,10 @@ KNOWN_THREADS: dict[str, str] = {
 KNOWN_TARGETS: dict[str, str] = {
     "_pin_memory_loop": "torch DataLoader with pin_memory (CUDA): copies batches into pinned memory",
 }
+#: Thread-name prefixes torch.compile leaves in a process once inductor has compiled there: its
+#: pool that runs the C++ builds and loads the kernels, and tqdm's monitor of its progress bars.
+#: Neither draws a random number; known only once inductor compiled (``async_compile`` imported).
+COMPILE_THREADS = ("ThreadPoolExecutor-", "tqdm_monitor")
 #: Network clients whose retry loops draw from ``random``; none of them may be loaded in a worker.
 NETWORK_CLIENTS = ("mlflow", "urllib3", "requests", "botocore", "httpx")
 _UNNAMED = re.compile(r"Thread-\d+ \((?P<target>[^)]*)\)")
@@ -84,7 +88,8 @@ class ThreadWatch:
         self.warned = False
 
     def check(self, train_data: object, log: Callable[[str], None]) -> None:
-        foreign = foreign_threads(declared_threads(train_data))
+        compiled = COMPILE_THREADS if "torch._inductor.async_compile" in sys.modules else ()
+        foreign = foreign_threads(declared_threads(train_data) + compiled)
         if foreign and not self.warned:
             self.warned = True
             log(

@@ -11,7 +11,7 @@ it as ``training.task.TaskParts`` (re-exported there) or from here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -64,3 +64,10 @@ class TaskParts:
     #: memory of an unsharded one).  A factory that shards the model itself leaves it None
     #: (:mod:`training.sharding`).
     shard_units: ShardUnits | None = None
+    #: State of the task's own that the next update depends on (an EMA, a curriculum, a loss
+    #: scale of its own...): name -> object with ``state_dict()`` and ``load_state_dict(sd)``.
+    #: Saved in every checkpoint (rank 0's, the ``state`` part under ``extra``), hashed with it and
+    #: restored bitwise before training continues; a checkpoint without one of these names does not
+    #: restore this task.  The state dicts hold tensors, numbers, strings, lists and dicts (no
+    #: DTensors: with ``train.parallel: fsdp`` keep full tensors).  ``train.ema_decay`` adds ``"ema"``.
+    extra_state: dict[str, Any] = field(default_factory=dict)

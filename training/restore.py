@@ -62,10 +62,12 @@ def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) 
     where its step puts it (:func:`~training.checkpointing.memory.memory_tier.merged`); see the module
     docstring for what happens to each."""
     t0 = time.perf_counter()
+    skipped: list[str] = []  # "<checkpoint>: <why>", newest first: the refusal below quotes them
     for candidate, in_memory in merged(runtime.memory, runtime.store):
         candidate = agreed(candidate, runtime) if in_memory else candidate
         if candidate.loaded is None:
             refuse(runtime, run_dir, candidate.path, candidate.reason, in_memory, log, recorded=not in_memory)
+            skipped.append(f"{candidate.path.name}: {candidate.reason}")
             continue
         checkpoint, parts = candidate.loaded
         if not in_memory:  # a snapshot of another trajectory never reaches here (memory tier rule 3)
@@ -76,6 +78,7 @@ def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) 
             if runtime.world_size > 1:
                 raise  # every rank must fall back together; a crash makes the retry do it
             refuse(runtime, run_dir, checkpoint.path, f"restore failed: {exc}", in_memory, log)
+            skipped.append(f"{checkpoint.path.name}: {exc}")
             runtime = runtime.rebuilt()
             continue
         if checkpoint.manifest.get("forked_from"):
@@ -83,9 +86,10 @@ def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) 
         return Restored(runtime, checkpoint, world_changed, time.perf_counter() - t0, in_memory)
     parent = (run_info(run_dir) or {}).get("parent")
     if parent:  # a child trained from scratch would be another run under the child's name
+        why = (skipped or ["none was found"])[0] + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else "")
         raise ConfigError(
             f"run {runtime.config.run_name} starts from {parent['run']} step {parent['step']}, but no "
-            "checkpoint here restores (see the skipped checkpoints above); fork it again"
+            f"checkpoint here restores: {why}; fork it again"
         )
     return Restored(runtime, None, False, time.perf_counter() - t0)
 

@@ -17,6 +17,7 @@ expensive part of a restart (imports, task build) is done before a failure happe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from training.checkpointing.memory.memory_tier import MemoryTier
 from training.checkpointing.schedule import MemorySchedule, SaveSchedule
 from training.checkpointing.state_check import ExpectedState, checkpoint_validator, write_task_shapes
 from training.checkpointing.store import CheckpointStore, WriterGroup
+from training.compiling import FirstStep
 from training.config import ConfigError, RunConfig
 from training.data import mix_seed
 from training.parts import TaskParts
@@ -60,10 +62,18 @@ def pick_device(config: RunConfig) -> torch.device:
 
 
 def amp_dtype(config: RunConfig, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None when AMP is off (CPU runs ignore ``train.amp``)."""
-    if not config.train.amp or device.type != "cuda":
+    """The autocast dtype, or None when AMP is off.  On CPU autocast runs bfloat16; float16 there
+    is refused (a ``device: auto`` run that found no GPU: the config check cannot know)."""
+    if not config.train.amp:
         return None
     choice = config.train.amp_dtype
+    if device.type == "cpu":
+        if choice == "float16":
+            raise ConfigError(
+                "train.amp_dtype = 'float16' is not honoured on CPU (convoy's CPU autocast runs bfloat16); "
+                "use train.amp_dtype: bfloat16 (or auto)"
+            )
+        return torch.bfloat16
     if choice == "auto":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if choice == "bfloat16" else torch.float16
@@ -135,6 +145,12 @@ class Runtime:
     fresh: FreshSettings
     #: The memory tier's store (:mod:`training.checkpointing.memory.memory_tier`); None when off.
     memory: MemoryTier | None = None
+    #: A compiled model's first step in this worker (:mod:`training.compiling`); None when eager.
+    first_compile: FirstStep | None = None
+
+    def compile_phase(self, set_phase: Callable[..., object]) -> contextlib.AbstractContextManager[None]:
+        """Around each step: the first of a compiled model in phase ``compile``, the rest as they are."""
+        return self.first_compile.phase(set_phase) if self.first_compile is not None else contextlib.nullcontext()
 
     @property
     def amp(self) -> bool:
@@ -202,7 +218,7 @@ def build_runtime(
     if rank > 0:  # rank 0 keeps the single-process stream; others get their own (dropout)
         seed_everything(mix_seed(config.train.seed, rank))
     dtype = amp_dtype(config, device)
-    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("train.amp_dtype = 'bfloat16' but this GPU does not support bfloat16; use float16")
     model = parallel_model(config, parts, device, world_size, dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is not None)
@@ -223,6 +239,7 @@ def build_runtime(
         store=store,
         fresh=fresh,
         memory=memory,
+        first_compile=FirstStep.for_model(model, store.run_dir, rank),
     )
 
 
@@ -240,9 +257,11 @@ def parallel_model(
         return parts.model
     if config.train.parallel == "fsdp":
         t = config.train
+        # CPU: parameters gathered and gradients reduced in fp32 (gloo), autocast computes in bf16.
+        gather_dtype = dtype if device.type == "cuda" else None
         try:
             sharding.shard_model(
-                parts.model, parts.optimizer, parts.shard_units, device, t.reshard_after_forward, dtype
+                parts.model, parts.optimizer, parts.shard_units, device, t.reshard_after_forward, gather_dtype
             )
         except ValueError as exc:
             raise ConfigError(f"task = {config.task!r}, train.parallel = fsdp: {exc}") from None

@@ -22,6 +22,7 @@ import xxhash
 
 from training.data import Cursor
 from training.device_rng import select_cuda_rng
+from training.ema import EMA
 from training.numpy_rng import legacy_state
 from training.parts import TaskParts
 
@@ -149,6 +150,8 @@ class TrainState:
                 "tokens_seen": self.tokens_seen,
                 "cursor": self.cursor.to_dict(),
             }
+            if p.extra_state:  # absent without: those checkpoints stay as they were
+                out["state"]["extra"] = {name: obj.state_dict() for name, obj in sorted(p.extra_state.items())}
         return out
 
     def restore(
@@ -189,6 +192,7 @@ class TrainState:
         # AMP); resumed on CUDA with AMP on, GradScaler would refuse it: keep the fresh scale.
         if saved["scaler"] or not self.scaler.is_enabled():
             self.scaler.load_state_dict(saved["scaler"])  # a no-op when this scaler is disabled
+        restore_extra(p, saved.get("extra") or {})
         self.step = int(saved["step"])
         self.tokens_seen = int(saved["tokens_seen"])
         self.cursor = Cursor.from_dict(saved["cursor"])
@@ -200,3 +204,16 @@ class TrainState:
                 raise ValueError(f"rank {rank} RNG is from step {mine['step']}, state from step {self.step}")
             self.rng_note = restore_rng(mine["rng"], self.device)
             self.stream_saved = mine.get("stream")
+
+
+def restore_extra(parts: TaskParts, saved: dict[str, Any]) -> None:
+    """The task's extra state (``TaskParts.extra_state``) from a checkpoint's ``extra``.  The
+    validator refused a checkpoint without one of the names, except ``ema``: a run forked from a
+    parent that kept none starts its average from the weights it loaded (:mod:`training.ema` rule 2)."""
+    for name, obj in parts.extra_state.items():
+        if name in saved:
+            obj.load_state_dict(saved[name])
+        elif name == EMA:
+            obj.reset()
+        else:
+            raise ValueError(f"checkpoint has no extra state {name!r}")

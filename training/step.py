@@ -18,6 +18,7 @@ from training import distributed, faults, sharding
 from training.batch import to_device
 from training.config import ConfigError
 from training.data import LoaderSpec, validation_keys
+from training.ema import EMA, WeightEMA
 from training.runtime import Runtime
 from training.sample_rng import SeededSamples
 from training.state import capture_rng, restore_rng
@@ -53,6 +54,9 @@ def train_step(
         out = custom_step(runtime, micro_batches[0])
     else:
         out = accumulate(runtime, micro_batches, runtime.config.train.grad_clip, before_update, before_backward)
+    ema = parts.extra_state.get(EMA)
+    if isinstance(ema, WeightEMA):  # after the optimizer step (training.ema rule 1)
+        ema.update()
     out.update(learning_rates(runtime))
     if parts.scheduler is not None:
         parts.scheduler.step()
@@ -105,6 +109,15 @@ def custom_step(runtime: Runtime, batch: Any) -> dict[str, float]:
     return out
 
 
+def throughput(samples: int, tokens_per_sample: int, seconds: float) -> dict[str, float]:
+    """``samples_per_s``, and ``tokens_per_s`` for a task that counts tokens (``tokens_per_sample``
+    above 1): a task without tokens is not shown a tokens rate that is its samples rate."""
+    out = {"samples_per_s": samples / seconds}
+    if tokens_per_sample > 1:
+        out["tokens_per_s"] = samples * tokens_per_sample / seconds
+    return out
+
+
 def learning_rates(runtime: Runtime) -> dict[str, float]:
     """``lr`` (group 0, as always) and, with several parameter groups, ``lr/group-k`` each."""
     groups = runtime.parts.optimizer.param_groups
@@ -114,7 +127,17 @@ def learning_rates(runtime: Runtime) -> dict[str, float]:
     return out
 
 
-def validation_loss(runtime: Runtime) -> float:
+def validation_losses(runtime: Runtime) -> dict[str, float]:
+    """``val_loss`` of the trained weights and, with convoy's EMA (``train.ema_decay``),
+    ``val_loss_ema`` of the averaged ones (on a copy of the model: the live one is untouched)."""
+    out = {"val_loss": validation_loss(runtime)}
+    ema = runtime.parts.extra_state.get(EMA)
+    if isinstance(ema, WeightEMA):
+        out["val_loss_ema"] = validation_loss(runtime, ema.module())
+    return out
+
+
+def validation_loss(runtime: Runtime, model: torch.nn.Module | None = None) -> float:
     """Mean validation loss over the first ``train.eval_samples`` samples, in order.
 
     Why it leaves the trajectory alone: model.eval() + no_grad (no dropout, no gradients, no
@@ -122,11 +145,13 @@ def validation_loss(runtime: Runtime) -> float:
     draws from the global RNG), every RNG stream saved before and restored after (a loss_fn
     may draw), each sample seeded by its index (augmentation in val_data is the same at every
     eval and on every rank), the training cursor untouched.  Each rank takes every world-th
-    sample of each batch; the sums are all-reduced."""
+    sample of each batch; the sums are all-reduced.  ``model``: another module to evaluate (the
+    EMA's copy), the task's by default."""
     parts, cfg, device = runtime.parts, runtime.config.train, runtime.device
+    model = parts.model if model is None else model
     rng = capture_rng(device)
-    was_training = parts.model.training
-    parts.model.eval()
+    was_training = model.training
+    model.eval()
     collate = parts.collate_fn or default_collate
     total = torch.zeros(2, dtype=torch.float64)
     n = min(cfg.eval_samples, len(parts.val_data))  # type: ignore[arg-type]
@@ -140,10 +165,10 @@ def validation_loss(runtime: Runtime) -> float:
                 samples = SeededSamples(parts.val_data, parts.sample_rngs).__getitems__(keys)
                 batch = to_device(collate(samples), device)
                 with torch.autocast(device.type, dtype=runtime.autocast_dtype, enabled=runtime.amp):
-                    loss = parts.loss_fn(parts.model, batch)
+                    loss = parts.loss_fn(model, batch)
                 total += torch.tensor([float(loss) * len(idx), len(idx)], dtype=torch.float64)
     finally:
-        parts.model.train(was_training)
+        model.train(was_training)
         restore_rng(rng, device)
     total = distributed.sum_tensor(total)
     return float(total[0] / total[1])

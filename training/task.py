@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 
 from training import sharding
+from training.compiling import compile_model, unwrap_compiled
 from training.config import ConfigError, DataMissing, RunConfig, resolve_task_factory
+from training.ema import EMA, WeightEMA
 from training.parts import TaskParts
 from training.sample_rng import check_rngs
 from training.streams import check_stream, is_stream
@@ -39,6 +41,15 @@ def build_task(config: RunConfig, device: torch.device) -> TaskParts:
             f"task = {config.task!r} brings its own train_step, which does the whole update: "
             f"train.grad_accum_steps = {config.train.grad_accum_steps} needs the default step (use 1)"
         )
+    parts.model = unwrap_compiled(parts.model)  # a factory's torch.compile: the plain names (rule 1)
+    if config.train.compile == "units" and parts.shard_units is None:
+        raise ConfigError(
+            f"task = {config.task!r}: train.compile = units compiles each of TaskParts.shard_units, which the task "
+            "does not name; name them (e.g. its decoder layer class) or use train.compile: model"
+        )
+    units = sharding.units_of(parts.model, parts.shard_units) if config.train.compile == "units" else []
+    compile_model(parts.model, config.train.compile, units)
+    attach_extra_state(config, parts)
     try:
         parts.sample_rngs = check_rngs(parts.sample_rngs)
     except ValueError as exc:
@@ -51,6 +62,37 @@ def build_task(config: RunConfig, device: torch.device) -> TaskParts:
             "map-style val_data, or set train.eval_every=0"
         )
     return parts
+
+
+def attach_extra_state(config: RunConfig, parts: TaskParts) -> None:
+    """Check the task's extra state (each object saves and loads a state dict) and add convoy's EMA
+    (``train.ema_decay``) to it, as ``"ema"``."""
+    for name, obj in parts.extra_state.items():
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise ConfigError(
+                f"task = {config.task!r}: TaskParts.extra_state[{name!r}] is a {type(obj).__name__}, which has no "
+                "state_dict() and load_state_dict(): give an object with both"
+            )
+    if config.train.ema_decay is None:
+        return
+    if EMA in parts.extra_state:
+        raise ConfigError(
+            f"task = {config.task!r} keeps its own extra_state[{EMA!r}] and train.ema_decay asks convoy for one: "
+            "rename the task's, or unset train.ema_decay"
+        )
+    parts.extra_state[EMA] = WeightEMA(parts.model, config.train.ema_decay)
+
+
+def unhonoured(config: RunConfig, parts: TaskParts) -> list[str]:
+    """One line for each setting this task makes convoy leave unapplied (``convoy validate`` prints
+    them, the worker logs them): never silently ignored."""
+    lines = []
+    if parts.train_step is not None and config.train.grad_clip > 0:
+        lines.append(
+            f"train.grad_clip = {config.train.grad_clip} is not applied: the task's train_step does the whole "
+            "update (clip inside it, or set train.grad_clip: 0 to say so)"
+        )
+    return lines
 
 
 def check_task(config: RunConfig, fetch: bool = False, resume_dir: Path | None = None) -> TaskParts | None:

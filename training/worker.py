@@ -53,12 +53,12 @@ from training.restore import Restored, restore_newest
 from training.rundir import RunBusy, load_run_config, run_info
 from training.runtime import Runtime, Session, amp_dtype, build_runtime, pick_device, reached, start_device
 from training.state import TrainState
-from training.step import micro_batches, train_step, validation_enabled, validation_loss
+from training.step import micro_batches, throughput, train_step, validation_enabled, validation_losses
 from training.streams import is_stream
+from training.task import unhonoured
 from training.tracking.metrics import JsonlBackend, MetricBackend, StepMetricLogger
 
-#: Re-exported: tests and benchmarks import them from here.
-__all__ = ["Worker", "amp_dtype", "main", "pick_device"]
+__all__ = ["Worker", "amp_dtype", "main", "pick_device"]  # re-exported: tests and benchmarks import them here
 
 
 class Worker:
@@ -188,6 +188,8 @@ class Worker:
             self._runtime = build_runtime(self.config, device, self.rank, self.world, run_dir=self.run_dir)
             amp = self._runtime.autocast
             self.log(f"training on {device}" + (f" with AMP {str(amp).removeprefix('torch.')}" if amp else ""))
+            for line in unhonoured(self.config, self._runtime.parts) if self.rank == 0 else ():
+                self.log(f"note: {line}")
         return self._runtime
 
     def setup(self) -> Session:
@@ -283,12 +285,12 @@ class Worker:
         """One optimizer step (:func:`training.step.train_step`)."""
         return train_step(self.runtime, micro_batches)
 
-    def evaluate(self) -> float:
-        """In-loop validation (:func:`training.step.validation_loss`) under the ``eval`` phase, whose
-        own time limit applies."""
+    def evaluate(self) -> dict[str, float]:
+        """In-loop validation (:func:`training.step.validation_losses`) under the ``eval`` phase,
+        whose own time limit applies."""
         self.hb.set(phase=Phase.EVAL)
         try:
-            return validation_loss(self.runtime)
+            return validation_losses(self.runtime)
         finally:
             self.hb.set(phase=Phase.TRAIN)
 
@@ -382,13 +384,14 @@ class Worker:
         t0 = time.perf_counter()
         faults.slow_step(state.step + 1, stopping=lambda: self.claimed.preempt.requested)
         batch = [next(batches) for _ in range(cfg.train.grad_accum_steps)]
-        out = train_step(runtime, batch, *self.snapshots.hooks(lambda: runtime.memory))
+        with runtime.compile_phase(self.hb.set):  # a compiled model's first step compiles: not a hang
+            out = train_step(runtime, batch, *self.snapshots.hooks(lambda: runtime.memory))
         state.step += 1
         size = None if is_stream(parts.train_data) else len(parts.train_data)  # type: ignore[arg-type]
         state.cursor = state.cursor.advance(step_samples, size)
         state.tokens_seen += step_samples * parts.tokens_per_sample
         dt = time.perf_counter() - t0 - self.snapshots.settled_s  # the wait for a snapshot is its stall
-        out.update(step_time_s=dt, tokens_per_s=step_samples * parts.tokens_per_sample / dt)
+        out.update(step_time_s=dt, **throughput(step_samples, parts.tokens_per_sample, dt))
         out.update(
             {"data/epoch": state.cursor.epoch, "data/samples": state.cursor.samples_consumed(step_samples, size)}
         )
@@ -396,7 +399,7 @@ class Worker:
             out["memory_snapshot_s"] = stall
         if evaluating and state.step % cfg.train.eval_every == 0:
             t1 = time.perf_counter()
-            out.update(val_loss=self.evaluate(), eval_time_s=time.perf_counter() - t1)
+            out.update(self.evaluate(), eval_time_s=time.perf_counter() - t1)
         metrics.log(state.step, out)
         self.hb.set(step=state.step)
         if state.step == self.resumed_step() + 1 and self.rank == 0:  # recovery ends here (MTTR)

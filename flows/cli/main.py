@@ -43,13 +43,15 @@ def validate(
     cfg = config_or_exit(params, set_)
     try:
         from training.rundir import keyed_config
-        from training.task import check_task
+        from training.task import check_task, unhonoured
 
         built = check_task(cfg, fetch=True, resume_dir=keyed_config(cfg).run_dir)
     except ConfigError as exc:
         raise fail(str(exc)) from None
     if show:
         console.print_json(json.dumps(cfg.model_dump(mode="json")))
+    for line in unhonoured(cfg, built) if built is not None else []:
+        console.print(f"note: {line}", highlight=False, soft_wrap=True)
     fitted = _host_memory_or_exit(cfg, built)
     if fitted is not None:  # before the verdict, which stays the last line (scripts read it)
         console.print(fitted.line, highlight=False, soft_wrap=True)

@@ -58,6 +58,8 @@ def _status_table(facts: dict) -> Table:
     speed = f"{facts['steps_per_s']:.2f} steps/s" if facts["steps_per_s"] else "-"
     if facts["tokens_per_s"]:
         speed += f", {facts['tokens_per_s']:,.0f} tokens/s"
+    elif facts.get("samples_per_s"):  # a task without tokens
+        speed += f", {facts['samples_per_s']:,.0f} samples/s"
     table.add_row("speed", speed)
     table.add_row("ETA", _age(facts["eta_s"]) if facts["eta_s"] is not None else "-")
     checkpoint_cell = (

@@ -62,7 +62,8 @@ def registered_name(config: RunConfig) -> str:
 def _write_model_dir(config: RunConfig, run_dir: Path, out: Path) -> dict[str, Any]:
     from training.evaluate import export_final_model
 
-    export = export_final_model(run_dir, out / "model.safetensors")
+    ema = config.train.ema_decay is not None and config.train.ema_registered == "ema"
+    export = export_final_model(run_dir, out / "model.safetensors", weights="ema" if ema else "model")
     (out / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=1, sort_keys=True))
     how = {
         "format": "convoy-model-1 (safetensors, nothing pickled)",
@@ -70,6 +71,7 @@ def _write_model_dir(config: RunConfig, run_dir: Path, out: Path) -> dict[str, A
         "step": export["step"],
         "digest": export["digest"],
         "fingerprint": export["fingerprint"],
+        "weights": "the EMA of the trained weights (train.ema_decay)" if ema else "the trained weights",
         "load": "parts = training.task.build_task(config_from_dict(config.json), device); "
         "parts.model.load_state_dict(training.evaluate.load_model_file('model.safetensors')[0])",
     }
@@ -92,6 +94,7 @@ def log_final_model(config: RunConfig, run_dir: Path, client: Any, run_id: str) 
             return None
         params = {"step": str(export["step"]), "parameters": str(export["parameters"])}
         tags = {"convoy.digest": export["digest"], "convoy.fingerprint": export["fingerprint"]}
+        tags["convoy.weights"] = export["weights"]  # "ema": the average of the trained weights
         model = client.create_logged_model(
             run.info.experiment_id,
             name=registered_name(config),
@@ -124,7 +127,7 @@ def log_final_model(config: RunConfig, run_dir: Path, client: Any, run_id: str) 
 
 
 #: The run's metrics a model page shows: the last value of each, at its step.
-MODEL_METRICS = ("loss", "val_loss")
+MODEL_METRICS = ("loss", "val_loss", "val_loss_ema")
 
 
 def log_model_metrics(client: Any, run_id: str, model_id: str, config: RunConfig, run_dir: Path) -> None:

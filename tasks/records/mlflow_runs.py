@@ -157,7 +157,7 @@ def corpus_dataset(config: RunConfig) -> Any | None:
         "source": config.data.source,
         "val_fraction": config.data.val_fraction,
         "seq_len": config.data.seq_len,
-        "entropy_floor_nats_per_char": entropy_floor(config.data),
+        "entropy_floor_nats_per_char": entropy_floor(config.data, config.task),
     }
     named = Path(config.data.path).stem if config.data.source == "file" and config.data.path else config.data.source
     return Dataset(

@@ -38,6 +38,7 @@ class DetectionLimits:
     init_timeout_s: float
     save_timeout_s: float
     eval_timeout_s: float
+    compile_timeout_s: float
     grace_s: float
     deadline_s: float
     poll_s: float
@@ -51,6 +52,7 @@ class DetectionLimits:
             init_timeout_s=hb.init_timeout_s,
             save_timeout_s=hb.save_timeout_s,
             eval_timeout_s=hb.eval_timeout_s,
+            compile_timeout_s=hb.compile_timeout_s,
             grace_s=hb.grace_s,
             deadline_s=orch.chunk_deadline_s,
             poll_s=min(MAX_POLL_S, hb.interval_s),
@@ -63,6 +65,7 @@ class DetectionLimits:
             Phase.LOAD: self.init_timeout_s,
             Phase.SAVE: self.save_timeout_s,
             Phase.EVAL: self.eval_timeout_s,
+            Phase.COMPILE: self.compile_timeout_s,
             Phase.DONE: self.save_timeout_s,
         }.get(phase)
 
@@ -104,7 +107,8 @@ def _observe(w: Watch, beats: list[Beat], now: float) -> tuple[str, int, float]:
     oldest = min(b.time for b in beats)
     step = min(b.step for b in beats)
     phases = {b.phase for b in beats}
-    phase = Phase.TRAIN if Phase.TRAIN in phases else sorted(phases)[0]
+    # A rank still compiling its first step holds the others in its first collective: compile wins.
+    phase = next((p for p in (Phase.COMPILE, Phase.TRAIN) if p in phases), sorted(phases)[0])
     progress = min(b.progress_time for b in beats)
     if phase != w.phase:
         # The phase began no later than the beat that first reports it.  Taking our own clock

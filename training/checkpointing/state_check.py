@@ -53,12 +53,14 @@ class ExpectedState:
     model: dict[str, tuple[tuple[int, ...], str]]
     group_shapes: list[list[tuple[int, ...]]]
     has_scheduler: bool
+    #: The names of the task's extra state (``TaskParts.extra_state``) a checkpoint must hold.
+    extra: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, parts: TaskParts) -> ExpectedState:
         model = {k: (tuple(v.shape), str(v.dtype)) for k, v in parts.model.state_dict().items()}
         groups = [[tuple(p.shape) for p in g["params"]] for g in parts.optimizer.param_groups]
-        return cls(model, groups, parts.scheduler is not None)
+        return cls(model, groups, parts.scheduler is not None, tuple(sorted(parts.extra_state)))
 
 
 def checkpoint_validator(expected: ExpectedState | None = None) -> Callable[[dict[str, Any], dict[str, Any]], None]:
@@ -101,6 +103,8 @@ def _check_state(s: Any, step: int, sharded_layout: bool) -> None:
     cursor = s["cursor"]
     if not (isinstance(cursor, dict) and all(isinstance(cursor.get(k), int) for k in ("epoch", "offset"))):
         raise CheckpointRejected(f"state: data cursor {cursor!r} is not {{epoch, offset}}")
+    if not isinstance(s.get("extra", {}), dict):
+        raise CheckpointRejected("state: the task's extra state is not a mapping of names")
     if not isinstance(s["tokens_seen"], int) or not isinstance(s["scaler"], dict):
         raise CheckpointRejected("state: tokens_seen or scaler state malformed")
     scheduler = s["scheduler"]
@@ -123,6 +127,13 @@ def _check_fits(s: dict[str, Any], want: ExpectedState, sharded_layout: bool) ->
         raise CheckpointRejected(
             f"state: LR scheduler state {'absent' if want.has_scheduler else 'present'}, "
             f"the task {'has' if want.has_scheduler else 'has no'} scheduler"
+        )
+    # convoy's EMA may be absent: a fork of a run that kept none starts it from the loaded weights
+    missing = [n for n in want.extra if n not in (s.get("extra") or {}) and n != "ema"]
+    if missing:
+        raise CheckpointRejected(
+            f"state: no extra state {missing} (the task keeps {list(want.extra)} in TaskParts.extra_state; "
+            f"this checkpoint has {sorted(s.get('extra') or {})})"
         )
     if sharded_layout:
         return  # model/optimizer live in the DCP shards; their keys are matched when they load
@@ -174,6 +185,7 @@ def write_task_shapes(path: Path, expected: ExpectedState) -> None:
             "model": {k: [list(shape), dtype] for k, (shape, dtype) in expected.model.items()},
             "group_shapes": [[list(s) for s in g] for g in expected.group_shapes],
             "has_scheduler": expected.has_scheduler,
+            "extra": list(expected.extra),
         },
     )
 
@@ -187,6 +199,7 @@ def read_task_shapes(path: Path) -> ExpectedState | None:
             {k: (tuple(shape), str(dtype)) for k, (shape, dtype) in raw["model"].items()},
             [[tuple(s) for s in g] for g in raw["group_shapes"]],
             bool(raw["has_scheduler"]),
+            tuple(raw.get("extra", ())),  # absent in shapes recorded before extra state
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -1,0 +1,91 @@
+"""A compiled model through the real flow (issue 44, item 1): its cold compile takes longer than
+``heartbeat.stall_s`` and is not called a hang; a SIGKILL during the compile leaves nothing that
+breaks the retry, which compiles and trains; two kills after it end bitwise equal to an
+uninterrupted compiled run; its checkpoints carry the plain model's names and load into the plain
+class."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from flow_util import config, in_thread, params, wait_for_step
+
+from tests.engine_util import final_digest, logged_losses, run_worker
+from training.checkpointing.store import CheckpointStore
+from training.events import Phase, read_events
+from training.heartbeat import read_heartbeat
+from training.rundir import open_run
+
+TOTAL = 40
+TASK = {"task": "tests.compile_tasks:build"}
+
+
+def _settings(tmp_path: Path, data_dir: Path, name: str) -> dict[str, Any]:
+    p = params(
+        tmp_path,
+        data_dir,
+        name,
+        train={"total_steps": TOTAL, "chunk_steps": TOTAL},
+        heartbeat={"stall_s": 4, "compile_timeout_s": 600},
+        orchestration={"retries": 4},
+    )
+    return {**p, **TASK}
+
+
+def _wait_for_phase(run_dir: Path, phase: str, timeout: float = 240) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        beat = read_heartbeat(run_dir, 0)
+        if beat is not None and beat.phase == phase:
+            return beat.pid
+        time.sleep(0.05)
+    raise AssertionError(f"the worker never entered phase {phase}")
+
+
+@pytest.mark.slow
+def test_a_compiled_model_is_no_hang_survives_kills_in_and_after_its_compile(
+    prefect_api: str, data_dir: Path, tmp_path: Path
+) -> None:
+    from flows.train import run_training
+    from training.examples.char_gpt import CharGPT, CharGPTArgs
+
+    reference = config(_settings(tmp_path, data_dir, "reference"))
+    code, out = run_worker(open_run(reference), TOTAL)
+    assert code == 0, out
+    cfg = config(_settings(tmp_path, data_dir, "compiled"))
+    run_dir = cfg.run_dir.resolve()
+    kills: list[str] = []
+
+    def killer() -> None:
+        pid = _wait_for_phase(run_dir, Phase.COMPILE)
+        time.sleep(3.0)  # inside the cold compile (tens of seconds here)
+        os.kill(pid, signal.SIGKILL)
+        kills.append("compiling")
+        for step in (12, 27):
+            beat = wait_for_step(run_dir, step, timeout=600)
+            os.kill(beat.pid, signal.SIGKILL)
+            kills.append(f"step {beat.step}")
+
+    t = in_thread(killer)
+    summary = run_training(cfg)
+    t.join(timeout=10)
+    assert not t.errors, t.errors
+    assert summary["final_step"] == TOTAL and len(kills) == 3, (summary, kills)
+    failures = [e["failure"] for e in read_events(run_dir, "failure")]
+    assert "hang" not in failures and len(failures) == 3, failures  # compiling is never a hang
+    assert final_digest(run_dir) == final_digest(reference.run_dir)
+    assert logged_losses(run_dir) == logged_losses(reference.run_dir)
+    loaded = CheckpointStore(run_dir).load_latest()
+    assert loaded is not None
+    weights = loaded[1]["state"]["model"]
+    assert not [k for k in weights if "_orig_mod" in k]
+    model = CharGPT(CharGPTArgs(**cfg.task_args), cfg.data.seq_len)
+    model.load_state_dict(weights)  # strict: the plain class
+    assert torch.equal(model.head.weight, weights["head.weight"])
+    print(f"\nkilled {kills}; failures {failures}")
