@@ -2,28 +2,18 @@
 
     python -m flows.reaper <read-fd> <pid> <create-time> <grace-s>
 
-It imports only the standard library and psutil (it starts beside every ``convoy train``), holds
+It imports only psutil and :mod:`training.lifeline`'s wait (it starts beside every ``convoy train``), holds
 nothing else open, and exits once the process is gone.  The process is stopped only if its pid
 still names the process created at ``create-time`` (invariant 2 of :mod:`flows.ephemeral_api`).
 """
 
 from __future__ import annotations
 
-import os
-import select
 import sys
 
 import psutil
 
-
-def wait_for_hangup(fd: int) -> None:
-    """Block until every write end of the pipe is closed (its holder ended)."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-    while True:
-        for _fd, events in poller.poll():
-            if events & (select.POLLHUP | select.POLLERR) or not os.read(fd, 1):
-                return
+from training.lifeline import wait_for_hangup
 
 
 def stop(pid: int, created: float, grace_s: float) -> None:

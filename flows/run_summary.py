@@ -50,6 +50,8 @@ class RunSummary:
     #: names (or ids) of the dead flow runs this one took over
     taken_over: list[str] | None
     model: dict[str, Any] | None
+    #: the summary's one wall clock: the goodput's ``wall_s`` (the run's, to its last chunk's end
+    #: when finished), or this command's time when goodput cannot be measured
     seconds: float
     #: the run's goodput so far (a fraction; :mod:`training.tracking.goodput`), its wall-clock
     #: seconds, productive seconds and badput seconds by bucket; None / empty when not measured

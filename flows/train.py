@@ -49,6 +49,7 @@ from training.memory_sweep import free_orphans, freed_line
 from training.paths import RunPaths
 from training.rundir import keyed_config, link_current, open_run, run_info, update_run_info
 from training.tracking.attempts import chunk_history, recorded_digest
+from training.tracking.goodput import chunk_ends
 
 
 class RunLocked(ConfigError):
@@ -166,6 +167,7 @@ class TrainingRun:
         append_event(
             run_dir,
             Event.FLOW_STARTED,
+            started_at=round(run.t0, 3),  # the flow's clock starts before its MLflow run and takeover
             flow_run_id=flow_run_id,
             flow_run_name=flow_run_name,
             committed_step=run.committed,
@@ -293,6 +295,15 @@ class TrainingRun:
         latest = self.resources.checkpoints.resume_point().checkpoint
         return (latest.step, latest.digest) if latest is not None else self.uploaded_final()
 
+    def clock(self, final_step: int) -> dict[str, Any]:
+        """The summary's one wall clock: the run's goodput measured to its last chunk's end when it
+        is finished (the cut MLflow's last ``goodput`` point is computed at: the same value), else
+        to now; ``seconds`` is that wall clock (this command's own when goodput cannot be measured)."""
+        ends = chunk_ends(read_events(self.run_dir))
+        done = bool(ends) and ends[-1][0] >= final_step == self.cfg.train.total_steps
+        fields = goodput_fields(self.run_dir, until=ends[-1][1] if done else time.time())
+        return {"seconds": fields.get("wall_s", round(time.time() - self.t0, 3)), **fields}
+
     def summary(self) -> dict[str, Any]:
         """The flow's result (:class:`flows.run_summary.RunSummary`, as a mapping)."""
         rows, audit = self.rows, self.audit or {}
@@ -322,8 +333,7 @@ class TrainingRun:
             entropy_floor=entropy_floor(self.cfg.data, self.cfg.task),
             taken_over=taken.get("previous_names") or taken.get("previous"),
             model=self.model,
-            seconds=round(time.time() - self.t0, 3),
-            **goodput_fields(self.run_dir, until=time.time()),
+            **self.clock(final_step),
         )
         self.resources.goodput.join()
         goodput_metrics.log_points(self.cfg, self.run_dir)  # every chunk end's goodput point, once

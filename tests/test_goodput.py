@@ -310,7 +310,7 @@ def test_a_real_sigkill_adds_up_and_mlflow_has_one_goodput_point_per_chunk_end(
     assert summary["productive_s"] + sum(badput.values()) == pytest.approx(summary["wall_s"], rel=0.01)
     assert summary["goodput"] == pytest.approx(summary["productive_s"] / summary["wall_s"], abs=1e-3)
     assert badput["program_startup"] > 0 and badput["infrastructure_recovery"] > 0
-    assert summary["wall_s"] <= summary["seconds"] + 0.5  # from flow_started: inside the flow's own time
+    assert summary["wall_s"] == summary["seconds"]  # one wall clock in the summary (issue 44, item 5)
     json.loads(json.dumps(summary, default=str))  # what `convoy train --json` prints
     print(f"\ngoodput {summary['goodput']} of {summary['wall_s']} s, productive {summary['productive_s']} s: {badput}")
     assert RunSummary.from_dict(summary).measured_goodput is not None
@@ -322,4 +322,4 @@ def test_a_real_sigkill_adds_up_and_mlflow_has_one_goodput_point_per_chunk_end(
     assert goodput_metrics.log_points(cfg, run_dir) == []  # asked again (a later flow): nothing logged twice
     assert sorted(m.step for m in client.get_metric_history(run_id, "goodput_interval")) == steps
     final = {m.step: m.value for m in client.get_metric_history(run_id, "goodput")}[TOTAL]
-    assert 0 < final < 1
+    assert final == summary["goodput"]  # MLflow's last point is the summary's goodput

@@ -146,9 +146,13 @@ def test_one_copy_of_the_state_and_kills_in_its_windows_resume_bitwise(tmp_path:
     p = start_worker(mid_persist, UNTIL, {"CONVOY_FAULTS": "step_delay=0.05,persist_delay=4"})
     _kill_when(p, lambda: any(e["step"] == 20 for e in read_events(mid_persist, Event.CHECKPOINT_SAVED)), 1.0)
     assert not [e for e in read_events(mid_persist, Event.CHECKPOINT_COMMITTED) if e["step"] == 20]
-    resumed = _resumed_to_the_end(mid_persist)
+    resumed, anon = _resumed_to_the_end(mid_persist)
     assert resumed["step"] == 20 and resumed["tier"] == "memory", resumed
     assert _digest(mid_persist) == reference
+    # The restore from the slot reads it in place (a mapping of its RAM file): no second state in
+    # the worker's own memory beside the live one (it was +1x: a 7.8 GiB state's resume OOMed).
+    print(f"resumed from the tier: peak Pss_Anon {anon / 1e6:.0f} MB, the bare loop's {live / 1e6:.0f} MB")
+    assert (anon - live) / state <= 0.1, f"the resume held {(anon - live) / state:.2f}x the state beside the live one"
 
     # Killed while a snapshot writes the only slot (the 5th slot write: after the snapshots of 3, 6
     # and 9 and step 10's staging, a later snapshot or step 20's staging): nothing is committed
@@ -157,7 +161,7 @@ def test_one_copy_of_the_state_and_kills_in_its_windows_resume_bitwise(tmp_path:
     mid_snapshot = make_run(tmp_path / "snapshot", extra=ONE_COPY)
     p = start_worker(mid_snapshot, UNTIL, {"CONVOY_FAULTS": f"slot_stall=5:30:{flag}"})
     _kill_when(p, flag.exists)
-    resumed = _resumed_to_the_end(mid_snapshot)
+    resumed, _ = _resumed_to_the_end(mid_snapshot)
     assert resumed["step"] == 10 and resumed["tier"] == "disk", resumed
     assert _digest(mid_snapshot) == reference
 
@@ -173,9 +177,11 @@ def _kill_when(p: subprocess.Popen, ready: Callable[[], bool], settle_s: float =
     p.wait()
 
 
-def _resumed_to_the_end(run_dir: Path) -> dict:
-    """A new worker trains ``run_dir`` to the end; the ``resumed`` event it wrote."""
-    p = start_worker(run_dir, UNTIL)
+def _resumed_to_the_end(run_dir: Path) -> tuple[dict, int]:
+    """A new worker trains ``run_dir`` to the end: the ``resumed`` event it wrote, its peak Pss_Anon."""
+    p = start_worker(run_dir, UNTIL, FIXED_MALLOC)
+    sampler = Sampler(p.pid, Path("/nonexistent"))
     out, _ = p.communicate(timeout=600)
+    rows = sampler.stop()
     assert p.returncode == 0, out[-3000:]
-    return read_events(run_dir, Event.RESUMED)[-1]
+    return read_events(run_dir, Event.RESUMED)[-1], max(anon for anon, _ in rows)

@@ -30,10 +30,15 @@ def watch_lifeline() -> threading.Thread | None:
 
 
 def _wait_for_hangup(fd: int) -> None:
+    wait_for_hangup(fd)
+    os.kill(os.getpid(), signal.SIGTERM)  # the flow is gone: save and leave
+
+
+def wait_for_hangup(fd: int) -> None:
+    """Block until every write end of the pipe ``fd`` reads from is closed (its holders ended)."""
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
     while True:
         for _fd, events in poller.poll():
             if events & (select.POLLHUP | select.POLLERR) or not os.read(fd, 1):
-                os.kill(os.getpid(), signal.SIGTERM)  # the flow is gone: save and leave
                 return

@@ -225,7 +225,8 @@ def wall_spans(
     events: Sequence[dict[str, Any]], rows: Sequence[StepRow], until: float
 ) -> tuple[list[Span], list[Span]]:
     """(the wall-clock spans, the gaps after a flow run that died) up to ``until`` (rule 1)."""
-    starts = [e["time"] for e in events if e["kind"] == Event.FLOW_STARTED]
+    # A flow's clock starts when it did (``started_at``, before its MLflow run), not at its event.
+    starts = [e.get("started_at", e["time"]) for e in events if e["kind"] == Event.FLOW_STARTED]
     first = [e["time"] for e in events[:1]] + [r.time for r in rows[:1] if r.time is not None]
     if not starts:
         return ([(min(first), until)] if first else []), []

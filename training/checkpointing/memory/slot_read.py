@@ -25,26 +25,24 @@ ALIGN = 64
 
 
 def read_whole(path: Path, header: Header) -> np.ndarray:
-    """The slot's bytes, in one private copy that the restored tensors view, verified.
+    """The slot's bytes as a private (copy-on-write) mapping of its RAM file, verified.
 
-    One copy, into the buffer the restored tensors view (read_bytes, a slice and a bytearray made
-    three: a resume from the tier read 270 MB 5x slower than a raw read, bench/scale.py).  Each
-    page touched once before the read: a read into pages never touched faults them in one by one
-    inside the kernel's copy (1.6-2.3 s for 1 GB here); bytearray(n) zeroes them all first (1.1 s +
-    a 0.7 s read); a write per page, then the read: 0.15 + 0.6 s."""
-    import torch
-
-    data = torch.empty(header.size, dtype=torch.uint8).numpy()
-    data[:: mmap.PAGESIZE] = 0
+    No copy: the restored tensors view the mapping, whose pages are the slot's own in ``/dev/shm``
+    (counted by the tier, not again by the worker); the restore copies what it keeps into the
+    live state (``load_state_dict``, the optimizer's state cloned), and the mapping goes with the
+    last view.  A copy into an anonymous buffer (until this change) held a second whole state
+    beside the live one: at a 7.8 GiB state the resumed worker peaked at 15.8 GB and was
+    OOM-killed (bench/scale.py's largest row).  Private: a write through a view stays in this
+    process.  Nothing else writes the slot while it is read: the run's lease holds every other
+    worker of the run off, and this worker snapshots only after its restore."""
     try:
-        with open(path, "rb", buffering=0) as f:
-            got, view = 0, memoryview(data)
-            while got < header.size and (n := f.readinto(view[got:])):
-                got += n
-    except OSError as exc:
+        with open(path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
         raise CheckpointRejected(f"memory slot of rank {header.rank}: unreadable ({exc})") from exc
-    if got != header.size:
-        raise CheckpointRejected(f"memory slot of rank {header.rank}: {got} of {header.size} bytes (cut short)")
+    if len(m) < header.size:
+        raise CheckpointRejected(f"memory slot of rank {header.rank}: {len(m)} of {header.size} bytes (cut short)")
+    data = np.frombuffer(m, dtype=np.uint8, count=header.size)  # keeps the mapping alive
     _check(header, slot_hash(memoryview(data)))
     return data
 
