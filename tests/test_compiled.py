@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from flow_util import config, in_thread, params, wait_for_step
+from flow_util import config, in_thread, params
 
 from tests.engine_util import final_digest, logged_losses, run_worker
 from training.checkpointing.store import CheckpointStore
@@ -38,6 +38,19 @@ def _settings(tmp_path: Path, data_dir: Path, name: str) -> dict[str, Any]:
     return {**p, **TASK}
 
 
+def _kill_at(run_dir: Path, step: int, not_pid: int, timeout: float = 600) -> int:
+    """SIGKILL the worker once a beat of a worker other than ``not_pid`` (the one killed before,
+    whose last beat stays in the file) trains at ``step`` or later; returns its pid."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        beat = read_heartbeat(run_dir, 0)
+        if beat is not None and beat.pid != not_pid and beat.phase == Phase.TRAIN and beat.step >= step:
+            os.kill(beat.pid, signal.SIGKILL)
+            return beat.pid
+        time.sleep(0.02)
+    raise AssertionError(f"no new worker trained to step {step}")
+
+
 def _wait_for_phase(run_dir: Path, phase: str, timeout: float = 240) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -50,7 +63,7 @@ def _wait_for_phase(run_dir: Path, phase: str, timeout: float = 240) -> int:
 
 @pytest.mark.slow
 def test_a_compiled_model_is_no_hang_survives_kills_in_and_after_its_compile(
-    prefect_api: str, data_dir: Path, tmp_path: Path
+    prefect_api: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from flows.train import run_training
     from training.examples.char_gpt import CharGPT, CharGPTArgs
@@ -58,6 +71,7 @@ def test_a_compiled_model_is_no_hang_survives_kills_in_and_after_its_compile(
     reference = config(_settings(tmp_path, data_dir, "reference"))
     code, out = run_worker(open_run(reference), TOTAL)
     assert code == 0, out
+    monkeypatch.setenv("CONVOY_FAULTS", "step_delay=0.05")  # steps slow enough to be killed at
     cfg = config(_settings(tmp_path, data_dir, "compiled"))
     run_dir = cfg.run_dir.resolve()
     kills: list[str] = []
@@ -68,9 +82,8 @@ def test_a_compiled_model_is_no_hang_survives_kills_in_and_after_its_compile(
         os.kill(pid, signal.SIGKILL)
         kills.append("compiling")
         for step in (12, 27):
-            beat = wait_for_step(run_dir, step, timeout=600)
-            os.kill(beat.pid, signal.SIGKILL)
-            kills.append(f"step {beat.step}")
+            pid = _kill_at(run_dir, step, not_pid=pid)
+            kills.append(f"step {step}+")
 
     t = in_thread(killer)
     summary = run_training(cfg)

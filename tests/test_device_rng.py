@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from training.checkpointing.store import CheckpointStore
-from training.config import SYNTHETIC_GENERATOR, load_config
+from training.config import SYNTHETIC_GENERATOR, ConfigError, load_config
 from training.device_rng import select_cuda_rng
 from training.state import TrainState, capture_rng, fallback_cuda_seed, restore_rng
 from training.task import TaskParts
@@ -133,10 +133,16 @@ def test_scaler_state_round_trips_exactly(tmp_path: Path) -> None:
 
 def test_amp_dtype_choice() -> None:
     cuda = torch.device("cuda", 0)  # a device object only: no CUDA call for an explicit choice
-    assert amp_dtype(load_config(None, ["train.amp=true", "train.amp_dtype=float16"]), cuda) == torch.float16
-    assert amp_dtype(load_config(None, ["train.amp=true", "train.amp_dtype=bfloat16"]), cuda) == torch.bfloat16
+    on_cuda = ["train.device=cuda", "train.amp=true"]
+    assert amp_dtype(load_config(None, [*on_cuda, "train.amp_dtype=float16"]), cuda) == torch.float16
+    assert amp_dtype(load_config(None, [*on_cuda, "train.amp_dtype=bfloat16"]), cuda) == torch.bfloat16
     assert amp_dtype(load_config(None, ["train.amp=false", "train.amp_dtype=float16"]), cuda) is None
-    assert amp_dtype(load_config(None, ["train.amp=true"]), torch.device("cpu")) is None
+    cpu = torch.device("cpu")  # CPU autocast runs bfloat16 (issue 44); float16 there is refused, never ignored
+    assert amp_dtype(load_config(None, ["train.amp=true"]), cpu) == torch.bfloat16
+    assert amp_dtype(load_config(None, ["train.amp=false"]), cpu) is None
+    auto = load_config(None, ["train.device=auto", "train.amp=true", "train.amp_dtype=float16"])
+    with pytest.raises(ConfigError, match="not honoured on CPU"):
+        amp_dtype(auto, cpu)  # device auto found no GPU: the config check could not know
 
 
 def _legacy_fingerprint(overrides: list[str]) -> str:
@@ -144,6 +150,7 @@ def _legacy_fingerprint(overrides: list[str]) -> str:
     cfg = load_config(None, overrides)
     # settings added since (at their defaults here)
     newer = {"amp_dtype", "eval_samples", "grad_accum_steps", "parallel", "reshard_after_forward"}
+    newer |= {"compile", "ema_decay", "ema_registered"}
     train = cfg.train.model_dump(exclude={"chunk_steps", "eval_every", "ranks", "nnodes", "hosts", *newer})
     data = cfg.data.model_dump(exclude={"num_workers", "prepared_dir"})
     if cfg.data.source == "synthetic":  # a regenerated corpus is another run on purpose (SYNTHETIC_GENERATOR)
@@ -159,7 +166,7 @@ def test_amp_dtype_is_in_the_fingerprint_only_when_it_changes_the_trajectory() -
     for base in ([], ["train.amp=true"], ["train.device=cuda", "train.amp=true"]):
         assert fp(*base) == _legacy_fingerprint(base)  # existing runs keep resuming
     assert fp("train.amp=false", "train.amp_dtype=float16") == fp("train.amp=false")
-    fps = {fp("train.amp=true", f"train.amp_dtype={d}") for d in ("auto", "float16", "bfloat16")}
+    fps = {fp("train.device=cuda", "train.amp=true", f"train.amp_dtype={d}") for d in ("auto", "float16", "bfloat16")}
     assert len(fps) == 3
 
 

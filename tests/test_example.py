@@ -59,7 +59,7 @@ def test_the_demo_learns_to_near_the_entropy_floor(tmp_path: Path) -> None:
     code, out = run_worker(run_dir, cfg.train.total_steps, timeout=900)
     assert code == 0, out
     losses = logged_losses(run_dir)
-    floor = entropy_floor(cfg.data)
+    floor = entropy_floor(cfg.data, cfg.task)
     assert floor is not None and len(losses) == cfg.train.total_steps == 600
     final = losses[-1][1]
     print(

@@ -3,6 +3,7 @@ restored bitwise after kills, evaluated in the loop, and registrable in MLflow a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -73,15 +74,15 @@ def _registered_model_is_the_ema(tmp_path: Path, run: Path, weights: dict[str, t
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("ema")).info.run_id
+    experiment = client.create_experiment("ema", artifact_location=(tmp_path / "mlartifacts").as_uri())
+    run_id = client.create_run(experiment).info.run_id
     cfg = load_run_config(run)
-    out = log_final_model(cfg, run, client, run_id)
-    assert out is not None and out["registered"] == "killed version 1", out
-    mlflow.set_tracking_uri(uri)
-    try:
-        where = mlflow.artifacts.download_artifacts(f"models:/{out['model_id']}", dst_path=str(tmp_path / "dl"))
-    finally:
-        mlflow.set_tracking_uri(None)
+    with contextlib.chdir(tmp_path):  # whatever MLflow writes by default lands here, not in the checkout
+        out = log_final_model(cfg, run, client, run_id)
+        assert out is not None and out["registered"] == "killed version 1", out
+        where = mlflow.artifacts.download_artifacts(
+            f"models:/{out['model_id']}", dst_path=str(tmp_path / "dl"), tracking_uri=uri
+        )
     tensors, meta = load_model_file(Path(where) / "model.safetensors")
     assert meta["weights"] == "ema"
     model = CharGPT(CharGPTArgs(**cfg.task_args), cfg.data.seq_len)

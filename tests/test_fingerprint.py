@@ -120,6 +120,8 @@ MARKED_CHANGES = {
     "train.amp_dtype": "train.amp_dtype=bfloat16",
     "train.deterministic": "train.deterministic=false",
     "train.grad_accum_steps": "train.grad_accum_steps=2",
+    "train.ema_decay": "train.ema_decay=0.99",
+    "train.compile": "train.compile=model",
 }
 
 
