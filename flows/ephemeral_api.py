@@ -6,8 +6,8 @@ the first process that needs an API and stops it from an ``atexit`` hook.  SIGKI
 skip ``atexit``: after ``kill -9`` or ``kill`` of ``convoy train`` the server lived on with parent 1,
 for as long as the machine ran (3 of 3 times); on a preemptible node they pile up daily.
 
-How: :func:`start_tied` starts the server before Prefect would (Prefect's clients reuse the one
-server of this process), then starts a *reaper* (:mod:`flows.reaper`): a small process that holds
+How: :func:`start_tied_prefect_api` starts the server before Prefect would (Prefect's clients
+reuse the one server of this process), then starts a *reaper* (:mod:`flows.reaper`): a small process that holds
 the read end of a pipe whose write end only this process holds.  When this process ends the kernel
 closes the write end; the reaper then stops the server (SIGTERM, SIGKILL after a grace) and exits.
 A normal exit stops the server through Prefect's hook first; the reaper then finds nothing to do.
@@ -21,11 +21,9 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import psutil
 
@@ -33,34 +31,35 @@ import psutil
 GRACE_S = 5.0
 
 
-@contextlib.contextmanager
-def tied_prefect_api() -> Iterator[int | None]:
-    """Prefect's temporary server for the block, tied to this process (yields its pid; None when a
-    server is configured with ``PREFECT_API_URL`` or the temporary one is turned off).  Leaving the
-    block stops the server as Prefect's exit hook would, so a second block starts a fresh one."""
+#: Attribute set on Prefect's server object once a reaper watches its process (its pid).
+TIED = "_convoy_tied_pid"
+
+
+def start_tied_prefect_api() -> int | None:
+    """Prefect's temporary server for this process, tied to it (its pid; None when a server is
+    configured with ``PREFECT_API_URL`` or the temporary one is turned off).  The server stays
+    up until the process ends: Prefect's exit hook stops it on a normal exit, after its log and
+    event workers have flushed (stopping it earlier lost their last batch: "Error logging to
+    API"); the reaper stops it when the process is killed."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        yield None
-        return
+        return None
     server = SubprocessASGIServer()  # the one instance Prefect's clients use (port None)
     server.start()
     if server.server_process is None:
-        yield None
-        return
+        return None
     pid = server.server_process.pid
-    write_end = tie_to_this_process(pid)
-    try:
-        yield pid
-    finally:
-        server.stop()
-        os.close(write_end)  # the reaper finds the server gone and exits
+    if getattr(server, TIED, None) != pid:  # one reaper per server process, however often called
+        tie_to_this_process(pid)  # its write end stays open until this process ends
+        setattr(server, TIED, pid)
+    return pid
 
 
 def tie_to_this_process(pid: int) -> int:
-    """Start a reaper that stops ``pid`` (SIGTERM, then SIGKILL) once this process has ended or
-    closed the returned fd (the pipe's write end, never written)."""
+    """Start a reaper that stops ``pid`` (SIGTERM, then SIGKILL) once this process has ended (or
+    closed the returned fd: the pipe's write end, never written)."""
     created = psutil.Process(pid).create_time()
     read_end, write_end = os.pipe()  # both close-on-exec (PEP 446): rule 1
     try:

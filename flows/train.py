@@ -25,7 +25,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
-from flows.ephemeral_api import tied_prefect_api
+from flows.ephemeral_api import start_tied_prefect_api
 from flows.report import mlflow_link
 from flows.run_summary import RunSummary, goodput_fields
 from tasks.artifacts import prefect_ui_base, publish_chunk_table
@@ -432,8 +432,8 @@ def run_training(
         open_run(config, allow_config_change=allow_config_change)
     from prefect import tags
 
-    # Prefect's temporary API (no PREFECT_API_URL) ends with this process even when it is killed.
-    with tied_prefect_api(), tags("convoy", f"run:{config.run_name}", f"fingerprint:{config.fingerprint()}"):
+    start_tied_prefect_api()  # Prefect's temporary API (no PREFECT_API_URL) ends with this process, even killed
+    with tags("convoy", f"run:{config.run_name}", f"fingerprint:{config.fingerprint()}"):
         # ``overrides`` only for the record (the flow run's Parameters in the UI): ``config``
         # already holds them, and wins.
         return train(config=config, overrides=overrides or None, allow_config_change=allow_config_change)
