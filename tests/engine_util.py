@@ -150,3 +150,16 @@ def kill_at_random_steps(
         p.wait()
         kills.append(reached)
     return kills
+
+
+def killed_run_matches(tmp: Path, extra: list[str], reference: Path, total: int, targets: list[int], seed: int) -> Path:
+    """Run ``killed`` with ``extra``: SIGKILLed in a persist and at each of ``targets``, then
+    trained to ``total``; asserts it ends bitwise as ``reference`` (digest and every step's loss)."""
+    run_dir = make_run(tmp, "killed", extra)
+    kills = kill_at_random_steps(run_dir, total, targets, random.Random(seed))
+    assert len(kills) == len(targets) + 1, kills
+    code, out = run_worker(run_dir, total)
+    assert code == 0, out
+    assert final_digest(run_dir) == final_digest(reference)
+    assert logged_losses(run_dir) == logged_losses(reference)
+    return run_dir

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.engine_util import final_digest, kill_at_random_steps, logged_losses, make_run, run_worker
+from tests.engine_util import killed_run_matches, make_run, run_worker
 from training.checkpointing.store import CheckpointStore
 from training.rundir import load_run_config
 
@@ -42,13 +41,7 @@ def test_ema_and_a_task_state_resume_bitwise_after_two_kills_and_the_ema_is_regi
     ref = make_run(tmp_path, "reference", EXTRA)
     code, out = run_worker(ref, TOTAL)
     assert code == 0, out
-    run = make_run(tmp_path, "killed", EXTRA)
-    kills = kill_at_random_steps(run, TOTAL, [17, 38], random.Random(4403))
-    assert len(kills) == 3, kills
-    code, out = run_worker(run, TOTAL)
-    assert code == 0, out
-    assert final_digest(run) == final_digest(ref)
-    assert logged_losses(run) == logged_losses(ref)
+    run = killed_run_matches(tmp_path, EXTRA, ref, TOTAL, [17, 38], seed=4403)
     assert sorted(_metric(run, "val_loss_ema")) == [20, 40, 60]
     assert _metric(run, "val_loss_ema") == _metric(ref, "val_loss_ema") != _metric(ref, "val_loss")
     mine, theirs = _extra(run), _extra(ref)

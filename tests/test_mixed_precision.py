@@ -3,21 +3,13 @@ bitwise after kills, and a setting the CPU cannot honour is refused in one line,
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from flows.cli.main import app
-from tests.engine_util import (
-    final_digest,
-    kill_at_random_steps,
-    logged_losses,
-    make_run,
-    reference_digest,
-    run_worker,
-)
+from tests.engine_util import final_digest, killed_run_matches, make_run, reference_digest, run_worker
 from training.config import ConfigError, load_config
 
 TOTAL = 60
@@ -32,13 +24,7 @@ def test_bf16_autocast_on_cpu_trains_in_bf16_and_resumes_bitwise_after_two_kills
     assert code == 0 and "with AMP bfloat16" in out, out
     ref = final_digest(ref_dir)
     assert ref != fp32, "train.amp on CPU trained the fp32 trajectory: autocast was ignored"
-    run_dir = make_run(tmp_path, "killed", BF16)
-    kills = kill_at_random_steps(run_dir, TOTAL, [12, 31], random.Random(44))
-    assert len(kills) == 3, kills
-    code, out = run_worker(run_dir, TOTAL)
-    assert code == 0, out
-    assert final_digest(run_dir) == ref
-    assert logged_losses(run_dir) == logged_losses(tmp_path / "runs" / "bf16")
+    killed_run_matches(tmp_path, BF16, ref_dir, TOTAL, [12, 31], seed=44)
 
 
 def test_float16_autocast_on_cpu_is_refused_in_one_line() -> None:

@@ -3,12 +3,11 @@ loader workers and BatchNorm buffers, killed twice, ends bitwise equal to an uni
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
-from tests.engine_util import final_digest, kill_at_random_steps, logged_losses, make_run, run_worker
+from tests.engine_util import killed_run_matches, logged_losses, make_run, run_worker
 
 TOTAL = 60
 VISION = [
@@ -29,10 +28,4 @@ def test_the_vision_example_learns_and_resumes_bitwise_after_two_kills(tmp_path:
     assert code == 0, out
     losses = dict(logged_losses(ref))
     assert losses[TOTAL] < losses[1], losses  # it learns the bars' angle
-    run = make_run(tmp_path, "killed", VISION)
-    kills = kill_at_random_steps(run, TOTAL, [19, 42], random.Random(4405))
-    assert len(kills) == 3, kills
-    code, out = run_worker(run, TOTAL)
-    assert code == 0, out
-    assert final_digest(run) == final_digest(ref)
-    assert logged_losses(run) == logged_losses(ref)
+    killed_run_matches(tmp_path, VISION, ref, TOTAL, [19, 42], seed=4405)
