@@ -47,6 +47,7 @@ TRAINING_BASE = {
     "training.locks",
     "training.parts",
     "training.paths",
+    "training.release",
     "training.sample_rng",
     "training.sharding",
     "training.trajectory",

@@ -35,7 +35,7 @@ from training.checkpointing.store import CheckpointStore
 from training.config import ConfigError, RunConfig, load_config
 from training.events import EXIT_CONFIG, read_events
 from training.fsutil import atomic_replace, atomic_write_bytes
-from training.rundir import describe_change, keyed_config, recorded_trajectories, run_info
+from training.rundir import continues, describe_change, keyed_config, recorded_trajectories, run_info
 from training.tracking.metrics import metric_rows
 from training.tracking.resume_audit import analyse_events
 
@@ -153,6 +153,8 @@ def _check_trained_with(config: RunConfig, run_dir: Path, fingerprint: str) -> N
     if not fingerprint or fingerprint in (config.fingerprint(), *info.get("accepted_fingerprints", [])):
         return
     old = recorded_trajectories(run_dir, info).get(fingerprint)
+    if continues(old, config):  # an earlier release's checkpoint of the same trajectory
+        return
     raise ConfigError(
         f"{run_dir}: its newest checkpoint was trained with other settings than the params "
         f"({describe_change(old, config)}); run `convoy train` with these params first"

@@ -85,6 +85,9 @@ class Event(StrEnum):
     NONDETERMINISTIC_RESUME = "nondeterministic_resume"
     PREEMPTED = "preempted"
     REAP_FAILED = "reap_failed"
+    #: A run written by an earlier release reopened: only the release's reading of its settings
+    #: differs, and it trains as it was trained (training.compat).
+    RELEASE_UPGRADED = "release_upgraded"
     REMOTE_CHECKPOINT_REFUSED = "remote_checkpoint_refused"
     REPEATED_FAILURE = "repeated_failure"
     REPLAY_AFTER_RESIZE = "replay_after_resize"

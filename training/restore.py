@@ -34,7 +34,7 @@ from training.config import ConfigError
 from training.data import mix_seed
 from training.events import Event, append_event
 from training.parts import TaskParts
-from training.rundir import describe_change, recorded_trajectories, run_info
+from training.rundir import continues, describe_change, recorded_trajectories, run_info
 from training.runtime import Runtime
 from training.state import seed_everything
 from training.stream_position import SavedLayout, check_resume, is_global
@@ -137,6 +137,8 @@ def check_fingerprint(runtime: Runtime, run_dir: Path, checkpoint: Checkpoint) -
     if saved in (config.fingerprint(), *info.get("accepted_fingerprints", [])):
         return
     old = recorded_trajectories(run_dir, info).get(saved)
+    if continues(old, config):  # an earlier release's checkpoint, trained as this one would train it
+        return
     raise ConfigError(
         f"checkpoint {checkpoint.path.name} was saved with other trajectory settings: "
         f"{describe_change(old, config)}; refusing to resume it under this config; resume with the "

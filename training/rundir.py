@@ -14,6 +14,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from training.compat import as_written_before, continuation_hint, read_as_today
 from training.config import ConfigError, InitFrom, RunConfig, config_from_dict
 from training.events import Event, append_event
 from training.fsutil import atomic_replace, atomic_write_json, read_json
@@ -235,15 +236,25 @@ def recorded_trajectories(run_dir: Path, info: dict[str, Any]) -> dict[str, dict
             previous = load_run_config(run_dir)
         except ConfigError:
             return known
-        known[previous.fingerprint()] = previous.trajectory()
+        # Keyed by the fingerprint the writing release recorded (its checkpoints carry that one),
+        # read as that release had it (training.compat, invariant 5).
+        known[info.get("fingerprint") or previous.fingerprint()] = as_written_before(previous.trajectory())
     return known
+
+
+def continues(old: dict[str, Any] | None, config: RunConfig) -> bool:
+    """Whether a run (or checkpoint) of recorded trajectory ``old`` continues under ``config``
+    unchanged: equal once the keys later releases added are read as an older run means them."""
+    return old is not None and not trajectory_changes(read_as_today(old, config), config.trajectory())
 
 
 def describe_change(old: dict[str, Any] | None, config: RunConfig) -> str:
     """``train.lr 0.003 → 0.002, train.seed 1 → 2``, or why the keys are unknown."""
     if old is None:
         return "changed keys unknown (the run never recorded that config)"
-    return ", ".join(trajectory_changes(old, config.trajectory())) or "no key differs (another code version?)"
+    changes = ", ".join(trajectory_changes(read_as_today(old, config), config.trajectory()))
+    hint = continuation_hint(old, config)
+    return f"{changes} ({hint})" if hint else changes or "no key differs (another code version?)"
 
 
 def mismatch_message(config: RunConfig, info: dict[str, Any], old: dict[str, Any] | None) -> str:
@@ -271,6 +282,28 @@ def _refuse_finished(config: RunConfig, run_dir: Path, changes: str) -> None:
         )
 
 
+def _accept_change(
+    config: RunConfig, run_dir: Path, info: dict[str, Any], old: dict[str, Any] | None, allowed: bool
+) -> None:
+    """Reopen a run under another fingerprint: silently where only a later release's reading of
+    its settings differs (``training.compat``), recorded as ``release_upgraded``; where the
+    settings changed, only with ``--allow-config-change``, recorded as ``config_changed``."""
+    fp = config.fingerprint()
+    if continues(old, config):  # written by an earlier release; trained as this one would train it
+        append_event(run_dir, Event.RELEASE_UPGRADED, old=info.get("fingerprint"), new=fp)
+        return
+    if not allowed:
+        raise ConfigError(mismatch_message(config, info, old))
+    _refuse_finished(config, run_dir, describe_change(old, config))
+    append_event(
+        run_dir,
+        Event.CONFIG_CHANGED,
+        old=info.get("fingerprint"),
+        new=fp,
+        changes=trajectory_changes(old, config.trajectory()) if old else None,
+    )
+
+
 def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
     """Create the run directory, or reopen it after checking the fingerprint.
 
@@ -285,17 +318,7 @@ def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
         check_task(config)  # bad task_args fail here, before the run is pinned to their fingerprint
     known = recorded_trajectories(run_dir, info) if info is not None else {}
     if info is not None and info.get("fingerprint") != fp:
-        old = known.get(info.get("fingerprint", ""))
-        if not allow_config_change:
-            raise ConfigError(mismatch_message(config, info, old))
-        _refuse_finished(config, run_dir, describe_change(old, config))
-        append_event(
-            run_dir,
-            Event.CONFIG_CHANGED,
-            old=info.get("fingerprint"),
-            new=fp,
-            changes=trajectory_changes(old, config.trajectory()) if old else None,
-        )
+        _accept_change(config, run_dir, info, known.get(info.get("fingerprint", "")), allow_config_change)
     RunPaths(run_dir).checkpoints.mkdir(parents=True, exist_ok=True)
     RunPaths(run_dir).heartbeats.mkdir(exist_ok=True)
     known[fp] = config.trajectory()

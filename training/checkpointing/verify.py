@@ -29,6 +29,7 @@ from training.checkpointing import sharded
 from training.checkpointing.codec import join_tree, tensor_refs
 from training.checkpointing.errors import CheckpointRejected
 from training.fsutil import read_json
+from training.release import convoy_release
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -41,6 +42,7 @@ def writer_versions() -> dict[str, str]:
         "torch": sys.modules["torch"].__version__,
         "python": platform.python_version(),
         "format": str(FORMAT_VERSION),
+        "convoy": convoy_release(),
     }
 
 
