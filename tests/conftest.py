@@ -363,3 +363,13 @@ class MlflowOutage:
         self.signal(signal.SIGCONT)  # a frozen server cannot stop
         stop_group(self.server.proc, check=False)
         self.server.log.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_tracking_uri() -> Iterator[None]:
+    """A test must not leave ``$MLFLOW_TRACKING_URI`` behind (``mlflow.set_tracking_uri`` writes
+    it): every later test's subprocesses would log there, e.g. into the checkout."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    after = os.environ.get("MLFLOW_TRACKING_URI")
+    assert after == before, f"the test left $MLFLOW_TRACKING_URI={after!r} (it was {before!r})"

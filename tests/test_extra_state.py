@@ -61,7 +61,7 @@ def _registered_model_is_the_ema(tmp_path: Path, run: Path, weights: dict[str, t
     import mlflow
     from mlflow import MlflowClient
 
-    from tasks.records.mlflow_model import _global_tracking_uri, log_final_model
+    from tasks.records.mlflow_model import global_tracking_uri, log_final_model
     from training.evaluate import load_model_file
     from training.examples.char_gpt import CharGPT, CharGPTArgs
 
@@ -75,7 +75,7 @@ def _registered_model_is_the_ema(tmp_path: Path, run: Path, weights: dict[str, t
         assert out is not None and out["registered"] == "killed version 1", out
         # A models:/ URI is resolved through MLflow's *global* tracking URI (its tracking_uri
         # argument is not used there): set it to this store meanwhile, as convoy does.
-        with _global_tracking_uri(uri):
+        with global_tracking_uri(uri):
             where = mlflow.artifacts.download_artifacts(f"models:/{out['model_id']}", dst_path=str(tmp_path / "dl"))
     tensors, meta = load_model_file(Path(where) / "model.safetensors")
     assert meta["weights"] == "ema"

@@ -68,14 +68,12 @@ def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
 
 def load_table(uri: str, experiment_id: str, run_id: str):
     """``MlflowClient.load_table`` searches with the *global* tracking URI (MLflow 3.17): set it."""
-    import mlflow
+    from tasks.records.mlflow_model import global_tracking_uri
 
-    saved = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    try:
+    # Not get/set_tracking_uri around it: putting back the resolved default left
+    # $MLFLOW_TRACKING_URI=<checkout>/mlflow.db in this process for every later test's subprocess.
+    with global_tracking_uri(uri):
         return client_for(uri).load_table(experiment_id, "convoy/resume_events.json", run_ids=[run_id])
-    finally:
-        mlflow.set_tracking_uri(saved)
 
 
 def kill_at(run_dir: Path, until: int, step: int) -> None:
@@ -380,13 +378,13 @@ def test_registering_a_model_leaves_the_tracking_uri_environment_as_it_was(monke
     the working directory's default there afterwards, and runs of later tests landed in it)."""
     import os
 
-    from tasks.records.mlflow_model import _global_tracking_uri
+    from tasks.records.mlflow_model import global_tracking_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    with _global_tracking_uri("sqlite:////tmp/elsewhere.db"):
+    with global_tracking_uri("sqlite:////tmp/elsewhere.db"):
         assert os.environ["MLFLOW_TRACKING_URI"] == "sqlite:////tmp/elsewhere.db"
     assert "MLFLOW_TRACKING_URI" not in os.environ
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////tmp/mine.db")
-    with _global_tracking_uri("sqlite:////tmp/elsewhere.db"):
+    with global_tracking_uri("sqlite:////tmp/elsewhere.db"):
         pass
     assert os.environ["MLFLOW_TRACKING_URI"] == "sqlite:////tmp/mine.db"

@@ -33,7 +33,7 @@ MODEL_ID_TAG, MODEL_DIGEST_TAG = "convoy.model_id", "convoy.digest"
 
 
 @contextlib.contextmanager
-def _global_tracking_uri(uri: str) -> Iterator[None]:
+def global_tracking_uri(uri: str) -> Iterator[None]:
     """MLflow 3.17's SQL model registry looks a ``models:/<id>`` source up through the *global*
     tracking URI, not the client's (a TODO in its ``create_model_version``): set it meanwhile."""
     import mlflow
@@ -117,7 +117,7 @@ def log_final_model(config: RunConfig, run_dir: Path, client: Any, run_id: str) 
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        with _global_tracking_uri(client.tracking_uri):
+        with global_tracking_uri(client.tracking_uri):
             version = client.create_model_version(
                 name, source=f"models:/{model.model_id}", run_id=run_id, tags=tags, model_id=model.model_id
             )
