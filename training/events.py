@@ -84,6 +84,8 @@ class Event(StrEnum):
     MEMORY_SNAPSHOT_REFUSED = "memory_snapshot_refused"
     NONDETERMINISTIC_RESUME = "nondeterministic_resume"
     PREEMPTED = "preempted"
+    #: A run that committed checkpoints found none that restores: refused, never a fresh start.
+    NO_RESTORABLE_CHECKPOINT = "no_restorable_checkpoint"
     REAP_FAILED = "reap_failed"
     #: A run written by an earlier release reopened: only the release's reading of its settings
     #: differs, and it trains as it was trained (training.compat).

@@ -143,3 +143,11 @@ def handoff_hold(chunk: int, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
         while chunk == int(at) and not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+def withheld() -> frozenset[str]:
+    """``withhold=<component>+<component>``: components of the train state a restore leaves as
+    the fresh task has them (``training.state.COMPONENTS``, ``optimizer.<buffer>``,
+    ``extra.<name>``).  The suite's negative controls: a resume that withholds any one of them
+    must fail the bitwise comparison (tests/test_negative_controls.py)."""
+    return frozenset(filter(None, _faults().get("withhold", "").split("+")))

@@ -25,15 +25,16 @@ from typing import Any
 
 import torch
 
-from training import distributed
+from training import distributed, faults
 from training.checkpointing import sharded
 from training.checkpointing.errors import CheckpointRejected
 from training.checkpointing.memory.memory_tier import merged
 from training.checkpointing.store import Candidate, Checkpoint
 from training.config import ConfigError
 from training.data import mix_seed
-from training.events import Event, append_event
+from training.events import Event, append_event, read_events
 from training.parts import TaskParts
+from training.paths import RunPaths
 from training.rundir import continues, describe_change, recorded_trajectories, run_info
 from training.runtime import Runtime
 from training.state import seed_everything
@@ -91,7 +92,28 @@ def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) 
             f"run {runtime.config.run_name} starts from {parent['run']} step {parent['step']}, but no "
             f"checkpoint here restores: {why}; fork it again"
         )
+    refuse_fresh_start(runtime, run_dir, skipped)
     return Restored(runtime, None, False, time.perf_counter() - t0)
+
+
+def refuse_fresh_start(runtime: Runtime, run_dir: Path, skipped: list[str]) -> None:
+    """Never a silent fresh start: a run that committed a checkpoint before and now finds none that
+    restores (disk and memory tier; the chunk task fetched the remote's first) fails, recorded with
+    what was looked at.  Training it again from step 0 would end "done" with the progress lost and
+    a digest of another trajectory's history (torchtitan#3732: a resume silently started fresh)."""
+    committed = [int(e["step"]) for e in read_events(run_dir, Event.CHECKPOINT_COMMITTED) if "step" in e]
+    if not committed:
+        return  # a new run: step 0 is where it starts
+    looked = skipped or ["no checkpoint on disk and no memory snapshot"]
+    if runtime.rank == 0:
+        append_event(run_dir, Event.NO_RESTORABLE_CHECKPOINT, newest_committed=max(committed), looked_at=looked)
+    more = f" (and {len(looked) - 1} more)" if len(looked) > 1 else ""
+    raise ConfigError(
+        f"run {runtime.config.run_name} committed checkpoints up to step {max(committed)}, but none here "
+        f"restores: {looked[0]}{more}; refusing to train it again from step 0: bring its checkpoints back "
+        f"(`convoy pull`, or {RunPaths(run_dir).checkpoints} from a backup) or train a new run "
+        f"(`convoy train -S run_name=<new name>`)"
+    )
 
 
 def agreed(snapshot: Candidate, runtime: Runtime) -> Candidate:
@@ -155,7 +177,12 @@ def apply(
     rank, world = runtime.rank, runtime.world_size
     saved_world = int(checkpoint.manifest.get("world_size", 1))
     has_rng = f"rank-{rank}" in parts
-    runtime.state.restore(parts, rank, restore_rng_state=has_rng, load_weights=sharded_weights(checkpoint, parts))
+    withheld = faults.withheld()
+    if withheld:
+        log(f"NEGATIVE CONTROL: this restore withholds {', '.join(sorted(withheld))} (CONVOY_FAULTS)")
+    runtime.state.restore(
+        parts, rank, restore_rng_state=has_rng, load_weights=sharded_weights(checkpoint, parts), withheld=withheld
+    )
     if has_rng and runtime.device.type == "cuda":
         log(runtime.state.rng_note)
     if not has_rng:  # more ranks than when saved: a fresh, deterministic stream for this rank

@@ -94,18 +94,24 @@ def fallback_cuda_seed(cpu_state: torch.Tensor, device_index: int) -> int:
     return h.intdigest() & (2**63 - 1)
 
 
-def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> str:
+def restore_rng(
+    state: dict[str, Any], device: torch.device | None = None, withheld: frozenset[str] = frozenset()
+) -> str:
     """Restore the streams :func:`capture_rng` saved; the CUDA generator only of ``device``, and
     only when this rank trains on CUDA (a CUDA checkpoint resumed on CPU ignores it).  Returns a
-    line saying what happened to the device stream (the worker logs it)."""
+    line saying what happened to the device stream (the worker logs it).  ``withheld``
+    (``rng.<name>``): streams left as they are (the negative controls, :meth:`TrainState.restore`)."""
     py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    if "rng.python" not in withheld:
+        random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     n = state["numpy"]
-    np.random.set_state(
-        (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
-    )
-    torch.set_rng_state(state["torch"].clone())
-    if device is None or device.type != "cuda":
+    if "rng.numpy" not in withheld:
+        np.random.set_state(
+            (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+        )
+    if "rng.torch" not in withheld:
+        torch.set_rng_state(state["torch"].clone())
+    if device is None or device.type != "cuda" or "rng.cuda" in withheld:
         return "no CUDA device: device RNG not restored"
     index = _cuda_index(device)
     chosen, how = select_cuda_rng(state.get("cuda") or [], index)
@@ -160,10 +166,15 @@ class TrainState:
         rank: int = 0,
         restore_rng_state: bool = True,
         load_weights: Callable[[TaskParts], None] | None = None,
+        withheld: frozenset[str] = frozenset(),
     ) -> None:
         """``loaded`` is ``CheckpointStore.load``'s parts.  ``load_weights``: model and optimizer
         are loaded by the caller, not from ``loaded["state"]`` (a sharded checkpoint, read
         collectively from its directory by :mod:`training.restore`: every rank calls this).
+
+        ``withheld``: components (:data:`COMPONENTS`, ``optimizer.<buffer>``, ``extra.<name>``)
+        left as the fresh task has them, with the checks about them: the negative controls of
+        the suite (``CONVOY_FAULTS=withhold=…``, tests/test_negative_controls.py), never a run's.
 
         ``loaded`` passed :func:`checkpoint_validator` (the store does not hand out parts that did
         not): the checks below restate its promises, so one failing here is a bug and raises as
@@ -173,46 +184,92 @@ class TrainState:
         if load_weights is not None:
             load_weights(p)
         else:
-            p.model.load_state_dict(saved["model"])
-            p.optimizer.load_state_dict(saved["optimizer"])
-        # The loaded tensors are views of a private mapping of the checkpoint file; model weights
-        # were copied by load_state_dict, optimizer state was not.  Own it, so the mapping is
-        # released now (retention may delete that file; an in-place rewrite must not reach us).
-        for param_state in p.optimizer.state.values():
-            for key, value in param_state.items():
-                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                    param_state[key] = value.clone()
-        if p.scheduler is not None:
-            if saved["scheduler"] is None:
-                raise ValueError("checkpoint has no LR scheduler state but the task has a scheduler")
-            p.scheduler.load_state_dict(saved["scheduler"])
-            if p.scheduler.last_epoch != saved["step"]:
-                raise ValueError(f"LR scheduler position {p.scheduler.last_epoch} != global step {saved['step']}")
+            if "weights" not in withheld:
+                p.model.load_state_dict(saved["model"])
+            p.optimizer.load_state_dict(withhold_buffers(saved["optimizer"], withheld))
+        own_optimizer_state(p.optimizer)
+        if p.scheduler is not None and "scheduler" not in withheld:
+            restore_scheduler(p.scheduler, saved)
         # An empty scaler state was saved with AMP off (``device: auto`` on a CPU machine disables
         # AMP); resumed on CUDA with AMP on, GradScaler would refuse it: keep the fresh scale.
-        if saved["scaler"] or not self.scaler.is_enabled():
+        if "scaler" not in withheld and (saved["scaler"] or not self.scaler.is_enabled()):
             self.scaler.load_state_dict(saved["scaler"])  # a no-op when this scaler is disabled
-        restore_extra(p, saved.get("extra") or {})
-        self.step = int(saved["step"])
-        self.tokens_seen = int(saved["tokens_seen"])
-        self.cursor = Cursor.from_dict(saved["cursor"])
+        extra = saved.get("extra") or {}
+        restore_extra(p, {name: v for name, v in extra.items() if f"extra.{name}" not in withheld}, withheld)
+        self.step = self.step if "step" in withheld else int(saved["step"])
+        self.tokens_seen = self.tokens_seen if "tokens_seen" in withheld else int(saved["tokens_seen"])
+        self.cursor = self.cursor if "cursor" in withheld else Cursor.from_dict(saved["cursor"])
         if restore_rng_state:
-            mine = loaded.get(f"rank-{rank}")
-            if mine is None:
-                raise ValueError(f"checkpoint has no RNG state for rank {rank}")
-            if int(mine["step"]) != self.step:
-                raise ValueError(f"rank {rank} RNG is from step {mine['step']}, state from step {self.step}")
-            self.rng_note = restore_rng(mine["rng"], self.device)
-            self.stream_saved = mine.get("stream")
+            self._restore_rank(loaded, rank, withheld)
+
+    def _restore_rank(self, loaded: dict[str, Any], rank: int, withheld: frozenset[str]) -> None:
+        """This rank's part: its RNG streams and its stream position."""
+        mine = loaded.get(f"rank-{rank}")
+        if mine is None:
+            raise ValueError(f"checkpoint has no RNG state for rank {rank}")
+        if int(mine["step"]) != self.step and "step" not in withheld:
+            raise ValueError(f"rank {rank} RNG is from step {mine['step']}, state from step {self.step}")
+        self.rng_note = restore_rng(mine["rng"], self.device, withheld)
+        self.stream_saved = None if "stream" in withheld else mine.get("stream")
 
 
-def restore_extra(parts: TaskParts, saved: dict[str, Any]) -> None:
+#: The components of the train state a restore sets, each of which a negative control withholds
+#: (besides one per optimizer buffer, ``optimizer.<key>``, and per extra state, ``extra.<name>``).
+COMPONENTS = (
+    "weights",
+    "scheduler",
+    "scaler",
+    "step",
+    "tokens_seen",
+    "cursor",
+    "rng.python",
+    "rng.numpy",
+    "rng.torch",
+    "rng.cuda",
+    "stream",
+)
+
+
+def withhold_buffers(saved: dict[str, Any], withheld: frozenset[str]) -> dict[str, Any]:
+    """The optimizer's state dict with each withheld buffer (``optimizer.<key>``) as a fresh
+    optimizer starts it: zeros (a step count of 0)."""
+    keys = {name.partition(".")[2] for name in withheld if name.startswith("optimizer.")}
+    if not keys:
+        return saved
+    state = {
+        index: {k: torch.zeros_like(v) if k in keys and isinstance(v, torch.Tensor) else v for k, v in buffers.items()}
+        for index, buffers in saved["state"].items()
+    }
+    return {**saved, "state": state}
+
+
+def own_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """The loaded tensors are views of a private mapping of the checkpoint file; model weights
+    were copied by load_state_dict, optimizer state was not.  Own it, so the mapping is released
+    now (retention may delete that file; an in-place rewrite must not reach us)."""
+    for param_state in optimizer.state.values():
+        for key, value in param_state.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                param_state[key] = value.clone()
+
+
+def restore_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, saved: dict[str, Any]) -> None:
+    if saved["scheduler"] is None:
+        raise ValueError("checkpoint has no LR scheduler state but the task has a scheduler")
+    scheduler.load_state_dict(saved["scheduler"])
+    if scheduler.last_epoch != saved["step"]:
+        raise ValueError(f"LR scheduler position {scheduler.last_epoch} != global step {saved['step']}")
+
+
+def restore_extra(parts: TaskParts, saved: dict[str, Any], withheld: frozenset[str] = frozenset()) -> None:
     """The task's extra state (``TaskParts.extra_state``) from a checkpoint's ``extra``.  The
     validator refused a checkpoint without one of the names, except ``ema``: a run forked from a
     parent that kept none starts its average from the weights it loaded (:mod:`training.ema` rule 2)."""
     for name, obj in parts.extra_state.items():
         if name in saved:
             obj.load_state_dict(saved[name])
+        elif f"extra.{name}" in withheld:
+            continue
         elif name == EMA:
             obj.reset()
         else:
