@@ -146,6 +146,12 @@ class TrainConfig(_Strict):
     #: ``torch.compile``: ``model`` (the whole call) or ``units`` (each of ``TaskParts.shard_units``),
     #: in place: checkpoints keep the plain names (:mod:`training.compiling`).
     compile: Annotated[Literal["off", "model", "units"], Trajectory(omit_at="off")] = "off"
+    #: A loss that is not finite (NaN, inf) ``nonfinite_steps`` optimizer steps in a row: ``stop``
+    #: ends the run in one line (no checkpoint of those steps is written), or, within that many
+    #: steps of a resume, refuses the checkpoint resumed from and retries from the one before it
+    #: (:mod:`training.nonfinite`); ``continue`` trains on.
+    on_nonfinite: Literal["stop", "continue"] = "stop"
+    nonfinite_steps: int = Field(3, ge=1)
     #: Evaluate on the validation split every this many optimizer steps (0 = never); ``val_loss``
     #: is logged at that step.  Does not change the trajectory (own data order, RNG untouched).
     eval_every: int = Field(0, ge=0)

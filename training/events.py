@@ -73,6 +73,8 @@ class Event(StrEnum):
     CHUNK_FLOW_RUN_FAILED = "chunk_flow_run_failed"
     CONFIG_CHANGED = "config_changed"
     CONFIG_ERROR = "config_error"
+    #: The run's own loss turned non-finite: stopped, not retried (training.nonfinite rule 4).
+    DIVERGED = "diverged"
     FAILURE = "failure"
     FIRST_STEP = "first_step"
     FLOW_DONE = "flow_done"

@@ -23,6 +23,7 @@ import os
 import time
 from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 
 @cache
@@ -151,3 +152,17 @@ def withheld() -> frozenset[str]:
     ``extra.<name>``).  The suite's negative controls: a resume that withholds any one of them
     must fail the bitwise comparison (tests/test_negative_controls.py)."""
     return frozenset(filter(None, _faults().get("withhold", "").split("+")))
+
+
+def poison_weights(step: int, model: Any) -> None:
+    """``nan_weights_at=STEP``: after the update of optimizer step STEP, every floating weight is
+    NaN (its loss was finite): a save of that step holds NaN weights under valid hashes, and the
+    next step's loss is NaN (``training.nonfinite``)."""
+    if str(step) != _faults().get("nan_weights_at"):
+        return
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.fill_(float("nan"))

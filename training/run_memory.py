@@ -20,6 +20,7 @@ from training.checkpointing.memory.memory_tier import (
     spare_cpu,
     tier_dir,
 )
+from training.checkpointing.memory.slot_files import header_path
 from training.checkpointing.memory.tier_folders import TierOwner
 from training.checkpointing.verify import parse_step
 from training.config import RunConfig
@@ -90,3 +91,12 @@ def remove(run_dir: str | Path) -> bool:
         return False
     shutil.rmtree(root, ignore_errors=True)
     return True
+
+
+def discard_snapshot(tier: MemoryTier, step: int) -> None:
+    """Drop this rank's snapshot of ``step`` by its header (a slot without one is no candidate,
+    memory tier rule 4): a snapshot whose bytes verified but whose state trained into a
+    non-finite loss (:mod:`training.nonfinite`)."""
+    mine = tier.headers().get(step, {}).get(tier.rank)
+    if mine is not None:
+        header_path(tier.root, tier.rank, mine[0]).unlink(missing_ok=True)

@@ -60,6 +60,7 @@ def train_step(
     out.update(learning_rates(runtime))
     if parts.scheduler is not None:
         parts.scheduler.step()
+    faults.poison_weights(runtime.state.step + 1, runtime.model)
     return out
 
 

@@ -1,19 +1,17 @@
 """The worker process: restore the newest valid checkpoint, train to ``--until-step``, commit.
 
-``python -m training.worker --run-dir D --until-step N`` (also ``convoy worker``).  The
-configuration is the run directory's ``config.json``.  Exit codes (the supervisor contract):
-``0`` reached N and committed it; ``75`` preempted (SIGTERM) after an emergency checkpoint;
-``78`` configuration or data error; anything else is a crash.
+``python -m training.worker --run-dir D --until-step N`` (also ``convoy worker``), configured by
+the run directory's ``config.json``.  Exit codes (the supervisor contract): ``0`` reached N and
+committed it; ``75`` preempted (SIGTERM) after an emergency checkpoint; ``78`` configuration or
+data error, or a diverged loss (:mod:`training.nonfinite`); anything else is a crash.
 
 ``--standby`` (``orchestration.standby``): start, import and build the task, then wait on stdin for
 one JSON line ``{"until_step": N, "pipelined": bool}`` from the chunk supervisor that hands it a
-failed worker's place; only then take the run's lease, beat, restore and train, exactly as a
-freshly started worker would.  End of input without an order (the supervisor released it, or died)
-ends the standby quietly.  See :mod:`tasks.supervision.standby`.
+failed worker's place; only then take the run's lease, beat, restore and train as a fresh worker
+would.  End of input without an order ends the standby quietly (:mod:`tasks.supervision.standby`).
 
-What the worker trains with is :mod:`training.runtime`; one step's math is :mod:`training.step`;
-the resume is :mod:`training.restore`.  This module holds the lifecycle (:class:`Worker`): the
-lease, the heartbeat, preemption, the training loop and its saves.
+It trains with :mod:`training.runtime`, one step by :mod:`training.step`, resumes by
+:mod:`training.restore`, and holds the lifecycle (:class:`Worker`): lease, heartbeat, preemption, loop, saves.
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ from training.events import (
 )
 from training.heartbeat import Heartbeat
 from training.memory_snapshots import MemorySnapshots
+from training.nonfinite import NonFiniteWatch
 from training.parts import TaskParts
 from training.paths import RunPaths
 from training.restore import Restored, restore_newest
@@ -245,6 +244,7 @@ class Worker:
         """Set up, restore, train to ``until`` (saving on the policy's schedule), save, finish."""
         self.setup()
         state = self.restore().runtime.state
+        watch = NonFiniteWatch.after(self.config, self.restored)
         if state.step >= self.until:
             self.log(f"{WorkerSays.ALREADY_AT} {state.step} >= {self.until}: nothing to train")
             return self.finish(loss=None)
@@ -263,10 +263,12 @@ class Worker:
         while state.step < self.until:
             if stop:
                 return self.emergency_exit(metrics)
-            loss = self.take_step(batches, metrics, evaluating)
-            more = state.step < self.until
+            loss = watch.observe(self.take_step(batches, metrics, evaluating), state)
+            more = state.step < self.until and watch.clean  # nonfinite rule 2: no save of a NaN streak
             flags = (more and schedule.due(state.step), more and self.memory_due(), preempt.requested)
-            due, snap, stop = distributed.agree_any(*flags)  # one collective a plain step
+            due, snap, stop, bad = distributed.agree_any(*flags, watch.tripped(state.step))  # one collective
+            if bad:
+                watch.act(self.runtime, state.step, self.log, metrics)
             if due:
                 if state.step % self.config.train.chunk_steps == 0:
                     self.await_previous_boundary()
@@ -286,8 +288,7 @@ class Worker:
         return train_step(self.runtime, micro_batches)
 
     def evaluate(self) -> dict[str, float]:
-        """In-loop validation (:func:`training.step.validation_losses`) under the ``eval`` phase,
-        whose own time limit applies."""
+        """In-loop validation (:func:`training.step.validation_losses`), its own phase and limit."""
         self.hb.set(phase=Phase.EVAL)
         try:
             return validation_losses(self.runtime)
@@ -355,17 +356,12 @@ class Worker:
         flush_every=1: every step reaches metrics.jsonl (~70 us) so a replay after a kill has the
         pre-failure values to compare with, and the shipper sends each step within a second."""
         local: list[MetricBackend] = [JsonlBackend(RunPaths(self.run_dir).metrics)] if self.rank == 0 else []
-        return StepMetricLogger(
-            local,
-            self.run_dir,
-            flush_every=1,
-            exact=not self.restored.world_changed,
-        )
+        exact, hold = not self.restored.world_changed, self.config.train.nonfinite_steps  # nonfinite rule 2
+        return StepMetricLogger(local, self.run_dir, flush_every=1, exact=exact, hold=hold)
 
     def resumed_step(self) -> int:
         """The step this worker restored (0 from scratch)."""
-        checkpoint = self.restored.checkpoint
-        return checkpoint.step if checkpoint is not None else 0
+        return self.restored.checkpoint.step if self.restored.checkpoint is not None else 0
 
     def batches(self) -> Iterator[Any]:
         """This rank's micro-batches from the restored cursor on (:func:`training.step.micro_batches`)."""

@@ -191,7 +191,12 @@ class StepMetricLogger:
         run_dir: str | Path,
         flush_every: int = 50,
         exact: bool = True,
+        hold: int = 0,
     ) -> None:
+        #: Rows whose loss is not finite wait, up to this many in a row (``training.nonfinite``
+        #: rule 2): a streak that trips the watch after a resume is dropped with its state.
+        self.hold = hold
+        self._held: list[tuple[int, dict[str, float]]] = []
         #: False after a world-size change: replayed values are expected to differ slightly, so
         #: the largest difference is recorded instead of a non-determinism warning.
         self.exact = exact
@@ -208,6 +213,19 @@ class StepMetricLogger:
         self._verdict_sent = False
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._held.append((step, metrics))
+        if self.hold and not math.isfinite(metrics.get("loss", 0.0)) and len(self._held) <= self.hold:
+            return
+        held, self._held = self._held, []
+        for row in held:
+            self._log_now(*row)
+
+    def drop_held(self) -> list[int]:
+        """Forget the rows held (their state was refused: ``training.nonfinite`` rule 3); their steps."""
+        steps, self._held = [s for s, _ in self._held], []
+        return steps
+
+    def _log_now(self, step: int, metrics: dict[str, float]) -> None:
         if step <= self._start_high:
             self._verify_replay(step, metrics)
         elif self.replayed:
@@ -218,7 +236,9 @@ class StepMetricLogger:
 
     def log_extra(self, step: int, metrics: dict[str, float]) -> None:
         """Add values to a step already logged in this process (e.g. the chosen interval)."""
-        if self._buffer and self._buffer[-1][0] == step:
+        if self._held and self._held[-1][0] == step:
+            self._held[-1][1].update(metrics)
+        elif self._buffer and self._buffer[-1][0] == step:
             self._buffer[-1][1].update(metrics)
         else:
             self._buffer.append((step, dict(metrics)))
@@ -272,6 +292,9 @@ class StepMetricLogger:
             )
 
     def close(self) -> None:
+        held, self._held = self._held, []  # a run ending inside a streak: its rows are what happened
+        for row in held:
+            self._log_now(*row)
         self.report_verdict()
         self.flush()
         for b in self.backends:
