@@ -110,3 +110,22 @@ def ensure_liveness_automations(deployment: str = "train/nightly", within_s: flo
                 client.delete_automation(old.id)
             ids.append(str(auto.create().id))
     return ids
+
+
+def marked_while_alive(flow_run_id: str | None) -> tuple[str, str] | None:
+    """``(state, message)`` when Prefect's server holds this *live* flow run in a final state other
+    than Completed — what the crash automation above sets when heartbeats stop reaching it (a
+    network partition, a paused machine), not only when the machine died.  None otherwise, or when
+    the server cannot be asked (the flow never depends on the answer: see ``TrainingRun.note_marks``)."""
+    if flow_run_id is None:
+        return None
+    try:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run_id).state
+    except Exception:  # noqa: BLE001 - an unreachable server changes nothing here
+        return None
+    if state is None or not state.is_final() or state.is_completed():
+        return None
+    return state.type.value, state.message or ""

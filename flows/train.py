@@ -25,6 +25,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
+from flows import flow_liveness
 from flows.ephemeral_api import start_tied_prefect_api
 from flows.report import mlflow_link
 from flows.run_summary import RunSummary, goodput_fields
@@ -128,6 +129,8 @@ class TrainingRun:
         self.cfg, self.run_dir, self.flow_run_id, self.logger = cfg, run_dir, flow_run_id, logger
         self.t0 = time.time()
         self.taken_over: dict[str, Any] | None = None
+        #: Final states Prefect set on this flow run while it lived (``note_marks``), each once.
+        self.marks: list[tuple[str, str]] = []
         self.flow_run_name: str | None = None
         self.model: dict[str, Any] | None = None
         self.task = retrying_chunk_task(cfg)
@@ -258,9 +261,33 @@ class TrainingRun:
         self.resources.audit.request()  # audit table + timeline picture, on a thread: off the recovery path
         self.resources.goodput.request()  # goodput at this chunk end in MLflow, once; on a thread
         self.committed = end
+        self.note_marks()
+
+    def note_marks(self) -> None:
+        """Record once that Prefect marked this live flow run final (e.g. Crashed by the liveness
+        automation): the orchestrator is wrong, training is not.  The flow trains on; the run's
+        lock keeps any second flow (e.g. the restart automation's) from training the same steps."""
+        mark = flow_liveness.marked_while_alive(self.flow_run_id)
+        if mark is None or mark in self.marks:
+            return
+        self.marks.append(mark)
+        append_event(
+            self.run_dir,
+            Event.FLOW_MARKED_WHILE_ALIVE,
+            flow_run_id=self.flow_run_id,
+            state=mark[0],
+            message=mark[1],
+            committed_step=self.committed,
+        )
+        self.logger.warning(
+            "Prefect marks this live flow run %s (%s); training goes on, and the run's lock keeps any second flow out",
+            mark[0],
+            mark[1] or "no message",
+        )
 
     def close(self, ok: bool) -> None:
         """Release the run's worker and standby, finish versioning and the audit (also on failure)."""
+        self.note_marks()  # a mark set during the last chunk
         stopped, versioned, _final_upload = self.resources.close()
         if stopped:  # only after a failure: the last chunk's worker exits itself
             self.logger.info("stopped the pipelined worker of run %s", self.cfg.run_name)

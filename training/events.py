@@ -78,6 +78,8 @@ class Event(StrEnum):
     FAILURE = "failure"
     FIRST_STEP = "first_step"
     FLOW_DONE = "flow_done"
+    #: Prefect set this live flow run final (Crashed by the liveness automation): trained on.
+    FLOW_MARKED_WHILE_ALIVE = "flow_marked_while_alive"
     FLOW_STARTED = "flow_started"
     FLOW_TAKEN_OVER = "flow_taken_over"
     FOREIGN_THREADS = "foreign_threads"
