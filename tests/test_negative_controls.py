@@ -13,21 +13,24 @@ Not run here, for want of what they steer: the AMP scaler and the CUDA generator
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tasks.supervision.worker_zygote import WorkerZygote
 from tests.engine_util import (
     final_digest,
-    kill_group,
     logged_losses,
     make_run,
-    run_worker,
-    start_worker,
     wait_for_step,
+    worker_cmd,
 )
 from training.checkpointing.memory.memory_tier import DIR_ENV
 from training.events import Event, read_events
@@ -73,74 +76,98 @@ def same_as(run_dir: Path, reference: Path) -> bool:
     return final_digest(run_dir) == final_digest(reference) and logged_losses(run_dir) == logged_losses(reference)
 
 
-def resume_withholding(source: Path, name: str, withheld: str, tiers: Path) -> tuple[Path, int, str]:
-    """A copy of ``source`` (and of its memory tier, where it has one) resumed to ``TOTAL`` with
-    ``withheld`` left out of the restore: the copy, the worker's exit code and its output."""
-    copy = source.parent / name
-    shutil.copytree(source, copy)
-    mine = tier_root(source)
-    if mine is not None and mine.is_dir():
-        shutil.copytree(mine, tier_root(copy))
-    code, out = run_worker(copy, TOTAL, {DIR_ENV: str(tiers), "CONVOY_FAULTS": f"withhold={withheld}"})
-    return copy, code, out
+@dataclass
+class Controls:
+    """The module's runs, its tiers' folder and a worker zygote per task (imports done once, the
+    recovery path of a real run): every worker of the module is forked from one."""
+
+    tmp: Path
+    zygotes: dict[str, WorkerZygote] = field(default_factory=dict)
+    runs: dict[str, Path] = field(default_factory=dict)
+
+    def start(self, task: str, run_dir: Path, until: int, faults: str = "") -> tuple[Any, Path]:
+        """A worker forked for ``run_dir``, and the log it writes."""
+        env = {**os.environ, DIR_ENV: str(self.tmp / "tiers"), "CONVOY_FAULTS": faults}
+        log = run_dir / "logs" / f"worker-{time.time_ns()}.log"
+        handle = self.zygotes[task].fork(worker_cmd(run_dir, until), log, "control", cwd=os.getcwd(), env=env)
+        assert handle is not None, "the zygote did not fork"
+        return handle.proc, log
+
+    def train(self, task: str, run_dir: Path, until: int, faults: str = "") -> tuple[int, str]:
+        proc, log = self.start(task, run_dir, until, faults)
+        return proc.wait(300), log.read_text()
+
+    def resume_withholding(self, task: str, tier: str, name: str, withheld: str) -> tuple[Path, int, str]:
+        """A copy of the task's ``tier`` source (and of its memory tier) resumed to ``TOTAL`` with
+        ``withheld`` left out of the restore: the copy, the worker's exit code and its output."""
+        source = self.runs[f"{task}-{tier}"]
+        copy = source.parent / name
+        shutil.copytree(source, copy)
+        mine = tier_root(source)
+        if mine is not None and mine.is_dir():
+            shutil.copytree(mine, tier_root(copy))
+        return (copy, *self.train(task, copy, TOTAL, f"withhold={withheld}"))
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
-    """The uninterrupted references and the two resumable sources of each task: stopped at
-    ``HALF`` (a disk checkpoint, no snapshot newer) and killed at ``KILLED_AT`` (the memory
-    tier's snapshot newer than the disk's).  The tiers live in the test's folder (``DIR_ENV``,
-    here and in every worker), where a copy of a run gets a copy of its tier."""
-    tmp = tmp_path_factory.mktemp("controls")
-    tiers = tmp / "tiers"
-    env = {DIR_ENV: str(tiers)}
-    out: dict[str, Path] = {"tiers": tiers}
+def controls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controls]:
+    """Per task, the uninterrupted reference and two resumable sources: stopped at ``HALF`` (a
+    disk checkpoint, no snapshot newer) and killed at ``KILLED_AT`` (the memory tier's snapshot
+    newer than the disk's).  The tiers live in the test's folder (``DIR_ENV``, here and in every
+    worker), where a copy of a run gets a copy of its tier."""
+    made = Controls(tmp_path_factory.mktemp("controls"))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(DIR_ENV, str(tiers))
-        yield _sources(tmp, env, out)
+        patch.setenv(DIR_ENV, str(made.tmp / "tiers"))
+        try:
+            for task, extra in (("map", CONTROL), ("stream", STREAM)):
+                _sources(made, task, extra)
+            yield made
+        finally:
+            for zygote in made.zygotes.values():
+                zygote.close()
 
 
-def _sources(tmp: Path, env: dict[str, str], out: dict[str, Path]) -> dict[str, Path]:
-    for task, extra in (("map", CONTROL), ("stream", STREAM)):
-        out[f"{task}-reference"] = make_run(tmp, f"{task}-reference", extra)
-        assert run_worker(out[f"{task}-reference"], TOTAL, env)[0] == 0
-        out[f"{task}-disk"] = make_run(tmp, f"{task}-disk", [*extra, "checkpoint.memory_every_steps=null"])
-        assert run_worker(out[f"{task}-disk"], HALF, env)[0] == 0
-        out[f"{task}-memory"] = make_run(tmp, f"{task}-memory", [*extra, *MEMORY_TIER])
-        p = start_worker(out[f"{task}-memory"], TOTAL, {**env, "CONVOY_FAULTS": f"slow_step={KILLED_AT + 1}:60"})
-        assert wait_for_step(out[f"{task}-memory"], p, KILLED_AT) == KILLED_AT
-        time.sleep(0.5)  # the beat comes before the step's snapshot; step KILLED_AT + 1 waits 60 s
-        kill_group(p)
-        p.wait()
-    return out
+def _sources(made: Controls, task: str, extra: list[str]) -> None:
+    runs = made.runs
+    runs[f"{task}-reference"] = make_run(made.tmp, f"{task}-reference", extra)
+    made.zygotes[task] = WorkerZygote(runs[f"{task}-reference"])
+    assert made.train(task, runs[f"{task}-reference"], TOTAL)[0] == 0
+    runs[f"{task}-disk"] = make_run(made.tmp, f"{task}-disk", [*extra, "checkpoint.memory_every_steps=null"])
+    assert made.train(task, runs[f"{task}-disk"], HALF)[0] == 0
+    runs[f"{task}-memory"] = make_run(made.tmp, f"{task}-memory", [*extra, *MEMORY_TIER])
+    p, _ = made.start(task, runs[f"{task}-memory"], TOTAL, f"slow_step={KILLED_AT + 1}:60")
+    assert wait_for_step(runs[f"{task}-memory"], p, KILLED_AT) == KILLED_AT
+    time.sleep(0.5)  # the beat comes before the step's snapshot; step KILLED_AT + 1 waits 60 s
+    os.killpg(p.pid, signal.SIGKILL)  # the forked worker leads its own process group
+    p.wait(60)
 
 
 @pytest.mark.parametrize("tier", ["disk", "memory"])
-def test_a_resume_that_withholds_nothing_passes(runs: dict[str, Path], tier: str) -> None:
+def test_a_resume_that_withholds_nothing_passes(controls: Controls, tier: str) -> None:
     for task in ("map", "stream"):
-        copy, code, out = resume_withholding(runs[f"{task}-{tier}"], f"{task}-{tier}-nothing", "", runs["tiers"])
+        copy, code, out = controls.resume_withholding(task, tier, f"{task}-{tier}-nothing", "")
         assert code == 0, out
         (resumed,) = read_events(copy, Event.RESUMED)
         assert resumed["tier"] == tier and (resumed["step"] > HALF) == (tier == "memory"), resumed
-        assert same_as(copy, runs[f"{task}-reference"])
+        assert same_as(copy, controls.runs[f"{task}-reference"])
 
 
 @pytest.mark.parametrize("tier", ["disk", "memory"])
 @pytest.mark.parametrize("component", [*MAP_CONTROLS, "stream"])
 def test_a_resume_that_withholds_one_component_fails_the_comparison(
-    runs: dict[str, Path], tier: str, component: str
+    controls: Controls, tier: str, component: str
 ) -> None:
     """Each control ends differently from the reference, or, where a check guards the component
     (:data:`GUARDED`), is refused by that check before it trains: never the reference's result."""
     task = "stream" if component == "stream" else "map"
-    copy, code, out = resume_withholding(runs[f"{task}-{tier}"], f"{task}-{tier}-{component}", component, runs["tiers"])
+    copy, code, out = controls.resume_withholding(task, tier, f"{task}-{tier}-{component}", component)
     assert f"withholds {component}" in out  # the control announced itself
     assert "resumed from step" in out and (("memory snapshot" in out) == (tier == "memory")), out
     if component in GUARDED:
         assert code != 0 and GUARDED[component] in out, out
         return
     assert code == 0, out
-    assert not same_as(copy, runs[f"{task}-reference"]), f"withholding {component} went unseen: a hole"
+    assert not same_as(copy, controls.runs[f"{task}-reference"]), f"withholding {component} went unseen: a hole"
 
 
 def test_every_component_has_a_control() -> None:
