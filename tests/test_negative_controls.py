@@ -7,6 +7,11 @@ built task has it) and the same comparison must then **fail**, from a disk check
 the memory tier's snapshot alike.  A control that passed would be a hole in the state or in the
 comparison.  The same resume withholding nothing must pass (the harness itself is sound).
 
+The per-sample seeding of python, numpy and torch while a sample is fetched (in the loop or in a
+loader worker) keeps no state of its own: it is derived from the seed and the sample's place in
+the run, which the ``cursor`` control covers (and, for a stream, its loader workers' position, the
+``stream`` control).
+
 Not run here, for want of what they steer: the AMP scaler and the CUDA generator (a CUDA device;
 ``rng.cuda`` is restored by the same code path per device, tests/test_cuda.py covers it there).
 """
