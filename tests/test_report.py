@@ -123,17 +123,18 @@ def test_train_prints_a_summary_with_the_mlflow_url_and_json_parses(
             timeout=600,
         )
 
-    human = convoy()
+    human = convoy("-S", "train.warmup_steps=5")  # the params' own value: the same run
     assert human.returncode == 0, human.stderr[-3000:]
     out = human.stdout
     print(out)
     assert "convoy train: summary" in out and "final loss" in out and "steps lost" in out
     assert "?workflowType=machine_learning" in out and f"mlflow ui --backend-store-uri {uri}" in out
     assert "Prefect flow run: http://127.0.0.1:" in out
-    again = convoy("--json", "-S", "train.warmup_steps=5")  # finished: trains nothing, prints the machine summary
+    again = convoy("--json")  # finished: answered without a flow, the flow run that finished it named
     assert again.returncode == 0, again.stderr[-3000:]
     summary = json.loads(again.stdout)
-    assert summary["final_step"] == 10 and summary["trained_chunks"] == 0
+    assert summary["final_step"] == 10 and summary["trained_chunks"] == 0 and summary["nothing_to_do"]
+    assert "Starting temporary server" not in again.stderr and "Flow run" not in again.stderr
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:  # findable in the Prefect UI by the run's name

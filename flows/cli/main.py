@@ -124,6 +124,8 @@ def train(
     Examples: convoy train params.yaml -S train.lr=3e-4
               convoy train -S train.total_steps=2000 --from runs/demo   (train a finished run longer)
     """
+    if from_ is None and _nothing_to_do(config_or_exit(params, set_), as_json):
+        return
     cfg = config_or_exit(params, set_, build_task=True)
     if from_ is not None:
         cfg = _child_config(cfg, from_)
@@ -151,6 +153,37 @@ def train(
     console.print(summary_table(typed))
     for line in link_lines(typed):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _nothing_to_do(cfg: RunConfig, as_json: bool) -> bool:
+    """A finished run answered at once, without a flow (:mod:`training.finished`)."""
+    from training.finished import finished_run
+    from training.rundir import keyed_config
+
+    keyed = keyed_config(cfg)
+    done = finished_run(keyed)
+    if done is None:
+        return False
+    if as_json:
+        answer = {
+            "run": keyed.run_name,
+            "final_step": done.step,
+            "digest": done.digest,
+            "trained_chunks": 0,
+            "flow_run_id": done.flow_run_id,  # the flow run that finished it
+            "nothing_to_do": True,
+        }
+        sys.stdout.write(json.dumps(answer, indent=1) + "\n")
+        return True
+    console.print(
+        f"run {keyed.run_name} is finished: step {done.step} of train.total_steps = {done.step}, digest "
+        f"{done.digest}; nothing to do. `convoy status {keyed.run_dir}` shows it; to train it longer: "
+        f"`convoy train -S train.total_steps=<more> --from {keyed.run_dir}`",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+    return True
 
 
 def _child_config(cfg: RunConfig, spec: str) -> RunConfig:
