@@ -31,7 +31,7 @@ from flows.report import mlflow_link
 from flows.run_summary import RunSummary, goodput_fields
 from tasks.artifacts import prefect_ui_base, publish_chunk_table
 from tasks.chunk import chunk_record, committed_digest, loss_at, retrying_chunk_task
-from tasks.hooks import flow_crashed, flow_failed, remember_run
+from tasks.hooks import flow_crashed, flow_failed, forget_run, remember_run
 from tasks.records import goodput_metrics, run_records
 from tasks.records.chunk_record import ChunkRecord, ChunkRow
 from tasks.remote import dvc_version as version
@@ -295,6 +295,7 @@ class TrainingRun:
         publish_chunk_table(self.cfg.run_name, [r.as_dict() for r in self.rows], mlflow_link(self.run_dir)[0])
         if ok:
             self.model = run_records.log_model(self.cfg, self.run_dir)
+            forget_run(self.flow_run_id)  # no failure hook of this flow run will ask for it
         self.audit = run_records.finish_run(self.cfg, self.run_dir, ok)
 
     def uploaded_final(self) -> tuple[int, str | None]:

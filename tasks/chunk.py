@@ -42,7 +42,7 @@ from prefect.context import TaskRunContext
 from prefect.states import Completed, State
 
 from tasks.failure_reports import passed_over_clause, report_failure, say_replaced
-from tasks.hooks import chunk_failed, remember_run
+from tasks.hooks import chunk_failed, forget_run, remember_run
 from tasks.records import run_records
 from tasks.records.chunk_record import ChunkRecord
 from tasks.records.metric_shipping import MetricShipper
@@ -123,7 +123,10 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int, resource
     if ctx is not None:
         remember_run(ctx.task_run.id, run_dir=rd, run_name=cfg.run_name, chunk=chunk, checkpoints=held.checkpoints)
     try:
-        return ChunkRun(cfg, rd, (chunk, start_step, end_step), held, get_run_logger()).run()
+        done = ChunkRun(cfg, rd, (chunk, start_step, end_step), held, get_run_logger()).run()
+        if ctx is not None:  # committed: no failure hook will ask for it
+            forget_run(ctx.task_run.id)
+        return done
     finally:
         if own:
             held.close()

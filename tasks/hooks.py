@@ -48,7 +48,13 @@ _RUNS: dict[str, HookTarget] = {}
 def remember_run(
     run_id: Any, run_dir: Path, run_name: str, chunk: int | None = None, checkpoints: CheckpointStore | None = None
 ) -> None:
+    """What the failure hooks of Prefect run ``run_id`` act on; forgotten when the run succeeds
+    (:func:`forget_run`) or its hook has used it, so a long flow process keeps none of its past."""
     _RUNS[str(run_id)] = HookTarget(Path(run_dir), run_name, chunk, checkpoints=checkpoints)
+
+
+def forget_run(run_id: Any) -> None:
+    _RUNS.pop(str(run_id), None)
 
 
 def _exception(state: Any) -> BaseException | None:
@@ -117,7 +123,7 @@ def _audit(kind: str, info: HookTarget, exc: BaseException | None, state: Any) -
 
 def chunk_failed(task: Any, task_run: Any, state: Any) -> None:
     """Task ``on_failure``: the chunk failed for good (retries exhausted or not retryable)."""
-    info = _RUNS.get(str(task_run.id))
+    info = _RUNS.pop(str(task_run.id), None)  # its last use: the task run has ended for good
     if info is None:
         return
     try:
@@ -127,7 +133,7 @@ def chunk_failed(task: Any, task_run: Any, state: Any) -> None:
 
 
 def _flow_hook(kind: str, flow_run: Any, state: Any) -> None:
-    info = _RUNS.get(str(flow_run.id))
+    info = _RUNS.pop(str(flow_run.id), None)  # its last use: the flow run has ended
     if info is None:
         found = _run_dir_from_flow_params(dict(flow_run.parameters or {}))
         if found is None or not found[0].exists():
