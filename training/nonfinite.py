@@ -84,7 +84,8 @@ class NonFiniteWatch:
 
     def act(self, runtime: Runtime, step: int, log: Callable[[str], None], metrics: StepMetricLogger) -> None:
         """The watch tripped at ``step`` (every rank agreed): refuse the state or stop; raises."""
-        first, run_dir = self.streak_from, runtime.store.run_dir
+        # Another rank may have tripped the agreed watch while this one saw finite losses.
+        first, run_dir = self.streak_from or step, runtime.store.run_dir
         losses = f"the loss is {self.last_loss} at steps {first}-{step}"
         if self.checkpoint is not None and first is not None and first <= self.resumed_step + self.patience:
             name = self.checkpoint.path.name
