@@ -150,7 +150,7 @@ def _legacy_fingerprint(overrides: list[str]) -> str:
     cfg = load_config(None, overrides)
     # settings added since (at their defaults here)
     newer = {"amp_dtype", "eval_samples", "grad_accum_steps", "parallel", "reshard_after_forward"}
-    newer |= {"compile", "ema_decay", "ema_registered"}
+    newer |= {"compile", "ema_decay", "ema_registered", "on_nonfinite", "nonfinite_steps"}
     train = cfg.train.model_dump(exclude={"chunk_steps", "eval_every", "ranks", "nnodes", "hosts", *newer})
     data = cfg.data.model_dump(exclude={"num_workers", "prepared_dir"})
     if cfg.data.source == "synthetic":  # a regenerated corpus is another run on purpose (SYNTHETIC_GENERATOR)

@@ -158,12 +158,13 @@ def train(
 def _nothing_to_do(cfg: RunConfig, as_json: bool) -> bool:
     """A finished run answered at once, without a flow (:mod:`training.finished`)."""
     from training.finished import finished_run
-    from training.rundir import keyed_config
+    from training.rundir import keyed_config, link_current
 
     keyed = keyed_config(cfg)
     done = finished_run(keyed)
     if done is None:
         return False
+    link_current(keyed)  # runs/<name> names the run these params train, as the flow's open would
     if as_json:
         answer = {
             "run": keyed.run_name,
