@@ -97,13 +97,14 @@ def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) 
 
 
 def refuse_fresh_start(runtime: Runtime, run_dir: Path, skipped: list[str]) -> None:
-    """Never a silent fresh start: a run that committed a checkpoint before and now finds none that
-    restores (disk and memory tier; the chunk task fetched the remote's first) fails, recorded with
-    what was looked at.  Training it again from step 0 would end "done" with the progress lost and
-    a digest of another trajectory's history (torchtitan#3732: a resume silently started fresh)."""
+    """Never a silent fresh start: a run past its first chunk (a checkpoint committed at or after
+    ``chunk_steps``) that finds none that restores (disk and memory tier; the chunk task fetched
+    the remote's first) fails, recorded with what was looked at, rather than train its whole
+    history again and call it a resume (torchtitan#3732: a resume silently started fresh).  Inside
+    the first chunk, step 0 is as near as the lost checkpoints were: it starts there, as said."""
     committed = [int(e["step"]) for e in read_events(run_dir, Event.CHECKPOINT_COMMITTED) if "step" in e]
-    if not committed:
-        return  # a new run: step 0 is where it starts
+    if max(committed, default=0) < runtime.config.train.chunk_steps:
+        return  # a new run, or one still in its first chunk
     looked = skipped or ["no checkpoint on disk and no memory snapshot"]
     if runtime.rank == 0:
         append_event(run_dir, Event.NO_RESTORABLE_CHECKPOINT, newest_committed=max(committed), looked_at=looked)
