@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 import subprocess
 from pathlib import Path
 
@@ -37,6 +38,9 @@ def _commit() -> str | None:
             text=True,
             timeout=5,
             check=True,
+            # --dirty refreshes the index and would take .git/index.lock when it can: a `git commit`
+            # of the run's DVC versioning in the same checkout must never find it held.
+            env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"},
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
