@@ -87,12 +87,12 @@ class NonFiniteWatch:
         # Another rank may have tripped the agreed watch while this one saw finite losses.
         first, run_dir = self.streak_from or step, runtime.store.run_dir
         losses = f"the loss is {self.last_loss} at steps {first}-{step}"
-        if self.checkpoint is not None and first is not None and first <= self.resumed_step + self.patience:
+        if self.checkpoint is not None and first <= self.resumed_step + self.patience:
             name = self.checkpoint.path.name
             reason = f"its state trained into a non-finite loss at once ({losses}): valid bytes, bad state"
-            if self.from_memory and runtime.memory is not None:
-                discard_snapshot(runtime.memory, self.checkpoint.step)
             if self.from_memory:
+                if runtime.memory is not None:
+                    discard_snapshot(runtime.memory, self.checkpoint.step)
                 append_event(run_dir, Event.MEMORY_SNAPSHOT_REFUSED, rank=runtime.rank, checkpoint=name, reason=reason)
             elif runtime.rank == 0:
                 runtime.store.quarantine(self.checkpoint.path, reason)
