@@ -44,6 +44,7 @@ from tasks.supervision.worker_liveness import Watch, failure_verdict, fresh_beat
 from tasks.supervision.worker_log import LogFollower
 from tasks.supervision.worker_source import Acquired, Source, WorkerSource, clock
 from training import chunk_boundary, run_memory
+from training.claim import request_stop
 from training.events import EXIT_CONFIG, Event, FailureKind, Phase, append_event
 from training.fsutil import file_size
 from training.heartbeat import read_heartbeat
@@ -258,6 +259,9 @@ class WorkerAttempt:
         if self.handed_off:
             self.leftover = []
         elif self.worker.poll() is None:
+            if self.failure is None:  # stopped from outside (the flow ending): it saves first
+                request_stop(self.run_dir)
+                self.worker.wait_exit(grace)
             self.leftover = self.worker.stop(grace)
         else:
             self.leftover = self.worker.stop(min(grace, 2.0))  # the group may outlive its leader

@@ -3,13 +3,13 @@
 What a checkpoint directory holds and how one is judged is :mod:`training.checkpointing.verify`;
 this module walks a run's checkpoints, writes new ones and retires old ones.
 
-Commit protocol (docs/architecture.md, invariant 1), modelled on torch.distributed.checkpoint, where the
-metadata file written last is the commit record: write into ``.tmp-step-…`` → fsync every file
-→ write + fsync ``manifest.json`` → fsync the dir → rename into place → fsync ``checkpoints/`` →
-move ``LATEST`` → apply retention.  Restore (invariant 2) walks checkpoints newest first and takes
-the first whose manifest and hashes verify; every one rejected (:class:`CheckpointRejected`, and
-only that: any other error is a bug and propagates) is recorded in ``events.jsonl`` and left on
-disk untouched.  Retention (invariant 3) never deletes the newest verified checkpoint.
+Commit protocol (docs/architecture.md, invariant 1; after torch.distributed.checkpoint: the metadata
+written last commits): write into ``.tmp-step-…`` → fsync every file → write + fsync ``manifest.json``
+→ fsync the dir → rename into place → fsync ``checkpoints/`` → move ``LATEST`` → retention.
+Restore (invariant 2) walks checkpoints newest first and takes the first whose manifest and
+hashes verify; every one rejected (:class:`CheckpointRejected`, and only that: any other error is
+a bug and propagates) is recorded in ``events.jsonl`` and left on disk untouched.  Retention
+(invariant 3) never deletes the newest verified checkpoint.
 """
 
 from __future__ import annotations
@@ -118,15 +118,14 @@ class CheckpointStore:
         self.fingerprint = fingerprint
         writers = writers or WriterGroup()
         self.world_size, self.rank, self.gather_timeout_s = writers.world_size, writers.rank, writers.gather_timeout_s
-        #: Chunk length: retention keeps the newest chunk-boundary checkpoint (the chunk's artifact,
-        #: which its task verifies and DVC versions while the worker trains on; rule 4 of
-        #: :mod:`training.chunk_boundary`).
+        #: Chunk length: retention keeps the newest chunk boundary (the chunk's artifact, verified and
+        #: versioned while the worker trains on; rule 4 of :mod:`training.chunk_boundary`).
         self.boundary_every = boundary_every
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
+        self._saved_step: int | None = None  # the newest snapshot's step
         self._error: BaseException | None = None
-        self.last_stall_s = 0.0
-        self.last_persist_s = 0.0
+        self.last_stall_s = self.last_persist_s = 0.0
         self.last_committed: Checkpoint | None = None
         #: Semantic check of loaded parts (the worker and the CLI set it; see ``load``).
         self.validator = validator
@@ -295,6 +294,9 @@ class CheckpointStore:
         written the same way (:mod:`training.checkpointing.sharded`)."""
         t0 = time.perf_counter()
         self.wait()  # the buffers are reused: the previous persist must be done
+        if self._saved_step == step:  # a final save just after this step's (agreed) periodic one: done
+            return time.perf_counter() - t0
+        self._saved_step = step
         copy_now = blocking or not self.policy.async_save
         any_cuda = False
         if shard is not None and staged is None:  # staged: the pieces are the slot's copies already
