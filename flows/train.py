@@ -29,6 +29,7 @@ from flows import flow_liveness
 from flows.ephemeral_api import start_tied_prefect_api
 from flows.report import mlflow_link
 from flows.run_summary import RunSummary, goodput_fields
+from flows.slurm_job import SlurmJob
 from tasks.artifacts import prefect_ui_base, publish_chunk_table
 from tasks.chunk import chunk_record, committed_digest, loss_at, retrying_chunk_task
 from tasks.hooks import flow_crashed, flow_failed, forget_run, remember_run
@@ -175,8 +176,10 @@ class TrainingRun:
             flow_run_name=flow_run_name,
             committed_step=run.committed,
             chunks=len(run.chunks),
+            **(job.fields() if (job := SlurmJob.from_env()) else {}),
         )
-        run_records.link_flow_run(cfg, run_dir, mlflow_flow_tags(run_dir, flow_run_id, flow_run_name))
+        tags = mlflow_flow_tags(run_dir, flow_run_id, flow_run_name) | (job.tags() if job else {})
+        run_records.link_flow_run(cfg, run_dir, tags)
         logger.info(
             "run %s: %d chunk(s) of %d steps (%s mode); newest verified checkpoint: step %d",
             cfg.run_name,

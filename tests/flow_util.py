@@ -131,6 +131,22 @@ def uninterrupted_digest(tmp: Path, data_dir: Path, name: str, **sections: dict[
     return ck.digest
 
 
+def two_node_reference(p: dict[str, Any], until: int) -> str:
+    """Digest of run ``p`` trained to ``until`` uninterrupted on two nodes of this machine
+    (``127.0.0.1`` and ``localhost``: the multi-node launcher alone, no Prefect, no scheduler)."""
+    from tasks.supervision.multinode import launcher_command
+    from tasks.supervision.supervisor import worker_command
+    from training.checkpointing.store import CheckpointStore
+    from training.rundir import open_run
+
+    ref = open_run(config(p)).resolve()
+    cmd = launcher_command(["127.0.0.1", "localhost"], 1, "", worker_command(ref, until)[1:])
+    env = {**os.environ, "CONVOY_FAULTS": "step_delay=0.03"}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return CheckpointStore(ref).latest_valid().digest
+
+
 def flow_run_processes(worker_pid: int, training_pid: int) -> list[int]:
     """What a flow run started by the Prefect worker ``worker_pid`` is made of (for a test or a
     bench that kills the whole job): the process Prefect's worker started for it (under ``convoy

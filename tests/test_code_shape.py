@@ -60,6 +60,8 @@ def test_convoy_help_lists_every_command_once_in_the_order_they_are_registered()
         "pull",
         "prefect-setup",
         "prefect-worker",
+        "slurm",
+        "kubernetes",
     ]
     listed = [line.split()[1] for line in out.splitlines() if line.startswith("│ ") and len(line.split()) > 2]
     assert [name for name in listed if name in expected] == expected, out

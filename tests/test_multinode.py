@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,15 +16,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.supervision.multinode import Rendezvous, failed_node, is_local, launcher_command, node_commands
-from tasks.supervision.supervisor import worker_command
+from tasks.supervision.multinode import Rendezvous, failed_node, is_local, node_commands
 from tasks.supervision.worker_liveness import Watch, lost_rank
-from tests.flow_util import REPO, assert_no_leftovers, config, in_thread, params, wait_for_step
+from tests.flow_util import assert_no_leftovers, config, in_thread, params, two_node_reference, wait_for_step
 from training.checkpointing.store import CheckpointStore
 from training.config import ConfigError
 from training.events import read_events
 from training.heartbeat import Beat
-from training.rundir import open_run
 
 TOTAL, CHUNK = 30, 15
 
@@ -85,18 +82,7 @@ def _params(tmp: Path, data_dir: Path, name: str) -> dict:
 @pytest.fixture(scope="module")
 def two_node_digest(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> str:
     """Digest of an uninterrupted run on the same two nodes (the launcher alone, no Prefect)."""
-    ref = open_run(config(_params(tmp_path_factory.mktemp("multinode-ref"), data_dir, "uninterrupted"))).resolve()
-    cmd = launcher_command(TWO_NODES["hosts"], 1, "", worker_command(ref, TOTAL)[1:])
-    done = subprocess.run(
-        cmd,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "CONVOY_FAULTS": "step_delay=0.03"},
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return CheckpointStore(ref).latest_valid().digest
+    return two_node_reference(_params(tmp_path_factory.mktemp("multinode-ref"), data_dir, "uninterrupted"), TOTAL)
 
 
 @pytest.mark.slow

@@ -100,6 +100,9 @@ class Event(StrEnum):
     REPLAY_VERIFIED = "replay_verified"
     RESUBMITTED = "resubmitted"
     RESUMED = "resumed"
+    #: Slurm's time limit was near (SIGUSR1): the run stopped with an emergency checkpoint and
+    #: its job went back to Slurm's queue (flows/slurm_job.py).
+    SLURM_REQUEUED = "slurm_requeued"
     STALE_WORKER_STOPPED = "stale_worker_stopped"
     STANDBY_CALLED = "standby_called"
     STANDBY_TOOK_OVER = "standby_took_over"

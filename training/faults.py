@@ -60,11 +60,13 @@ def check_disk_full(step: int) -> None:
 
 def slow_step(step: int, stopping: Callable[[], bool] = lambda: False) -> None:
     """``slow_step=S:SECONDS`` stalls step S once per process, cut short once ``stopping()`` turns
-    true (a preempted worker saves at once, so a test may give the stall a wide margin without
-    waiting it out); ``slow_flag=PATH:SECONDS`` stalls
-    the next step once PATH exists (``convoy chaos`` creates it, so the stall lands exactly when
-    the runner says, whatever a resume replayed before); ``step_delay=SECONDS`` pauses before
-    every step (tests use it so short chunks last several heartbeats)."""
+        true (a preempted worker saves at once, so a test may give the stall a wide margin without
+        waiting it out); ``slow_flag=PATH:SECONDS`` stalls
+        the next step once PATH exists (``convoy chaos`` creates it, so the stall lands exactly when
+        the runner says, whatever a resume replayed before); ``hold_flag=PATH:STEP`` holds every step
+    from STEP on while PATH exists, cut short by ``stopping()`` (a test lets an outside event, e.g. a
+    scheduler's signal, land mid-chunk); ``step_delay=SECONDS`` pauses before
+        every step (tests use it so short chunks last several heartbeats)."""
     delay = _faults().get("step_delay")
     if delay:
         time.sleep(float(delay))
@@ -75,6 +77,11 @@ def slow_step(step: int, stopping: Callable[[], bool] = lambda: False) -> None:
             until = time.monotonic() + float(seconds or 5)
             while time.monotonic() < until and not stopping():
                 time.sleep(min(0.1, max(0.0, until - time.monotonic())))
+    hold = _faults().get("hold_flag")
+    if hold:  # hold_flag=PATH:STEP: from STEP on, wait while PATH exists (or until stopped)
+        path, _, at = hold.rpartition(":")
+        while step >= int(at) and os.path.exists(path) and not stopping():
+            time.sleep(0.1)
     flag_spec = _faults().get("slow_flag")
     if flag_spec:
         flag, _, seconds = flag_spec.rpartition(":")

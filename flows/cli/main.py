@@ -9,10 +9,11 @@ line saying what is wrong and how to fix it, exits 2, and writes nothing (:mod:`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -20,10 +21,13 @@ from rich.table import Table
 
 from flows.cli.chaos import chaos
 from flows.cli.common import ParamsArg, SetOpt, config_or_exit, console, err, fail
+from flows.cli.kubernetes import app as kubernetes_app
+from flows.cli.plan import plan
+from flows.cli.slurm import slurm
 from flows.cli.snapshots import snapshots
 from flows.cli.status import status
 from training.config import ConfigError, RunConfig
-from training.events import Event, FailureKind
+from training.events import EXIT_PREEMPTED
 from training.paths import RunPaths
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fault-tolerant, exactly-resumable training.")
@@ -136,8 +140,11 @@ def train(
     from training.rundir import keyed_config
 
     try:
-        with LiveProgress(keyed_config(cfg), err):  # the directory that trains cfg (runs/<name>@<fp>)
+        cfg, slurm_stop = _in_slurm_job(cfg)
+        with slurm_stop, LiveProgress(keyed_config(cfg), err):  # trains in runs/<name>@<fp>
             summary = run_training(cfg, allow_config_change=allow_config_change, overrides=set_)
+        if getattr(slurm_stop, "warned_at", None) is not None:
+            raise typer.Exit(EXIT_PREEMPTED)  # requeued: Slurm ends this allocation now
     except ConfigError as exc:
         raise fail(str(exc)) from None
     except ChunkFailed as exc:
@@ -153,6 +160,29 @@ def train(
     console.print(summary_table(typed))
     for line in link_lines(typed):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _in_slurm_job(cfg: RunConfig) -> tuple[RunConfig, Any]:
+    """Inside a Slurm job: the allocation's nodes and its time limit (:mod:`flows.slurm_job`);
+    elsewhere ``cfg`` unchanged and a context that does nothing."""
+    from flows.slurm_job import SlurmJob, TimeLimitStop, fit_to_allocation
+
+    job = SlurmJob.from_env()
+    if job is None:
+        return cfg, contextlib.nullcontext()
+    from training.checkpointing.store import CheckpointStore
+    from training.rundir import keyed_config
+
+    cfg = fit_to_allocation(cfg, job)
+    run_dir = keyed_config(cfg).run_dir
+
+    def newest() -> int:
+        return CheckpointStore(run_dir.resolve()).resume_point().step or 0
+
+    def say(line: str) -> None:
+        err.print(line, highlight=False, markup=False, soft_wrap=True)
+
+    return cfg, TimeLimitStop(job, run_dir, say, newest)
 
 
 def _nothing_to_do(cfg: RunConfig, as_json: bool) -> bool:
@@ -267,126 +297,12 @@ def verify(run_dir: Path) -> None:
     console.print(f"ok: {path.name} verified (step {step}, {checkpoint.bytes:,} bytes, digest {checkpoint.digest})")
 
 
-@app.command()
-def plan(
-    gpus: int = typer.Option(8, help="number of GPUs (N)"),
-    failure_rate_per_day: float = typer.Option(0.001, help="failures per GPU per day (lambda)"),
-    job_hours: float = typer.Option(24.0, help="job length in hours"),
-    save_hours: float | None = typer.Option(None, help="checkpoint save time in hours"),
-    params: float | None = typer.Option(None, help="model parameters, to estimate size and save time"),
-    bandwidth_gb_s: float = typer.Option(1.0, help="storage bandwidth (GB/s) for the estimate"),
-    restart_minutes: float = typer.Option(5.0, help="time to detect, reload and rebuild (MTTR)"),
-    interval_hours: float | None = typer.Option(None, help="your checkpoint interval, to compare"),
-    keep_last: int = typer.Option(3, help="checkpoints kept (storage estimate)"),
-    gpus_per_node: int = typer.Option(8, help="GPUs per node (host memory per node)"),
-    from_run: Path | None = typer.Option(None, help="fill measured save time and failures from a run dir"),
-    as_json: bool = typer.Option(False, "--json"),
-) -> None:
-    """Failure probability, MTBF, Young/Daly interval, overhead, availability for a job."""
-    from pydantic import ValidationError
-
-    from training.checkpointing.reliability import PlanInput
-    from training.checkpointing.reliability import plan as make_plan
-
-    values = {
-        k: v
-        for k, v in dict(
-            gpus=gpus,
-            failure_rate_per_day=failure_rate_per_day,
-            job_hours=job_hours,
-            save_hours=save_hours,
-            params=params,
-            bandwidth_gb_s=bandwidth_gb_s,
-            restart_minutes=restart_minutes,
-            interval_hours=interval_hours,
-            keep_last=keep_last,
-            gpus_per_node=gpus_per_node,
-        ).items()
-        if v is not None
-    }
-    if from_run is not None:
-        values.update(_measured_from_run(from_run, values))
-    try:
-        inp = PlanInput(**values)
-    except ValidationError as exc:
-        from training.config import format_validation_error
-
-        raise fail(format_validation_error(exc, "plan").replace("plan: ", "", 1).replace("_", "-")) from None
-    out = make_plan(inp)
-    if as_json:
-        sys.stdout.write(json.dumps(out, indent=1) + "\n")
-        return
-    table = Table(title=f"convoy plan: {inp.gpus} GPUs, {inp.job_hours:g} h job")
-    table.add_column("quantity")
-    table.add_column("value", justify="right")
-    for key, value in out.items():
-        table.add_row(_PLAN_LABELS.get(key, key.replace("_", " ").removesuffix(" hours")), _plan_value(key, value))
-    console.print(table)
-
-
-#: Plan rows whose key, units dropped, would not say what they are.
-_PLAN_LABELS = {
-    "checkpoint_bytes": "checkpoint size",
-    "save_hours": "save time",
-    "expected_lost_hours": "expected time lost",
-    "storage_bytes": "storage (keep-last copies)",
-    "host_copy_replicated_bytes": "host memory per node beside training, replicated",
-    "host_copy_sharded_bytes": "host memory per node beside training, sharded",
-}
-
-
-def _plan_value(key: str, value: object) -> str:
-    """One plan figure with its unit: hours, bytes, a share of the job in %, yes/no."""
-    if value is None:  # the sizes are estimated from --params only
-        return "- (give --params)"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if key.endswith("_bytes"):
-        return _bytes(float(value))
-    if key.startswith(("overhead", "availability", "reliability")):
-        return f"{float(value):.4%}"
-    if key.endswith("_hours"):
-        return f"{float(value):.4g} h"
-    return f"{float(value):.4g}"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:,.0f} B" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
-def _measured_from_run(run_dir: Path, values: dict) -> dict:
-    """Median measured blocking-save time and observed failure rate from a run's events."""
-    from statistics import median
-
-    from training.events import read_events
-
-    events = read_events(run_dir)
-    if not events:
-        raise fail(f"{run_dir}: no events.jsonl; run training first")
-    saves = [e["persist_s"] + e["stall_s"] for e in events if e["kind"] == Event.CHECKPOINT_SAVED]
-    failures = [e for e in events if e["kind"] == Event.FAILURE and e.get("failure") != FailureKind.CONFIG]
-    out: dict = {}
-    if saves:
-        out["save_hours"] = median(saves) / 3600
-    hours = (events[-1]["time"] - events[0]["time"]) / 3600
-    if failures and hours > 0:
-        out["failure_rate_per_day"] = len(failures) / hours * 24 / values.get("gpus", 8)
-    console.print(
-        f"from {run_dir}: {len(saves)} saves (median {median(saves) if saves else 0:.3f} s), "
-        f"{len(failures)} failures in {hours:.3f} h"
-    )
-    return out
-
-
-# `convoy status` and `convoy chaos` live in modules of their own; registered here, between plan and
-# pull, because `convoy --help` lists the commands in the order they are registered.
+app.command()(plan)
 app.command()(status)
 app.command()(chaos)
 app.command()(snapshots)
+app.add_typer(slurm, name="slurm")
+app.add_typer(kubernetes_app, name="kubernetes")
 
 
 def _pull_target(run_dir: Path, cfg: RunConfig | None) -> Path:

@@ -3,9 +3,11 @@
 Why one local process for all nodes: the supervisor owns exactly one process group per attempt
 (watch, stop, reap; :mod:`tasks.supervision.supervisor`).  This launcher is that group's leader when
 ``train.nnodes > 1``.  It starts node 0's agent here and every other node's through
-``orchestration.node_launch`` (``ssh -tt host`` by default; a host named ``localhost`` or
-``127.0.0.1`` is started here directly, which is how the multi-node path is tested on one
-machine), all joining a c10d rendezvous hosted on node 0 at a port free when the attempt starts.
+``orchestration.node_launch`` (``ssh -tt host`` by default, an ``srun`` job step inside a Slurm
+allocation: flows/slurm_job.py; a host named ``localhost`` or ``127.0.0.1`` is started here
+directly, which is how the multi-node path is tested on one machine; any other name, this
+machine's own included, goes through ``node_launch``), all joining a c10d rendezvous hosted on
+node 0 at a port free when the attempt starts.
 
 Its contract with the supervisor is the single-launcher one:
 
@@ -51,7 +53,7 @@ PREFIX = "convoy multinode: "
 
 
 def is_local(host: str) -> bool:
-    """True for names of this machine (they are started without ``node_launch``)."""
+    """True for names of this machine (node 0 must be one: it hosts the rendezvous)."""
     return host in LOCAL_NAMES or host in {socket.gethostname(), socket.getfqdn()}
 
 
@@ -117,7 +119,7 @@ def node_commands(
             "--max-restarts=0",
             *tail,
         ]
-        if is_local(host):
+        if i == 0 or host in LOCAL_NAMES:  # node 0 is this machine (checked in main)
             cmds.append(agent)
         else:
             remote = f"cd {shlex.quote(cwd)} && PYTHONUNBUFFERED=1 exec {shlex.join(agent)}"
