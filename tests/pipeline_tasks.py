@@ -122,11 +122,16 @@ def id_logger(config: RunConfig, scheduler: Any) -> Any:
     return log
 
 
-def build_counter(config: RunConfig, device: torch.device) -> TaskParts:
+def _counter_model(config: RunConfig, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
+    """The counter task's model, its SGD optimizer, constant schedule and id logger."""
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, CLASSES)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr)
     scheduler = _constant_schedule(optimizer)
-    log = id_logger(config, scheduler)
+    return model, optimizer, scheduler, id_logger(config, scheduler)
+
+
+def build_counter(config: RunConfig, device: torch.device) -> TaskParts:
+    model, optimizer, scheduler, log = _counter_model(config, device)
 
     def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         log(batch["id"])
@@ -264,10 +269,7 @@ def add_noise(sample: dict[str, Any]) -> dict[str, Any]:
 
 def _id_task(config: RunConfig, device: torch.device, data: IterableDataset) -> TaskParts:
     """The counter task's model on ``data`` (samples ``{"id", "x"}``), logging each step's ids."""
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, CLASSES)).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr)
-    scheduler = _constant_schedule(optimizer)
-    log = id_logger(config, scheduler)
+    model, optimizer, scheduler, log = _counter_model(config, device)
 
     def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         log(batch["id"])

@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.dvc_util import git
+from tests.engine_util import final_digest, run_worker
 from tests.flow_util import assert_no_leftovers, params, stop_group
-from tests.test_run_identity import clone_project, commit_all, git, run, summary_json
+from tests.project_util import clone_project, commit_all, run, summary_json
 from training.events import read_events
 from training.heartbeat import read_heartbeat
 
@@ -38,7 +40,6 @@ def _index(remote: Path) -> list[int]:
 
 def _uninterrupted(tmp_path: Path, params_file: Path, data: Path, total: int) -> str:
     """Digest of one worker training the params' run from step 0 to ``total`` in another directory."""
-    from tests.engine_util import final_digest, run_worker
     from training.config import load_config
     from training.rundir import open_run
 

@@ -12,29 +12,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.checkpoint_util import fill, small_parts
 from tests.engine_util import make_run, run_worker
 from training.checkpointing import safetensors_io as st
 from training.checkpointing.errors import CheckpointError
 from training.checkpointing.store import MANIFEST, CheckpointStore, state_digest
 from training.config import CheckpointConfig
 from training.events import read_events
-
-
-def small_parts(step: int) -> dict:
-    torch.manual_seed(step)
-    m = torch.nn.Linear(8, 4)
-    opt = torch.optim.AdamW(m.parameters())
-    m(torch.randn(3, 8)).sum().backward()
-    opt.step()
-    return {
-        "state": {"model": m.state_dict(), "optimizer": opt.state_dict(), "step": step},
-        "rank-0": {"rng": torch.get_rng_state(), "step": step},
-    }
-
-
-def fill(store: CheckpointStore, steps: list[int]) -> None:
-    for s in steps:
-        store.save(s, small_parts(s), blocking=True)
 
 
 def test_roundtrip_is_exact_and_files_are_standard_safetensors(tmp_path: Path) -> None:

@@ -15,21 +15,13 @@ from __future__ import annotations
 
 import importlib.util
 import random
-import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from tests.engine_util import (
-    final_digest,
-    kill_at_random_steps,
-    logged_losses,
-    make_run,
-    reference_digest,
-    run_worker,
-)
+from tests.engine_util import final_digest, kill_at_random_steps, logged_losses, make_run, reference_digest, run_worker
+from tests.flow_run_util import train_killed_in_chunk_3
 from training.checkpointing.store import CheckpointStore
 from training.events import read_events
 
@@ -162,30 +154,15 @@ def test_convoy_train_flow_on_gpu_one_sigkill(
 ) -> None:
     """The flow + supervisor path on the GPU: SIGKILL inside chunk 3, only chunk 3 retried,
     final state bitwise equal to an uninterrupted GPU worker's."""
-    import os
-    import time
-
     from flows.train import run_training
-    from tests.flow_util import CHUNK, TOTAL, assert_no_leftovers, config, in_thread, params, uninterrupted_digest
-    from tests.flow_util import wait_for_step as wait_for_beat
+    from tests.flow_util import CHUNK, TOTAL, assert_no_leftovers, config, params, uninterrupted_digest
 
     gpu = {"device": "cuda", "deterministic": True}
     ref = uninterrupted_digest(tmp_path, data_dir, "gpu-reference", train=gpu)
     monkeypatch.setenv("CONVOY_FAULTS", f"step_delay=0.03,slow_step={2 * CHUNK + 9}:2")
     cfg = config(params(tmp_path, data_dir, "gpu-kill9", train=gpu))
     run_dir = cfg.run_dir.resolve()
-    killed: dict[str, Any] = {}
-
-    def killer() -> None:
-        beat = wait_for_beat(run_dir, 2 * CHUNK + 8)  # chunk 3 = steps [40, 60)
-        killed.update(pid=beat.pid, step=beat.step, time=time.time())
-        os.kill(beat.pid, signal.SIGKILL)
-
-    t = in_thread(killer)
-    summary = run_training(cfg)
-    t.join(timeout=5)
-    assert not t.errors, t.errors  # type: ignore[attr-defined]
-    assert killed, "the killer never fired"
+    summary, _ = train_killed_in_chunk_3(run_training, cfg)
     assert summary["final_step"] == TOTAL
     assert summary["digest"] == ref, "resumed GPU run diverged from the uninterrupted one"
     assert summary["attempts"] == {1: 1, 2: 1, 3: 2}

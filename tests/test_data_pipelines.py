@@ -10,9 +10,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,26 +17,12 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset
-from typer.testing import CliRunner
 
-from flows.cli.main import app
-from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
+from tests.pipeline_util import BASE, TOTAL, cli, side_by_side, step_ids
 from training.config import ConfigError
 from training.data import Cursor, LoaderSpec, make_loader
 from training.streams import check_stream, make_stream_loader
 
-TOTAL = 24
-SLOW = {"CONVOY_FAULTS": "step_delay=0.05"}  # kills driven by heartbeats land inside the run
-BASE = [
-    f"train.total_steps={TOTAL}",
-    f"train.chunk_steps={TOTAL}",
-    "train.batch_size=8",
-    "train.lr=0.05",
-    "checkpoint.every_steps=4",
-    "checkpoint.keep_last=2",
-    "data.seq_len=16",
-    "task_args={}",
-]
 CNN = [*BASE, "task=tests.pipeline_tasks:build_cnn"]
 COUNTER = [*BASE, "task=tests.pipeline_tasks:build_counter"]
 HF = [*BASE, "task=tests.pipeline_tasks:build_hf_logged"]
@@ -164,11 +147,6 @@ def test_streams_convoy_cannot_resume_are_refused_in_one_line() -> None:
         check_stream(shuffled)
 
 
-def cli(*args: str) -> tuple[int, list[str]]:
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, [ln for ln in result.output.splitlines() if ln.strip()]
-
-
 def test_validate_and_train_refuse_before_any_run_exists(tmp_path: Path, data_dir: Path) -> None:
     """A stream without state (validate and train), a collate error and a shuffle-buffer stream
     (validate): exit 2, one line naming the data, no run directory, nothing retried."""
@@ -198,48 +176,6 @@ def test_validate_and_train_refuse_before_any_run_exists(tmp_path: Path, data_di
 
 
 # ---------------------------------------------------------------- end to end (real kills)
-def kill_twice(run_dir: Path, rng: random.Random) -> list[int]:
-    """SIGKILL the worker's process group (loader workers included) at a random moment of a
-    random step, twice (the second target beyond the first kill's step, so a stale beat of the
-    killed worker cannot trigger it); the caller runs the last worker to the end."""
-    kills = []
-    for target in (rng.randrange(5, 10), rng.randrange(14, 19)):
-        p = start_worker(run_dir, TOTAL, SLOW)
-        reached = wait_for_step(run_dir, p, target)
-        assert reached is not None, p.communicate()[0]
-        time.sleep(rng.random() * 0.05)
-        kill_group(p)
-        p.wait()
-        kills.append(reached)
-    return kills
-
-
-_OPENING = threading.Lock()  # make_run (re)writes the shared corpus file: one at a time
-
-
-def opened(tmp: Path, name: str, extra: list[str]) -> Path:
-    with _OPENING:
-        return make_run(tmp, name, extra)
-
-
-def scenario(tmp: Path, name: str, extra: list[str], kills: int | None = None, then: list[str] | None = None) -> dict:
-    """One run: uninterrupted (``kills`` None) or killed twice with seed ``kills`` and resumed,
-    after re-opening it with ``then`` (e.g. another num_workers) if given."""
-    run_dir = opened(tmp, name, extra)
-    landed = kill_twice(run_dir, random.Random(kills)) if kills is not None else []
-    if then is not None:
-        run_dir = opened(tmp, name, then)
-    code, out = run_worker(run_dir, TOTAL)
-    assert code == 0, out
-    return {"digest": final_digest(run_dir), "kills": landed, "dir": run_dir}
-
-
-def side_by_side(tmp: Path, runs: dict[str, tuple]) -> dict[str, dict]:
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(scenario, tmp, name, *args) for name, args in runs.items()}
-        return {name: f.result() for name, f in futures.items()}
-
-
 @pytest.mark.slow
 def test_cnn_with_augmentation_in_workers_resumes_bitwise_whatever_the_workers(tmp_path: Path) -> None:
     """The CNN task: killed twice with 0, 2 and 4 loader workers, and started with 2 workers,
@@ -259,17 +195,6 @@ def test_cnn_with_augmentation_in_workers_resumes_bitwise_whatever_the_workers(t
     for name, run in out.items():
         assert run["digest"] == out["reference"]["digest"], (name, run["kills"])
         assert len(run["kills"]) == (0 if name == "reference" else 2)
-
-
-def step_ids(run_dir: Path) -> list[list[int]]:
-    """Each step's sample ids; a step trained twice (lost to a kill, replayed) must have had the
-    same ids both times."""
-    seen: dict[int, list[int]] = {}
-    for line in (run_dir / "ids.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        assert seen.setdefault(row["step"], row["ids"]) == row["ids"], row
-    assert sorted(seen) == list(range(1, TOTAL + 1))
-    return [seen[s] for s in range(1, TOTAL + 1)]
 
 
 @pytest.mark.slow

@@ -3,94 +3,30 @@ elastic resume across world sizes at the same global sample position."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.engine_util import SMALL, kill_group, make_run, wait_for_step
+from tests.engine_util import make_run
+from tests.torchrun_util import (
+    RESIZE_LOSS_TOLERANCE,
+    TOTAL,
+    cursor_at_end,
+    finish,
+    losses,
+    ref_and_killed_on_two_ranks,
+    set_ranks,
+    torchrun,
+)
 from training.checkpointing.store import CheckpointStore
-from training.config import load_config
 from training.events import read_events
-from training.rundir import open_run
 
 pytestmark = pytest.mark.slow
-TOTAL = 60
-#: Documented tolerance for losses after a world-size change (dropout masks are drawn per rank and
-#: the all-reduce sums in another order, so values differ slightly; the sample sequence does not).
-RESIZE_LOSS_TOLERANCE = 0.25
-
-
-def torchrun(run_dir: Path, until: int, ranks: int) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={ranks}",
-        "-m",
-        "training.worker",
-        "--run-dir",
-        str(run_dir),
-        "--until-step",
-        str(until),
-    ]
-    if ranks == 1:
-        cmd = [sys.executable, "-m", "training.worker", "--run-dir", str(run_dir), "--until-step", str(until)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def finish(p: subprocess.Popen) -> str:
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out[-3000:]
-    return out
-
-
-def set_ranks(tmp: Path, name: str, ranks: int, batch: int = 8) -> None:
-    cfg = load_config(
-        None,
-        SMALL
-        + [
-            f"runs_dir={tmp / 'runs'}",
-            f"data.prepared_dir={tmp / 'data'}",
-            f"run_name={name}",
-            f"train.total_steps={TOTAL}",
-            f"train.ranks={ranks}",
-            f"train.batch_size={batch}",
-        ],
-    )
-    open_run(cfg)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["metrics"]["loss"] for r in rows}
-
-
-def cursor_at_end(run_dir: Path) -> dict:
-    ck = CheckpointStore(run_dir).latest_valid(record=False)
-    return json.loads((ck.path / "state.json").read_text())["cursor"]
-
-
-def two_rank_reference_and_killed_run(tmp: Path, extra: list[str]) -> tuple[Path, Path, str]:
-    """An uninterrupted 2-rank run, and one SIGKILLed (launcher and both ranks) at step 25 and
-    resumed to the end; returns both run dirs and the resumed run's output."""
-    ref = make_run(tmp, "ref2", extra)
-    finish(torchrun(ref, TOTAL, 2))
-    run = make_run(tmp, "killed2", extra)
-    p = torchrun(run, TOTAL, 2)
-    wait_for_step(run, p, 25)
-    time.sleep(0.05)
-    kill_group(p)
-    p.wait()
-    return ref, run, finish(torchrun(run, TOTAL, 2))
 
 
 def test_two_ranks_killed_and_resumed_is_bitwise_equal(tmp_path: Path) -> None:
-    ref, run, out = two_rank_reference_and_killed_run(tmp_path, [f"train.total_steps={TOTAL}", "train.ranks=2"])
+    ref, run, out = ref_and_killed_on_two_ranks(tmp_path, [f"train.total_steps={TOTAL}", "train.ranks=2"])
     assert "resumed from step" in out
     a, b = CheckpointStore(ref).latest_valid(), CheckpointStore(run).latest_valid()
     assert a.step == b.step == TOTAL and a.manifest["world_size"] == 2

@@ -18,27 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.dvc_util import GITIGNORE, ROOT, dvc_repo, git
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker
 from training.checkpointing.store import CheckpointStore
 from training.evaluate import export_final_model, load_model_file, write_loss_plot
 from training.events import read_events
-
-ROOT = Path(__file__).resolve().parents[1]
-GITIGNORE = "runs/**\n!runs/**/\n!runs/*/checkpoints/*.dvc\n!runs/*/checkpoints/.gitignore\ndata/\n"
-
-
-def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
-
-
-def dvc_repo(path: Path) -> Path:
-    from dvc.repo import Repo
-
-    path.mkdir(parents=True, exist_ok=True)
-    git(path, "init", "-q")
-    (path / ".gitignore").write_text(GITIGNORE)
-    Repo.init(str(path)).close()
-    return path
 
 
 @pytest.mark.slow

@@ -19,7 +19,6 @@ import itertools
 import json
 import os
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +32,7 @@ from typer.testing import CliRunner
 from flows.cli.main import app
 from tests.elastic_tasks import GlobalCounter
 from tests.engine_util import SMALL, final_digest, make_run, wait_for_step
+from tests.torchrun_util import finish, losses, torchrun_cmd
 from training.config import ConfigError, load_config
 from training.events import read_events
 from training.rundir import open_run
@@ -97,34 +97,15 @@ def settings(tmp: Path, name: str, extra: list[str]) -> list[str]:
     return [*SMALL, f"runs_dir={tmp / 'runs'}", f"data.prepared_dir={tmp / 'data'}", f"run_name={name}", *extra]
 
 
-def worker_cmd(run_dir: Path, until: int, ranks: int) -> list[str]:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    return [
-        *(launch if ranks > 1 else [sys.executable]),
-        "-m",
-        "training.worker",
-        "--run-dir",
-        str(run_dir),
-        "--until-step",
-        str(until),
-    ]
-
-
 def start(run_dir: Path, until: int, ranks: int, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        worker_cmd(run_dir, until, ranks),
+        torchrun_cmd(run_dir, until, ranks),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, **(env or {})},
         start_new_session=True,
     )
-
-
-def finish(p: subprocess.Popen) -> str:
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out[-3000:]
-    return out
 
 
 def kill_at(run_dir: Path, ranks: int, step: int) -> int:
@@ -236,11 +217,6 @@ def trained(run_dir: Path) -> list[int]:
         assert covered == list(range((step - 1) * BATCH, step * BATCH)), step
         out.extend(covered)
     return out
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["metrics"]["loss"] for r in rows}
 
 
 def shrink(tmp: Path, run: Path) -> list[int]:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.flow_run_util import start_flow, train_killed_in_chunk_3
 from tests.flow_util import CHUNK, REPO, TOTAL, assert_no_leftovers, config, in_thread, params, wait_for_step
 from training.events import read_events
 
@@ -83,18 +84,7 @@ def test_sigkill_mid_chunk_3_retries_only_chunk_3(
     monkeypatch.setenv("CONVOY_FAULTS", f"step_delay=0.03,slow_step={2 * CHUNK + 9}:2")
     cfg = config(params(tmp_path, data_dir, "kill9"))
     run_dir = cfg.run_dir.resolve()
-    killed: dict[str, Any] = {}
-
-    def killer() -> None:
-        beat = wait_for_step(run_dir, 2 * CHUNK + 8)  # chunk 3 = steps [40, 60)
-        killed.update(pid=beat.pid, step=beat.step, time=time.time())
-        os.kill(beat.pid, signal.SIGKILL)
-
-    t = in_thread(killer)
-    summary = run_training(cfg)
-    t.join(timeout=5)
-    assert not t.errors, t.errors  # type: ignore[attr-defined]
-    assert killed, "the killer never fired"
+    summary, killed = train_killed_in_chunk_3(run_training, cfg)
     assert summary["final_step"] == TOTAL
     assert summary["digest"] == reference_digest, "resumed run diverged from the uninterrupted one"
     assert summary["attempts"] == {1: 1, 2: 1, 3: 2}
@@ -508,16 +498,7 @@ def test_preemption_is_resubmitted_at_once(
 def test_sigterm_to_the_flow_crashes_it_cleanly(prefect_api: str, data_dir: Path, tmp_path: Path) -> None:
     """SIGTERM to the flow process: on_crashed writes the audit, the worker saves and stops."""
     p = params(tmp_path, data_dir, "flowterm", heartbeat={"grace_s": 15})  # room for the emergency save
-    pfile = tmp_path / "params.yaml"
-    pfile.write_text(yaml.safe_dump(p))
-    run_dir = config(p).run_dir.resolve()
-    flow = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli.main", "train", str(pfile)],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    run_dir, flow = start_flow(tmp_path, p)
     try:
         wait_for_step(run_dir, 8)
         flow.send_signal(signal.SIGTERM)

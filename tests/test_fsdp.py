@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_util import final_digest, make_run, wait_for_step
-from tests.test_distributed import TOTAL, finish, losses, torchrun
+from tests.dvc_util import dvc_repo
+from tests.engine_util import SMALL, final_digest, kill_group, make_run, wait_for_step
+from tests.torchrun_util import RESIZE_LOSS_TOLERANCE, TOTAL, finish, losses, torchrun
 from training.checkpointing.store import CheckpointStore
 from training.events import read_events
 from training.heartbeat import read_heartbeat
@@ -31,7 +32,6 @@ FSDP = ["train.parallel=fsdp", f"train.total_steps={TOTAL}", "train.ranks=2"]
 
 def reopen(tmp: Path, name: str, extra: list[str]) -> None:
     """The run ``name`` opened again with ``extra`` (another world size: not in the fingerprint)."""
-    from tests.engine_util import SMALL
     from training.config import load_config
     from training.rundir import open_run
 
@@ -68,8 +68,6 @@ def test_fsdp_ranks_killed_resume_bitwise_and_restore_whole_on_any_world_size(tm
     run = make_run(tmp_path, "killed", [*FSDP, "checkpoint.every_steps=5", *tiers])
     p = torchrun(run, TOTAL, 2)
     wait_for_step(run, p, 17)
-    from tests.engine_util import kill_group
-
     kill_group(p)  # every rank at once
     p.wait()
     trained = trained_high_water(run, max(read_heartbeat(run, r).step for r in (0, 1)))
@@ -137,7 +135,6 @@ def test_a_sharded_checkpoint_travels_to_another_machine_and_resumes_bitwise(tmp
     the manifest), resumes on 2 ranks and ends at A's step 20 bit for bit."""
     from tasks.remote.dvc_version import version_checkpoint
     from tasks.remote.remote_checkpoints import fetch_newest
-    from tests.test_dvc import dvc_repo
     from training.rundir import load_run_config
 
     remote = str(tmp_path / "remote")
@@ -164,7 +161,6 @@ def test_fsdp_matches_ddp_with_accumulation_and_resumes_on_one_rank_then_two(tmp
     shards, loads into the plain model class."""
     import torch
 
-    from tests.test_distributed import RESIZE_LOSS_TOLERANCE
     from training.config import load_config
     from training.evaluate import export_final_model, load_model_file
     from training.examples.char_gpt import CharGPT, CharGPTArgs

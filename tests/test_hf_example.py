@@ -19,7 +19,9 @@ from tests.engine_util import (  # noqa: E402 - after the skip
     make_run,
     run_worker,
     start_worker,
+    wait_for_step,
 )
+from tests.torchrun_util import finish, losses, torchrun  # noqa: E402
 from training.events import read_events  # noqa: E402
 from training.tracking.metrics import metric_rows  # noqa: E402
 
@@ -101,9 +103,6 @@ def test_fsdp_llama_with_activation_checkpointing_killed_resumes_bitwise(tmp_pat
     import json
 
     import yaml
-
-    from tests.engine_util import wait_for_step
-    from tests.test_distributed import finish, losses, torchrun
 
     shipped = yaml.safe_load((Path(__file__).parents[1] / "params-fsdp.yaml").read_text())
     assert shipped["train"]["parallel"] == "fsdp" and shipped["task_args"]["activation_checkpointing"] is True

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_checkpoint import small_parts
+from tests.checkpoint_util import small_parts
 from training.checkpointing.install import install
 from training.checkpointing.store import CheckpointStore
 

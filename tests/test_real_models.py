@@ -30,6 +30,7 @@ from tests.engine_util import (
     start_worker,
     wait_for_step,
 )
+from tests.torchrun_util import finish, torchrun
 from training.batch import batch_len, to_device, tree_map
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig, load_config
@@ -410,8 +411,6 @@ def test_two_ranks_accumulate_and_evaluate_like_one(tmp_path: Path) -> None:
     """DDP (gloo, 2 ranks): no_sync on the first micro-batch, one all-reduce per optimizer step,
     validation split over the ranks and all-reduced; same losses as one rank on the same global
     micro-batches up to the all-reduce's summation order (dropout off)."""
-    from tests.test_distributed import finish, torchrun
-
     extra = (
         SHORT
         + ACCUM

@@ -21,8 +21,8 @@ import yaml
 from tasks.remote.dvc_version import version_checkpoint
 from tasks.remote.remote_checkpoints import fetch_newest, open_remote
 from tasks.run_resources import RunResources
+from tests.dvc_util import dvc_repo
 from tests.engine_util import final_digest, make_run, run_worker
-from tests.test_dvc import dvc_repo
 from training.checkpointing.store import CheckpointStore
 from training.events import read_events
 from training.rundir import load_run_config

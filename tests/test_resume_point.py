@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tests.test_checkpoint import fill
+from tests.checkpoint_util import fill
 from training.checkpointing.store import CheckpointStore, checkpoint_name
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,54 +18,15 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.test_dvc import GITIGNORE, ROOT, git
+from tests.dvc_util import git
+from tests.engine_util import SMALL, final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
+from tests.project_util import clone_project, commit_all, run, summary_json
 from training.checkpointing.store import CheckpointStore
 from training.config import load_config
 from training.evaluate import load_model_file
 from training.events import read_events
 from training.rundir import keyed_config, link_current
 from training.tracking.metrics import metric_rows
-
-TINY = {
-    "on_config_change": "new_run",
-    "task_args": {"n_layer": 1, "n_head": 2, "d_model": 32, "dropout": 0.1},
-    "data": {"synthetic_chars": 20000, "seq_len": 16},
-    "train": {"total_steps": 20, "chunk_steps": 10, "batch_size": 4, "warmup_steps": 2, "lr": 0.003},
-    "checkpoint": {"every_steps": 10},
-    "heartbeat": {"interval_s": 0.2},
-}
-
-
-def clone_project(tmp_path: Path, **tracking: Any) -> tuple[Path, dict[str, str]]:
-    """A git clone of this repository with the working tree's dvc.yaml and a tiny params.yaml;
-    returns it and the environment the ``convoy``/``dvc`` commands run in."""
-    clone = tmp_path / "clone"
-    git(tmp_path, "clone", "-q", str(ROOT), str(clone))
-    for name in ("dvc.yaml", "params.yaml"):
-        shutil.copy(ROOT / name, clone / name)
-    for package in ("training", "tasks", "flows"):  # workers import from their cwd: the working tree's code
-        shutil.rmtree(clone / package)
-        shutil.copytree(ROOT / package, clone / package, ignore=shutil.ignore_patterns("__pycache__"))
-    if not (clone / ".dvc").is_dir():
-        subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=clone, check=True)
-    params = yaml.safe_load((clone / "params.yaml").read_text())
-    for section, values in TINY.items():
-        if isinstance(values, dict):
-            params.setdefault(section, {}).update(values)
-        else:
-            params[section] = values
-    params.setdefault("tracking", {}).update(mlflow_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", **tracking)
-    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    ignore = [ln for ln in (clone / ".gitignore").read_text().splitlines() if ln.strip() not in ("runs/", "runs")]
-    (clone / ".gitignore").write_text("\n".join([*ignore, *GITIGNORE.splitlines()[:4]]) + "\n")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    return clone, env
-
-
-def run(cwd: Path, env: dict[str, str], *cmd: str) -> str:
-    proc = subprocess.run(list(cmd), cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{cmd}: {proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-    return proc.stdout
 
 
 def set_lr(clone: Path, lr: float) -> None:
@@ -184,17 +144,6 @@ def _param_change_under_dvc_repro_trains_a_new_run(tmp_path: Path, clone: Path, 
     assert (clone / "models" / "model.safetensors").read_bytes() == model_a
 
 
-def summary_json(out: str) -> dict[str, Any]:
-    """The JSON document a convoy command prints last (DVC prints hints to stdout before it)."""
-    start = 0 if out.startswith("{") else out.index("\n{") + 1
-    return json.loads(out[start:])
-
-
-def commit_all(repo: Path) -> None:
-    git(repo, "add", "-A")
-    git(repo, "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-q", "-m", "trained")
-
-
 @pytest.mark.slow
 def test_pull_in_a_fresh_clone_resumes_to_the_same_digest(tmp_path: Path, prefect_api: str) -> None:
     """Versioning on, remote from params.yaml; two of three chunks reach git (the third .dvc file is
@@ -268,7 +217,6 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     child killed mid-way and resumed ends bitwise equal to an uninterrupted child."""
     from tasks.records.mlflow_client import client_for
     from tasks.records.mlflow_runs import ensure_mlflow_run
-    from tests.engine_util import SMALL, final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
     from training.rundir import open_run, resolve_parent, run_info
 
     parent = make_run(tmp_path, "parent", ["train.total_steps=20", "train.chunk_steps=20"])

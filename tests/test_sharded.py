@@ -11,15 +11,7 @@ import pytest
 from safetensors import safe_open
 
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
-from tests.test_distributed import (
-    TOTAL,
-    cursor_at_end,
-    finish,
-    losses,
-    set_ranks,
-    torchrun,
-    two_rank_reference_and_killed_run,
-)
+from tests.torchrun_util import TOTAL, cursor_at_end, finish, losses, ref_and_killed_on_two_ranks, set_ranks, torchrun
 from training.checkpointing.store import CheckpointStore
 from training.events import read_events
 
@@ -58,7 +50,7 @@ def test_one_rank_killed_sharded_resume_matches_replicated_run_bitwise(tmp_path:
 
 
 def test_two_ranks_sharded_killed_and_resumed_is_bitwise_equal(tmp_path: Path) -> None:
-    ref, run, out = two_rank_reference_and_killed_run(tmp_path, [*SHARDED, "train.ranks=2"])
+    ref, run, out = ref_and_killed_on_two_ranks(tmp_path, [*SHARDED, "train.ranks=2"])
     assert "resumed from step" in out
     files = shard_files(run)
     assert any("shard-00001" in n for n in files) and any("shard-00002" in n for n in files), files  # both wrote

@@ -11,17 +11,15 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-import yaml
 
-from tests.flow_util import CHUNK, REPO, TOTAL, assert_no_leftovers, config, in_thread, params, wait_for_step
+from tests.flow_run_util import start_flow
+from tests.flow_util import CHUNK, TOTAL, assert_no_leftovers, config, in_thread, params, wait_for_step
 from training.events import WorkerSays, read_events
 
 pytestmark = pytest.mark.slow
@@ -119,18 +117,8 @@ def test_two_kills_in_a_row_are_taken_over_by_standbys_bitwise(
 
 def test_standby_dies_with_a_killed_flow(prefect_api: str, data_dir: Path, tmp_path: Path) -> None:
     p = params(tmp_path, data_dir, "standbyflow", orchestration={"standby": True})
-    pfile = tmp_path / "params.yaml"
-    pfile.write_text(yaml.safe_dump(p))
-    run_dir = config(p).run_dir.resolve()
     env = {**os.environ, "CONVOY_FAULTS": "step_delay=0.05"}
-    flow = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli.main", "train", str(pfile)],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env=env,
-    )
+    run_dir, flow = start_flow(tmp_path, p, env)
     try:
         standby_pid = wait_for_ready_standby(run_dir, 1)
         assert flow.poll() is None

@@ -5,7 +5,7 @@ Lightning's ``litdata.StreamingDataset`` over a dataset written by ``litdata.opt
 
 The end-to-end tests run real ``python -m training.worker`` processes, SIGKILL their process
 groups (loader workers included) twice at random steps and resume (the machinery of
-tests/test_data_pipelines.py); the reference and the killed run of one case run side by side.
+tests/pipeline_util.py); the reference and the killed run of one case run side by side.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.engine_util import final_digest, run_worker
+from tests.flow_util import assert_no_leftovers, config, in_thread, params, wait_for_step
 from tests.pipeline_tasks import add_noise, write_mds
-from tests.test_data_pipelines import BASE, TOTAL, cli, side_by_side, step_ids
+from tests.pipeline_util import BASE, TOTAL, cli, side_by_side, step_ids
 from training.checkpointing.store import CheckpointStore
 from training.config import ConfigError
 from training.streams import make_stream_loader
@@ -218,8 +220,6 @@ def test_litdata_through_the_flow_killed_in_both_chunks_resumes_bitwise(
     each chunk, each chunk retried once, and the run ends with the digest and the per-step sample
     ids of one uninterrupted worker."""
     from flows.train import run_training
-    from tests.engine_util import final_digest, run_worker
-    from tests.flow_util import assert_no_leftovers, config, in_thread, params, wait_for_step
     from training.rundir import open_run
 
     monkeypatch.setenv("CONVOY_FAULTS", "step_delay=0.05")  # a step lasts a few heartbeats
