@@ -112,20 +112,23 @@ def status(
         cfg = load_run_config(run_dir)
     except ConfigError as exc:
         raise fail(str(exc)) from None
+    from training.checkpointing.store import CheckpointStore
+
+    store = CheckpointStore(run_dir)  # one for the command: each checkpoint is hashed once (--follow)
     if as_json:
         while True:
-            facts = run_status(cfg, run_dir)
+            facts = run_status(cfg, run_dir, store=store)
             sys.stdout.write(json.dumps(facts, separators=(",", ":") if follow else (", ", ": ")) + "\n")
             sys.stdout.flush()
             if not follow or facts["state"] != "running":
                 return
             time.sleep(every)
-    facts = run_status(cfg, run_dir)
+    facts = run_status(cfg, run_dir, store=store)
     if not follow:
         console.print(_status_table(facts))
         return
     with Live(_status_table(facts), console=console, refresh_per_second=4) as live:
         while facts["state"] == "running":
             time.sleep(every)
-            facts = run_status(cfg, run_dir)
+            facts = run_status(cfg, run_dir, store=store)
             live.update(_status_table(facts))

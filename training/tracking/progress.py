@@ -97,23 +97,18 @@ def last_logged(run_dir: Path, key: str) -> tuple[int, float] | None:
 
 #: (checkpoint path, manifest mtime) → digest of a checkpoint already verified by this process, so
 #: ``status --follow`` hashes each checkpoint once, not at every refresh.
-_verified: dict[tuple[str, int], str] = {}
-
-
-def newest_checkpoint(run_dir: Path, verify: bool = True) -> tuple[int, str, str] | None:
-    """(step, name, digest) of the newest checkpoint that verifies (``verify``: sizes, hashes and
-    structure, the resume's own check) or, without ``verify``, whose manifest reads — cheap
-    enough for a live line refreshed every few seconds while checkpoints are gigabytes."""
-    store = CheckpointStore(run_dir)
+def newest_checkpoint(store: CheckpointStore, verify: bool = True) -> tuple[int, str, str] | None:
+    """(step, name, digest) of the newest checkpoint that verifies (``verify``: the store's resume
+    point, each unchanged checkpoint hashed once per store) or, without ``verify``, whose manifest
+    reads — cheap enough for a live line refreshed every few seconds while checkpoints are
+    gigabytes.  A caller that asks again and again (``--follow``, the live line) keeps one store."""
+    if verify:
+        ck = store.resume_point().checkpoint
+        return (ck.step, ck.path.name, ck.digest) if ck is not None else None
     for step, path in store.step_dirs():
         try:
-            key = (str(path), (path / "manifest.json").stat().st_mtime_ns)
-            if not verify:
-                return step, path.name, store.read_manifest(path)["digest"]
-            if key not in _verified:
-                _verified[key] = store.verify(path).digest
-            return step, path.name, _verified[key]
-        except (CheckpointRejected, OSError):  # rejected, or its manifest cannot be stat'ed (retired)
+            return step, path.name, store.read_manifest(path)["digest"]
+        except (CheckpointRejected, OSError):  # unreadable, or retired meanwhile
             continue
     return None
 
@@ -214,17 +209,24 @@ def _checkpoint_fields(newest: tuple[int, str, str] | None, verify: bool, step: 
 
 
 def run_status(
-    config: RunConfig, run_dir: str | Path, now: float | None = None, verify: bool = True, goodput: bool = True
+    config: RunConfig,
+    run_dir: str | Path,
+    now: float | None = None,
+    verify: bool = True,
+    goodput: bool = True,
+    store: CheckpointStore | None = None,
 ) -> dict[str, Any]:
     """Everything ``convoy status`` shows, as one JSON-able dict; ``verify=False``: the newest
     checkpoint by its manifest only, and ``goodput=False``: without the goodput fields, which read
-    the whole journal (the live line of ``convoy train``)."""
+    the whole journal (the live line of ``convoy train``); ``store``: the run's store, kept by a
+    caller that asks again (its verdicts are remembered)."""
     run_dir = Path(run_dir)
+    store = store if store is not None else CheckpointStore(run_dir)
     now = time.time() if now is None else now
     total = config.train.total_steps
     beat = read_heartbeat(run_dir, 0)
     events = read_events(run_dir)
-    newest = newest_checkpoint(run_dir, verify)
+    newest = newest_checkpoint(store, verify)
     ck_step = newest[0] if newest is not None else None
     rows = metrics_tail(run_dir)
     metric_step = int(rows[-1]["step"]) if rows else None
