@@ -27,7 +27,7 @@ import yaml
 
 from flows.cli.slurm import sbatch_script
 from flows.slurm_job import SRUN_NODE_LAUNCH, SlurmJob, fit_to_allocation
-from tests.flow_util import REPO, assert_no_leftovers, config, params, two_node_reference
+from tests.flow_util import REPO, assert_no_leftovers, config, in_thread, params, two_node_reference
 from tests.slurm_cluster import SlurmCluster, installed_or_reason
 from training.checkpointing.store import CheckpointStore
 from training.config import ConfigError
@@ -63,6 +63,16 @@ def _kinds(run_dir: Path, kind: str) -> list[dict]:
     return read_events(run_dir, kind)
 
 
+def _mlflow_tags(uri: str, run_dir: Path) -> dict[str, str]:
+    """The training run's MLflow tags, read with MLflow's own client from the run's store."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
+    return MlflowClient(tracking_uri=uri).get_run(run_id).data.tags
+
+
 def _rank1_step(run_dir: Path) -> int:
     beat = read_heartbeat(run_dir, 1)
     return beat.step if beat else -1
@@ -77,9 +87,13 @@ def test_time_limit_scancel_and_node_down_end_bitwise(slurm: SlurmCluster, data_
         "on-slurm",
         train={"nnodes": 2, "hosts": [node, node]},
         heartbeat={"stall_s": 90, "grace_s": 15},  # the hold is no hang; room for the emergency save
+        tracking={"mlflow": True, "mlflow_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
     )
     two_nodes = {"nnodes": 2, "hosts": ["a", "b"]}
-    reference = two_node_reference(params(tmp_path / "ref", data_dir, "ref", train=two_nodes), TOTAL)
+    reference: list[str] = []  # trained while the job waits for Slurm's signal (the ranks hold, idle)
+    ref = in_thread(
+        lambda: reference.append(two_node_reference(params(tmp_path / "ref", data_dir, "r", train=two_nodes), TOTAL))
+    )
     pfile, hold = tmp_path / "params.yaml", tmp_path / "hold"
     pfile.write_text(yaml.safe_dump(p))
     hold.touch()
@@ -111,6 +125,8 @@ def test_time_limit_scancel_and_node_down_end_bitwise(slurm: SlurmCluster, data_
     slurm.run("scontrol", "update", f"nodename={node}", "state=RESUME")
     _wait("the job to finish", lambda: slurm.job_state(job) == "GONE", 240)
 
+    ref.join(timeout=300)
+    assert reference, ref.errors  # type: ignore[attr-defined]
     final = CheckpointStore(run_dir).latest_valid(record=False)
     starts = [e["slurm_restarts"] for e in _kinds(run_dir, "flow_started")]
     fails = [(e["chunk"], e["failure"]) for e in _kinds(run_dir, "failure")]
@@ -120,7 +136,7 @@ def test_time_limit_scancel_and_node_down_end_bitwise(slurm: SlurmCluster, data_
         f"job {firsts[0]['time'] - requeued['warned_at']:.1f} s after USR1 (Slurm's requeue hold: 6 s here); "
         f"failures {fails}; flow starts (restarts) {starts}"
     )
-    assert final is not None and final.step == TOTAL and final.digest == reference
+    assert final is not None and final.step == TOTAL and final.digest == reference[0]
     assert starts[0] == 0 and 1 in starts and starts[-1] >= 2, starts  # three allocations of job <job>
     assert any(chunk >= 2 and kind == "crash" for chunk, kind in fails), fails  # the cancelled step
     assert slurm.queue() == [] and slurm.stepds() == []
@@ -128,6 +144,8 @@ def test_time_limit_scancel_and_node_down_end_bitwise(slurm: SlurmCluster, data_
         _wait("the job's processes to end", lambda: not slurm.job_processes(job), 15)
     assert slurm.job_processes(job) == []  # Prefect's temporary API and every worker included
     assert_no_leftovers(run_dir)
+    tags = _mlflow_tags(p["tracking"]["mlflow_uri"], run_dir)
+    assert tags["slurm.job_id"] == job and tags["slurm.restarts"] == str(starts[-1]), tags  # the newest job
     assert os.path.getsize(Path(p["runs_dir"]) / f"on-slurm.slurm-{job}.out") > 0  # one log, appended
 
 
