@@ -41,13 +41,15 @@ from typing import Any
 
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig, load_config
-from training.events import Event, Phase, read_events
+from training.event_records import EventLog, Resumed, read_records
+from training.events import Phase
 from training.heartbeat import read_heartbeat
 from training.paths import RunPaths
 from training.rundir import keyed_config
+from training.tracking.failure_record import RecordedFailure
 from training.tracking.goodput import run_goodput
 from training.tracking.metrics import read_metric_lines
-from training.tracking.resume_audit import analyse_events, steps_lost
+from training.tracking.resume_audit import analyse, steps_lost
 
 FAULT_KINDS = ("kill", "term", "hang", "slow", "corrupt", "delete", "diskfull", "flowkill")
 
@@ -117,12 +119,12 @@ def plan_faults(kinds: list[str], total_steps: int, seed: int) -> list[Fault]:
     return [Fault(kind, step) for kind, step in zip(kinds, slots, strict=True)]
 
 
-def failure_steps_lost(failure: dict[str, Any], audit_rows: list[dict[str, Any]]) -> int | None:
+def failure_steps_lost(failure: RecordedFailure, audit_rows: list[dict[str, Any]]) -> int | None:
     """Steps lost by one failure as the audit counts them (training/tracking/resume_audit.py: the resume row that
     followed it, the same figure as MLflow's resume table and `convoy status`), else the failure
     event's own figure when no worker resumed after it."""
-    row = next((r for r in audit_rows if r.get("failure_time") == failure["time"]), None)
-    return row["lost_steps"] if row is not None else failure.get("steps_lost")
+    row = next((r for r in audit_rows if r.get("failure_time") == failure.time), None)
+    return row["lost_steps"] if row is not None else failure.details.steps_lost
 
 
 class ChaosRunner:
@@ -266,9 +268,7 @@ class ChaosRunner:
             return
         while time.time() < deadline and flow.poll() is None:
             resumed = [
-                e
-                for e in read_events(self.run_dir, Event.RESUMED)
-                if e.get("rank", 0) == 0 and e["time"] >= (fault.injected_at or 0)
+                e for e in read_records(self.run_dir, Resumed) if e.on_rank0 and e.time >= (fault.injected_at or 0)
             ]
             if resumed:
                 return
@@ -276,10 +276,10 @@ class ChaosRunner:
 
     # ------------------------------------------------------------------ verdict
     def _score(self, report: ChaosReport) -> None:
-        events = read_events(self.run_dir)
-        audit_rows = analyse_events(events)["rows"]  # the same rows as MLflow's resume table
-        failures = [e for e in events if e["kind"] == Event.FAILURE]
-        resumes = [e for e in events if e["kind"] == Event.RESUMED and e.get("rank", 0) == 0]
+        log = EventLog.read(self.run_dir)
+        audit_rows = analyse(log).rows  # the same rows as MLflow's resume table
+        failures = log.of(RecordedFailure)
+        resumes = [e for e in log.of(Resumed) if e.on_rank0]
         rows = [{"step": s, "metrics": m} for s, m in read_metric_lines(RunPaths(self.run_dir).metrics)]
         # Each failure belongs to one fault: the first fault injected before it that has none yet.
         # A recovery takes a fraction of a second now, so the next fault can follow the previous
@@ -290,14 +290,14 @@ class ChaosRunner:
                 f.survived = False
                 f.note = f.note or "never injected (the run ended or failed before this step)"
                 continue
-            nxt = next((e for e in unclaimed if e["time"] >= f.injected_at - 0.5), None)
+            nxt = next((e for e in unclaimed if e.time >= f.injected_at - 0.5), None)
             if f.kind == "slow":
                 later = [g.injected_at for g in report.faults if g.injected_at and g.injected_at > f.injected_at]
                 end = min([*later, f.injected_at + self.slow_s + self.cfg.heartbeat.stall_s + 5])
-                window = [e for e in unclaimed if f.injected_at - 0.5 <= e["time"] < end]
+                window = [e for e in unclaimed if f.injected_at - 0.5 <= e.time < end]
                 delivered = Path(f"{self.slow_flag}.done").exists()
                 f.survived = not window and delivered
-                f.detected_as = window[0]["failure"] if window else "no failure (correct)"
+                f.detected_as = window[0].kind if window else "no failure (correct)"
                 if not delivered:
                     f.note = "no step stalled: the slow fault was not delivered"
                 continue
@@ -305,13 +305,13 @@ class ChaosRunner:
                 nxt = None
             if nxt is not None:
                 unclaimed = unclaimed[unclaimed.index(nxt) + 1 :]
-                f.detected_as, f.detected_after_s = nxt["failure"], nxt.get("detected_after_s")
+                f.detected_as, f.detected_after_s = nxt.kind, nxt.details.detected_after_s
                 f.steps_lost = failure_steps_lost(nxt, audit_rows)
-            res = next((e for e in resumes if e["time"] >= f.injected_at), None)
-            f.recovery_s = round(res["time"] - f.injected_at, 2) if res else None
+            res = next((e for e in resumes if e.time >= f.injected_at), None)
+            f.recovery_s = round(res.time - f.injected_at, 2) if res else None
             if f.kind == "flowkill" and res:
                 f.detected_as = "flow restarted"
-                f.steps_lost = steps_lost(f.injected_step, int(res["step"]))
+                f.steps_lost = steps_lost(f.injected_step, res.resumed_from)
             f.survived = res is not None or report.final_step == self.cfg.train.total_steps
         steps = [r["step"] for r in rows]
         total = self.cfg.train.total_steps
@@ -376,7 +376,7 @@ class ChaosRunner:
             "stale_worker_stopped",
             "reap_failed",
         )
-        events = [e for e in read_events(self.run_dir) if e["kind"] in keep][-15:]
+        events = [e.as_json() for e in EventLog.read(self.run_dir).all() if e.event_kind in keep][-15:]
         return lines + [
             "event: " + json.dumps({k: v for k, v in e.items() if k not in ("log", "tail")}, default=str)
             for e in events

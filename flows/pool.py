@@ -44,6 +44,7 @@ from tasks.run_resources import RunResources
 from tasks.supervision.failure_kinds import NOT_RETRYABLE
 from tasks.supervision.supervisor import ChunkFailed
 from training.config import ConfigError, RunConfig
+from training.event_records import CheckpointFetched, event_time, typed
 from training.events import Event, FailureKind, append_event, carry_events, read_events
 from training.rundir import open_run, run_info, update_run_info
 from training.tracking.failure_record import FailureDetails
@@ -96,9 +97,10 @@ class NodeOutcome:
             self.kind, self.message = FailureKind.CRASH, f"{type(exc).__name__}: {exc}"
 
     def fetches(self) -> list[dict[str, Any]]:
-        """The node's checkpoint downloads of the chunk (its ``checkpoint_fetched`` events)."""
+        """The node's checkpoint downloads of the chunk (its ``checkpoint_fetched`` events), as the
+        chunk row shows them."""
         keep = ("step", "fetch_s", "bytes", "from_node", "node", "refused")
-        return [{k: e.get(k) for k in keep} for e in self.events if e.get("kind") == Event.CHECKPOINT_FETCHED]
+        return [{k: getattr(e, k) for k in keep} for e in typed(self.events, CheckpointFetched)]
 
     def as_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -166,7 +168,7 @@ def train_chunk(
         if resources is not None:
             resources.close()  # the newest checkpoint uploaded before the parent hears of it (tracking.dvc)
         if run_dir is not None:
-            outcome.events = [e for e in read_events(run_dir) if e.get("time", 0) >= t0]
+            outcome.events = [e for e in read_events(run_dir) if event_time(e) >= t0]
         publish_outcome(config.run_name, outcome)
 
 

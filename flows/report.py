@@ -8,12 +8,17 @@ sentence plus the right log and its last lines instead of an exception repr.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 from rich.table import Table
 
 from flows.run_summary import RunSummary
+from training.event_records import CheckpointFetched
+from training.tracking.resume_audit import ResumeAudit
+
+if TYPE_CHECKING:
+    from training.tracking.progress import RunStatus
 
 #: MLflow 3 opens on its GenAI pages; this query selects the classic machine-learning view.
 ML_VIEW = "workflowType=machine_learning"
@@ -60,7 +65,7 @@ def prefect_link(flow_run_id: str | None) -> str | None:
 def summary_table(summary: RunSummary) -> Table:
     """The end-of-run table: steps, time, chunks, attempts, failures, resumes, steps lost, goodput
     and its largest badput buckets, loss, digest."""
-    audit, attempts, kinds = summary.audit, summary.attempts, summary.failure_kinds
+    audit, attempts, kinds = ResumeAudit.from_dict(summary.audit), summary.attempts, summary.failure_kinds
     table = Table(title=f"convoy train: {escape(summary.run_name)}", show_header=False, highlight=False)
     table.add_column("", style="bold")
     table.add_column("")
@@ -71,9 +76,9 @@ def summary_table(summary: RunSummary) -> Table:
     table.add_row("attempts", f"{sum(attempts.values())} for {len(attempts)} chunk(s)")
     table.add_row(
         "failures / resumes",
-        f"{audit.get('failures') or 0} / {audit.get('resumes') or 0}" + (f" ({', '.join(kinds)})" if kinds else ""),
+        f"{audit.failures or 0} / {audit.resumes or 0}" + (f" ({', '.join(kinds)})" if kinds else ""),
     )
-    table.add_row("steps lost", str(audit.get("steps_lost") or 0))
+    table.add_row("steps lost", str(audit.steps_lost or 0))
     if (goodput := summary.measured_goodput) is not None:
         table.add_row("goodput", escape(goodput.describe()))
     for row in summary.passed_over:
@@ -93,13 +98,14 @@ def travel_rows(summary: RunSummary) -> list[tuple[str, str]]:
     """Where checkpoints came from (``tracking.dvc``): the flow's fetch at its start and, in pool
     mode, each chunk whose attempts ran on more than one node, with what the later one fetched."""
     rows = []
-    got = summary.fetched or {}
-    if got.get("step") is not None:
-        rows.append(("fetched from the remote", f"step {got['step']} in {got['fetch_s']:.2f} s"))
+    got = CheckpointFetched.from_json(summary.fetched or {})  # the flow's checkpoint_fetched event
+    if got.step is not None:
+        rows.append(("fetched from the remote", f"step {got.step} in {got.fetch_s or 0.0:.2f} s"))
     for r in summary.chunks:
         nodes = [str(n) for n in r.nodes or []]
         if len(set(nodes)) > 1:
-            fetches = ", ".join(f"step {f['step']} on {f['node']} in {f['fetch_s']:.2f} s" for f in r.fetched or [])
+            fetched = [CheckpointFetched.from_json(f) for f in r.fetched or []]  # the nodes' events (NodeOutcome)
+            fetches = ", ".join(f"step {f.step} on {f.node} in {f.fetch_s or 0.0:.2f} s" for f in fetched)
             rows.append((f"chunk {r.chunk} nodes", " → ".join(nodes) + (f" (fetched {fetches})" if fetches else "")))
     return rows
 
@@ -160,27 +166,27 @@ PLAIN_EVERY_S = 30.0
 PLAIN_EVERY_FRACTION = 0.1
 
 
-def progress_line(st: dict[str, Any], chunk_steps: int) -> str:
-    """One line from :func:`training.tracking.progress.run_status`: step/total, chunk k/n and attempt,
+def progress_line(st: RunStatus, chunk_steps: int) -> str:
+    """One line from :func:`training.tracking.progress.read_status`: step/total, chunk k/n and attempt,
     loss, speed, ETA, last checkpoint, failures."""
-    total, step = st["total_steps"], st["step"]
+    total, step = st.total_steps, st.step
     chunks = -(-total // chunk_steps)
     chunk = min(chunks, step // chunk_steps + 1)
-    attempt = 1 + sum(1 for c in st.get("failure_chunks", []) if c == chunk)
-    attempt = (st.get("chunk_attempts") or {}).get(chunk, attempt)  # numbered across flow runs when known
+    attempt = 1 + sum(1 for c in st.failure_chunks if c == chunk)
+    attempt = st.chunk_attempts.get(chunk, attempt)  # numbered across flow runs when known
     parts = [f"step {step}/{total} ({100 * step / total:.0f}%)", f"chunk {chunk}/{chunks} attempt {attempt}"]
-    if st["loss"] is not None:
-        parts.append(f"loss {st['loss']:.4f}")
-    if st["tokens_per_s"]:
-        parts.append(f"{st['tokens_per_s']:,.0f} tok/s")
-    elif st.get("samples_per_s"):  # a task without tokens
-        parts.append(f"{st['samples_per_s']:,.0f} samples/s")
-    if st["steps_per_s"]:
-        parts.append(f"{st['steps_per_s']:.2f} steps/s")
-    if st["eta_s"] is not None:
-        parts.append(f"ETA {st['eta_s'] / 60:.1f} min" if st["eta_s"] >= 120 else f"ETA {st['eta_s']:.0f} s")
-    parts.append(f"checkpoint {st['checkpoint_step'] if st['checkpoint_step'] is not None else '-'}")
-    parts.append(f"failures {st['failures']}")
+    if st.loss is not None:
+        parts.append(f"loss {st.loss:.4f}")
+    if st.tokens_per_s:
+        parts.append(f"{st.tokens_per_s:,.0f} tok/s")
+    elif st.samples_per_s:  # a task without tokens
+        parts.append(f"{st.samples_per_s:,.0f} samples/s")
+    if st.steps_per_s:
+        parts.append(f"{st.steps_per_s:.2f} steps/s")
+    if st.eta_s is not None:
+        parts.append(f"ETA {st.eta_s / 60:.1f} min" if st.eta_s >= 120 else f"ETA {st.eta_s:.0f} s")
+    parts.append(f"checkpoint {st.checkpoint_step if st.checkpoint_step is not None else '-'}")
+    parts.append(f"failures {st.failures}")
     return " · ".join(parts)
 
 
@@ -206,7 +212,7 @@ class LiveProgress:
     On a terminal: one rich live line under Prefect's log lines (Prefect's console handlers print
     through the live console meanwhile, so the two never overwrite each other).  Elsewhere: a
     plain line every :data:`PLAIN_EVERY_S` s or :data:`PLAIN_EVERY_FRACTION` of the run.  Fed by
-    :func:`training.tracking.progress.run_status` (heartbeat, metrics, checkpoints, events)."""
+    :func:`training.tracking.progress.read_status` (heartbeat, metrics, checkpoints, events)."""
 
     def __init__(self, config: Any, console: Any, every_s: float = 2.0) -> None:
         import threading
@@ -218,17 +224,17 @@ class LiveProgress:
         self._swapped: list[tuple[Any, Any]] = []
 
     def _line(self) -> tuple[str, int] | None:
-        from training.tracking.progress import run_status
+        from training.tracking.progress import read_status
 
         run_dir = self.config.run_dir
         if not (run_dir / "config.json").exists():
             return None
         try:
             # The worker verifies what it restores; the line shows no goodput (it reads the whole journal).
-            st = run_status(self.config, run_dir, verify=False, goodput=False)
+            st = read_status(self.config, run_dir, verify=False, goodput=False)
         except Exception:  # noqa: BLE001 - a progress line must never break training
             return None
-        return progress_line(st, self.config.train.chunk_steps), st["step"]
+        return progress_line(st, self.config.train.chunk_steps), st.step
 
     def _run(self) -> None:
         import time

@@ -62,7 +62,8 @@ from training import faults, run_memory
 from training.checkpointing.store import CheckpointStore, ResumePoint, checkpoint_name
 from training.chunk_boundary import boundary_step
 from training.config import RunConfig
-from training.events import Event, FailureKind, StandbyOrder, WorkerSays, append_event, read_events
+from training.event_records import AttemptRecorded, EventLog, Resubmitted, WorkerDone, append_record, read_records
+from training.events import Event, FailureKind, StandbyOrder, WorkerSays, append_event
 from training.fsutil import file_size
 from training.paths import RunPaths
 from training.rundir import load_run_config
@@ -83,9 +84,9 @@ def _prefect_ids() -> tuple[int, str | None, str | None]:
 
 
 def loss_at(run_dir: Path, step: int) -> float | None:
-    for ev in reversed(read_events(run_dir, Event.WORKER_DONE)):
-        if ev.get("step") == step and ev.get("rank", 0) == 0:
-            return ev.get("loss")
+    for ev in reversed(read_records(run_dir, WorkerDone)):
+        if ev.step == step and ev.rank == 0:
+            return ev.loss
     from training.tracking.metrics import read_metric_lines  # a pipelined worker passed this boundary without stopping
 
     rows = [m for s, m in read_metric_lines(RunPaths(run_dir).metrics) if s == step]
@@ -188,7 +189,7 @@ class ChunkRun:
         training (pipelined): it restores nothing and its steps are the chunk's from its start."""
         rd = self.run_dir
         resumes = None if adopting else self.resumed_from
-        self.id = replace(self.id, attempt=next_attempt(read_events(rd), self.chunk), resumes_from=resumes)
+        self.id = replace(self.id, attempt=next_attempt(EventLog.read(rd), self.chunk), resumes_from=resumes)
         child = run_records.start_attempt(self.cfg, rd, self.id)
         if child and self.shipper is not None:  # the attempt's run charts the steps it trains
             self.shipper.mirror(child, (self.start if adopting else self.resumed_from) + 1, self.end)
@@ -222,7 +223,7 @@ class ChunkRun:
                 self.respawn_after_preemption(exc, resume_at)
                 return None
             retrying = will_retry(cfg, exc, self.try_number)
-            wait = retry_wait(cfg, failures_without_progress(read_events(rd), self.chunk) + 1) if retrying else 0.0
+            wait = retry_wait(cfg, failures_without_progress(EventLog.read(rd), self.chunk) + 1) if retrying else 0.0
             report_failure(
                 self.logger,
                 cfg,
@@ -257,25 +258,15 @@ class ChunkRun:
             cfg, rd, dead, run_records.attempt_outcome(False, r.kind, kept, 0.0, r.failure), self.id
         )
         say_replaced(self.logger, cfg, r, self.try_number, self.resources.notes.publish)
-        append_event(
-            rd,
-            Event.RESUBMITTED,
-            chunk=self.chunk,
-            attempt=r.dead_attempt.attempt,
-            reason=REPLACED,
-            resume_step=resume_at,
+        append_record(
+            rd, Resubmitted(chunk=self.chunk, attempt=r.dead_attempt.attempt, reason=REPLACED, resume_step=resume_at)
         )
         self.id, self.resumed_from = replace(r.attempt, task_run_id=task_run), resume_at
         child = run_records.start_attempt(cfg, rd, self.id)
         if child and self.shipper is not None:
             self.shipper.mirror(child, resume_at + 1, self.end)
-        append_event(
-            rd,
-            Event.ATTEMPT_RECORDED,
-            chunk=self.chunk,
-            attempt=self.attempt,
-            task_run_id=task_run,
-            mlflow_run_id=child,
+        append_record(
+            rd, AttemptRecorded(chunk=self.chunk, attempt=self.attempt, task_run_id=task_run, mlflow_run_id=child)
         )
         return child
 
@@ -325,13 +316,8 @@ class ChunkRun:
                 f"resumes from step {resume_at} (steps lost: {exc.details.steps_lost})",
             ],
         )
-        append_event(
-            rd,
-            Event.RESUBMITTED,
-            chunk=self.chunk,
-            attempt=self.attempt,
-            reason=FailureKind.PREEMPTED,
-            resume_step=resume_at,
+        append_record(
+            rd, Resubmitted(chunk=self.chunk, attempt=self.attempt, reason=FailureKind.PREEMPTED, resume_step=resume_at)
         )
 
     def set_aside_bad_boundary(self, point: ResumePoint) -> None:
@@ -437,23 +423,23 @@ class ChunkRun:
             seconds=round(time.time() - started, 3),
             worker_seconds=round(outcome.seconds, 3),
             node=node_name(),
-        ).as_dict()
-        append_event(rd, Event.CHUNK_DONE, **record)
+        )
+        append_record(rd, record)  # the chunk_done event: the record's keys, as the flow reads them
         self.logger.info(
             "chunk %d done: steps [%d, %d) digest %s (attempt %d)", chunk, self.start, self.end, digest, self.attempt
         )
         message = _done_message(rd, self.id, self.try_number)
-        return Completed(message=message, data=record)
+        return Completed(message=message, data=record.as_dict())
 
 
 def _done_message(run_dir: Path, attempt: AttemptId, run_count: int) -> str:
     """The task run's state message: a retried chunk says so in Prefect's task list, which
     otherwise shows only "Completed".  Failures of earlier flow runs count too (the attempt
     numbers do); where the attempt number is not Prefect's run count, it says why."""
-    events = read_events(run_dir)
-    kinds = chunk_history(events, attempt.chunk).failure_kinds
+    log = EventLog.read(run_dir)
+    kinds = chunk_history(log, attempt.chunk).failure_kinds
     after = f" after {', '.join(kinds)}" if kinds else ""
-    why = attempts_explained(events, attempt, run_count)
+    why = attempts_explained(log, attempt, run_count)
     return f"steps [{attempt.start}, {attempt.end}) committed on attempt {attempt.attempt}{after}{why}"
 
 

@@ -21,7 +21,15 @@ from typing import Any
 from tasks.artifacts import publish_failure_note
 from tasks.supervision.supervisor import ChunkFailed
 from training.checkpointing.store import CheckpointStore
-from training.events import append_event
+from training.event_records import ChunkTaskFailed, FlowCrashed, FlowFailed, HookFailure, append_record
+from training.events import Event
+
+#: The event each hook writes, by its kind.
+_WRITES: dict[str, type[HookFailure]] = {
+    Event.CHUNK_FAILED: ChunkTaskFailed,
+    Event.FLOW_FAILED: FlowFailed,
+    Event.FLOW_CRASHED: FlowCrashed,
+}
 
 log = logging.getLogger("convoy.hooks")
 
@@ -98,17 +106,18 @@ def _audit(kind: str, info: HookTarget, exc: BaseException | None, state: Any) -
         resume = info.resume_step() or 0
     except Exception:  # noqa: BLE001
         resume = None
-    append_event(
+    append_record(
         run_dir,
-        kind,
-        failure=failure,
-        message=message,
-        chunk=info.chunk,
-        resume_step=resume,
-        flow_run_id=info.flow_run_id,  # a flow run that ended here was no dead one to take over
+        _WRITES[kind](
+            failure=failure,
+            message=message,
+            chunk=info.chunk,
+            resume_step=resume,
+            flow_run_id=info.flow_run_id,  # a flow run that ended here was no dead one to take over
+        ),
     )
     where = f"chunk {info.chunk}" if info.chunk is not None else "flow"
-    title = f"{where} of run {info.run_name} {'crashed' if kind == 'flow_crashed' else 'failed'}: {failure}"
+    title = f"{where} of run {info.run_name} {'crashed' if kind == Event.FLOW_CRASHED else 'failed'}: {failure}"
     lines = [f"error: `{message}`", f"next attempt resumes from step {resume} (newest verified checkpoint)"]
     if isinstance(exc, ChunkFailed):
         d = exc.details
@@ -127,7 +136,7 @@ def chunk_failed(task: Any, task_run: Any, state: Any) -> None:
     if info is None:
         return
     try:
-        _audit("chunk_failed", info, _exception(state), state)
+        _audit(Event.CHUNK_FAILED, info, _exception(state), state)
     except Exception as exc:  # noqa: BLE001 - a hook must not mask the real failure
         log.warning("chunk failure hook: %s", exc)
 
@@ -147,9 +156,9 @@ def _flow_hook(kind: str, flow_run: Any, state: Any) -> None:
 
 def flow_failed(flow: Any, flow_run: Any, state: Any) -> None:
     """Flow ``on_failure``."""
-    _flow_hook("flow_failed", flow_run, state)
+    _flow_hook(Event.FLOW_FAILED, flow_run, state)
 
 
 def flow_crashed(flow: Any, flow_run: Any, state: Any) -> None:
     """Flow ``on_crashed`` (e.g. the flow process got SIGTERM)."""
-    _flow_hook("flow_crashed", flow_run, state)
+    _flow_hook(Event.FLOW_CRASHED, flow_run, state)

@@ -15,10 +15,11 @@ are left to it.  Best effort, like every note: a Prefect that cannot be read sen
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from tasks.artifacts import artifact_key, note_description, note_title, publish_failure_note
-from training.events import Event, FailureKind
+from training.event_records import AttemptStarted, EventLog
+from training.events import FailureKind
+from training.tracking.failure_record import RecordedFailure
 
 log = logging.getLogger("convoy.takeover")
 
@@ -42,28 +43,18 @@ def published_titles(run_name: str) -> set[str]:
     return titles
 
 
-def dead_failures(events: list[dict[str, Any]], dead_flow_runs: list[str]) -> list[dict[str, Any]]:
+def dead_failures(log: EventLog, dead_flow_runs: list[str]) -> list[RecordedFailure]:
     """The ``failure`` events of attempts that ran in ``dead_flow_runs``, oldest first, without
     the orphans (the takeover notes those itself)."""
     dead = set(dead_flow_runs)
-    ran_there = {
-        (e.get("chunk"), e.get("attempt"))
-        for e in events
-        if e["kind"] == Event.ATTEMPT_STARTED and e.get("flow_run_id") in dead
-    }
-    return [
-        e
-        for e in events
-        if e["kind"] == Event.FAILURE
-        and e.get("failure") != FailureKind.ORPHANED
-        and (e.get("chunk"), e.get("attempt")) in ran_there
-    ]
+    ran_there = {(e.chunk, e.attempt) for e in log.of(AttemptStarted) if e.flow_run_id in dead}
+    return [f for f in log.of(RecordedFailure) if f.kind != FailureKind.ORPHANED and (f.chunk, f.attempt) in ran_there]
 
 
-def publish_missed_notes(run_name: str, events: list[dict[str, Any]], dead_flow_runs: list[str], by: str) -> int:
+def publish_missed_notes(run_name: str, log: EventLog, dead_flow_runs: list[str], by: str) -> int:
     """Publish the note of each failure of ``dead_flow_runs`` that Prefect has none of; ``by``:
     this flow run's name.  Returns how many were published."""
-    failures = dead_failures(events, dead_flow_runs)
+    failures = dead_failures(log, dead_flow_runs)
     if not failures:
         return 0
     try:
@@ -72,22 +63,23 @@ def publish_missed_notes(run_name: str, events: list[dict[str, Any]], dead_flow_
         log.warning("could not read the run's failure notes from Prefect: %s", exc)
         return 0
     sent = 0
-    for e in failures:
-        title = note_title(e.get("chunk"), e.get("attempt"), e.get("failure", "failure"))
+    for f in failures:
+        title = note_title(f.chunk, f.attempt, f.kind or "failure")
         if title in have:
             continue
-        publish_failure_note(run_name, title, _lines(e, by))
+        publish_failure_note(run_name, title, _lines(f, by))
         have.add(title)
         sent += 1
     return sent
 
 
-def _lines(failure: dict[str, Any], by: str) -> list[str]:
+def _lines(failure: RecordedFailure, by: str) -> list[str]:
     """A note's lines from its ``failure`` event (what the dead flow's note would have said,
     less the retry it announced)."""
+    d = failure.details
     return [
-        str(failure.get("reason") or failure.get("failure")),
-        f"detected after {failure.get('detected_after_s')} s; last beat step {failure.get('last_beat_step')}",
-        f"resumes from step {failure.get('last_committed_step') or 0} (steps lost: {failure.get('steps_lost')})",
+        str(d.reason or failure.kind),
+        f"detected after {d.detected_after_s} s; last beat step {d.last_beat_step}",
+        f"resumes from step {d.last_committed_step or 0} (steps lost: {d.steps_lost})",
         f"sent late by flow run {by}: the flow run that saw this failure died before its note was sent",
     ]

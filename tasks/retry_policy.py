@@ -17,7 +17,7 @@ from typing import Any
 from tasks.supervision.replacement import REPLACED
 from tasks.supervision.supervisor import ChunkFailed
 from training.config import ConfigError, RunConfig
-from training.events import Event
+from training.event_records import AttemptStarted, EventLog, Resubmitted
 from training.tracking.attempts import AttemptId
 
 
@@ -54,18 +54,18 @@ def retry_wait(config: RunConfig, try_number: int) -> float:
     return max(0.0, delay * (1 + random.uniform(-config.orchestration.jitter, config.orchestration.jitter)))
 
 
-def attempts_explained(events: list[dict[str, Any]], attempt: AttemptId, run_count: int) -> str:
+def attempts_explained(log: EventLog, attempt: AttemptId, run_count: int) -> str:
     """`` (Prefect run 3: 1 preempted worker re-spawned inside a run)``: why the chunk's attempt
     number differs from Prefect's run count of its task run, which counts neither the attempts of
     an earlier flow run nor a worker re-spawned inside one run (preempted, or killed while parked
     and replaced at once: a ``resubmitted`` event says which); empty when they agree."""
     chunk = attempt.chunk
-    started = [e for e in events if e["kind"] == Event.ATTEMPT_STARTED and e.get("chunk") == chunk]
-    here = [e for e in started if attempt.flow_run_id and e.get("flow_run_id") == attempt.flow_run_id]
+    started = [e for e in log.of(AttemptStarted) if e.chunk == chunk]
+    here = [e for e in started if attempt.flow_run_id and e.flow_run_id == attempt.flow_run_id]
     earlier = len(started) - len(here) if attempt.flow_run_id else 0
     respawned = max(0, attempt.attempt - earlier - run_count)
-    resubmitted = [e for e in events if e["kind"] == Event.RESUBMITTED and e.get("chunk") == chunk]
-    replaced = min(respawned, sum(1 for e in resubmitted if e.get("reason") == REPLACED))
+    resubmitted = [e for e in log.of(Resubmitted) if e.chunk == chunk]
+    replaced = min(respawned, sum(1 for e in resubmitted if e.reason == REPLACED))
     preempted = respawned - replaced
     parts = [f"{earlier} in an earlier flow run"] if earlier else []
     if preempted:

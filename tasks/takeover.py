@@ -28,6 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,18 @@ from tasks.records import run_records
 from tasks.records.run_links import flow_run_endings
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
-from training.events import Event, FailureKind, append_event, read_events
+from training.event_records import (
+    AttemptStarted,
+    ChunkDone,
+    EventLog,
+    FlowCrashed,
+    FlowDone,
+    FlowFailed,
+    FlowStarted,
+    FlowTakenOver,
+    append_record,
+)
+from training.events import Event, FailureKind, append_event
 from training.heartbeat import read_heartbeat
 from training.tracking.attempts import open_attempts
 from training.tracking.failure_record import RecordedFailure
@@ -46,13 +58,12 @@ from training.tracking.resume_audit import steps_lost, trained_high_water
 log = logging.getLogger("convoy.takeover")
 
 
-def unfinished_flow_runs(events: list[dict[str, Any]], current: str | None) -> list[str]:
+def unfinished_flow_runs(log: EventLog, current: str | None) -> list[str]:
     """Ids of the run's earlier flow runs that neither ended in this process (``flow_done``, or
     a ``flow_failed``/``flow_crashed`` hook) nor were taken over already, oldest first."""
-    ended = (Event.FLOW_DONE, "flow_failed", "flow_crashed")
-    settled = {e.get("flow_run_id") for e in events if e["kind"] in ended}
-    settled |= {p for e in events if e["kind"] == Event.FLOW_TAKEN_OVER for p in e.get("previous", [])}
-    ids = [e.get("flow_run_id") for e in events if e["kind"] == Event.FLOW_STARTED]
+    settled = {e.flow_run_id for e in log.of(FlowDone, FlowFailed, FlowCrashed)}
+    settled |= {p for e in log.of(FlowTakenOver) for p in e.previous}
+    ids = [e.flow_run_id for e in log.of(FlowStarted)]
     return list(dict.fromkeys(i for i in ids if i and i != current and i not in settled))
 
 
@@ -63,7 +74,7 @@ def record_orphans(
     ``flow_run``: (id, name) of the flow run that found it, named in the reason (a name reads
     where a bare UUID does not; the MLflow description links it)."""
     current, name = flow_run
-    orphans = open_attempts(read_events(run_dir))
+    orphans = open_attempts(EventLog.read(run_dir))
     if not orphans:
         return []
     point = checkpoints.resume_point()
@@ -72,17 +83,17 @@ def record_orphans(
     beat_step, beat_time = (beat.step, beat.time) if beat else (None, None)
     out = []
     for att in orphans:
-        trained_to = trained_high_water(run_dir, beat_step, int(att.get("metrics_offset") or 0))
+        trained_to = trained_high_water(run_dir, beat_step, int(att.metrics_offset or 0))
         event = append_event(
             run_dir,
             Event.FAILURE,
             failure=FailureKind.ORPHANED,
-            chunk=att.get("chunk"),
-            attempt=att.get("attempt"),
+            chunk=att.chunk,
+            attempt=att.attempt,
             reason=f"its flow run died while it ran (no hook ran: the flow process was killed); "
             f"found by flow run {name or current}",
-            flow_run_id=att.get("flow_run_id"),
-            mlflow_run_id=att.get("mlflow_run_id"),
+            flow_run_id=att.flow_run_id,
+            mlflow_run_id=att.mlflow_run_id,
             last_seen=beat_time,
             last_beat_step=beat_step,
             trained_to=trained_to,
@@ -108,22 +119,23 @@ def take_over(
     first step (else they are sent here).  Returns the ``flow_taken_over`` event, or None when
     there was nothing to close."""
     current, name = flow_run
-    previous = unfinished_flow_runs(read_events(run_dir), current)
+    previous = unfinished_flow_runs(EventLog.read(run_dir), current)
     orphans = record_orphans(run_dir, flow_run, checkpoints or CheckpointStore(run_dir))
     if not previous and not orphans:
         return None
     closed = run_records.close_orphaned_attempts(config, run_dir, orphans)
     resumes = orphans[0].details.last_committed_step if orphans else None
-    crashed = _crash_in_prefect(previous, (current, name), resumes, read_events(run_dir)) if previous else []
-    event = append_event(
+    crashed = _crash_in_prefect(previous, (current, name), resumes, EventLog.read(run_dir)) if previous else []
+    event = append_record(
         run_dir,
-        Event.FLOW_TAKEN_OVER,
-        flow_run_id=current,
-        previous=previous,
-        previous_names=[c["name"] for c in crashed],
-        orphaned=[{"chunk": o.chunk, "attempt": o.attempt, "trained_to": o.details.trained_to} for o in orphans],
-        mlflow_runs_closed=closed,
-        crashed_task_runs=[t for c in crashed for t in c["crashed_task_runs"]],
+        FlowTakenOver(
+            flow_run_id=current,
+            previous=previous,
+            previous_names=[c.name for c in crashed],
+            orphaned=[{"chunk": o.chunk, "attempt": o.attempt, "trained_to": o.details.trained_to} for o in orphans],
+            mlflow_runs_closed=closed,
+            crashed_task_runs=[t for c in crashed for t in c.crashed_task_runs],
+        ),
     )
     _publish_links(config, run_dir, crashed, (current, name), orphans)
     send = notes.later if notes is not None else _now
@@ -148,8 +160,8 @@ def take_over(
             ],
         )
     if crashed:
-        logger.warning("marked the dead flow run(s) %s Crashed", ", ".join(c["name"] for c in crashed))
-    return event
+        logger.warning("marked the dead flow run(s) %s Crashed", ", ".join(c.name for c in crashed))
+    return event.as_json()
 
 
 def _now(fn: Callable[..., Any], *args: Any) -> None:
@@ -158,40 +170,44 @@ def _now(fn: Callable[..., Any], *args: Any) -> None:
 
 def _send_late_notes(run_name: str, run_dir: Path, previous: list[str], by: str, logger: Any) -> None:
     """The failure notes the dead flow runs had not sent (:mod:`tasks.missed_notes`)."""
-    if previous and (late := publish_missed_notes(run_name, read_events(run_dir), previous, by)):
+    if previous and (late := publish_missed_notes(run_name, EventLog.read(run_dir), previous, by)):
         logger.warning("sent %d failure note(s) the dead flow run(s) had not sent", late)
 
 
-def failures_seen(events: list[dict[str, Any]], flow_run_id: str, chunk: int) -> list[str]:
+def failures_seen(log: EventLog, flow_run_id: str, chunk: int) -> list[str]:
     """``killed at step 145``: the failures of ``chunk``'s attempts that ran in ``flow_run_id``,
     oldest first, without the ``orphaned`` one the takeover recorded.  A flow process killed a
     moment after a failure loses the log lines Prefect had not sent yet; the events keep them."""
-    mine = {
-        e.get("attempt")
-        for e in events
-        if e["kind"] == Event.ATTEMPT_STARTED and e.get("chunk") == chunk and e.get("flow_run_id") == flow_run_id
-    }
+    mine = {e.attempt for e in log.of(AttemptStarted) if e.chunk == chunk and e.flow_run_id == flow_run_id}
     return [
-        f"{e['failure']} at step {RecordedFailure.from_event(e).details.failed_at_step or '?'}"
-        for e in events
-        if e["kind"] == Event.FAILURE
-        and e.get("chunk") == chunk
-        and e.get("attempt") in mine
-        and e.get("failure") != FailureKind.ORPHANED
+        f"{f.kind} at step {f.details.failed_at_step or '?'}"
+        for f in log.of(RecordedFailure)
+        if f.chunk == chunk and f.attempt in mine and f.kind != FailureKind.ORPHANED
     ]
+
+
+@dataclass(frozen=True)
+class CrashedRun:
+    """A dead flow run the takeover found in Prefect: what it was (``state``) and the task runs
+    of it that were set Crashed."""
+
+    id: str
+    name: str
+    state: str
+    crashed_task_runs: list[str]
 
 
 def _crash_in_prefect(
     ids: list[str],
     current: tuple[str | None, str | None],
     resumes: int | None = None,
-    events: list[dict[str, Any]] | None = None,
-) -> list[dict[str, Any]]:
+    log: EventLog | None = None,
+) -> list[CrashedRun]:
     """Set each flow run of ``ids`` that is not final (and its task runs that are not) Crashed,
     and tag it ``continued-by:<current name>``; returns what each was and what was crashed.
     Each task run crashed here gets a last log line saying what happened to it (its own log ended
     at whatever its worker said last, or before a failure whose lines Prefect never got);
-    ``resumes``: the step the training resumes from; ``events``: the run's, for those failures."""
+    ``resumes``: the step the training resumes from; ``log``: the run's events, for those failures."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
@@ -216,7 +232,7 @@ def _crash_in_prefect(
                         client.set_task_run_state(tr.id, Crashed(message=message), force=True)
                         tasks.append(f"{tr.name} ({tr.state.name})")
                         chunk = int(tr.name.rpartition("-")[2]) if tr.name.rpartition("-")[2].isdigit() else None
-                        seen = failures_seen(events or [], str(fr.id), chunk) if chunk is not None else []
+                        seen = failures_seen(log or EventLog(), str(fr.id), chunk) if chunk is not None else []
                         before = f" after {', '.join(seen)}" if seen else ""
                         said = (
                             f"{tr.name} crashed{before}: its flow process was killed while it watched its "
@@ -227,10 +243,10 @@ def _crash_in_prefect(
                 if last_words:
                     client.create_logs(last_words)
                 client.update_flow_run(fr.id, tags=sorted({*fr.tags, f"continued-by:{new_name}"}))
-                out.append({"id": str(fr.id), "name": fr.name, "state": was, "crashed_task_runs": tasks})
+                out.append(CrashedRun(str(fr.id), fr.name, was, tasks))
             if new_id and out:
                 mine = client.read_flow_run(UUID(new_id))
-                links = {f"continues:{c['name']}" for c in out}
+                links = {f"continues:{c.name}" for c in out}
                 client.update_flow_run(mine.id, tags=sorted({*mine.tags, *links}))
     except Exception as exc:  # noqa: BLE001 - best effort (another API, a server gone)
         log.warning("Prefect: could not close the dead flow run(s) %s: %s", ", ".join(ids), exc)
@@ -263,7 +279,7 @@ def _link(flow_run_id: str | None, name: str | None) -> str:
 def _publish_links(
     config: RunConfig,
     run_dir: Path,
-    crashed: list[dict[str, Any]],
+    crashed: list[CrashedRun],
     current: tuple[str | None, str | None],
     orphans: list[RecordedFailure],
 ) -> None:
@@ -277,7 +293,7 @@ def _publish_links(
         f"resumes from step {o.details.last_committed_step or 0}"
         for o in orphans
     ]
-    took = ", ".join(f"{_link(c['id'], c['name'])} (was {c['state']}, now Crashed)" for c in crashed) or "none found"
+    took = ", ".join(f"{_link(c.id, c.name)} (was {c.state}, now Crashed)" for c in crashed) or "none found"
     body = f"### Run {run_name} taken over\n\nThis flow run continues the dead flow run(s) {took}.\n\n" + "\n".join(
         lines
     )
@@ -285,15 +301,15 @@ def _publish_links(
         create_markdown_artifact(
             markdown=body, key=artifact_key(run_name, "flow-runs"), description=f"convoy run {run_name}: taken over"
         )
-        _note_on_dead_runs(config, read_events(run_dir), crashed, current)
+        _note_on_dead_runs(config, EventLog.read(run_dir), crashed, current)
     except Exception as exc:  # noqa: BLE001
         log.warning("Prefect: could not publish the take-over artifacts: %s", exc)
 
 
 def _note_on_dead_runs(
     config: RunConfig,
-    events: list[dict[str, Any]],
-    crashed: list[dict[str, Any]],
+    log: EventLog,
+    crashed: list[CrashedRun],
     current: tuple[str | None, str | None],
 ) -> None:
     from uuid import UUID
@@ -306,7 +322,7 @@ def _note_on_dead_runs(
     body = f"### Continued\n\nThis flow run died; run {run_name} was continued by flow run {_link(*current)} ({stamp})."
     with get_client(sync_client=True) as client:
         for c in crashed:
-            flow_run_id = UUID(c["id"])
+            flow_run_id = UUID(c.id)
             client.create_artifact(
                 ArtifactCreate(
                     type="markdown",
@@ -316,7 +332,7 @@ def _note_on_dead_runs(
                     flow_run_id=flow_run_id,
                 )
             )
-            rows = dead_run_rows(events, c["id"], config.train.total_steps, config.train.chunk_steps)
+            rows = dead_run_rows(log, c.id, config.train.total_steps, config.train.chunk_steps)
             client.create_artifact(
                 ArtifactCreate(
                     type="table",
@@ -328,18 +344,17 @@ def _note_on_dead_runs(
             )
 
 
-def dead_run_rows(events: list[dict[str, Any]], flow_run_id: str, total_steps: int, chunk_steps: int) -> list[dict]:
+def dead_run_rows(log: EventLog, flow_run_id: str, total_steps: int, chunk_steps: int) -> list[dict[str, Any]]:
     """The chunks a dead flow run worked on, from the run's events (it died before publishing
     its own table): attempts it made, their failures (``orphaned`` for the one it died under),
     and what it committed."""
-    mine = [e for e in events if e["kind"] == Event.ATTEMPT_STARTED and e.get("flow_run_id") == flow_run_id]
+    mine = [e for e in log.of(AttemptStarted) if e.flow_run_id == flow_run_id]
     rows = []
-    for chunk in sorted({int(e["chunk"]) for e in mine}):
-        attempts = {e.get("attempt") for e in mine if e["chunk"] == chunk}
-        ends = (Event.FAILURE, Event.CHUNK_DONE)
-        ended = [e for e in events if e["kind"] in ends and e.get("chunk") == chunk and e.get("attempt") in attempts]
-        done = next((e for e in ended if e["kind"] == Event.CHUNK_DONE), None)
-        started = min(e["time"] for e in mine if e["chunk"] == chunk)
+    for chunk in sorted({int(e.chunk or 0) for e in mine}):
+        attempts = {e.attempt for e in mine if e.chunk == chunk}
+        ended = [e for e in log.of(RecordedFailure, ChunkDone) if e.chunk == chunk and e.attempt in attempts]
+        done = next((e for e in ended if isinstance(e, ChunkDone)), None)
+        started = min(e.time for e in mine if e.chunk == chunk)
         rows.append(
             {
                 "chunk": chunk,
@@ -347,10 +362,10 @@ def dead_run_rows(events: list[dict[str, Any]], flow_run_id: str, total_steps: i
                 "end_step": min(chunk * chunk_steps, total_steps),
                 "status": "trained" if done else "died with this flow run",
                 "attempts": len(attempts),
-                "failure_kinds": [str(e["failure"]) for e in ended if e["kind"] == Event.FAILURE],
-                "loss": (done or {}).get("loss"),
-                "seconds": max((e["time"] for e in ended), default=started) - started,
-                "digest": (done or {}).get("digest"),
+                "failure_kinds": [str(e.kind) for e in ended if isinstance(e, RecordedFailure)],
+                "loss": done.loss if done else None,
+                "seconds": max((e.time for e in ended), default=started) - started,
+                "digest": done.digest if done else None,
             }
         )
     return rows
@@ -360,7 +375,7 @@ def mlflow_flow_tags(run_dir: Path, current: str | None, name: str | None) -> di
     """Tags linking the MLflow run to its Prefect flow runs: the current one (id, name, UI link
     when a server is used) and every flow run of the training run, oldest first, with how it
     ended (``crashed`` when another took it over)."""
-    endings = flow_run_endings(read_events(run_dir), current)
+    endings = flow_run_endings(EventLog.read(run_dir), current)
     tags = {
         "convoy.flow_run": current,
         "convoy.flow": name,

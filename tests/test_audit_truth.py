@@ -39,7 +39,9 @@ def test_steps_lost_agree_everywhere_and_failed_attempts_explain_themselves(
     from tasks.records.mlflow_audit import LOG_TAIL_ARTIFACT
     from tasks.records.mlflow_client import client_for
     from training.evaluate import train_metrics
+    from training.event_records import EventLog
     from training.rundir import run_info
+    from training.tracking.failure_record import RecordedFailure
     from training.tracking.progress import run_status
     from training.tracking.resume_audit import analyse_events
 
@@ -82,10 +84,11 @@ def test_steps_lost_agree_everywhere_and_failed_attempts_explain_themselves(
     assert [f["failure"] for f in failures] == ["killed", "killed"]
     assert failures[0]["last_committed_step"] is None and failures[0]["steps_lost"] >= kills[0] > 0
     assert failures[1]["last_committed_step"] == EVERY and failures[1]["steps_lost"] >= kills[1] - EVERY
-    audit = analyse_events(read_events(run_dir))
+    audit = analyse_events(EventLog.read(run_dir))
     per_failure = [f["steps_lost"] for f in failures]
     assert [r["lost_steps"] for r in audit["rows"]] == per_failure  # the resume rows
-    assert [failure_steps_lost(f, audit["rows"]) for f in failures] == per_failure  # `convoy chaos`
+    typed_failures = [RecordedFailure.from_event(f) for f in failures]
+    assert [failure_steps_lost(f, audit["rows"]) for f in typed_failures] == per_failure  # `convoy chaos`
     total = sum(per_failure)
     print(f"\nkilled at steps {kills}: steps lost {per_failure}")
 

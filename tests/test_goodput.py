@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.flow_util import CHUNK, TOTAL, config, in_thread, params, wait_for_step
+from training.event_records import EventLog
 from training.tracking.goodput import BUCKETS, Goodput, StepRow, chunk_points, compute
 
 T0 = 1_800_000_000.0  # any epoch time: the streams below count from it
@@ -106,13 +107,13 @@ def taken_over_run() -> tuple[list[dict[str, Any]], list[StepRow]]:
 def test_a_clean_run() -> None:
     events, steps = clean_run()
     # wall 5; productive 10 x 0.1; start-up: attempt (1 s) -> started (3 s); saves 0.015; eval 0.05
-    expect(compute(events, steps), 5.0, 1.0, program_startup=2.0, checkpoint_save=0.015, evaluation=0.05)
-    assert compute(events, steps).goodput == 0.2  # type: ignore[union-attr]
+    expect(compute(EventLog(events), steps), 5.0, 1.0, program_startup=2.0, checkpoint_save=0.015, evaluation=0.05)
+    assert compute(EventLog(events), steps).goodput == 0.2  # type: ignore[union-attr]
 
 
 def test_a_kill_detection_restore_and_lost_steps() -> None:
     events, steps = killed_run()
-    g = compute(events, steps)
+    g = compute(EventLog(events), steps)
     expect(
         g,
         5.5,
@@ -130,7 +131,7 @@ def test_a_run_in_the_middle_of_its_recovery() -> None:
     """Cut before the retry: the failure names the resume point, so steps 5-8 are already lost,
     and recovery runs to the moment asked about."""
     events, steps = killed_run()
-    g = compute(events, steps, until=T0 + 3.6)
+    g = compute(EventLog(events), steps, until=T0 + 3.6)
     expect(g, 3.6, 0.4, program_startup=1.0, checkpoint_save=0.02, wasted_progress=0.4, infrastructure_recovery=0.75)
     assert g is not None and g.step == 4
 
@@ -138,7 +139,7 @@ def test_a_run_in_the_middle_of_its_recovery() -> None:
 def test_a_run_taken_over_by_a_second_flow() -> None:
     events, steps = taken_over_run()
     expect(
-        compute(events, steps),
+        compute(EventLog(events), steps),
         11.5,  # the dead flow's gap counts: nobody ended the run
         1.0,
         program_startup=0.5 + 0.3,
@@ -165,7 +166,7 @@ def test_a_flow_that_died_between_two_workers() -> None:
         ev(21.1, "worker_done", rank=0, step=10),
         ev(21.2, "flow_done", flow_run_id="b"),
     ]
-    g = compute(events, rows(1, 5, 1.1) + rows(6, 10, 20.6))
+    g = compute(EventLog(events), rows(1, 5, 1.1) + rows(6, 10, 20.6))
     expect(
         g,
         21.2,
@@ -189,7 +190,7 @@ def test_a_flow_that_ended_by_itself_stops_the_clock() -> None:
         ev(101.5, "worker_done", rank=0, step=8),
         ev(102.0, "flow_done", flow_run_id="b"),
     ]
-    g = compute(head + tail, steps[:8])
+    g = compute(EventLog(head + tail), steps[:8])
     expect(
         g,
         3.3 + 2.0,
@@ -204,22 +205,22 @@ def test_a_flow_that_ended_by_itself_stops_the_clock() -> None:
 
 def test_events_after_the_cut_change_nothing() -> None:
     events, steps = killed_run()
-    early = compute(events, steps, until=T0 + 2.46)
-    assert early == compute(events[:4], steps[:4], until=T0 + 2.46)
+    early = compute(EventLog(events), steps, until=T0 + 2.46)
+    assert early == compute(EventLog(events[:4]), steps[:4], until=T0 + 2.46)
     expect(early, 2.46, 0.4, program_startup=1.0, checkpoint_save=0.02)
 
 
 def test_chunk_points_are_cut_at_each_chunk_end() -> None:
     events, steps = killed_run()
     events = [*events[:4], ev(2.5, "chunk_done", chunk=1, end_step=4), *events[4:]]
-    first, second = chunk_points(events, steps)
+    first, second = chunk_points(EventLog(events), steps)
     assert (first.step, second.step) == (4, 12)
-    assert first.cumulative == compute(events, steps, until=T0 + 2.5)
-    assert second.cumulative == compute(events, steps, until=T0 + 4.9)
+    assert first.cumulative == compute(EventLog(events), steps, until=T0 + 2.5)
+    assert second.cumulative == compute(EventLog(events), steps, until=T0 + 4.9)
     assert first.interval == first.cumulative.goodput
     a, b = first.cumulative, second.cumulative
     assert second.interval == pytest.approx((b.productive_s - a.productive_s) / (b.wall_s - a.wall_s), abs=1e-4)
-    assert [p.step for p in chunk_points(events, steps, only=[12])] == [12]
+    assert [p.step for p in chunk_points(EventLog(events), steps, only=[12])] == [12]
     metrics = second.metrics()
     assert metrics["goodput"] == second.cumulative.goodput
     assert {k for k in metrics if k.startswith("badput/")} == {f"badput/{b}" for b in BUCKETS}
@@ -227,10 +228,10 @@ def test_chunk_points_are_cut_at_each_chunk_end() -> None:
 
 def test_goodput_round_trips_and_describes_its_largest_buckets() -> None:
     events, steps = taken_over_run()
-    g = compute(events, steps)
+    g = compute(EventLog(events), steps)
     assert g is not None and Goodput.from_dict(json.loads(json.dumps(g.as_dict()))) == g
     assert g.describe().startswith(f"{g.goodput:.3f} of 11.5 s; badput: infrastructure_recovery 8.6 s")
-    assert compute([], []) is None
+    assert compute(EventLog(), []) is None
 
 
 # ---------------------------------------------------------------------------------- MLflow, once
@@ -271,7 +272,7 @@ def test_each_chunk_end_is_logged_once_however_often_it_is_asked(tmp_path: Path)
     assert goodput_metrics.log_points(cfg, run_dir) == []  # the thread logged step 12
     keys = client.get_run(run_id).data.metrics
     history = {key: [(m.step, m.value) for m in client.get_metric_history(run_id, key)] for key in keys}
-    expected = {p.step: p.metrics() for p in chunk_points(events, steps)}
+    expected = {p.step: p.metrics() for p in chunk_points(EventLog(events), steps)}
     assert set(history) == set(expected[12])
     for key, points in history.items():
         assert points == [(4, pytest.approx(expected[4][key])), (12, pytest.approx(expected[12][key]))], key

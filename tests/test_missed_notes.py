@@ -12,7 +12,8 @@ from pathlib import Path
 
 from tasks.artifacts import artifact_key, note_title, publish_failure_note
 from tasks.missed_notes import publish_missed_notes, published_titles
-from training.events import Event, append_event, read_events
+from training.event_records import EventLog
+from training.events import Event, append_event
 
 
 def _attempt(run_dir: Path, chunk: int, attempt: int, flow_run: str, failure: str) -> None:
@@ -41,7 +42,7 @@ def test_a_note_the_dead_flow_never_sent_is_sent_once_by_the_next(prefect_api: s
     _attempt(run_dir, 1, 3, "dead", "orphaned")  # the takeover notes orphans itself
     _attempt(run_dir, 2, 1, "alive", "killed")  # another flow run's: not this takeover's business
     publish_failure_note(name, note_title(1, 1, "killed"), ["sent in time"])
-    events = read_events(run_dir)
+    events = EventLog.read(run_dir)
 
     assert publish_missed_notes(name, events, ["dead"], "next-flow") == 1
     assert published_titles(name) == {note_title(1, 1, "killed"), note_title(1, 2, "diskfull")}

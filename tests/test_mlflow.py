@@ -21,6 +21,7 @@ from tasks.records.mlflow_audit import AttemptOutcome, end_attempt, refresh_audi
 from tasks.records.mlflow_client import client_for, resolve_tracking_uri
 from tasks.records.mlflow_runs import ensure_mlflow_run
 from tests.engine_util import final_digest, kill_group, make_run, run_worker, start_worker, wait_for_step
+from training.event_records import EventLog
 from training.events import append_event, read_events
 from training.rundir import load_run_config, run_info
 from training.tracking.attempts import AttemptId
@@ -327,7 +328,7 @@ def test_analyse_events_with_supervisor_failures(tmp_path: Path) -> None:
     )
     append_event(run, "resumed", rank=0, step=150, checkpoint="step-000000150", digest="d3", load_s=0.2)
     append_event(run, "worker_done", rank=0, step=200, digest="d4")
-    s = analyse_events(read_events(run))
+    s = analyse_events(EventLog.read(run))
     assert (s["resumes"], s["failures"], s["steps_lost"]) == (2, 2, 10)
     first, second = s["rows"]
     assert first["kind"] == "hang" and first["detected_after_s"] == 20.5 and first["resumed_from_step"] == 120

@@ -16,6 +16,7 @@ from flows.report import PLAIN_EVERY_S, failure_lines, plain_due, progress_line,
 from flows.run_summary import RunSummary
 from tasks.supervision.supervisor import ChunkFailed
 from tests.flow_util import REPO, params
+from training.tracking.progress import RunStatus
 
 
 def test_progress_line_and_plain_cadence() -> None:
@@ -30,7 +31,7 @@ def test_progress_line_and_plain_cadence() -> None:
         "failures": 1,
         "failure_chunks": [2],
     }
-    line = progress_line(st, chunk_steps=100)
+    line = progress_line(RunStatus.from_dict(st), chunk_steps=100)
     assert line == (
         "step 150/400 (38%) · chunk 2/4 attempt 2 · loss 2.3457 · 12,346 tok/s · 3.21 steps/s · "
         "ETA 5.0 min · checkpoint 100 · failures 1"
@@ -152,6 +153,7 @@ def test_train_prints_a_summary_with_the_mlflow_url_and_json_parses(
 def test_attempts_are_numbered_per_chunk_across_flow_runs_and_named_by_outcome() -> None:
     """Numbers come from every event of the chunk (attempts of a dead flow, preemption re-spawns),
     so a new flow's first attempt of chunk 2 is attempt 4, not a second "attempt 1"."""
+    from training.event_records import EventLog
     from training.tracking.attempts import (
         ChunkHistory,
         attempt_name,
@@ -170,9 +172,10 @@ def test_attempts_are_numbered_per_chunk_across_flow_runs_and_named_by_outcome()
         {"kind": "failure", "chunk": 2, "attempt": 2, "failure": "preempted"},
         {"kind": "attempt_started", "chunk": 2, "attempt": 3},  # its flow was SIGKILLed: never ended
     ]
-    assert next_attempt(events, 1) == 2 and next_attempt(events, 2) == 4 and next_attempt(events, 3) == 1
+    log = EventLog(events)
+    assert next_attempt(log, 1) == 2 and next_attempt(log, 2) == 4 and next_attempt(log, 3) == 1
     assert chunk_history(events, 2) == ChunkHistory(3, ("killed", "preempted"))
-    assert [(e["chunk"], e["attempt"]) for e in open_attempts(events)] == [(2, 3)]
+    assert [(e.chunk, e.attempt) for e in open_attempts(log)] == [(2, 3)]
     name = attempt_name(2, 3, outcome_label("killed", 290, 200))
     assert name == "killed 290→200 c2·a3" and name[:14] == "killed 290→200"  # what MLflow's table shows
     assert attempt_name(3, 1, outcome_label(None, resumed_from=600)) == "done→600 c3·a1"
@@ -249,19 +252,20 @@ def test_the_result_message_says_why_the_attempt_is_not_prefects_run_count() -> 
     flow run, a preempted worker re-spawned inside a run included (issue 31: "Run Count 3" beside
     "committed on attempt 4")."""
     from tasks.retry_policy import attempts_explained
+    from training.event_records import EventLog
     from training.tracking.attempts import AttemptId
 
     def started(n: int, flow: str) -> dict[str, object]:
         return {"kind": "attempt_started", "chunk": 1, "attempt": n, "flow_run_id": flow}
 
     plain = [started(1, "f"), started(2, "f")]
-    assert attempts_explained(plain, AttemptId(1, 2, 0, 10, "f", "t"), 2) == ""
+    assert attempts_explained(EventLog(plain), AttemptId(1, 2, 0, 10, "f", "t"), 2) == ""
     preempted = [*plain, started(3, "f"), started(4, "f")]
-    said = attempts_explained(preempted, AttemptId(1, 4, 0, 10, "f", "t"), 3)
+    said = attempts_explained(EventLog(preempted), AttemptId(1, 4, 0, 10, "f", "t"), 3)
     assert said == " (Prefect run 3: 1 preempted worker re-spawned inside a run)"
     taken_over = [started(1, "dead"), started(2, "dead"), started(3, "f")]
     assert (
-        attempts_explained(taken_over, AttemptId(1, 3, 0, 10, "f", "t"), 1)
+        attempts_explained(EventLog(taken_over), AttemptId(1, 3, 0, 10, "f", "t"), 1)
         == " (Prefect run 1: 2 in an earlier flow run)"
     )
 
@@ -270,6 +274,7 @@ def test_only_failures_without_progress_count_toward_the_backoff() -> None:
     """A crash loop (attempts that fail before training a step) is slowed down; a worker that
     trained and then died is replaced at once, however many failures the chunk had before
     (issue 30: the second of two kills 5 s apart waited the 1 s backoff)."""
+    from training.event_records import EventLog
     from training.tracking.attempts import failures_without_progress
 
     def attempt(n: int, resumes: int, trained_to: int | None, chunk: int = 2) -> list[dict[str, object]]:
@@ -277,17 +282,18 @@ def test_only_failures_without_progress_count_toward_the_backoff() -> None:
         return [started, {"kind": "failure", "chunk": chunk, "attempt": n, "trained_to": trained_to}]
 
     killed_twice = attempt(1, 20, 45) + attempt(2, 40, 61)
-    assert failures_without_progress(killed_twice, 2) == 0
+    assert failures_without_progress(EventLog(killed_twice), 2) == 0
     crash_loop = attempt(1, 20, 45) + attempt(2, 40, 40) + attempt(3, 40, None)
-    assert failures_without_progress(crash_loop, 2) == 2
-    assert failures_without_progress(crash_loop + attempt(4, 40, 47), 2) == 0  # progress resets it
-    assert failures_without_progress(crash_loop, 3) == 0
+    assert failures_without_progress(EventLog(crash_loop), 2) == 2
+    assert failures_without_progress(EventLog(crash_loop + attempt(4, 40, 47)), 2) == 0  # progress resets it
+    assert failures_without_progress(EventLog(crash_loop), 3) == 0
 
 
 def test_a_crashed_task_runs_last_line_lists_the_failures_prefect_may_have_missed() -> None:
     """The failures of the chunk's attempts in the dead flow run, from the events (its last log
     lines can be lost with the process), not the orphaned one the takeover adds."""
     from tasks.takeover import failures_seen
+    from training.event_records import EventLog
 
     def attempt(n: int, flow: str, kind: str, at: int) -> list[dict[str, object]]:
         started = {"kind": "attempt_started", "chunk": 2, "attempt": n, "flow_run_id": flow}
@@ -296,14 +302,15 @@ def test_a_crashed_task_runs_last_line_lists_the_failures_prefect_may_have_misse
     events = (
         attempt(1, "old", "killed", 145) + attempt(2, "dead", "diskfull", 176) + attempt(3, "dead", "orphaned", 190)
     )
-    assert failures_seen(events, "dead", 2) == ["diskfull at step 176"]
-    assert failures_seen(events, "dead", 3) == []
+    assert failures_seen(EventLog(events), "dead", 2) == ["diskfull at step 176"]
+    assert failures_seen(EventLog(events), "dead", 3) == []
 
 
 def test_only_flow_runs_that_died_unseen_are_taken_over() -> None:
     """A flow that finished, failed or crashed with its hooks running ended; one SIGKILLed left
     only its ``flow_started``; one taken over once is not taken over again."""
     from tasks.takeover import unfinished_flow_runs
+    from training.event_records import EventLog
 
     events = [
         {"kind": "flow_started", "flow_run_id": "done"},
@@ -315,7 +322,7 @@ def test_only_flow_runs_that_died_unseen_are_taken_over() -> None:
         {"kind": "flow_taken_over", "flow_run_id": "killed-2", "previous": ["killed-1"]},
         {"kind": "flow_started", "flow_run_id": "now"},
     ]
-    assert unfinished_flow_runs(events, "now") == ["killed-2"]
+    assert unfinished_flow_runs(EventLog(events), "now") == ["killed-2"]
 
 
 def test_a_chunk_record_keeps_the_written_keys_and_reads_back_what_a_pool_parent_adds() -> None:
@@ -360,6 +367,7 @@ def test_a_dead_flow_runs_chunks_and_a_removed_boundarys_digest_come_from_the_ev
     """The chunks table of a flow run that died (published by its successor) and the digest of a
     committed chunk whose boundary retention removed are read from the run's events."""
     from tasks.takeover import dead_run_rows
+    from training.event_records import EventLog
     from training.tracking.attempts import recorded_digest
 
     events = [
@@ -371,7 +379,7 @@ def test_a_dead_flow_runs_chunks_and_a_removed_boundarys_digest_come_from_the_ev
         {"kind": "failure", "chunk": 2, "attempt": 1, "failure": "orphaned", "time": 30.0},
         {"kind": "attempt_started", "chunk": 2, "attempt": 2, "flow_run_id": "next", "time": 30.5},
     ]
-    one, two = dead_run_rows(events, "dead", total_steps=50, chunk_steps=20)
+    one, two = dead_run_rows(EventLog(events), "dead", total_steps=50, chunk_steps=20)
     assert (one["status"], one["attempts"], one["failure_kinds"], one["digest"]) == ("trained", 2, ["killed"], "d1")
     assert (one["start_step"], one["end_step"], one["seconds"]) == (0, 20, 5.0)
     assert (two["status"], two["attempts"], two["failure_kinds"]) == ("died with this flow run", 1, ["orphaned"])

@@ -71,7 +71,8 @@ def test_status_follows_a_running_worker_then_sees_it_dead(tmp_path: Path) -> No
 def test_one_definition_of_steps_lost(tmp_path: Path) -> None:
     """Steps lost = steps trained beyond the checkpoint resumed from; before the first checkpoint
     that is every step trained; a kill right after a save loses nothing."""
-    from training.events import append_event, read_events
+    from training.event_records import EventLog
+    from training.events import append_event
     from training.tracking.resume_audit import analyse_events, steps_lost, trained_high_water
 
     assert steps_lost(36, None) == 36 and steps_lost(40, 40) == 0 and steps_lost(None, 10) is None
@@ -103,22 +104,23 @@ def test_one_definition_of_steps_lost(tmp_path: Path) -> None:
         attempt=2,
     )
     append_event(tmp_path, "resumed", rank=0, step=40, until_step=100)
-    audit = analyse_events(read_events(tmp_path))
+    audit = analyse_events(EventLog.read(tmp_path))
     assert [r["lost_steps"] for r in audit["rows"]] == [36, 0] and audit["steps_lost"] == 36
 
 
 def test_state_rules() -> None:
     """running beats everything; finished; failed only when the flow gave up after the last start."""
+    from training.event_records import EventLog as Log
     from training.tracking.progress import _state
 
     gave_up = [{"kind": "flow_started"}, {"kind": "started"}, {"kind": "failure"}, {"kind": "chunk_failed"}]
-    assert _state(True, False, gave_up, True) == "running"
-    assert _state(False, True, gave_up, True) == "finished"
-    assert _state(False, False, gave_up, True) == "failed"
-    assert _state(False, False, [*gave_up, {"kind": "flow_started"}], True) == "dead"  # a new flow died since
-    assert _state(False, False, [{"kind": "started"}, {"kind": "failure"}], True) == "dead"
-    assert _state(False, False, [], False) == "never started"
-    assert _state(False, False, [{"kind": "resumed"}], True, clean_end=True) == "stopped"  # e.g. a pulled clone
+    assert _state(True, False, Log(gave_up), True) == "running"
+    assert _state(False, True, Log(gave_up), True) == "finished"
+    assert _state(False, False, Log(gave_up), True) == "failed"
+    assert _state(False, False, Log([*gave_up, {"kind": "flow_started"}]), True) == "dead"  # a new flow died since
+    assert _state(False, False, Log([{"kind": "started"}, {"kind": "failure"}]), True) == "dead"
+    assert _state(False, False, Log(), False) == "never started"
+    assert _state(False, False, Log([{"kind": "resumed"}]), True, clean_end=True) == "stopped"  # e.g. a pulled clone
 
 
 def test_flow_summary_verifies_the_newest_checkpoint_once(tmp_path: Path, monkeypatch: Any) -> None:

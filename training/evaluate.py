@@ -33,11 +33,12 @@ from training.checkpointing import sharded
 from training.checkpointing.safetensors_io import write_file
 from training.checkpointing.store import CheckpointStore
 from training.config import ConfigError, RunConfig, load_config
-from training.events import EXIT_CONFIG, read_events
+from training.event_records import EventLog
+from training.events import EXIT_CONFIG
 from training.fsutil import atomic_replace, atomic_write_bytes
 from training.rundir import continues, describe_change, keyed_config, recorded_trajectories, run_info
 from training.tracking.metrics import metric_rows
-from training.tracking.resume_audit import analyse_events
+from training.tracking.resume_audit import analyse
 
 MODEL_PATH = Path("models/model.safetensors")
 TRAIN_METRICS = Path("metrics/train.json")
@@ -120,29 +121,27 @@ def train_metrics(config: RunConfig, run_dir: str | Path, export: dict[str, Any]
 
     rows = metric_rows(run_dir)
     tail = [m["loss"] for _, m in rows[-20:] if "loss" in m]
-    audit = analyse_events(read_events(run_dir))
+    audit = analyse(EventLog.read(run_dir))
     return {
         "final_step": export["step"],
         "total_steps": config.train.total_steps,
         "final_loss": rows[-1][1].get("loss") if rows else None,
         "final_loss_avg20": sum(tail) / len(tail) if tail else None,
         "logged_steps": len(rows),
-        "resumes": audit["resumes"],
-        "failures": audit["failures"],
-        "steps_lost": audit["steps_lost"],
+        "resumes": audit.resumes,
+        "failures": audit.failures,
+        "steps_lost": audit.steps_lost,
     }
 
 
 def train_info(config: RunConfig, run_dir: str | Path, export: dict[str, Any]) -> dict[str, Any]:
     """Identity of the result, kept out of the metrics (a hex digest is not a number to compare)."""
-    from training.tracking.resume_audit import analyse_events
-
-    audit = analyse_events(read_events(run_dir))
+    audit = analyse(EventLog.read(run_dir))
     return {
         "step": export["step"],
         "digest": export["digest"],
         "fingerprint": config.fingerprint(),
-        "nondeterministic": audit["nondeterministic"],
+        "nondeterministic": audit.nondeterministic,
     }
 
 
@@ -188,9 +187,9 @@ def export_outputs(
 
 def write_timeline(config: RunConfig, run_dir: str | Path, out_path: Path = TIMELINE_PLOT) -> Path:
     """The audit's timeline picture for ``dvc plots show`` (failures and resumes marked)."""
-    from training.tracking.resume_audit import analyse_events, render_timeline
+    from training.tracking.resume_audit import render_timeline
 
-    return render_timeline(run_dir, analyse_events(read_events(run_dir)), out_path, title=config.run_name)
+    return render_timeline(run_dir, analyse(EventLog.read(run_dir)), out_path, title=config.run_name)
 
 
 @torch.no_grad()

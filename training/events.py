@@ -70,6 +70,8 @@ class Event(StrEnum):
     CHECKPOINT_VERSIONED = "checkpoint_versioned"
     CHECKPOINTS_PULLED = "checkpoints_pulled"
     CHUNK_DONE = "chunk_done"
+    #: The chunk task failed for good (its Prefect failure hook, tasks/hooks.py).
+    CHUNK_FAILED = "chunk_failed"
     CHUNK_FLOW_RUN_FAILED = "chunk_flow_run_failed"
     CONFIG_CHANGED = "config_changed"
     CONFIG_ERROR = "config_error"
@@ -77,7 +79,11 @@ class Event(StrEnum):
     DIVERGED = "diverged"
     FAILURE = "failure"
     FIRST_STEP = "first_step"
+    #: The flow run crashed with its hook running (tasks/hooks.py): it ended, no takeover needed.
+    FLOW_CRASHED = "flow_crashed"
     FLOW_DONE = "flow_done"
+    #: The flow run failed with its hook running (tasks/hooks.py).
+    FLOW_FAILED = "flow_failed"
     #: Prefect set this live flow run final (Crashed by the liveness automation): trained on.
     FLOW_MARKED_WHILE_ALIVE = "flow_marked_while_alive"
     FLOW_STARTED = "flow_started"
@@ -97,6 +103,8 @@ class Event(StrEnum):
     REMOTE_CHECKPOINT_REFUSED = "remote_checkpoint_refused"
     REPEATED_FAILURE = "repeated_failure"
     REPLAY_AFTER_RESIZE = "replay_after_resize"
+    #: Replayed metric values differed from the first pass (training.tracking.metrics).
+    REPLAY_MISMATCH = "replay_mismatch"
     REPLAY_VERIFIED = "replay_verified"
     RESUBMITTED = "resubmitted"
     RESUMED = "resumed"

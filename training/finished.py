@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from training.config import RunConfig
-from training.events import Event, read_events
+from training.event_records import EventLog, FlowDone, FlowStarted
 from training.rundir import run_info
 
 
@@ -39,15 +39,13 @@ def finished_run(config: RunConfig) -> Finished | None:
     info = run_info(run_dir)
     if info is None or info.get("fingerprint") != config.fingerprint():
         return None
-    flows = [e for e in read_events(run_dir) if e["kind"] in (Event.FLOW_STARTED, Event.FLOW_DONE)]
-    if not flows or flows[-1]["kind"] != Event.FLOW_DONE:
-        return None
-    done = flows[-1]
-    if done.get("final_step") != config.train.total_steps or not done.get("digest"):
+    flows = EventLog.read(run_dir).of(FlowStarted, FlowDone)
+    done = flows[-1] if flows else None
+    if not isinstance(done, FlowDone) or done.final_step != config.train.total_steps or not done.digest:
         return None
     from training.checkpointing.store import CheckpointStore  # imports torch: only for a candidate
 
     newest = CheckpointStore(run_dir).latest_valid(record=False)
-    if newest is None or newest.step != done["final_step"] or newest.digest != done["digest"]:
+    if newest is None or newest.step != done.final_step or newest.digest != done.digest:
         return None
-    return Finished(newest.step, newest.digest, float(done["time"]), done.get("flow_run_id"))
+    return Finished(newest.step, newest.digest, done.time, done.flow_run_id)

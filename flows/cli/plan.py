@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from flows.cli.common import console, fail
-from training.events import Event, FailureKind
+from training.events import FailureKind
 
 
 def plan(
@@ -108,17 +108,19 @@ def _measured_from_run(run_dir: Path, values: dict) -> dict:
     """Median measured blocking-save time and observed failure rate from a run's events."""
     from statistics import median
 
-    from training.events import read_events
+    from training.event_records import CheckpointSaved, EventLog
+    from training.tracking.failure_record import RecordedFailure
 
-    events = read_events(run_dir)
+    log = EventLog.read(run_dir)
+    events = log.all(CheckpointSaved, RecordedFailure)
     if not events:
         raise fail(f"{run_dir}: no events.jsonl; run training first")
-    saves = [e["persist_s"] + e["stall_s"] for e in events if e["kind"] == Event.CHECKPOINT_SAVED]
-    failures = [e for e in events if e["kind"] == Event.FAILURE and e.get("failure") != FailureKind.CONFIG]
+    saves = [(e.persist_s or 0.0) + (e.stall_s or 0.0) for e in events if isinstance(e, CheckpointSaved)]
+    failures = [e for e in events if isinstance(e, RecordedFailure) and e.kind != FailureKind.CONFIG]
     out: dict = {}
     if saves:
         out["save_hours"] = median(saves) / 3600
-    hours = (events[-1]["time"] - events[0]["time"]) / 3600
+    hours = (events[-1].time - events[0].time) / 3600
     if failures and hours > 0:
         out["failure_rate_per_day"] = len(failures) / hours * 24 / values.get("gpus", 8)
     console.print(

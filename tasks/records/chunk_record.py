@@ -11,32 +11,25 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from training.event_records import ChunkDone, optional
+
 
 @dataclass(frozen=True)
-class ChunkRecord:
-    """One chunk's steps [start_step, end_step), committed by attempt ``attempt`` with ``digest``."""
+class ChunkRecord(ChunkDone):
+    """One chunk's steps [start_step, end_step), committed by attempt ``attempt`` with ``digest``:
+    the ``chunk_done`` event's record (:class:`training.event_records.ChunkDone`, whose fields it
+    has), and what the pool's dispatcher adds to it."""
 
-    chunk: int
-    start_step: int
-    end_step: int
-    attempt: int
-    preemptions: int
-    resumed_from: int | None
-    digest: str
-    loss: float | None
-    seconds: float
-    worker_seconds: float
-    node: str
     #: Pool mode only (the parent's dispatcher adds them): each chunk flow run's id, failure kind,
     #: node and downloads, since no event of another machine names them.
-    flow_runs: list[str] | None = None
-    failure_kinds: list[str] | None = None
-    nodes: list[str | None] | None = None
-    fetched: list[dict[str, Any]] | None = None
+    flow_runs: list[str] | None = optional()
+    failure_kinds: list[str] | None = optional()
+    nodes: list[str | None] | None = optional()
+    fetched: list[dict[str, Any]] | None = optional()
 
     def as_dict(self) -> dict[str, Any]:
         """The mapping that is written (event, task state, artifact): the pool-only fields only when set."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k in _ALWAYS}
+        return {k: getattr(self, k) for k in _FIELDS if getattr(self, k) is not None or k in _ALWAYS}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ChunkRecord:
@@ -44,8 +37,8 @@ class ChunkRecord:
         return cls(**{k: v for k, v in data.items() if k in _FIELDS})
 
 
-_FIELDS = {f.name for f in dataclasses.fields(ChunkRecord)}
-_ALWAYS = {f.name for f in dataclasses.fields(ChunkRecord) if f.default is dataclasses.MISSING}
+_FIELDS = ChunkRecord.own_fields()
+_ALWAYS = set(ChunkDone.own_fields())
 
 
 @dataclass

@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 
 from training.config import RunConfig
-from training.events import read_events
+from training.event_records import EventLog
 from training.rundir import run_info
 from training.tracking.goodput import chunk_ends, chunk_points, journal_steps
 
@@ -53,15 +53,15 @@ def _log_missing(config: RunConfig, run_dir: Path, run_id: str) -> list[int]:
 
     from tasks.records.mlflow_client import client_for, resolve_tracking_uri
 
-    events = read_events(run_dir)
-    ends = [step for step, _ in chunk_ends(events)]
+    log = EventLog.read(run_dir)
+    ends = [step for step, _ in chunk_ends(log)]
     if not ends:
         return []
     client = client_for(resolve_tracking_uri(config, run_dir))
     have = {m.step for m in client.get_metric_history(run_id, GOODPUT)}
     missing = [step for step in ends if step not in have]
     logged = []
-    for point in chunk_points(events, journal_steps(run_dir), only=missing) if missing else []:
+    for point in chunk_points(log, journal_steps(run_dir), only=missing) if missing else []:
         stamp = int(point.time * 1000)
         metrics = [Metric(k, float(v), stamp, point.step) for k, v in sorted(point.metrics().items())]
         client.log_batch(run_id, metrics=metrics, synchronous=True)  # the point whole, or not at all

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +31,13 @@ from urllib.parse import quote
 
 from tasks.records.run_links import attempt_links, attempts_oldest_first, flow_runs_markdown
 from training.config import RunConfig
-from training.events import FailureKind, read_events
+from training.event_records import EventLog
+from training.events import FailureKind
 from training.fsutil import atomic_write_json
 from training.rundir import run_info
 from training.tracking.attempts import AttemptId, attempt_name, outcome_label
 from training.tracking.failure_record import FailureDetails, RecordedFailure
-from training.tracking.resume_audit import analyse_events, describe_passed_over, read_loss, render_timeline
+from training.tracking.resume_audit import ResumeAudit, analyse, describe_passed_over, read_loss, render_timeline
 
 AUDIT_DIR = "audit"
 
@@ -123,7 +125,7 @@ def attempt_note(run_dir: Path, attempt: AttemptId, what: str) -> str:
         f"Chunk {attempt.chunk}, attempt {attempt.attempt}: steps [{attempt.start}, {attempt.end})"  # as Prefect says
     )
     since = f", resuming from step {attempt.resumes_from}" if attempt.resumes_from is not None else ""
-    links = attempt_links(run_dir, read_events(run_dir), (attempt.flow_run_id, attempt.task_run_id))
+    links = attempt_links(run_dir, EventLog.read(run_dir), (attempt.flow_run_id, attempt.task_run_id))
     return f"{what}\n\n{steps}{since}.\n\n{links}"
 
 
@@ -321,28 +323,28 @@ def refresh_audit(config: RunConfig, run_dir: str | Path) -> dict[str, Any]:
     Idempotent: the table and picture are replaced, not appended, so calling it at every chunk
     end (and again after a crash) converges on the same artifacts."""
     run_dir = Path(run_dir)
-    summary = analyse_events(read_events(run_dir))
+    audit = analyse(EventLog.read(run_dir))
     out_dir = run_dir / AUDIT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = _table_payload(summary["rows"])
+    table = _table_payload(audit.rows)
     atomic_write_json(out_dir / "resume_events.json", table, durable=False)
-    png = render_timeline(run_dir, summary, out_dir / "timeline.png", title=config.run_name)
+    png = render_timeline(run_dir, audit, out_dir / "timeline.png", title=config.run_name)
     if not config.tracking.mlflow:
-        return summary
+        return audit.as_dict()
     try:
-        _publish(config, run_dir, summary, table, png)
+        _publish(config, run_dir, audit, table, png)
     except Exception as exc:  # noqa: BLE001 - the audit must never fail a training run
         print(f"WARNING: could not publish the resume audit to MLflow: {exc}", file=sys.stderr, flush=True)
-        summary["mlflow_error"] = str(exc)
-    return summary
+        return {**audit.as_dict(), "mlflow_error": str(exc)}
+    return audit.as_dict()
 
 
-def run_description(run_dir: Path, summary: dict[str, Any] | None = None) -> str:
+def run_description(run_dir: Path, summary: ResumeAudit | None = None) -> str:
     """The training run's MLflow description: the audit in a sentence or two, then its Prefect
     flow runs as links with how each ended."""
-    events = read_events(run_dir)
-    parts = [describe_audit(summary or analyse_events(events)), timeline_picture(run_dir)]
-    parts += [flow_runs_markdown(run_dir, events), attempts_oldest_first(run_dir)]
+    log = EventLog.read(run_dir)
+    parts = [describe_audit(summary or analyse(log)), timeline_picture(run_dir)]
+    parts += [flow_runs_markdown(run_dir, log), attempts_oldest_first(run_dir)]
     return "\n\n".join(p for p in parts if p)
 
 
@@ -358,17 +360,17 @@ def timeline_picture(run_dir: Path) -> str:
     return f"![loss with every failure and resume]({address})"
 
 
-def replay_sentence(summary: dict[str, Any]) -> str:
+def replay_sentence(summary: ResumeAudit) -> str:
     """What the replay check found, counted over the resumes that re-trained steps: one that
     resumed at the step the failure hit (the memory tier) has nothing to compare, and "2 of 7"
     read as five failed checks."""
-    rows = summary["rows"]
+    rows = summary.rows
     replayed = [r for r in rows if (r.get("lost_steps") or 0) > 0]
     none = len(rows) - len(replayed)
     text = ""
     if replayed:
         text += (
-            f" Re-trained steps matched the first pass bit for bit after {summary['replay_verified']} of "
+            f" Re-trained steps matched the first pass bit for bit after {summary.replay_verified} of "
             f"{len(replayed)} resume(s) that re-trained steps."
         )
     if none:
@@ -376,21 +378,19 @@ def replay_sentence(summary: dict[str, Any]) -> str:
     return text
 
 
-def describe_audit(summary: dict[str, Any]) -> str:
+def describe_audit(summary: ResumeAudit) -> str:
     """The audit in a sentence or two: the training run's description in MLflow."""
-    if not summary["failures"]:
+    if not summary.failures:
         return "No failures: trained without interruption."
-    kinds: dict[str, int] = {}
-    for row in summary["rows"]:
-        kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
+    kinds = Counter(str(row["kind"]) for row in summary.rows)
     shown = ", ".join(f"{n} {k}" for k, n in kinds.items()) or "not resumed yet"
     text = (
-        f"{summary['failures']} failure(s) ({shown}), {summary['resumes']} resume(s) from verified checkpoints, "
-        f"{summary['steps_lost']} step(s) lost and retrained."
+        f"{summary.failures} failure(s) ({shown}), {summary.resumes} resume(s) from verified checkpoints, "
+        f"{summary.steps_lost} step(s) lost and retrained."
     )
     text += replay_sentence(summary)
-    if summary["nondeterministic"]:
-        text += f" NON-DETERMINISM detected from step {summary['nondeterministic_first_step']}."
+    if summary.nondeterministic:
+        text += f" NON-DETERMINISM detected from step {summary.nondeterministic_first_step}."
     return text + " See convoy/resume_events.json and convoy/timeline.png."
 
 
@@ -459,22 +459,22 @@ def _delete_artifacts(client: Any, run_id: str, paths: list[str]) -> None:
         print(f"WARNING: could not remove an older loss picture from MLflow: {exc}", file=sys.stderr, flush=True)
 
 
-def _publish(config: RunConfig, run_dir: Path, summary: dict[str, Any], table: dict[str, Any], png: Path) -> None:
+def _publish(config: RunConfig, run_dir: Path, summary: ResumeAudit, table: dict[str, Any], png: Path) -> None:
     from mlflow.entities import RunTag
     from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
 
     client, run_id, _ = client_and_parent(config, run_dir)
-    _log_failure_counts(client, run_id, summary["rows"])
-    tags = {
-        "convoy.resumes": summary["resumes"],
-        "convoy.failures": summary["failures"],
-        "convoy.steps_lost": summary["steps_lost"],
-        "convoy.replay_verified": summary["replay_verified"],
+    _log_failure_counts(client, run_id, summary.rows)
+    tags: dict[str, Any] = {
+        "convoy.resumes": summary.resumes,
+        "convoy.failures": summary.failures,
+        "convoy.steps_lost": summary.steps_lost,
+        "convoy.replay_verified": summary.replay_verified,
     }
     tags["mlflow.note.content"] = run_description(run_dir, summary)
-    if summary["nondeterministic"]:
+    if summary.nondeterministic:
         tags["convoy.nondeterministic"] = "true"
-        tags["convoy.nondeterministic_first_step"] = summary["nondeterministic_first_step"]
+        tags["convoy.nondeterministic_first_step"] = summary.nondeterministic_first_step
     run = client.get_run(run_id)
     logged = json.loads(run.data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
     entry = {"path": TABLE_ARTIFACT, "type": "table"}
@@ -487,5 +487,5 @@ def _publish(config: RunConfig, run_dir: Path, summary: dict[str, Any], table: d
         client.log_artifact(run_id, str(path), artifact_path=str(Path(TABLE_ARTIFACT).parent))
     client.log_artifact(run_id, str(png), artifact_path=str(Path(TIMELINE_ARTIFACT).parent))
     steps, _ = read_loss(run_dir)
-    if steps and summary["rows"]:  # a run without failures has its loss chart already
+    if steps and summary.rows:  # a run without failures has its loss chart already
         _log_chart_image(client, run_id, png, steps[-1])

@@ -11,10 +11,9 @@ Prefect.  With an embedded (ephemeral) Prefect API there is no UI to link: names
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
-from training.events import Event
+from training.event_records import EventLog, FlowCrashed, FlowDone, FlowFailed, FlowStarted, FlowTakenOver
 from training.rundir import run_info
 
 
@@ -45,22 +44,18 @@ def mlflow_run_link(experiment_id: str | None, run_id: str | None, label: str) -
     return link(label, f"#/experiments/{experiment_id}/runs/{run_id}" if experiment_id and run_id else None)
 
 
-def flow_run_names(events: list[dict[str, Any]]) -> dict[str, str]:
+def flow_run_names(log: EventLog) -> dict[str, str]:
     """``{flow run id: its name}`` from the run's ``flow_started`` events."""
-    return {
-        str(e["flow_run_id"]): str(e.get("flow_run_name") or "")
-        for e in events
-        if e["kind"] == Event.FLOW_STARTED and e.get("flow_run_id")
-    }
+    return {str(e.flow_run_id): str(e.flow_run_name or "") for e in log.of(FlowStarted) if e.flow_run_id}
 
 
-def flow_run_endings(events: list[dict[str, Any]], current: str | None = None) -> dict[str, str]:
+def flow_run_endings(log: EventLog, current: str | None = None) -> dict[str, str]:
     """``{flow run id: how it ended}``, oldest first: ``crashed`` when another took it over,
     ``finished``, ``failed``, ``running`` for ``current`` (default: the newest one), else
     ``ended``."""
-    taken = {p for e in events if e["kind"] == Event.FLOW_TAKEN_OVER for p in e.get("previous", [])}
-    done = {e.get("flow_run_id") for e in events if e["kind"] == Event.FLOW_DONE}
-    failed = {e.get("flow_run_id") for e in events if e["kind"] in ("flow_failed", "flow_crashed")}
+    taken = {p for e in log.of(FlowTakenOver) for p in e.previous}
+    done = {e.flow_run_id for e in log.of(FlowDone)}
+    failed = {e.flow_run_id for e in log.of(FlowFailed, FlowCrashed)}
 
     def ended(i: str) -> str:
         if i in taken:
@@ -71,21 +66,21 @@ def flow_run_endings(events: list[dict[str, Any]], current: str | None = None) -
             return "failed"
         return "running" if i == current else "ended"
 
-    ids = list(flow_run_names(events))
+    ids = list(flow_run_names(log))
     current = current or (ids[-1] if ids else None)
     return {i: ended(i) for i in ids}
 
 
-def flow_runs_markdown(run_dir: str | Path, events: list[dict[str, Any]], current: str | None = None) -> str:
+def flow_runs_markdown(run_dir: str | Path, log: EventLog, current: str | None = None) -> str:
     """``Prefect flow runs: [crimson-owl](…) (crashed) → [brave-fox](…) (finished)``; empty
     without flow runs."""
     ui = prefect_ui(run_dir)
-    names = flow_run_names(events)
-    runs = [f"{flow_run_link(ui, i, names.get(i))} ({how})" for i, how in flow_run_endings(events, current).items()]
+    names = flow_run_names(log)
+    runs = [f"{flow_run_link(ui, i, names.get(i))} ({how})" for i, how in flow_run_endings(log, current).items()]
     return "Prefect flow runs: " + " → ".join(runs) if runs else ""
 
 
-def attempt_links(run_dir: str | Path, events: list[dict[str, Any]], prefect: tuple[str | None, str | None]) -> str:
+def attempt_links(run_dir: str | Path, log: EventLog, prefect: tuple[str | None, str | None]) -> str:
     """An attempt's way back: its Prefect flow run and task run, and the training run's MLflow
     run; ``prefect``: (flow run id, task run id)."""
     flow_run_id, task_run_id = prefect
@@ -93,7 +88,7 @@ def attempt_links(run_dir: str | Path, events: list[dict[str, Any]], prefect: tu
     ui = prefect_ui(run_dir)
     parts = []
     if flow_run_id:
-        parts.append(f"flow run {flow_run_link(ui, flow_run_id, flow_run_names(events).get(flow_run_id))}")
+        parts.append(f"flow run {flow_run_link(ui, flow_run_id, flow_run_names(log).get(flow_run_id))}")
     if task_run_id:
         parts.append(task_run_link(ui, task_run_id, "task run"))
     prefect_part = "Prefect: " + " · ".join(parts) if parts else ""

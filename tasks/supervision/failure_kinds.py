@@ -33,7 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.events import EXIT_CONFIG, EXIT_PREEMPTED, Event, FailureKind, WorkerSays, read_events
+from training.event_records import EventLog, Preempted, WorkerConfigError
+from training.events import EXIT_CONFIG, EXIT_PREEMPTED, FailureKind, WorkerSays
 
 FAILURE_KINDS = tuple(FailureKind)
 #: Kinds Prefect must never retry: the same input fails the same way.
@@ -99,10 +100,10 @@ def launcher_exit(run_dir: Path, returncode: int, tail: Sequence[str], since: fl
     """
     if returncode in (0, EXIT_CONFIG, EXIT_PREEMPTED):
         return returncode
-    recent = [e for e in read_events(run_dir) if e.get("time", 0) >= since]
-    if any(e["kind"] == Event.CONFIG_ERROR for e in recent):
+    recent = [e for e in EventLog.read(run_dir).of(WorkerConfigError, Preempted) if e.time >= since]
+    if any(isinstance(e, WorkerConfigError) for e in recent):
         return EXIT_CONFIG
-    if any(e["kind"] == Event.PREEMPTED for e in recent):
+    if any(isinstance(e, Preempted) for e in recent):
         return EXIT_PREEMPTED
     text = "\n".join(tail)
     root = text[text.find("Root Cause") :] if "Root Cause" in text else text

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from training.events import Event, FailureKind, read_events
+from training.event_records import EventLog, FlowStarted
+from training.events import FailureKind
 from training.tracking.failure_record import FailureDetails, RecordedFailure
 
 #: Failure kinds that a deterministic bug produces (the attempt ended by itself, non-zero).
@@ -24,10 +25,9 @@ DETERMINISTIC_KINDS = frozenset({FailureKind.CRASH})
 
 
 def _this_flow_failures(run_dir: Path, chunk: int) -> list[RecordedFailure]:
-    events = read_events(run_dir)
-    since = max((i for i, e in enumerate(events) if e["kind"] == Event.FLOW_STARTED), default=-1)
-    failures = (RecordedFailure.from_event(e) for e in events[since + 1 :] if e["kind"] == Event.FAILURE)
-    return [f for f in failures if f.chunk == chunk]
+    events = EventLog.read(run_dir).of(FlowStarted, RecordedFailure)
+    since = max((i for i, e in enumerate(events) if isinstance(e, FlowStarted)), default=-1)
+    return [f for f in events[since + 1 :] if isinstance(f, RecordedFailure) and f.chunk == chunk]
 
 
 def same_failure(previous: RecordedFailure, latest: RecordedFailure) -> bool:

@@ -44,7 +44,7 @@ from tasks.supervision.supervisor import ChunkFailed, WorkerAttempt
 from tasks.supervision.worker_handle import WorkerHandle
 from tasks.supervision.worker_source import Acquired, Source, WorkerSource
 from training import chunk_boundary
-from training.events import read_events
+from training.event_records import EventLog
 from training.fsutil import file_size
 from training.paths import RunPaths
 from training.tracking.attempts import AttemptId, next_attempt, record_start
@@ -71,7 +71,7 @@ def replace_parked(
     if boundary is not None and chunk_boundary.boundary_committed(run_dir, boundary):
         log.info("parked worker pid %d died after committing step %d: the chunk after's", dead.pid, boundary)
         return None
-    number = next_attempt(read_events(run_dir), next_chunk.chunk)
+    number = next_attempt(EventLog.read(run_dir), next_chunk.chunk)
     dead_id = replace(next_chunk, attempt=number, resumes_from=next_chunk.start)
     record_start(run_dir, dead_id, None, since.metrics_offset, parked=True)  # its MLflow run comes later
     failed = post_mortem(spec_for(dead_id), dead, since)

@@ -13,20 +13,22 @@ because MLflow's runs table shows about sixteen.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from training.events import Event, append_event
+from training.event_records import AttemptRecorded, AttemptStarted, ChunkDone, EventLog, append_record
+from training.tracking.failure_record import RecordedFailure
 
-#: Events that name a chunk attempt (``chunk`` and ``attempt`` fields).
-_NUMBERED = (Event.ATTEMPT_STARTED, Event.FAILURE, Event.CHUNK_DONE)
+#: The records that name a chunk attempt (``chunk`` and ``attempt`` fields).
+_NUMBERED = (AttemptStarted, RecordedFailure, ChunkDone)
 
 
-def next_attempt(events: list[dict[str, Any]], chunk: int) -> int:
+def next_attempt(log: EventLog, chunk: int) -> int:
     """The number the chunk's next worker attempt gets: one more than any it used before."""
-    numbered = (e for e in events if e["kind"] in _NUMBERED and e.get("chunk") == chunk)
-    return max((int(e["attempt"]) for e in numbered if e.get("attempt")), default=0) + 1
+    numbered = (e for e in log.of(*_NUMBERED) if e.chunk == chunk)
+    return max((int(e.attempt) for e in numbered if e.attempt), default=0) + 1
 
 
 @dataclass(frozen=True)
@@ -54,14 +56,18 @@ class AttemptId:
 
 
 def record_start(
-    run_dir: str | Path, attempt: AttemptId, mlflow_run_id: str | None, metrics_offset: int, **fields: Any
+    run_dir: str | Path,
+    attempt: AttemptId,
+    mlflow_run_id: str | None,
+    metrics_offset: int,
+    parked: bool | None = None,
+    replaces: int | None = None,
 ) -> None:
     """The attempt's ``attempt_started`` event: written by its chunk task, or, for a worker killed
-    while parked, by the parking ahead of the task (``tasks/supervision/replacement.py``).
-    ``metrics_offset``: where its steps begin in ``metrics.jsonl``."""
-    append_event(
-        run_dir,
-        Event.ATTEMPT_STARTED,
+    while parked, by the parking ahead of the task (``tasks/supervision/replacement.py``:
+    ``parked``, or ``replaces``: the attempt it replaces).  ``metrics_offset``: where its steps
+    begin in ``metrics.jsonl``."""
+    started = AttemptStarted(
         chunk=attempt.chunk,
         attempt=attempt.attempt,
         flow_run_id=attempt.flow_run_id,
@@ -69,8 +75,10 @@ def record_start(
         mlflow_run_id=mlflow_run_id,
         resumes_from=attempt.resumes_from,
         metrics_offset=metrics_offset,
-        **fields,
+        parked=parked,
+        replaces=replaces,
     )
+    append_record(run_dir, started)
 
 
 @dataclass(frozen=True)
@@ -82,57 +90,58 @@ class ChunkHistory:
     failure_kinds: tuple[str, ...]
 
 
-def chunk_history(events: list[dict[str, Any]], chunk: int) -> ChunkHistory:
-    """The chunk's :class:`ChunkHistory`, read from the run's events."""
-    kinds = [str(e["failure"]) for e in events if e["kind"] == Event.FAILURE and e.get("chunk") == chunk]
-    return ChunkHistory(next_attempt(events, chunk) - 1, tuple(kinds))
+def chunk_history(events: EventLog | Iterable[Mapping[str, Any]], chunk: int) -> ChunkHistory:
+    """The chunk's :class:`ChunkHistory`, read from the run's events (a log, or the lines of one
+    whole-log read: flows/train.py passes those)."""
+    log = EventLog.view(events)
+    kinds = [str(f.kind) for f in log.of(RecordedFailure) if f.chunk == chunk]
+    return ChunkHistory(next_attempt(log, chunk) - 1, tuple(kinds))
 
 
-def recorded_digest(events: list[dict[str, Any]], chunk: int) -> str | None:
+def recorded_digest(events: EventLog | Iterable[Mapping[str, Any]], chunk: int) -> str | None:
     """The digest the chunk's commit recorded (its newest ``chunk_done``), for a chunk whose
-    boundary checkpoint retention has since removed; None if it never committed."""
-    done = [e for e in events if e["kind"] == Event.CHUNK_DONE and e.get("chunk") == chunk and e.get("digest")]
-    return str(done[-1]["digest"]) if done else None
+    boundary checkpoint retention has since removed; None if it never committed (a log, or the
+    lines of one whole-log read: flows/train.py passes those)."""
+    done = [e for e in EventLog.view(events).of(ChunkDone) if e.chunk == chunk and e.digest]
+    return str(done[-1].digest) if done else None
 
 
-def failures_without_progress(events: list[dict[str, Any]], chunk: int) -> int:
+def failures_without_progress(log: EventLog, chunk: int) -> int:
     """How many of the chunk's newest attempts, in a row, failed without training a step past the
     one they resumed from: a crash loop, which the retry backoff slows down.  A worker that
     trained and then died (a kill, a lost node) is not one: its successor starts at once."""
-    resumed = {
-        e.get("attempt"): e.get("resumes_from")
-        for e in events
-        if e["kind"] == Event.ATTEMPT_STARTED and e.get("chunk") == chunk
-    }
+    mine = [e for e in log.of(*_NUMBERED) if e.chunk == chunk]
+    resumed = {e.attempt: e.resumes_from for e in mine if isinstance(e, AttemptStarted)}
     streak = 0
-    for e in events:
-        if e["kind"] == Event.CHUNK_DONE and e.get("chunk") == chunk:
+    for e in mine:
+        if isinstance(e, ChunkDone):
             streak = 0
-        elif e["kind"] == Event.FAILURE and e.get("chunk") == chunk:
-            start, reached = resumed.get(e.get("attempt")), e.get("trained_to")
+        elif isinstance(e, RecordedFailure):
+            start, reached = resumed.get(e.attempt), e.details.trained_to
             progressed = start is not None and reached is not None and int(reached) > int(start)
             streak = 0 if progressed else streak + 1
     return streak
 
 
-def open_attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def open_attempts(log: EventLog) -> list[AttemptStarted]:
     """``attempt_started`` events whose attempt never ended (no ``failure`` and no ``chunk_done``
     names it): under the run's lock, attempts of a flow that died.  An ``attempt_recorded`` adds
     the MLflow run and task run an attempt started ahead of its task got later."""
-    ended = {(e.get("chunk"), e.get("attempt")) for e in events if e["kind"] in (Event.FAILURE, Event.CHUNK_DONE)}
-    later = {(e.get("chunk"), e.get("attempt")): e for e in events if e["kind"] == Event.ATTEMPT_RECORDED}
+    ended = {(e.chunk, e.attempt) for e in log.of(RecordedFailure, ChunkDone)}
+    later = {(e.chunk, e.attempt): e for e in log.of(AttemptRecorded)}
     out = []
-    for e in events:
-        key = (e.get("chunk"), e.get("attempt"))
-        if e["kind"] == Event.ATTEMPT_STARTED and key not in ended:
-            added = {k: v for k, v in later.get(key, {}).items() if k not in ("kind", "time")}
-            out.append({**e, **added})
+    for e in log.of(AttemptStarted):
+        key = (e.chunk, e.attempt)
+        if key in ended:
+            continue
+        got = later.get(key)
+        out.append(replace(e, task_run_id=got.task_run_id, mlflow_run_id=got.mlflow_run_id) if got else e)
     return out
 
 
-def latest_attempts(events: list[dict[str, Any]]) -> dict[int, int]:
+def latest_attempts(log: EventLog) -> dict[int, int]:
     """``{chunk: number of its newest attempt}`` (what the live line shows as "attempt")."""
-    return {int(e["chunk"]): int(e["attempt"]) for e in events if e["kind"] == Event.ATTEMPT_STARTED}
+    return {int(e.chunk or 0): int(e.attempt or 0) for e in log.of(AttemptStarted)}
 
 
 #: Shorter words for the longest failure kinds in a name (the kind itself is a tag and opens the

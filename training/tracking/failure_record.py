@@ -12,8 +12,11 @@ reads a ``failure`` event (supervision, the run records, the resume audit) may i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Self
+
+from training.event_records import EventRecord, event_time
+from training.events import Event
 
 #: Fields the supervisor always fills (None where it could not tell), in the order the ``failure``
 #: event has always listed them; the others appear in :meth:`FailureDetails.as_dict` only when set.
@@ -94,22 +97,62 @@ class FailureDetails:
 
 
 @dataclass(frozen=True)
-class RecordedFailure:
+class RecordedFailure(EventRecord):
     """A ``failure`` event read back: how which attempt of which chunk failed, with its details.
 
-    Why a type: the failure event is written by the chunk task and the hooks and read by
-    :mod:`tasks.supervision.repeated`, the audit and the report; its keys are the event's
-    (``failure``, ``chunk``, ``attempt``, then :meth:`FailureDetails.as_dict`'s)."""
+    Why a type: the failure event is written by the supervisor and the takeover and read by
+    :mod:`tasks.supervision.repeated`, the audit, goodput and the report; its keys are the event's
+    (``failure``, ``chunk``, ``attempt``, then :meth:`FailureDetails.as_dict`'s, then when the
+    failure was seen).  It is the ``failure`` kind's :class:`~training.event_records.EventRecord`:
+    keys it does not name (``flow_run_id``, ``leftover_pids``...) stay in ``extra``."""
+
+    KIND = Event.FAILURE
 
     kind: str | None
     chunk: int | None
     attempt: int | None
     details: FailureDetails
+    #: When the supervisor saw the exit (or its verdict): ``detected_at - detected_after_s`` is the death.
+    detected_at: float | None = field(default=None, kw_only=True)
+    #: An ``orphaned`` attempt's last heartbeat: when it was last seen alive.
+    last_seen: float | None = field(default=None, kw_only=True)
 
     @classmethod
     def from_event(cls, event: Mapping[str, Any]) -> RecordedFailure:
-        return cls(event.get("failure"), event.get("chunk"), event.get("attempt"), FailureDetails.from_dict(event))
+        return cls.from_json(event)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Self:
+        """Read a ``failure`` line back; missing keys are None, unknown ones go to ``extra``."""
+        named = {"failure", "chunk", "attempt", "detected_at", "last_seen", *_DETAIL_KEYS}
+        return cls(
+            data.get("failure"),
+            data.get("chunk"),
+            data.get("attempt"),
+            FailureDetails.from_dict(data),
+            detected_at=data.get("detected_at"),
+            last_seen=data.get("last_seen"),
+            time=event_time(data),
+            extra={k: v for k, v in data.items() if k not in named and k not in ("kind", "time")},
+        )
 
     def as_event_fields(self) -> dict[str, Any]:
         """The event's fields (what :func:`training.events.append_event` is given)."""
         return {"failure": self.kind, "chunk": self.chunk, "attempt": self.attempt, **self.details.as_dict()}
+
+    def as_fields(self) -> dict[str, Any]:
+        seen = {k: v for k, v in (("detected_at", self.detected_at), ("last_seen", self.last_seen)) if v is not None}
+        return {**self.as_event_fields(), **seen, **self.extra}
+
+    @property
+    def death(self) -> float:
+        """When the failed worker stopped making progress (goodput rule 7): its exit or last beat
+        before the detection latency, an orphan's last beat, else when the failure was written."""
+        if self.detected_at is not None:
+            return float(self.detected_at) - float(self.details.detected_after_s or 0.0)
+        if self.last_seen is not None:
+            return float(self.last_seen)
+        return self.time
+
+
+_DETAIL_KEYS = tuple(f.name for f in fields(FailureDetails))

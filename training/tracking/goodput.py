@@ -65,13 +65,15 @@ from __future__ import annotations
 import os
 import threading
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from training.events import Event
+from training import event_records as ev
+from training.events import Event, FailureKind
 from training.paths import RunPaths
+from training.tracking.failure_record import RecordedFailure
 from training.tracking.metrics import read_journal
 
 #: The badput buckets, in the order they are shown (rules 4-9, 11).
@@ -84,7 +86,10 @@ BUCKETS = (
     "evaluation",
     "other",
 )
-_FLOW_END = (Event.FLOW_DONE, "flow_failed", "flow_crashed")
+_FLOW_END = (ev.FlowDone, ev.FlowFailed, ev.FlowCrashed)
+#: The kinds goodput reads; every other line counts by its time alone (a sign of life, rule 1).
+_READS = (*_FLOW_END, ev.FlowStarted, ev.AttemptStarted, ev.Started, ev.Resumed, ev.FirstStep, ev.CheckpointSaved)
+_READS += (ev.WorkerDone, ev.Preempted, RecordedFailure, ev.ChunkDone)
 #: Events a new flow process writes before its ``flow_started`` (reaping, take-over, fetch): not
 #: a sign of the dead flow before it (rule 1).
 _PREAMBLE = {
@@ -209,25 +214,25 @@ def _length(spans: list[Span]) -> float:
 
 
 # ---------------------------------------------------------------------------------- rule 1
-def _last_sign(events: Sequence[dict[str, Any]], rows: Sequence[StepRow], after: float, before: float) -> float:
+def _last_sign(events: Sequence[ev.EventRecord], rows: Sequence[StepRow], after: float, before: float) -> float:
     """The last event or row of a flow run that died, in (after, before): not what the next flow
     process wrote before its ``flow_started`` (rule 1)."""
     times = [after]
     for e in events:
-        orphan = e["kind"] == Event.FAILURE and e.get("failure") == "orphaned"
-        if after < e["time"] < before and e["kind"] not in _PREAMBLE and not orphan:
-            times.append(e["time"])
+        orphan = isinstance(e, RecordedFailure) and e.kind == FailureKind.ORPHANED
+        if after < e.time < before and e.event_kind not in _PREAMBLE and not orphan:
+            times.append(e.time)
     times += [r.time for r in rows if r.time is not None and after < r.time < before]
     return max(times)
 
 
 def wall_spans(
-    events: Sequence[dict[str, Any]], rows: Sequence[StepRow], until: float
+    events: Sequence[ev.EventRecord], rows: Sequence[StepRow], until: float
 ) -> tuple[list[Span], list[Span]]:
     """(the wall-clock spans, the gaps after a flow run that died) up to ``until`` (rule 1)."""
     # A flow's clock starts when it did (``started_at``, before its MLflow run), not at its event.
-    starts = [e.get("started_at", e["time"]) for e in events if e["kind"] == Event.FLOW_STARTED]
-    first = [e["time"] for e in events[:1]] + [r.time for r in rows[:1] if r.time is not None]
+    starts = [e.clock_start for e in events if isinstance(e, ev.FlowStarted)]
+    first = [e.time for e in events[:1]] + [r.time for r in rows[:1] if r.time is not None]
     if not starts:
         return ([(min(first), until)] if first else []), []
     spans: list[Span] = []
@@ -235,7 +240,7 @@ def wall_spans(
     begin = starts[0]
     for nxt in [*starts[1:], None]:
         stop = until if nxt is None else nxt
-        ended = [e["time"] for e in events if e["kind"] in _FLOW_END and begin <= e["time"] <= stop]
+        ended = [e.time for e in events if isinstance(e, _FLOW_END) and begin <= e.time <= stop]
         if ended:
             spans.append((begin, min(max(ended), until)))
         elif nxt is not None:
@@ -267,45 +272,35 @@ class _Life:
     rolled_back_to: int | None = None
 
 
-def _rank0(e: dict[str, Any]) -> bool:
-    return int(e.get("rank", 0) or 0) == 0
-
-
-def _death(e: dict[str, Any]) -> float:
-    """When a failed worker stopped making progress (rule 7)."""
-    if e.get("detected_at") is not None:
-        return float(e["detected_at"]) - float(e.get("detected_after_s") or 0.0)
-    if e.get("last_seen") is not None:
-        return float(e["last_seen"])
-    return float(e["time"])
-
-
-def _follow_life(life: _Life, events: Sequence[dict[str, Any]], row_steps: Sequence[StepRow], last: bool) -> None:
+def _follow_life(life: _Life, events: Sequence[ev.EventRecord], row_steps: Sequence[StepRow], last: bool) -> None:
     """How far ``life`` trained and how it ended, from the events and rows of its span (rule 2)."""
     signs = [life.restored] + [r.time for r in row_steps[-1:] if r.time is not None]
     life.high = max([life.high] + [r.step for r in row_steps])
     exited = None
     for e in events:
-        kind = e["kind"]
-        if kind in (Event.CHECKPOINT_SAVED, Event.FIRST_STEP) or (kind == Event.WORKER_DONE and _rank0(e)):
-            life.high = max(life.high, int(e.get("step") or 0))
-            signs.append(e["time"])
-            if kind == Event.WORKER_DONE and exited is None:
-                exited = e["time"]
-        elif (kind == Event.FAILURE or (kind == Event.PREEMPTED and _rank0(e))) and life.failed_at is None:
-            life.high = max(life.high, int(e.get("trained_to") or e.get("last_beat_step") or e.get("step") or 0))
-            life.failed_at = max(life.restored, _death(e)) if kind == Event.FAILURE else e["time"]
-            if kind == Event.FAILURE and e.get("last_committed_step") is not None:
-                life.rolled_back_to = int(e["last_committed_step"])
+        if isinstance(e, ev.CheckpointSaved | ev.FirstStep) or (isinstance(e, ev.WorkerDone) and e.on_rank0):
+            life.high = max(life.high, int(e.step or 0))
+            signs.append(e.time)
+            if isinstance(e, ev.WorkerDone) and exited is None:
+                exited = e.time
+        elif isinstance(e, RecordedFailure) and life.failed_at is None:
+            d = e.details
+            life.high = max(life.high, int(d.trained_to or d.last_beat_step or 0))
+            life.failed_at = max(life.restored, e.death)
+            if d.last_committed_step is not None:
+                life.rolled_back_to = int(d.last_committed_step)
+        elif isinstance(e, ev.Preempted) and e.on_rank0 and life.failed_at is None:
+            life.high = max(life.high, int(e.step or 0))
+            life.failed_at = e.time
     if life.failed_at is None and exited is None and not last:  # a successor restored: it vanished unseen
         life.failed_at = max(signs)
     ends = [t for t in (exited, life.failed_at) if t is not None]
     life.end = min(ends) if ends else None
 
 
-def _starts(lives: list[_Life], events: Sequence[dict[str, Any]]) -> None:
+def _starts(lives: list[_Life], events: Sequence[ev.EventRecord]) -> None:
     """Each life's start (rule 6)."""
-    marks = [e["time"] for e in events if e["kind"] in (Event.ATTEMPT_STARTED, Event.FLOW_STARTED)]
+    marks = [e.time for e in events if isinstance(e, ev.AttemptStarted | ev.FlowStarted)]
     previous_end: float | None = None
     for life in lives:
         before = [t for t in marks if t <= life.begin]
@@ -315,16 +310,15 @@ def _starts(lives: list[_Life], events: Sequence[dict[str, Any]]) -> None:
         previous_end = life.end
 
 
-def worker_lives(events: Sequence[dict[str, Any]], rows: Sequence[StepRow]) -> list[_Life]:
+def worker_lives(events: Sequence[ev.EventRecord], rows: Sequence[StepRow]) -> list[_Life]:
     """The run's worker lives (rule 2), each with its start, how far it trained and how it ended;
     ``events`` sorted by time."""
-    starts = [e for e in events if e["kind"] in (Event.STARTED, Event.RESUMED) and _rank0(e)]
+    starts = [e for e in events if isinstance(e, ev.WorkerStart) and e.on_rank0]
     lives = []
     for e in starts:
-        step = int(e.get("step") or 0) if e["kind"] == Event.RESUMED else 0
-        load = float(e.get("load_s") or 0.0)
-        lives.append(_Life(begin=e["time"] - load, restored=e["time"], step=step, high=step))
-    event_times = [e["time"] for e in events]
+        step = e.resumed_from
+        lives.append(_Life(begin=e.time - e.restore_s, restored=e.time, step=step, high=step))
+    event_times = [e.time for e in events]
     timed = sorted((r for r in rows if r.time is not None), key=lambda r: r.time or 0.0)
     row_times = [r.time or 0.0 for r in timed]
     for i, life in enumerate(lives):
@@ -333,8 +327,8 @@ def worker_lives(events: Sequence[dict[str, Any]], rows: Sequence[StepRow]) -> l
         own = timed[bisect_left(row_times, life.restored) : bisect_left(row_times, stop)]
         _follow_life(life, span, own, last=i + 1 == len(lives))
     for life, nxt in zip(lives, starts[1:], strict=False):
-        if nxt.get("previous_beat_step") is not None:
-            life.high = max(life.high, int(nxt["previous_beat_step"]))
+        if nxt.previous_beat_step is not None:
+            life.high = max(life.high, int(nxt.previous_beat_step))
     _starts(lives, events)
     return lives
 
@@ -394,20 +388,29 @@ def _intervals(lives: list[_Life], gaps: list[Span], until: float) -> dict[str, 
     return {"checkpoint_restore": restore, "program_startup": startup, "infrastructure_recovery": recovery}
 
 
-def _last_time(events: Sequence[dict[str, Any]], rows: Sequence[StepRow]) -> float | None:
-    times = [e["time"] for e in events] + [r.time for r in rows[-1:] if r.time is not None]
+def _last_time(events: Sequence[ev.EventRecord], rows: Sequence[StepRow]) -> float | None:
+    times = [e.time for e in events] + [r.time for r in rows[-1:] if r.time is not None]
     return max(times) if times else None
 
 
-def compute(events: Sequence[dict[str, Any]], rows: Sequence[StepRow], until: float | None = None) -> Goodput | None:
+def compute(log: ev.EventLog, rows: Sequence[StepRow], until: float | None = None) -> Goodput | None:
     """The run's :class:`Goodput` from its events and journal rows as they were at ``until`` (None:
     the last event or row); None for a run with no wall-clock time yet, or whose journal is not
     on this machine (pool mode without shared storage: the nodes hold it)."""
-    events = sorted(events, key=lambda e: e["time"])
+    return _compute(_timeline(log), rows, until)
+
+
+def _timeline(log: ev.EventLog) -> list[ev.EventRecord]:
+    """Every line of the log, the kinds goodput reads typed, sorted by time."""
+    return sorted(log.all(*_READS), key=lambda e: e.time)
+
+
+def _compute(events: Sequence[ev.EventRecord], rows: Sequence[StepRow], until: float | None) -> Goodput | None:
+    """:func:`compute` over the log's :func:`_timeline`."""
     until = _last_time(events, rows) if until is None else until
     if until is None:
         return None
-    events = [e for e in events if e["time"] <= until]
+    events = [e for e in events if e.time <= until]
     rows = [r for r in rows if r.time is None or r.time <= until]
     spans, gaps = wall_spans(events, rows, until)
     wall = _length(spans)
@@ -421,9 +424,9 @@ def compute(events: Sequence[dict[str, Any]], rows: Sequence[StepRow], until: fl
     productive, evaluation = times.over(0, kept)
     badput = {name: _length(_intersect(iv, spans)) for name, iv in _intervals(lives, gaps, until).items()}
     badput["checkpoint_save"] = sum(
-        float(e.get("stall_s") or 0.0)
+        float(e.stall_s or 0.0)
         for e in events
-        if e["kind"] == Event.CHECKPOINT_SAVED and any(a <= e["time"] <= b for a, b in spans)
+        if isinstance(e, ev.CheckpointSaved) and any(a <= e.time <= b for a, b in spans)
     ) + sum(r.snapshot_s for r in rows if r.snapshot_s and (r.time is None or any(a <= r.time <= b for a, b in spans)))
     badput["wasted_progress"] = _wasted(lives, times)
     badput["evaluation"] = evaluation
@@ -440,9 +443,7 @@ def compute(events: Sequence[dict[str, Any]], rows: Sequence[StepRow], until: fl
 
 def run_goodput(run_dir: str | Path, until: float | None = None) -> Goodput | None:
     """:func:`compute` over the run directory's ``events.jsonl`` and ``metrics.jsonl``."""
-    from training.events import read_events
-
-    return compute(read_events(run_dir), journal_steps(run_dir), until)
+    return compute(ev.EventLog.read(run_dir), journal_steps(run_dir), until)
 
 
 # ---------------------------------------------------------------------------------- chunk ends
@@ -462,27 +463,27 @@ class Point:
         return out | {f"badput/{k}": v for k, v in self.cumulative.badput_s.items()}
 
 
-def chunk_ends(events: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
-    """(end step, time) of each chunk's first ``chunk_done``, by step."""
+def chunk_ends(events: ev.EventLog | Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
+    """(end step, time) of each chunk's first ``chunk_done``, by step (a log, or the lines of one
+    whole-log read: flows/train.py passes those)."""
     done: dict[int, float] = {}
-    for e in sorted(events, key=lambda e: e["time"]):
-        if e["kind"] == Event.CHUNK_DONE and e.get("end_step") is not None:
-            done.setdefault(int(e["end_step"]), float(e["time"]))
+    for e in sorted(ev.EventLog.view(events).of(ev.ChunkDone), key=lambda e: e.time):
+        if e.end_step is not None:
+            done.setdefault(int(e.end_step), e.time)
     return sorted(done.items())
 
 
-def chunk_points(
-    events: Sequence[dict[str, Any]], rows: Sequence[StepRow], only: Iterable[int] | None = None
-) -> list[Point]:
+def chunk_points(log: ev.EventLog, rows: Sequence[StepRow], only: Iterable[int] | None = None) -> list[Point]:
     """The :class:`Point` of each chunk end (of the end steps in ``only``), the files cut at the
     chunk's ``chunk_done``: the same values whichever process computes them, and when."""
-    ends = chunk_ends(events)
+    ends = chunk_ends(log)
+    timeline = _timeline(log)
     wanted = set(only) if only is not None else {s for s, _ in ends}
     memo: dict[int, Goodput | None] = {}
 
     def at(i: int) -> Goodput | None:
         if i not in memo:
-            memo[i] = compute(events, rows, until=ends[i][1])
+            memo[i] = _compute(timeline, rows, until=ends[i][1])
         return memo[i]
 
     out = []

@@ -286,7 +286,7 @@ class StepMetricLogger:
         else:
             append_event(
                 self.run_dir,
-                Event.REPLAY_VERIFIED if not self.mismatches else "replay_mismatch",
+                Event.REPLAY_VERIFIED if not self.mismatches else Event.REPLAY_MISMATCH,
                 values_compared=self.replayed,
                 mismatches=len(self.mismatches),
             )

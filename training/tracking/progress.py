@@ -21,6 +21,8 @@ pulled clone.  State:
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +32,105 @@ from training.checkpointing.errors import CheckpointRejected
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
 from training.corpus import entropy_floor
-from training.events import Event, read_events
+from training.event_records import (
+    CheckpointFetched,
+    CheckpointPublished,
+    ChunkTaskFailed,
+    EventLog,
+    FlowCrashed,
+    FlowFailed,
+    FlowStarted,
+    Resumed,
+    Started,
+)
 from training.heartbeat import HOST, Beat, read_heartbeat
 from training.paths import RunPaths, owner_note
 from training.tracking.attempts import latest_attempts
-from training.tracking.goodput import compute, journal_steps
+from training.tracking.failure_record import RecordedFailure
+from training.tracking.goodput import Goodput, compute, journal_steps
 from training.tracking.metrics import read_metric_lines
-from training.tracking.resume_audit import analyse_events
+from training.tracking.resume_audit import analyse
 
 #: Step times averaged for the ETA: long enough to smooth noise, short enough to follow a change.
 ETA_WINDOW = 50
-_GAVE_UP = ("chunk_failed", "flow_failed", "flow_crashed")
-_STARTS = (Event.FLOW_STARTED, Event.STARTED, Event.RESUMED)
+_GAVE_UP = (ChunkTaskFailed, FlowFailed, FlowCrashed)
+_STARTS = (FlowStarted, Started, Resumed)
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """Where a run stands now (the module's states): what ``convoy status``, its ``--json``, the
+    live line of ``convoy train`` and the report read, named once.  Every field has a default, so
+    a status written by an older release (``--json``) reads back."""
+
+    run_name: str = ""
+    run_dir: str = ""
+    state: str = "never started"
+    #: The worker's step: its beat's while it runs, else the furthest its files show.
+    step: int = 0
+    total_steps: int = 0
+    phase: str | None = None
+    heartbeat_age_s: float | None = None
+    pid: int | None = None
+    host: str | None = None
+    worker_alive: bool = False
+    flow_pid: int | None = None
+    loss: float | None = None
+    loss_step: int | None = None
+    entropy_floor: float | None = None
+    val_loss: float | None = None
+    val_loss_step: int | None = None
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    data_epoch: float | None = None
+    data_samples: float | None = None
+    steps_per_s: float | None = None
+    eta_s: float | None = None
+    checkpoint_step: int | None = None
+    checkpoint: str | None = None
+    checkpoint_digest: str | None = None
+    checkpoint_verified: bool = True
+    steps_since_checkpoint: int = 0
+    uploaded_step: int | None = None
+    upload_lag_steps: int | None = None
+    upload_lag_s: float | None = None
+    failures: int = 0
+    resumes: int = 0
+    steps_lost: int = 0
+    failure_kinds: list[str] = field(default_factory=list)
+    failure_chunks: list[int | None] = field(default_factory=list)
+    #: ``{chunk: number of its newest attempt}``, numbered across flow runs.
+    chunk_attempts: dict[int, int] = field(default_factory=dict)
+    goodput: float | None = None
+    wall_s: float | None = None
+    productive_s: float | None = None
+    #: None: goodput was not asked for (its four fields are then left out of :meth:`as_dict`).
+    badput_s: dict[str, float] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON-able mapping (``convoy status --json``), in the fields' order."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.badput_s is None:
+            out = {k: v for k, v in out.items() if k not in _GOODPUT_FIELDS}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunStatus:
+        """Read :meth:`as_dict`'s mapping back (JSON's string chunk keys made numbers again); keys
+        this version does not know are left out."""
+        known = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        if "chunk_attempts" in known:
+            known["chunk_attempts"] = {int(k): v for k, v in (known["chunk_attempts"] or {}).items()}
+        return cls(**known)
+
+    def measured_goodput(self) -> Goodput | None:
+        """The goodput so far, when it was asked for and could be measured."""
+        if self.goodput is None or self.wall_s is None or self.productive_s is None:
+            return None
+        return Goodput(self.goodput, self.wall_s, self.productive_s, dict(self.badput_s or {}))
+
+
+_GOODPUT_FIELDS = ("goodput", "wall_s", "productive_s", "badput_s")
 
 
 def pid_alive(pid: int) -> bool:
@@ -113,13 +202,14 @@ def newest_checkpoint(store: CheckpointStore, verify: bool = True) -> tuple[int,
     return None
 
 
-def _state(running: bool, finished: bool, events: list[dict[str, Any]], started: bool, clean_end: bool = False) -> str:
+def _state(running: bool, finished: bool, log: EventLog, started: bool, clean_end: bool = False) -> str:
     if running:
         return "running"
     if finished:
         return "finished"
-    last_start = max((i for i, e in enumerate(events) if e["kind"] in _STARTS), default=-1)
-    if any(e["kind"] in _GAVE_UP for e in events[last_start + 1 :]):
+    marks = log.of(*_STARTS, *_GAVE_UP)
+    last_start = max((i for i, e in enumerate(marks) if isinstance(e, _STARTS)), default=-1)
+    if marks[last_start + 1 :]:  # the flow gave up after the last start
         return "failed"
     if not started:
         return "never started"
@@ -135,29 +225,29 @@ def _eta(rows: list[dict[str, Any]], step: int, total: int) -> tuple[float | Non
     return rate, max(0, total - step) / rate
 
 
-def _audit_fields(events: list[dict[str, Any]]) -> dict[str, Any]:
+def _audit_fields(log: EventLog) -> dict[str, Any]:
     """The recovery counts of the run so far, from its events."""
-    audit = analyse_events(events)
+    audit = analyse(log)
     return {
-        "failures": audit["failures"],
-        "resumes": audit["resumes"],
-        "steps_lost": audit["steps_lost"],
-        "failure_kinds": [r["kind"] for r in audit["rows"]],
-        "failure_chunks": [e.get("chunk") for e in events if e["kind"] == Event.FAILURE],
-        "chunk_attempts": latest_attempts(events),  # the attempt number each chunk is at
+        "failures": audit.failures,
+        "resumes": audit.resumes,
+        "steps_lost": audit.steps_lost,
+        "failure_kinds": [r["kind"] for r in audit.rows],
+        "failure_chunks": [f.chunk for f in log.of(RecordedFailure)],
+        "chunk_attempts": latest_attempts(log),  # the attempt number each chunk is at
     }
 
 
-def _upload_fields(config: RunConfig, events: list[dict[str, Any]], ck_step: int | None) -> dict[str, Any]:
+def _upload_fields(config: RunConfig, log: EventLog, ck_step: int | None) -> dict[str, Any]:
     """With ``tracking.dvc``: the newest checkpoint in the remote index (as this machine's
     ``checkpoint_published``/``checkpoint_fetched`` events say) and how far the newest verified
     checkpoint here is ahead of it (the upload lag); all None without versioning."""
     if not config.tracking.dvc:
         return {"uploaded_step": None, "upload_lag_steps": None, "upload_lag_s": None}
-    published = [e for e in events if e["kind"] in (Event.CHECKPOINT_PUBLISHED, Event.CHECKPOINT_FETCHED)]
-    steps = [int(e["step"]) for e in published if e.get("step") is not None]
+    published = log.of(CheckpointPublished, CheckpointFetched)
+    steps = [int(e.step) for e in published if e.step is not None]
     uploaded = max(steps) if steps else None
-    last = [e.get("upload_lag_s") for e in published if e["kind"] == Event.CHECKPOINT_PUBLISHED]
+    last = [e.upload_lag_s for e in published if isinstance(e, CheckpointPublished)]
     return {
         "uploaded_step": uploaded,
         "upload_lag_steps": max(0, (ck_step or 0) - (uploaded or 0)) if ck_step is not None else None,
@@ -165,25 +255,25 @@ def _upload_fields(config: RunConfig, events: list[dict[str, Any]], ck_step: int
     }
 
 
-def describe_upload(st: dict[str, Any]) -> str | None:
+def describe_upload(st: RunStatus) -> str | None:
     """``step 40, 5 steps behind (last upload 1.2 s after its commit)``; None without versioning."""
-    if st.get("upload_lag_steps") is None:
+    if st.upload_lag_steps is None:
         return None
-    up = f"step {st['uploaded_step']}" if st["uploaded_step"] is not None else "nothing yet"
-    after = f" (last upload {st['upload_lag_s']:.1f} s after its commit)" if st.get("upload_lag_s") is not None else ""
-    return f"{up}, {st['upload_lag_steps']} steps behind{after}"
+    up = f"step {st.uploaded_step}" if st.uploaded_step is not None else "nothing yet"
+    after = f" (last upload {st.upload_lag_s:.1f} s after its commit)" if st.upload_lag_s is not None else ""
+    return f"{up}, {st.upload_lag_steps} steps behind{after}"
 
 
-def _goodput_fields(run_dir: Path, events: list[dict[str, Any]], until: float | None) -> dict[str, Any]:
+def _goodput_fields(run_dir: Path, log: EventLog, until: float | None) -> dict[str, Any]:
     """Goodput so far (:mod:`training.tracking.goodput`) up to ``until`` (None: the run's last
     event or row, for a run nobody is running); all None when it cannot be measured."""
     try:
-        measured = compute(events, journal_steps(run_dir), until)
+        measured = compute(log, journal_steps(run_dir), until)
     except (OSError, ValueError):  # a damaged journal: status shows the rest
         measured = None
     if measured is None:
         return {"goodput": None, "wall_s": None, "productive_s": None, "badput_s": {}}
-    return {k: getattr(measured, k) for k in ("goodput", "wall_s", "productive_s", "badput_s")}
+    return {k: getattr(measured, k) for k in _GOODPUT_FIELDS}
 
 
 def _beat_fields(beat: Beat | None, now: float) -> dict[str, Any]:
@@ -216,16 +306,28 @@ def run_status(
     goodput: bool = True,
     store: CheckpointStore | None = None,
 ) -> dict[str, Any]:
-    """Everything ``convoy status`` shows, as one JSON-able dict; ``verify=False``: the newest
-    checkpoint by its manifest only, and ``goodput=False``: without the goodput fields, which read
-    the whole journal (the live line of ``convoy train``); ``store``: the run's store, kept by a
-    caller that asks again (its verdicts are remembered)."""
+    """:func:`read_status` as one JSON-able dict (``convoy status --json``)."""
+    return read_status(config, run_dir, now, verify, goodput, store).as_dict()
+
+
+def read_status(
+    config: RunConfig,
+    run_dir: str | Path,
+    now: float | None = None,
+    verify: bool = True,
+    goodput: bool = True,
+    store: CheckpointStore | None = None,
+) -> RunStatus:
+    """Everything ``convoy status`` shows; ``verify=False``: the newest checkpoint by its manifest
+    only, and ``goodput=False``: without the goodput fields, which read the whole journal (the
+    live line of ``convoy train``); ``store``: the run's store, kept by a caller that asks again
+    (its verdicts are remembered)."""
     run_dir = Path(run_dir)
     store = store if store is not None else CheckpointStore(run_dir)
     now = time.time() if now is None else now
     total = config.train.total_steps
     beat = read_heartbeat(run_dir, 0)
-    events = read_events(run_dir)
+    log = EventLog.read(run_dir)
     newest = newest_checkpoint(store, verify)
     ck_step = newest[0] if newest is not None else None
     rows = metrics_tail(run_dir)
@@ -236,16 +338,16 @@ def run_status(
     # The worker's step: its beat while it runs; otherwise the furthest any source got.
     known = [s for s in (beat.step if beat else None, metric_step, ck_step) if s is not None]
     step = beat.step if worker_alive and beat else (max(known) if known else 0)
-    started = bool(known) or any(e["kind"] in (Event.STARTED, Event.RESUMED) for e in events)
+    started = bool(known) or bool(log.of(Started, Resumed))
     rate, eta = _eta(rows, step, total)
     last = rows[-1]["metrics"] if rows else {}
     val = last_logged(run_dir, "val_loss")
     clean_end = beat is None or beat.done
     running = worker_alive or flow_pid is not None
-    return {
+    facts = {
         "run_name": config.run_name,
         "run_dir": str(run_dir),
-        "state": _state(running, finished, events, started, clean_end=clean_end),
+        "state": _state(running, finished, log, started, clean_end=clean_end),
         "step": step,
         "total_steps": total,
         **_beat_fields(beat, now),
@@ -263,7 +365,8 @@ def run_status(
         "steps_per_s": round(rate, 3) if rate else None,
         "eta_s": round(eta, 1) if eta is not None and not finished else None,
         **_checkpoint_fields(newest, verify, step),
-        **_upload_fields(config, events, ck_step),
-        **_audit_fields(events),
-        **(_goodput_fields(run_dir, events, now if running else None) if goodput else {}),
+        **_upload_fields(config, log, ck_step),
+        **_audit_fields(log),
+        **(_goodput_fields(run_dir, log, now if running else None) if goodput else {}),
     }
+    return RunStatus(**facts)

@@ -6,7 +6,7 @@ DVC plots and the flow's MLflow audit (:mod:`tasks.records.mlflow_audit`) all co
 
 * :func:`steps_lost` — the one definition of steps lost; :func:`trained_high_water` — how far a
   failed attempt got.
-* :func:`analyse_events` — the audit summary and one row per recovery.
+* :func:`analyse` — the audit summary (:class:`ResumeAudit`) and one row per recovery.
 * :func:`render_timeline` — loss vs step with a marker at each failure and resume.
 
 A *recovery* is a worker start (``started``/``resumed``) that follows a failure: a supervisor
@@ -19,11 +19,27 @@ A *recovery* is a worker start (``started``/``resumed``) that follows a failure:
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from training.event_records import (
+    CheckpointFetched,
+    CheckpointSkipped,
+    EventLog,
+    NondeterministicResume,
+    Preempted,
+    ReplayMismatch,
+    ReplayVerified,
+    Resumed,
+    Started,
+    WorkerDone,
+    WorkerStart,
+)
 from training.fsutil import atomic_replace
 from training.paths import RunPaths
+from training.tracking.failure_record import FailureDetails, RecordedFailure
 from training.tracking.metrics import read_metric_lines
 
 
@@ -53,8 +69,9 @@ def trained_high_water(run_dir: str | Path, beat_step: int | None, metrics_offse
 
 
 # ---------------------------------------------------------------------------------- events → rows
-def _rank0(ev: dict[str, Any]) -> bool:
-    return int(ev.get("rank", 0) or 0) == 0
+#: The kinds the audit reads, in the log's order.
+_READS = (CheckpointFetched, RecordedFailure, Preempted, Started, Resumed, WorkerDone, CheckpointSkipped)
+_READS += (ReplayVerified, ReplayMismatch, NondeterministicResume)
 
 
 def _utc(t: float | None) -> str | None:
@@ -65,51 +82,89 @@ def _utc(t: float | None) -> str | None:
     return _dt.datetime.fromtimestamp(t, _dt.UTC).strftime("%m-%d %H:%M:%S")
 
 
-def analyse_events(events: list[dict[str, Any]]) -> dict[str, Any]:
+@dataclass
+class _Pending:
+    """The failure no worker start has followed yet: a supervisor's ``failure``, a ``preempted``
+    worker, or a worker that vanished without a report; the checkpoints its resume passed over."""
+
+    failure: RecordedFailure | None = None
+    preempted: Preempted | None = None
+    unreported: bool = False
+    skipped: list[CheckpointSkipped] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ResumeAudit:
+    """The audit summary: recoveries, failures, steps lost, the replay check, and one row per
+    recovery (the MLflow resume table's rows, by column name).  What the flow's summary, the MLflow
+    run, ``convoy status``, the chaos drill and the DVC metrics count from."""
+
+    resumes: int = 0
+    failures: int = 0
+    steps_lost: int = 0
+    #: Whether every recovery (and a failure not resumed yet) said how many steps it lost.
+    steps_lost_known: bool = True
+    nondeterministic: bool = False
+    nondeterministic_first_step: int | None = None
+    #: Resumes whose replayed steps matched the first pass bit for bit.
+    replay_verified: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON-able summary (the flow's ``audit``, ``refresh_audit``'s answer)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ResumeAudit:
+        """Read :meth:`as_dict`'s mapping back (or the flow summary's part of it: the counts)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+def analyse_events(log: EventLog) -> dict[str, Any]:
+    """:func:`analyse` as its JSON-able mapping."""
+    return analyse(log).as_dict()
+
+
+def analyse(log: EventLog) -> ResumeAudit:
     """Pure function: the audit summary and the resume rows from the event log (in file order)."""
     rows: list[dict[str, Any]] = []
-    pending: dict[str, Any] | None = None  # the failure not yet followed by a worker start
+    pending: _Pending | None = None  # the failure not yet followed by a worker start
     session_open = False  # a worker started and has not reported worker_done
     current: dict[str, Any] | None = None  # the row of the running (resumed) worker session
     failures = 0
-    nondet: list[dict[str, Any]] = []
-    fetch: dict[str, Any] | None = None  # a download from the remote just before the next start
-    for ev in events:
-        kind = ev.get("kind")
-        if kind == "checkpoint_fetched":
+    nondet: list[NondeterministicResume] = []
+    fetch: CheckpointFetched | None = None  # a download from the remote just before the next start
+    for ev in log.of(*_READS):
+        if isinstance(ev, CheckpointFetched):
             fetch = ev
-        elif kind == "failure":
-            if pending is None or "failure" in pending:
+        elif isinstance(ev, RecordedFailure):
+            if pending is None or pending.failure is not None:
                 failures += 1
-                pending = {}
-            pending["failure"] = ev
+                pending = _Pending()
+            pending.failure = ev
             session_open, current = False, None
-        elif kind == "preempted" and _rank0(ev):
+        elif isinstance(ev, Preempted) and ev.on_rank0:
             if pending is None:
                 failures += 1
-                pending = {}
-            pending["preempted"] = ev
+                pending = _Pending()
+            pending.preempted = ev
             session_open, current = False, None
-        elif kind in ("started", "resumed") and _rank0(ev):
+        elif isinstance(ev, WorkerStart) and ev.on_rank0:
             if pending is None and session_open:
                 failures += 1  # the previous worker vanished without a report (e.g. SIGKILL)
-                pending = {"unreported": True}
-            if pending is not None:
-                current = _row(ev, pending)
-                current["fetch_s"] = fetch.get("fetch_s") if fetch else None
-                rows.append(current)
-            else:
-                current = None
+                pending = _Pending(unreported=True)
+            current = _row(ev, pending, fetch) if pending is not None else None
+            rows += [current] if current is not None else []
             pending, session_open, fetch = None, True, None
-        elif kind == "worker_done" and _rank0(ev):
+        elif isinstance(ev, WorkerDone) and ev.on_rank0:
             session_open, current = False, None
-        elif kind == "checkpoint_skipped" and pending is not None:  # the resume passing one over
-            pending.setdefault("skipped", []).append(ev)
-        elif kind in ("replay_verified", "replay_mismatch") and current is not None:
-            current["values_compared"] = ev.get("values_compared")
-            current["mismatches"] = ev.get("mismatches")
-            current["replay_verified"] = kind == "replay_verified" and not ev.get("mismatches")
-        elif kind == "nondeterministic_resume":
+        elif isinstance(ev, CheckpointSkipped) and pending is not None:  # the resume passing one over
+            pending.skipped.append(ev)
+        elif isinstance(ev, ReplayVerified | ReplayMismatch) and current is not None:
+            current["values_compared"] = ev.values_compared
+            current["mismatches"] = ev.mismatches
+            current["replay_verified"] = isinstance(ev, ReplayVerified) and not ev.mismatches
+        elif isinstance(ev, NondeterministicResume):
             nondet.append(ev)
             if current is not None:
                 current["replay_verified"] = False
@@ -117,58 +172,67 @@ def analyse_events(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _summary(
-    rows: list[dict[str, Any]], failures: int, pending: dict[str, Any] | None, nondet: list[dict[str, Any]]
-) -> dict[str, Any]:
+    rows: list[dict[str, Any]], failures: int, pending: _Pending | None, nondet: list[NondeterministicResume]
+) -> ResumeAudit:
     """The audit summary over the resume rows.  ``pending`` is a failure no worker start has
     followed yet: its steps lost count too (the run failed and has not resumed), and without
     its own count the total is not known."""
     lost = [r["lost_steps"] for r in rows if r["lost_steps"] is not None]
-    if pending and "failure" in pending and pending["failure"].get("steps_lost") is not None:
-        lost.append(int(pending["failure"]["steps_lost"]))  # failed, not resumed (yet)
-    return {
-        "resumes": len(rows),
-        "failures": failures,
-        "steps_lost": sum(lost),
-        "steps_lost_known": len(lost) == len(rows) + (1 if pending else 0),
-        "nondeterministic": bool(nondet),
-        "nondeterministic_first_step": nondet[0].get("step") if nondet else None,
-        "replay_verified": sum(1 for r in rows if r["replay_verified"] is True),
-        "rows": rows,
-    }
+    if pending and pending.failure and pending.failure.details.steps_lost is not None:
+        lost.append(int(pending.failure.details.steps_lost))  # failed, not resumed (yet)
+    return ResumeAudit(
+        resumes=len(rows),
+        failures=failures,
+        steps_lost=sum(lost),
+        steps_lost_known=len(lost) == len(rows) + (1 if pending else 0),
+        nondeterministic=bool(nondet),
+        nondeterministic_first_step=nondet[0].step if nondet else None,
+        replay_verified=sum(1 for r in rows if r["replay_verified"] is True),
+        rows=rows,
+    )
 
 
-def _row(start: dict[str, Any], pending: dict[str, Any]) -> dict[str, Any]:
-    fail = pending.get("failure") or {}
-    pre = pending.get("preempted") or {}
-    resumed_from = int(start.get("step", 0) or 0)  # "started" = from scratch
-    failed_at = fail.get("trained_to", fail.get("last_beat_step", pre.get("step")))
-    if failed_at is None and pending.get("unreported"):
-        failed_at = start.get("previous_beat_step")  # the vanished worker's last beat
-    if pre and not fail:
-        lost: int | None = 0  # an emergency checkpoint was saved at the preemption step
-    else:
-        lost = steps_lost(failed_at, resumed_from)
+def _failed_at(start: WorkerStart, pending: _Pending) -> int | None:
+    """How far the failed worker got: its failure's high-water mark (else last beat), the
+    preemption's step, or, for one that vanished, its successor's record of its last beat."""
+    fail, pre = pending.failure, pending.preempted
+    failed_at = fail.details.failed_at_step if fail is not None else None
+    if failed_at is None and pre is not None:
+        failed_at = pre.step
+    if failed_at is None and pending.unreported:
+        failed_at = start.previous_beat_step  # the vanished worker's last beat
+    return failed_at
+
+
+def _row(start: WorkerStart, pending: _Pending, fetch: CheckpointFetched | None) -> dict[str, Any]:
+    fail, pre = pending.failure, pending.preempted
+    details = fail.details if fail is not None else FailureDetails()
+    resumed = start if isinstance(start, Resumed) else Resumed()  # "started" = from scratch
+    resumed_from = start.resumed_from
+    failed_at = _failed_at(start, pending)
+    # an emergency checkpoint was saved at the preemption step
+    lost = 0 if pre is not None and fail is None else steps_lost(failed_at, resumed_from)
     # An orphaned attempt's failure is recorded when the next flow finds it: it failed at its last sign of life.
-    failed_time = fail.get("last_seen") or fail.get("time", pre.get("time"))
-    skipped = [{"step": _step_of(e.get("checkpoint")), "reason": e.get("reason")} for e in pending.get("skipped", [])]
+    failed_time = (fail.last_seen or fail.time or None) if fail is not None else (pre.time if pre else None)
+    skipped = [{"step": _step_of(e.checkpoint), "reason": e.reason} for e in pending.skipped]
     return {
-        "time": _utc(start.get("time")),
-        "kind": fail.get("failure") or ("preempted" if pre else "unreported"),
-        "detected_after_s": fail.get("detected_after_s"),
+        "time": _utc(start.time or None),
+        "kind": (fail.kind if fail is not None else None) or ("preempted" if pre else "unreported"),
+        "detected_after_s": details.detected_after_s,
         "failed_at_step": failed_at,
         "resumed_from_step": resumed_from,
         "lost_steps": lost,
-        "recovery_s": round(start["time"] - failed_time, 3) if failed_time and start.get("time") else None,
-        "load_s": start.get("load_s"),
-        "fetch_s": None,  # T_fetch: the download from the remote before this start, if any
-        "checkpoint": start.get("checkpoint"),
-        "checkpoint_digest": start.get("digest"),
+        "recovery_s": round(start.time - failed_time, 3) if failed_time and start.time else None,
+        "load_s": resumed.load_s,
+        "fetch_s": fetch.fetch_s if fetch else None,  # T_fetch: the download from the remote before this start
+        "checkpoint": resumed.checkpoint,
+        "checkpoint_digest": resumed.digest,
         "replay_verified": None,  # filled by the session's replay_verified / mismatch events
         "values_compared": None,
         "mismatches": None,
-        "passed_over": describe_passed_over(skipped or fail.get("passed_over") or []),
-        "chunk": fail.get("chunk"),
-        "attempt": fail.get("attempt"),
+        "passed_over": describe_passed_over(skipped or details.passed_over or []),
+        "chunk": fail.chunk if fail is not None else None,
+        "attempt": fail.attempt if fail is not None else None,
         "failure_time": failed_time,  # not a table column: lets `convoy chaos` match its faults
     }
 
@@ -273,14 +337,13 @@ def _mark_attempts(ax: Any, rows: list[dict[str, Any]]) -> list[Any]:
     ]
 
 
-def _label_axes(ax: Any, summary: dict[str, Any], loss: list[float], title: str) -> None:
+def _label_axes(ax: Any, summary: ResumeAudit, loss: list[float], title: str) -> None:
     """Axis names, a readable y range and the run's recovery counts in the title."""
     ax.set_xlabel("global step")
     ax.set_ylabel("loss")
     _readable_y_range(ax, loss)
     ax.set_title(
-        f"{title}  resumes={summary['resumes']} failures={summary['failures']} "
-        f"steps_lost={summary['steps_lost']}".strip(),
+        f"{title}  resumes={summary.resumes} failures={summary.failures} steps_lost={summary.steps_lost}".strip(),
         fontsize=9,
     )
     ax.grid(alpha=0.3)
@@ -294,7 +357,7 @@ def _save_png_atomically(fig: Any, out_path: str | Path) -> Path:
     return out
 
 
-def render_timeline(run_dir: str | Path, summary: dict[str, Any], out_path: str | Path, title: str = "") -> Path:
+def render_timeline(run_dir: str | Path, summary: ResumeAudit, out_path: str | Path, title: str = "") -> Path:
     """The loss against the step with a marker at each failure and resume: one look shows where a
     run was interrupted and where it picked up."""
     import matplotlib
@@ -306,7 +369,7 @@ def render_timeline(run_dir: str | Path, summary: dict[str, Any], out_path: str 
     fig, ax = plt.subplots(figsize=(9, 4), dpi=100)
     try:
         ax.plot(steps, loss, lw=1.0, color="tab:blue", label="loss")
-        _mark_attempts(ax, summary["rows"])
+        _mark_attempts(ax, summary.rows)
         _label_axes(ax, summary, loss, title)
         if steps:
             ax.legend(loc="upper right", fontsize=8)
