@@ -3,8 +3,8 @@ the recommended path: ``convoy slurm script --submit``, the batch shell ``exec``
 train``, a run of two nodes whose second node's agent is an ``srun`` job step.
 
 One job meets, in this order, the three disruptions Slurm users meet: the allocation's time
-limit (a real ``--time=2`` with ``--signal=B:USR1@20``: Slurm sends it once at most ``20 + 60`` s
-are left, at its next check, so 40-60 s after the start, while chunk 2 waits at step 25:
+limit (a real ``--time=2`` with ``--signal=B:USR1@30``: Slurm sends it once at most ``30 + 60`` s
+are left, at its next check, so 30-60 s after the start, while chunk 2 waits at step 25:
 emergency checkpoint, ``scontrol requeue``, the next allocation resumes), ``scancel`` of the
 running job step of node 1 (only that chunk re-runs, in the same allocation), and the node set
 DOWN by the admin (Slurm kills and requeues the job; it resumes once the node is back).  It ends
@@ -79,7 +79,9 @@ def _rank1_step(run_dir: Path) -> int:
 
 
 @pytest.mark.slow
-def test_time_limit_scancel_and_node_down_end_bitwise(slurm: SlurmCluster, data_dir: Path, tmp_path: Path) -> None:
+def test_time_limit_scancel_and_node_down_end_bitwise(
+    slurm: SlurmCluster, prefect_api: str, data_dir: Path, tmp_path: Path
+) -> None:
     node = slurm.node
     p = params(
         tmp_path,
@@ -98,9 +100,12 @@ def test_time_limit_scancel_and_node_down_end_bitwise(slurm: SlurmCluster, data_
     pfile.write_text(yaml.safe_dump(p))
     hold.touch()
     run_dir = config(p).run_dir.resolve()
-    env = {**slurm.env, "CONVOY_FAULTS": f"step_delay=0.3,hold_flag={hold}:{HOLD_AT}"}
+    # The session's Prefect server, outside the allocation (docs/slurm.md recommends one): no
+    # temporary API per allocation, and flow states survive a whole-job SIGTERM.
+    env = {**os.environ, **slurm.env, "PREFECT_API_URL": prefect_api}
+    env["CONVOY_FAULTS"] = f"step_delay=0.3,hold_flag={hold}:{HOLD_AT}"
     env.pop("MLFLOW_TRACKING_URI", None)
-    submit = [sys.executable, "-m", "flows.cli.main", "slurm", "script", str(pfile), "--time=2", "--signal-lead=20"]
+    submit = [sys.executable, "-m", "flows.cli.main", "slurm", "script", str(pfile), "--time=2", "--signal-lead=30"]
     out = subprocess.run([*submit, "--submit"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     job = out.stdout.split()[-1]
