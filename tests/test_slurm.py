@@ -3,12 +3,12 @@ the recommended path: ``convoy slurm script --submit``, the batch shell ``exec``
 train``, a run of two nodes whose second node's agent is an ``srun`` job step.
 
 One job meets, in this order, the three disruptions Slurm users meet: the allocation's time
-limit (a real ``--time=2`` with ``--signal=B:USR1@30``: Slurm sends it once at most ``30 + 60`` s
-are left, at its next check, so 30-60 s after the start, while chunk 2 waits at step 25:
-emergency checkpoint, ``scontrol requeue``, the next allocation resumes), ``scancel`` of the
-running job step of node 1 (only that chunk re-runs, in the same allocation), and the node set
-DOWN by the admin (Slurm kills and requeues the job; it resumes once the node is back).  It ends
-bitwise equal to an uninterrupted two-node run, with nothing left in ``squeue`` or in the
+limit (a real ``--time=2`` with ``--signal=B:USR1@50``: slurmctld checks limits every 30 s and
+signals once at most ``50 + 30`` s are left, so 40-70 s after the start, while chunk 2 waits at
+step 25: emergency checkpoint, ``scontrol requeue``, the next allocation resumes), ``scancel`` of
+the running job step of node 1 (only that chunk re-runs, in the same allocation), and the node
+set DOWN by the admin (Slurm kills and requeues the job; it resumes once the node is back).  It
+ends bitwise equal to an uninterrupted two-node run, with nothing left in ``squeue`` or in the
 process table.
 """
 
@@ -105,7 +105,7 @@ def test_time_limit_scancel_and_node_down_end_bitwise(
     env = {**os.environ, **slurm.env, "PREFECT_API_URL": prefect_api}
     env["CONVOY_FAULTS"] = f"step_delay=0.3,hold_flag={hold}:{HOLD_AT}"
     env.pop("MLFLOW_TRACKING_URI", None)
-    submit = [sys.executable, "-m", "flows.cli.main", "slurm", "script", str(pfile), "--time=2", "--signal-lead=30"]
+    submit = [sys.executable, "-m", "flows.cli.main", "slurm", "script", str(pfile), "--time=2", "--signal-lead=50"]
     out = subprocess.run([*submit, "--submit"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     job = out.stdout.split()[-1]

@@ -41,7 +41,7 @@ STANDIN = textwrap.dedent(
     os.makedirs(os.path.dirname(hb), exist_ok=True)
     state = {"step": 0, "phase": "init", "progress_time": time.time(), "beating": True}
     def beat():
-        tmp = hb + ".tmp"
+        tmp = f"{hb}.{threading.get_ident()}.tmp"  # the beater and the last beat() may write at once
         with open(tmp, "w") as f:
             json.dump({"pid": os.getpid(), "rank": 0, "step": state["step"], "phase": state["phase"],
                        "time": time.time(), "progress_time": state["progress_time"]}, f)
