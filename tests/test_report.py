@@ -417,3 +417,19 @@ def test_a_launcher_report_names_the_rank_and_its_exception() -> None:
     killed = [*banner[:11], "  rank      : 0 (local_rank: 0)", "  exitcode  : -9 (pid: 4241) (SIGKILL)"]
     killed += ["  error_file: <N/A>", "  traceback : To enable traceback see: https://pytorch.org/docs/", "=" * 60]
     assert error_line(killed) == "rank 0: signal SIGKILL"
+
+
+def test_a_survivors_sigterm_named_root_cause_is_not_the_exit(tmp_path: Path) -> None:
+    """torchrun's root cause is picked by a timestamp of one-second resolution: a rank SIGKILLed and
+    the survivor torchrun then SIGTERMed can tie, and the tie names the survivor. With no rank
+    preempted, the killed rank's exit is the one that classifies the attempt."""
+    from tasks.supervision.failure_kinds import launcher_exit
+
+    def failure(rank: int, code: int) -> list[str]:
+        return [f"[{rank}]:", f"  rank      : {rank} (local_rank: {rank})", f"  exitcode  : {code} (pid: 9{rank})"]
+
+    root = "Root Cause (first observed failure):"
+    report = ["Failures:", *failure(1, -9), "-" * 60, root, *failure(0, -15), "=" * 60]
+    assert launcher_exit(tmp_path, 1, report, since=0.0) == -9
+    alone = ["Failures:", "  <NO_OTHER_FAILURES>", "Root Cause (first observed failure):", *failure(0, -15)]
+    assert launcher_exit(tmp_path, 1, alone, since=0.0) == -15

@@ -105,10 +105,24 @@ def launcher_exit(run_dir: Path, returncode: int, tail: Sequence[str], since: fl
         return EXIT_CONFIG
     if any(isinstance(e, Preempted) for e in recent):
         return EXIT_PREEMPTED
-    text = "\n".join(tail)
-    root = text[text.find("Root Cause") :] if "Root Cause" in text else text
+    return _root_exitcode("\n".join(tail), returncode)
+
+
+def _root_exitcode(report: str, returncode: int) -> int:
+    """The exit code of the rank that failed first, from torchrun's failure report.
+
+    torchrun names its "Root Cause" by a timestamp of one-second resolution, so a rank that was
+    SIGKILLed and the survivors torchrun itself then SIGTERMed can tie, and the tie goes to the
+    lowest rank: a survivor's SIGTERM. Where no rank was preempted (checked before this), a
+    SIGTERM is torchrun's own doing, so any other failing exit in the report is the cause.
+    """
+    root = report[report.find("Root Cause") :] if "Root Cause" in report else report
     m = re.search(r"exitcode\s*:\s*(-?\d+)", root)
-    return int(m.group(1)) if m else returncode
+    first = int(m.group(1)) if m else returncode
+    if first != -signal.SIGTERM:
+        return first
+    others = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", report)]
+    return next((c for c in others if c not in (0, -signal.SIGTERM)), first)
 
 
 def config_message(tail: Sequence[str]) -> str:
