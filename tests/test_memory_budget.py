@@ -180,3 +180,36 @@ def test_a_run_that_cannot_keep_its_tiers_says_so_trains_and_resumes_bitwise(
     final = CheckpointStore(run_dir).latest_valid(record=False)
     assert final is not None and final.step == TOTAL and final.digest == reference_digest
     assert_no_leftovers(run_dir)
+
+
+def test_a_worker_short_of_memory_before_a_copy_gives_its_copies_up_and_resumes_bitwise(tmp_path: Path) -> None:
+    """Rule 5 (training/memory_watch.py): a budget the start-up projection fits (it knows the state,
+    not the worker's own interpreter and activations) is found short by the worker before its first
+    copy: every copy given up in one line and one event, the tier's slot freed, saves synchronous;
+    a kill then resumes from disk, and the run ends bitwise on the uninterrupted one."""
+    from engine_util import final_digest, kill_group, reference_digest, run_worker, start_worker, wait_for_step
+
+    from training.run_memory import tier_root
+
+    reference = reference_digest(tmp_path, [], until=60)
+    cfg = load_run_config(tmp_path / "runs" / "reference")
+    size = StateSize.of(check_task(cfg))
+    gb = project(cfg, size, on_cpu=True).peak / cfg.checkpoint.host_memory_share / GB * 1.01
+    stand_in = HostMemory(int(gb * GB), PLENTY.shm_free, "test")
+    assert fit(cfg, size, stand_in, on_cpu=True).gave_up == []  # the start-up budget lets it run whole
+    run_dir = make_run(tmp_path, "short", [f"checkpoint.host_memory_gb={gb}"])
+    p = start_worker(run_dir, 60)
+    assert wait_for_step(run_dir, p, 25) is not None, p.communicate()[0][-3000:]
+    kill_group(p)
+    said = p.communicate()[0]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    short = [e for e in events if e["kind"] == "host_memory_short"]
+    assert len(short) == 1 and short[0]["step"] <= 10, said[-3000:]
+    assert "host memory while training: " in said and "asynchronous saves off" in said, said[-3000:]
+    saves = [e for e in events if e["kind"] == "checkpoint_saved"]
+    assert saves and all(e["blocking"] for e in saves if e["step"] >= short[0]["step"]), saves
+    root = tier_root(run_dir)
+    assert root is None or not list(root.glob("rank-0.slot-*")), list(root.iterdir()) if root else None
+    code, again = run_worker(run_dir, 60)
+    assert code == 0 and "host memory while training: " in again, again[-3000:]
+    assert final_digest(run_dir) == reference

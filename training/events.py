@@ -90,6 +90,9 @@ class Event(StrEnum):
     FLOW_TAKEN_OVER = "flow_taken_over"
     FOREIGN_THREADS = "foreign_threads"
     FORKED = "forked"
+    #: A worker found the node short of host memory before a copy of the state and gave its
+    #: copies up: tier off, saves synchronous (training.memory_watch rule 5).
+    HOST_MEMORY_SHORT = "host_memory_short"
     INTERVAL_CHOSEN = "interval_chosen"
     MEMORY_SNAPSHOT_REFUSED = "memory_snapshot_refused"
     NONDETERMINISTIC_RESUME = "nondeterministic_resume"

@@ -124,8 +124,8 @@ class HostMemory:
         shm = _free_bytes(tier_base)
         if config.checkpoint.host_memory_gb is not None:
             return cls(int(config.checkpoint.host_memory_gb * GB), shm, "checkpoint.host_memory_gb")
-        limit = _cgroup_room()
-        available = _mem_available()
+        limit = cgroup_room()
+        available = mem_available()
         if limit is not None and limit < available:
             return cls(limit, shm, "the cgroup's memory limit less its usage")
         return cls(available, shm, "MemAvailable")
@@ -140,7 +140,7 @@ def _free_bytes(base: Path) -> int | None:
     return None
 
 
-def _mem_available() -> int:
+def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
@@ -148,7 +148,7 @@ def _mem_available() -> int:
     raise OSError("/proc/meminfo has no MemAvailable")
 
 
-def _cgroup_room() -> int | None:
+def cgroup_room() -> int | None:
     """The cgroup's limit less its usage (v2, else v1), or None where no limit applies."""
     for limit_file, usage_file in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
@@ -244,7 +244,7 @@ def fit(config: RunConfig, size: StateSize, host: HostMemory, on_cpu: bool) -> F
         gave_up.append(f"{_over(p, budget, host)}: {cost}")
         p = project(config, size, on_cpu)
     if p.peak > budget and (p.tier or p.staging):  # the one copy left serves both tiers: both go
-        config, cost = _no_copy(config, size)
+        config, cost = no_copy(config, size)
         gave_up.append(f"{_over(p, budget, host)}: {cost}")
         p = project(config, size, on_cpu)
     if p.peak > host.available:
@@ -276,7 +276,7 @@ def _fewer_slots(config: RunConfig) -> tuple[RunConfig, str]:
     return _tier_off(config), _TIER_OFF.format(interval=_interval(config))
 
 
-def _no_copy(config: RunConfig, size: StateSize) -> tuple[RunConfig, str]:
+def no_copy(config: RunConfig, size: StateSize) -> tuple[RunConfig, str]:
     """Rule 3's last step: no copy of the state beside the live one (tier off, saves synchronous)."""
     said = []
     if enabled(config):

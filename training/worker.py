@@ -44,7 +44,9 @@ from training.events import (
     append_event,
 )
 from training.heartbeat import Heartbeat
+from training.memory_budget import StateSize
 from training.memory_snapshots import MemorySnapshots
+from training.memory_watch import MemoryWatch, give_up_copies
 from training.nonfinite import NonFiniteWatch
 from training.parts import TaskParts
 from training.paths import RunPaths
@@ -102,6 +104,7 @@ class Worker:
         self._session: Session | None = None
         self.snapshots = MemorySnapshots(self.log, self._drop_memory)
         self._restored: Restored | None = None
+        self.memory_watch: MemoryWatch  # set by setup (training.memory_watch)
         #: Warns once of a thread of no known purpose beside training (invariant 12).
         self.threads = hermetic.ThreadWatch(run_dir, rank)
         if not standby:
@@ -167,14 +170,8 @@ class Worker:
         self.pipelined = go.pipelined
         self.claim()
         self.log(f"standby taking over: training to step {self.until}")
-        append_event(
-            self.run_dir,
-            Event.STANDBY_TOOK_OVER,
-            rank=self.rank,
-            pid=os.getpid(),
-            until_step=self.until,
-            ordered_at=round(t0, 4),
-        )
+        said = {"rank": self.rank, "pid": os.getpid(), "until_step": self.until, "ordered_at": round(t0, 4)}
+        append_event(self.run_dir, Event.STANDBY_TOOK_OVER, **said)
         return True
 
     def log(self, msg: str) -> None:
@@ -202,6 +199,8 @@ class Worker:
         schedule = SaveSchedule.for_run(cfg.checkpoint, cfg.train.chunk_steps, self.run_dir, runtime.memory is not None)
         memory = MemorySchedule.for_run(cfg.checkpoint, self.run_dir)
         self._session = Session(mlflow_run_id, schedule, memory)
+        tier_root = runtime.memory.root if runtime.memory is not None else None
+        self.memory_watch = MemoryWatch(cfg, StateSize.of(runtime.parts), runtime.device.type == "cpu", tier_root)
         return self._session
 
     def restore(self) -> Restored:
@@ -266,9 +265,12 @@ class Worker:
             loss = watch.observe(self.take_step(batches, metrics, evaluating), state)
             more = state.step < self.until and watch.clean  # nonfinite rule 2: no save of a NaN streak
             flags = (more and schedule.due(state.step), more and self.memory_due(), preempt.requested)
-            due, snap, stop, bad = distributed.agree_any(*flags, watch.tripped(state.step))  # one collective
+            short = self.memory_watch.short(copying=flags[0] or flags[1])  # memory watch rule 5
+            due, snap, stop, bad, tight = distributed.agree_any(*flags, watch.tripped(state.step), short is not None)
             if bad:
                 watch.act(self.runtime, state.step, self.log, metrics)
+            if tight:  # every rank gives its copies up together: saves stay collective
+                self._runtime, snap = give_up_copies(self.runtime, self.memory_watch, short, self.log), False
             if due:
                 if state.step % self.config.train.chunk_steps == 0:
                     self.await_previous_boundary()
@@ -277,6 +279,7 @@ class Worker:
             elif snap:  # a disk save of this step makes a snapshot of it redundant (memory tier rule 2)
                 self.snapshot_to_memory(metrics)
             if due or snap:  # long enough for a SIGTERM to arrive in: agreed again
+                self.memory_watch.copied = True
                 (stop,) = distributed.agree_any(preempt.requested)
         self.await_previous_boundary()  # the final save retires older checkpoints too
         self.final_save(metrics)
@@ -310,7 +313,7 @@ class Worker:
                 Event.CHECKPOINT_SAVED,
                 step=runtime.state.step,
                 stall_s=round(stall, 5),
-                blocking=blocking,
+                blocking=blocking or not store.policy.async_save,  # as it ran (memory watch rule 5)
                 persist_s=round(store.last_persist_s, 5),
             )
         return stall
