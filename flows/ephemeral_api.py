@@ -21,9 +21,11 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
 
 import psutil
 
@@ -33,6 +35,42 @@ GRACE_S = 5.0
 
 #: Attribute set on Prefect's server object once a reaper watches its process (its pid).
 TIED = "_convoy_tied_pid"
+
+
+def ephemeral_settings() -> None:
+    """Prefect's settings for its temporary server, set before it starts (on this thread: Prefect's
+    settings context is read by whoever starts it).  Its start-up on a fresh ``PREFECT_HOME`` runs
+    migrations that outlast the default 20 s, hence the longer limit."""
+    if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in os.environ:
+        return
+    import prefect.context
+
+    os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
+    # The embedded server's telemetry insert races its own start-up ("database is locked").
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    prefect.context.refresh_global_settings_context()  # settings were read when prefect was imported
+
+
+class EarlyStart:
+    """:func:`start_tied_prefect_api` on a thread, beside the rest of a command's start-up (the
+    config's check builds the task and fetches its first batches, ~2 s; the server's start-up is
+    mostly another process's, ~6 s).  :meth:`join` before anything needs the API or before the
+    process exits: a process that ended while the server started would leave it untied (rule 2 of
+    what this module prevents).  A start that fails here is left to the caller's own call, which
+    raises as it always did."""
+
+    def __init__(self) -> None:
+        ephemeral_settings()
+        self._thread = threading.Thread(target=self._start, name="convoy-prefect-api-start", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _start() -> None:
+        with contextlib.suppress(Exception):
+            start_tied_prefect_api()
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 def start_tied_prefect_api() -> int | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,14 +25,14 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from flows import flow_liveness
-from flows.ephemeral_api import start_tied_prefect_api
+from flows.ephemeral_api import ephemeral_settings, start_tied_prefect_api
 from flows.report import mlflow_link
 from flows.run_summary import RunSummary, goodput_fields
 from flows.slurm_job import SlurmJob
 from tasks.artifacts import prefect_ui_base, publish_chunk_table
-from tasks.chunk import chunk_record, committed_digest, loss_at, retrying_chunk_task
-from tasks.hooks import flow_crashed, flow_failed, forget_run, remember_run
-from tasks.records import goodput_metrics, run_records
+from tasks.chunk import audited, chunk_record, committed_digest, loss_at, retrying_chunk_task
+from tasks.hooks import flow_crashed, flow_failed
+from tasks.records import run_records
 from tasks.records.chunk_record import ChunkRecord, ChunkRow
 from tasks.remote import dvc_version as version
 from tasks.remote import remote_checkpoints
@@ -157,8 +156,6 @@ class TrainingRun:
         run_dir = open_run(cfg, allow_config_change=allow_config_change).resolve()
         link_current(cfg)
         update_run_info(run_dir, prefect_ui=prefect_ui_base())  # for the links in MLflow's descriptions
-        if flow_run_id:
-            remember_run(flow_run_id, run_dir=run_dir, run_name=cfg.run_name, chunk=None)
         # The run's resources first: its worker zygote imports torch while MLflow starts (a
         # relaunched flow's first step waits for both; issue 30 item 4).
         run = cls(cfg, run_dir, flow_run_id, logger)
@@ -253,7 +250,8 @@ class TrainingRun:
             from flows.pool import dispatch_chunk
 
             return dispatch_chunk(self.cfg, self.run_dir, chunk, start, end)
-        return chunk_record(self.task(str(self.run_dir), chunk, start, end, self.resources))
+        task = audited(self.task, self.resources, chunk)  # its failure hook knows the chunk
+        return chunk_record(task(str(self.run_dir), chunk, start, end, self.resources))
 
     def hand_over_boundary(self, end: int) -> None:
         """Version the boundary checkpoint (overlapping the next chunk), then acknowledge it once
@@ -298,7 +296,6 @@ class TrainingRun:
         publish_chunk_table(self.cfg.run_name, [r.as_dict() for r in self.rows], mlflow_link(self.run_dir)[0])
         if ok:
             self.model = run_records.log_model(self.cfg, self.run_dir)
-            forget_run(self.flow_run_id)  # no failure hook of this flow run will ask for it
         self.audit = run_records.finish_run(self.cfg, self.run_dir, ok)
 
     def uploaded_final(self) -> tuple[int, str | None]:
@@ -332,7 +329,8 @@ class TrainingRun:
         to now; ``seconds`` is that wall clock (this command's own when goodput cannot be measured)."""
         ends = chunk_ends(read_events(self.run_dir))
         done = bool(ends) and ends[-1][0] >= final_step == self.cfg.train.total_steps
-        fields = goodput_fields(self.run_dir, until=ends[-1][1] if done else time.time())
+        until = ends[-1][1] if done else time.time()
+        fields = goodput_fields(self.run_dir, until=until, journal=self.resources.journal)
         return {"seconds": fields.get("wall_s", round(time.time() - self.t0, 3)), **fields}
 
     def summary(self) -> dict[str, Any]:
@@ -367,7 +365,7 @@ class TrainingRun:
             **self.clock(final_step),
         )
         self.resources.goodput.join()
-        goodput_metrics.log_points(self.cfg, self.run_dir)  # every chunk end's goodput point, once
+        run_records.log_goodput(self.cfg, self.run_dir)  # every chunk end's goodput point, once
         append_event(
             self.run_dir,
             Event.FLOW_DONE,
@@ -436,13 +434,7 @@ def run_training(
     Raises :class:`RunLocked` / :class:`ConfigError` (one-line messages) or :class:`ChunkFailed`
     (``.kind``, one-line ``str()``; the flow run is Failed and the audit is written).
     """
-    if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" not in os.environ:
-        import prefect.context
-
-        os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
-        # The embedded server's telemetry insert races its own start-up ("database is locked").
-        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        prefect.context.refresh_global_settings_context()  # settings were read when prefect was imported
+    ephemeral_settings()
     # Refuse a second writer or a trajectory-changing config before a flow run even exists (a clean
     # one-line message, no failed run in the UI); the flow repeats both under its own lock, so a
     # race between two callers is still safe.  open_run is idempotent.

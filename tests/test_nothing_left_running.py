@@ -4,7 +4,8 @@ A user's ``convoy train`` on the embedded defaults (no ``PREFECT_API_URL``: Pref
 API server is started for the command) is killed with SIGKILL, then, resumed, with SIGTERM —
 only the command's own process, as ``kill`` or an OOM killer does it, not its process group.
 Within 10 s every process it had started (the temporary API server, the run's zygote, the worker,
-convoy's reaper) must be gone.  Both signals in one test: one fresh ``PREFECT_HOME`` migrated once.
+convoy's reaper) must be gone; and a command refused by the task's check (while the temporary API
+started beside it) leaves nothing either.  One test: one fresh ``PREFECT_HOME`` migrated once.
 """
 
 from __future__ import annotations
@@ -71,3 +72,21 @@ def test_sigkill_and_sigterm_of_convoy_train_leave_nothing_running(data_dir: Pat
     run_dir = config(p).run_dir.resolve()
     _kill_and_check(cmd, env, run_dir, 3, signal.SIGKILL)
     _kill_and_check(cmd, env, run_dir, 10, signal.SIGTERM)
+    # A task that fails its check: the temporary API was starting beside the check (flows/cli/main.py
+    # starts it early); the one-line error, exit 2, and nothing of this PREFECT_HOME left running.
+    bad = subprocess.run([*cmd, "-S", "task_args.n_head=3"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error:"), bad.stderr[-2000:]
+    deadline = time.monotonic() + 10
+    while (left := _with_home(env["PREFECT_HOME"])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left running after a config error: {left}"
+
+
+def _with_home(home: str) -> list[str]:
+    """Live processes whose environment names ``home`` as PREFECT_HOME."""
+    out = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get("PREFECT_HOME") == home and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
+    return out

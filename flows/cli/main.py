@@ -130,7 +130,13 @@ def train(
     """
     if from_ is None and _nothing_to_do(config_or_exit(params, set_), as_json):
         return
-    cfg = config_or_exit(params, set_, build_task=True)
+    from flows.ephemeral_api import EarlyStart
+
+    api = EarlyStart()  # Prefect's temporary API starts while the task is built and checked
+    try:
+        cfg = config_or_exit(params, set_, build_task=True)
+    finally:
+        api.join()  # the error (if any) is printed first; the server is tied before the process ends
     if from_ is not None:
         cfg = _child_config(cfg, from_)
     from flows.report import LiveProgress, failure_lines, link_lines, summary_table
