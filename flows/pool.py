@@ -36,7 +36,7 @@ from prefect import flow, get_run_logger
 from prefect.deployments import run_deployment
 
 from tasks.artifacts import artifact_key
-from tasks.chunk import chunk_record, run_chunk, should_retry
+from tasks.chunk import audited, chunk_record, run_chunk, should_retry
 from tasks.records import run_records
 from tasks.records.chunk_record import ChunkRecord
 from tasks.remote.remote_index import node_name
@@ -157,6 +157,7 @@ def train_chunk(
             retry_condition_fn=should_retry,
             tags=["convoy", f"run:{config.run_name}", config.orchestration.concurrency_tag],
         )
+        task = audited(task, resources, chunk)  # the node's own audit of the chunk, as in local mode
         with run_records.system_metrics(config, run_dir):  # sampled on the node that trains
             record = chunk_record(task(str(run_dir), chunk, start_step, end_step, resources))
         outcome.ok, outcome.record = True, record

@@ -5,9 +5,15 @@ supervisor's events and the heartbeat-based flow liveness cover that case).  Eac
 event to ``events.jsonl`` and publishes a markdown artifact naming the failure and the step the
 next attempt resumes from.
 
-Hooks receive ``(task_or_flow, run, state)`` only; the run directory is looked up in
-:data:`_RUNS` (the one lookup the hooks keep: Prefect run id → :class:`HookTarget`), which the
-task/flow body fills in, with the flow's parameters as a fallback.
+Hooks receive ``(task_or_flow, run, state)`` only, so each says where its run lives without a
+lookup (issue 47 item 4: nothing module-level owns a run):
+
+- a chunk task's hook is :meth:`HookTarget.chunk_failed`, bound when the chunk is submitted
+  (:func:`tasks.chunk.audited`) to the chunk's target: its run, its number, the run's checkpoint
+  store.  It lives as long as the task object Prefect runs, so nothing outlives the chunk;
+- the flow's hooks (:func:`flow_failed`, :func:`flow_crashed`) sit on the ``@flow`` itself (a
+  deployment loads the flow from its entry point, so no caller can bind them) and read the run
+  from the flow run's own parameters: the config the flow body keyed, keyed the same way here.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ log = logging.getLogger("convoy.hooks")
 
 @dataclass(frozen=True)
 class HookTarget:
-    """Which run (and chunk) a Prefect run id belongs to, for a hook that gets only the id."""
+    """What a failure hook writes to: the run, its chunk (None: the flow) and the flow run."""
 
     run_dir: Path
     run_name: str
@@ -48,21 +54,13 @@ class HookTarget:
     def resume_step(self) -> int | None:
         return (self.checkpoints or CheckpointStore(self.run_dir)).resume_point().step
 
-
-#: Prefect run id (str) → its target.
-_RUNS: dict[str, HookTarget] = {}
-
-
-def remember_run(
-    run_id: Any, run_dir: Path, run_name: str, chunk: int | None = None, checkpoints: CheckpointStore | None = None
-) -> None:
-    """What the failure hooks of Prefect run ``run_id`` act on; forgotten when the run succeeds
-    (:func:`forget_run`) or its hook has used it, so a long flow process keeps none of its past."""
-    _RUNS[str(run_id)] = HookTarget(Path(run_dir), run_name, chunk, checkpoints=checkpoints)
-
-
-def forget_run(run_id: Any) -> None:
-    _RUNS.pop(str(run_id), None)
+    def chunk_failed(self, task: Any, task_run: Any, state: Any) -> None:
+        """Task ``on_failure`` of this target's chunk: it failed for good (retries exhausted or not
+        retryable).  Bound at submission, so the hook needs nothing of ``task_run``."""
+        try:
+            _audit(Event.CHUNK_FAILED, self, _exception(state), state)
+        except Exception as exc:  # noqa: BLE001 - a hook must not mask the real failure
+            log.warning("chunk failure hook: %s", exc)
 
 
 def _exception(state: Any) -> BaseException | None:
@@ -84,16 +82,21 @@ def _describe(exc: BaseException | None, state: Any) -> tuple[str, str]:
     return getattr(state, "type", "FAILED").__str__().lower(), getattr(state, "message", "") or ""
 
 
-def _run_dir_from_flow_params(params: dict[str, Any]) -> tuple[Path, str] | None:
+def flow_target(params: dict[str, Any]) -> HookTarget | None:
+    """The run a ``train`` flow run with these parameters trains: its config keyed as the flow body
+    keys it (:func:`training.rundir.keyed_config`: a ``new_run`` config trains ``<name>@<fp>``), so
+    the hook writes where the body did; None when the parameters say no run or it was never made."""
     with contextlib.suppress(Exception):
         from training.config import config_from_dict, load_config
+        from training.rundir import keyed_config
 
         cfg = params.get("config")
         if cfg is not None:
             cfg = config_from_dict(cfg if isinstance(cfg, dict) else cfg.model_dump(mode="json"), check_task=False)
         else:  # where the run lives is all a hook needs: no torch import in a Prefect worker (1+ s)
             cfg = load_config(params.get("params"), params.get("overrides") or [], check_task=False)
-        return cfg.run_dir, cfg.run_name
+        cfg = keyed_config(cfg)
+        return HookTarget(cfg.run_dir.resolve(), cfg.run_name) if cfg.run_dir.exists() else None
     return None
 
 
@@ -130,26 +133,12 @@ def _audit(kind: str, info: HookTarget, exc: BaseException | None, state: Any) -
     publish_failure_note(info.run_name, title, lines)
 
 
-def chunk_failed(task: Any, task_run: Any, state: Any) -> None:
-    """Task ``on_failure``: the chunk failed for good (retries exhausted or not retryable)."""
-    info = _RUNS.pop(str(task_run.id), None)  # its last use: the task run has ended for good
+def _flow_hook(kind: str, flow_run: Any, state: Any) -> None:
+    info = flow_target(dict(flow_run.parameters or {}))
     if info is None:
         return
     try:
-        _audit(Event.CHUNK_FAILED, info, _exception(state), state)
-    except Exception as exc:  # noqa: BLE001 - a hook must not mask the real failure
-        log.warning("chunk failure hook: %s", exc)
-
-
-def _flow_hook(kind: str, flow_run: Any, state: Any) -> None:
-    info = _RUNS.pop(str(flow_run.id), None)  # its last use: the flow run has ended
-    if info is None:
-        found = _run_dir_from_flow_params(dict(flow_run.parameters or {}))
-        if found is None or not found[0].exists():
-            return
-        info = HookTarget(found[0], found[1])
-    try:
-        _audit(kind, replace(info, chunk=None, flow_run_id=str(flow_run.id)), _exception(state), state)
+        _audit(kind, replace(info, flow_run_id=str(flow_run.id)), _exception(state), state)
     except Exception as exc:  # noqa: BLE001
         log.warning("flow %s hook: %s", kind, exc)
 
