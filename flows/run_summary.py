@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.records.chunk_record import ChunkRow
-from training.tracking.goodput import Goodput, run_goodput
+from training.tracking.goodput import Goodput, StepJournal, run_goodput
 
 log = logging.getLogger("convoy.flow")
 
@@ -103,11 +103,12 @@ class RunSummary:
         return cls(**values, extra={k: v for k, v in data.items() if k not in known})
 
 
-def goodput_fields(run_dir: Path, until: float | None) -> dict[str, Any]:
+def goodput_fields(run_dir: Path, until: float | None, journal: StepJournal | None = None) -> dict[str, Any]:
     """The summary's goodput fields for the run up to ``until`` (empty if it cannot be measured:
-    the summary never fails for it)."""
+    the summary never fails for it); ``journal``: the run's reader of its journal, when the caller
+    holds one (the flow's run resources)."""
     try:
-        measured = run_goodput(run_dir, until=until)
+        measured = run_goodput(run_dir, until=until, journal=journal)
     except (OSError, ValueError) as exc:  # a damaged journal: the summary says so elsewhere
         log.warning("goodput: could not measure run %s: %s", run_dir, exc)
         return {}

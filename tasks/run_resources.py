@@ -1,13 +1,14 @@
 """What lives across the chunk tasks of one run, in one object the flow holds and passes on.
 
-A flow run trains its chunks as Prefect tasks in its own process (threads), and six things
+A flow run trains its chunks as Prefect tasks in its own process (threads), and seven things
 outlive a single chunk task: the run's checkpoint store with its verdicts (each unchanged
 checkpoint hashed once, :mod:`training.checkpointing.verified`), the pipelined worker parked at a
 chunk boundary for the next task (:class:`tasks.supervision.handoff.Parking`), the warm standby
 (:class:`tasks.supervision.standby.StandbySlot`), the worker zygote that forks every worker
 (:class:`tasks.supervision.worker_zygote.WorkerZygote`), the thread that uploads committed checkpoints
-(:class:`tasks.remote.remote_checkpoints.Uploader`) and the boundary versioning still in flight
-(:class:`tasks.remote.dvc_version.Versioning`).
+(:class:`tasks.remote.remote_checkpoints.Uploader`), the boundary versioning still in flight
+(:class:`tasks.remote.dvc_version.Versioning`) and the reader of the run's step journal that goodput
+reads on (:class:`training.tracking.goodput.StepJournal`).
 
 :class:`RunResources` is created when the flow opens the run, handed to every chunk task as a
 parameter (a plain object: Prefect passes it through, the task's cache policy is ``NO_CACHE`` so
@@ -36,6 +37,7 @@ from tasks.supervision.standby import StandbySlot
 from tasks.supervision.worker_zygote import WorkerZygote
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
+from training.tracking.goodput import StepJournal
 
 log = logging.getLogger("convoy.run")
 
@@ -59,6 +61,8 @@ class RunResources:
         #: is verified once however many callers ask for the resume point.
         self.checkpoints = CheckpointStore(self.run_dir)
         self.versioning = Versioning(config, self.run_dir)
+        #: The run's step journal as goodput reads it: each read parses only the rows since the last.
+        self.journal = StepJournal(self.run_dir)
         #: The resume audit in MLflow and the goodput points, written at each chunk end on threads
         #: of their own: off the path between two chunk tasks (:mod:`tasks.records.background`).
         self.audit = OneAtATime(lambda: run_records.refresh(config, self.run_dir), "convoy-audit-refresh")

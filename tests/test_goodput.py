@@ -14,7 +14,7 @@ import pytest
 
 from tests.flow_util import CHUNK, TOTAL, config, in_thread, params, wait_for_step
 from training.event_records import EventLog
-from training.tracking.goodput import BUCKETS, Goodput, StepRow, chunk_points, compute
+from training.tracking.goodput import BUCKETS, Goodput, StepJournal, StepRow, chunk_points, compute, journal_steps
 
 T0 = 1_800_000_000.0  # any epoch time: the streams below count from it
 
@@ -240,6 +240,38 @@ def write_run(run_dir: Path, events: list[dict[str, Any]], steps: list[StepRow])
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     journal = [{"step": r.step, "metrics": {"step_time_s": r.step_s}, "time_ms": int(r.time * 1000)} for r in steps]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(j) + "\n" for j in journal))
+
+
+def test_a_journal_reader_reads_on_and_again_only_for_another_file(tmp_path: Path) -> None:
+    """A :class:`StepJournal` (held by whoever reads goodput again: no module keeps one) reads on
+    from where it stopped, and reads a replaced or shorter journal again from its start."""
+    path = tmp_path / "metrics.jsonl"
+
+    def write(first: int, last: int, mode: str = "a") -> None:
+        with open(path, mode) as f:
+            f.writelines(
+                json.dumps({"step": s, "time_ms": s * 1000, "metrics": {"step_time_s": 0.5}}) + "\n"
+                for s in range(first, last + 1)
+            )
+
+    reader = StepJournal(tmp_path)
+    assert reader.rows() == []  # no journal yet
+    write(1, 3)
+    assert [r.step for r in reader.rows()] == [1, 2, 3]
+    write(4, 5)
+    with open(path, "a") as f:
+        f.write('{"step": 6')  # a row still being written waits for its newline
+    assert [r.step for r in reader.rows()] == [1, 2, 3, 4, 5]
+    assert reader.rows()[-1] == StepRow(5, 5.0, 0.5, 0.0)
+    replaced = tmp_path / "new.jsonl"
+    replaced.write_text(json.dumps({"step": 9, "metrics": {}}) + "\n")
+    os.replace(replaced, path)  # another file (a new inode): read from its start
+    assert [r.step for r in reader.rows()] == [9]
+    write(10, 12)
+    assert [r.step for r in reader.rows()] == [9, 10, 11, 12]
+    write(1, 1, mode="w")  # the same file, shorter: read again
+    assert [r.step for r in reader.rows()] == [1]
+    assert journal_steps(tmp_path) == reader.rows()  # no reader: the journal read whole
 
 
 def test_each_chunk_end_is_logged_once_however_often_it_is_asked(tmp_path: Path) -> None:

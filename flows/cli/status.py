@@ -112,22 +112,24 @@ def status(
     except ConfigError as exc:
         raise fail(str(exc)) from None
     from training.checkpointing.store import CheckpointStore
+    from training.tracking.goodput import StepJournal
 
     store = CheckpointStore(run_dir)  # one for the command: each checkpoint is hashed once (--follow)
+    journal = StepJournal(run_dir)  # and the journal is read on, not again, for each goodput (--follow)
     if as_json:
         while True:
-            facts = read_status(cfg, run_dir, store=store)
+            facts = read_status(cfg, run_dir, store=store, journal=journal)
             sys.stdout.write(json.dumps(facts.as_dict(), separators=(",", ":") if follow else (", ", ": ")) + "\n")
             sys.stdout.flush()
             if not follow or facts.state != "running":
                 return
             time.sleep(every)
-    facts = read_status(cfg, run_dir, store=store)
+    facts = read_status(cfg, run_dir, store=store, journal=journal)
     if not follow:
         console.print(_status_table(facts))
         return
     with Live(_status_table(facts), console=console, refresh_per_second=4) as live:
         while facts.state == "running":
             time.sleep(every)
-            facts = read_status(cfg, run_dir, store=store)
+            facts = read_status(cfg, run_dir, store=store, journal=journal)
             live.update(_status_table(facts))

@@ -152,36 +152,38 @@ class Goodput:
 
 
 # ---------------------------------------------------------------------------------- the journal
-_cache: dict[str, tuple[int, int, list[StepRow]]] = {}
-_cache_lock = threading.Lock()
+class StepJournal:
+    """One run's journal (``metrics.jsonl``) as :class:`StepRow`, read on from where this reader
+    stopped (a new file, or a shorter one, is read again).  Held and passed down by whoever reads
+    goodput again (the flow's run resources, ``convoy status --follow``), so the rows live as long
+    as their reader, not the process: parsing is most of a goodput pass (0.69 s of 0.78 s for
+    100,000 steps; reading on, 1 ms).  Thread-safe: a flow's threads may share one."""
+
+    KEPT = ("step_time_s", "eval_time_s", "memory_snapshot_s")  # the metrics a StepRow keeps, in its order
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path, self._lock = RunPaths(run_dir).metrics, threading.Lock()
+        self._ino, self._offset, self._rows = -1, 0, list[StepRow]()  # -1: no file read yet
+
+    def rows(self) -> list[StepRow]:
+        """Every row of the journal so far (a copy: the caller may keep it)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return []
+        with self._lock:
+            if self._ino != st.st_ino or st.st_size < self._offset:
+                self._ino, self._offset, self._rows = st.st_ino, 0, []
+            new, self._offset = read_journal(self.path, from_byte=self._offset)
+            for r in new:
+                stamp = r.time_ms / 1000 if r.time_ms is not None else None
+                self._rows.append(StepRow(r.step, stamp, *(float(r.metrics.get(k, 0.0)) for k in self.KEPT)))
+            return list(self._rows)
 
 
-def journal_steps(run_dir: str | Path) -> list[StepRow]:
-    """The journal's rows as :class:`StepRow`, read on from where this process read it last (the
-    file only grows; a new file, or a shorter one, is read again)."""
-    path = RunPaths(run_dir).metrics
-    key = str(path.resolve()) if path.exists() else str(path)
-    try:
-        st = os.stat(path)
-    except OSError:
-        return []
-    with _cache_lock:
-        ino, offset, rows = _cache.get(key, (st.st_ino, 0, []))
-        if ino != st.st_ino or st.st_size < offset:
-            offset, rows = 0, []
-        new, offset = read_journal(path, from_byte=offset)
-        rows.extend(
-            StepRow(
-                r.step,
-                r.time_ms / 1000 if r.time_ms is not None else None,
-                float(r.metrics.get("step_time_s", 0.0)),
-                float(r.metrics.get("eval_time_s", 0.0)),
-                float(r.metrics.get("memory_snapshot_s", 0.0)),
-            )
-            for r in new
-        )
-        _cache[key] = (st.st_ino, offset, rows)
-        return list(rows)
+def journal_steps(run_dir: str | Path, journal: StepJournal | None = None) -> list[StepRow]:
+    """The journal's rows: read on by ``journal`` (the caller's reader of this run), else read whole."""
+    return (journal if journal is not None else StepJournal(run_dir)).rows()
 
 
 # ---------------------------------------------------------------------------------- intervals
@@ -441,9 +443,9 @@ def _compute(events: Sequence[ev.EventRecord], rows: Sequence[StepRow], until: f
     )
 
 
-def run_goodput(run_dir: str | Path, until: float | None = None) -> Goodput | None:
-    """:func:`compute` over the run directory's ``events.jsonl`` and ``metrics.jsonl``."""
-    return compute(ev.EventLog.read(run_dir), journal_steps(run_dir), until)
+def run_goodput(run_dir: str | Path, until: float | None = None, journal: StepJournal | None = None) -> Goodput | None:
+    """:func:`compute` over the run's ``events.jsonl`` and ``metrics.jsonl`` (read on by ``journal`` if given)."""
+    return compute(ev.EventLog.read(run_dir), journal_steps(run_dir, journal), until)
 
 
 # ---------------------------------------------------------------------------------- chunk ends

@@ -47,7 +47,7 @@ from training.heartbeat import HOST, Beat, read_heartbeat
 from training.paths import RunPaths, owner_note
 from training.tracking.attempts import latest_attempts
 from training.tracking.failure_record import RecordedFailure
-from training.tracking.goodput import Goodput, compute, journal_steps
+from training.tracking.goodput import Goodput, StepJournal, compute, journal_steps
 from training.tracking.metrics import read_metric_lines
 from training.tracking.resume_audit import analyse
 
@@ -264,11 +264,11 @@ def describe_upload(st: RunStatus) -> str | None:
     return f"{up}, {st.upload_lag_steps} steps behind{after}"
 
 
-def _goodput_fields(run_dir: Path, log: EventLog, until: float | None) -> dict[str, Any]:
+def _goodput_fields(run_dir: Path, log: EventLog, until: float | None, journal: StepJournal | None) -> dict[str, Any]:
     """Goodput so far (:mod:`training.tracking.goodput`) up to ``until`` (None: the run's last
     event or row, for a run nobody is running); all None when it cannot be measured."""
     try:
-        measured = compute(log, journal_steps(run_dir), until)
+        measured = compute(log, journal_steps(run_dir, journal), until)
     except (OSError, ValueError):  # a damaged journal: status shows the rest
         measured = None
     if measured is None:
@@ -317,11 +317,11 @@ def read_status(
     verify: bool = True,
     goodput: bool = True,
     store: CheckpointStore | None = None,
+    journal: StepJournal | None = None,
 ) -> RunStatus:
-    """Everything ``convoy status`` shows; ``verify=False``: the newest checkpoint by its manifest
-    only, and ``goodput=False``: without the goodput fields, which read the whole journal (the
-    live line of ``convoy train``); ``store``: the run's store, kept by a caller that asks again
-    (its verdicts are remembered)."""
+    """Everything ``convoy status`` shows; ``verify=False``: the newest checkpoint by its manifest only;
+    ``goodput=False``: no goodput fields (they read the journal: the live line of ``convoy train``);
+    ``store``, ``journal``: the run's, kept by a caller that asks again (verdicts kept, journal read on)."""
     run_dir = Path(run_dir)
     store = store if store is not None else CheckpointStore(run_dir)
     now = time.time() if now is None else now
@@ -367,6 +367,6 @@ def read_status(
         **_checkpoint_fields(newest, verify, step),
         **_upload_fields(config, log, ck_step),
         **_audit_fields(log),
-        **(_goodput_fields(run_dir, log, now if running else None) if goodput else {}),
+        **(_goodput_fields(run_dir, log, now if running else None, journal) if goodput else {}),
     }
     return RunStatus(**facts)
