@@ -86,7 +86,8 @@ def main() -> None:
 
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     print(f"machine: {total / GB:.1f} GB, MemAvailable {mem_available() / GB:.1f} GB", flush=True)
-    with tempfile.TemporaryDirectory(dir=scale.ROOT) as tmp:
+    (scale.ROOT / ".bench-tmp").mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scale.ROOT / ".bench-tmp") as tmp:
         for size in (float(s) for s in args.sizes.split(",")):
             state = size * (1 << 30)
             bare = bare_peak(size)

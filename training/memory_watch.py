@@ -10,17 +10,17 @@ copies came on top.  Only the running process knows what it holds, so the worker
 
 Rules (numbered; cited in code):
 
-5. **Before each copy, and at every step while a copy is held, enough left for the next step.**  What the node has available now (the
-   cgroup's room or ``MemAvailable``; with ``checkpoint.host_memory_gb``, that less what this
-   node's ranks hold: each rank's anonymous memory, as this one's, and the tier's pages), less what
-   the ranks will claim again in their next step (their peak over their resident memory, as this
-   rank's) and less the copy still to be allocated (none once the tier's slot or the save's staging
-   holds pages), must stay above the reserve the budget keeps: ``1 - checkpoint.host_memory_share``
-   of the machine's memory (or of ``host_memory_gb``).  Below it, every rank gives up its copies
-   for the rest of the worker (agreed in the step's one collective: saves stay collective): the
-   memory tier's slots are freed and saves become synchronous, as the budget's rule 3 would have
-   done at the start, in one line and one event (``host_memory_short``).  The next worker checks
-   again from the start.
+5. **Before each copy, and at every step while a copy is held, enough left for the next
+   step.**  What the node has available now (the cgroup's room or ``MemAvailable``; with
+   ``checkpoint.host_memory_gb``, that less what this node's ranks hold: each rank's anonymous
+   memory, as this one's, and the tier's pages), less what the ranks will claim again in their
+   next step (their peak over their resident memory, as this rank's) and less the copy still to
+   be allocated (none once the tier's slot or the save's staging holds pages), must stay above
+   the reserve the budget keeps: ``1 - checkpoint.host_memory_share`` of the machine's memory (or
+   of ``host_memory_gb``).  Below it, every rank gives up its copies for the rest of the worker
+   (agreed in the step's one collective: saves stay collective): the memory tier's slots are
+   freed and saves become synchronous, as the budget's rule 3 would have done at the start, in
+   one line and one event (``host_memory_short``).  The next worker checks again from the start.
 """
 
 from __future__ import annotations

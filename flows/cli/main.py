@@ -130,13 +130,7 @@ def train(
     """
     if from_ is None and _nothing_to_do(config_or_exit(params, set_), as_json):
         return
-    from flows.ephemeral_api import EarlyStart
-
-    api = EarlyStart()  # Prefect's temporary API starts while the task is built and checked
-    try:
-        cfg = config_or_exit(params, set_, build_task=True)
-    finally:
-        api.join()  # the error (if any) is printed first; the server is tied before the process ends
+    cfg = _checked_beside_prefect(params, set_)
     if from_ is not None:
         cfg = _child_config(cfg, from_)
     from flows.report import LiveProgress, failure_lines, link_lines, summary_table
@@ -166,6 +160,17 @@ def train(
     console.print(summary_table(typed))
     for line in link_lines(typed):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _checked_beside_prefect(params: Path, set_: list[str] | None) -> RunConfig:
+    """The config with its task built and checked, while Prefect's temporary API starts."""
+    from flows.ephemeral_api import EarlyStart
+
+    api = EarlyStart()
+    try:
+        return config_or_exit(params, set_, build_task=True)
+    finally:
+        api.join()  # the error (if any) is printed first; the server is tied before the process ends
 
 
 def _in_slurm_job(cfg: RunConfig) -> tuple[RunConfig, Any]:
