@@ -155,6 +155,8 @@ class ChunkRun:
         #: A worker killed while parked before this task began, replaced at once (taken in :meth:`run`).
         self.replacement: Replacement | None = None
         self.shipper: MetricShipper | None = None
+        #: The run's tracker for this task's attempts: the one that opens an attempt run ends it.
+        self.tracker = run_records.tracker_for(cfg)
 
     def run(self) -> State:
         if self.try_number == 1:
@@ -185,7 +187,7 @@ class ChunkRun:
         rd = self.run_dir
         resumes = None if adopting else self.resumed_from
         self.id = replace(self.id, attempt=next_attempt(EventLog.read(rd), self.chunk), resumes_from=resumes)
-        child = run_records.start_attempt(self.cfg, rd, self.id)
+        child = run_records.start_attempt(self.tracker, rd, self.id)
         if child and self.shipper is not None:  # the attempt's run charts the steps it trains
             self.shipper.mirror(child, (self.start if adopting else self.resumed_from) + 1, self.end)
         # The event's resumes_from is the step the steps count from, an adopted worker's too.
@@ -207,7 +209,7 @@ class ChunkRun:
             resume_at = exc.details.last_committed_step or 0
             trained = max(0, resume_at - self.resumed_from)
             run_records.end_attempt(
-                cfg,
+                self.tracker,
                 rd,
                 child,
                 run_records.attempt_outcome(False, exc.kind, trained, time.time() - t_attempt, exc.details),
@@ -232,7 +234,7 @@ class ChunkRun:
             raise exc from None
         outcome_seconds = time.time() - t_attempt
         done = run_records.attempt_outcome(True, None, self.end - self.resumed_from, outcome_seconds, end_step=self.end)
-        run_records.end_attempt(cfg, rd, child, done, self.id)
+        run_records.end_attempt(self.tracker, rd, child, done, self.id)
         return outcome
 
     def account_replacement(self, r: Replacement) -> str | None:
@@ -244,20 +246,20 @@ class ChunkRun:
         cfg, rd, task_run = self.cfg, self.run_dir, self.id.task_run_id
         self.replaced += 1
         self.id = replace(r.dead_attempt, task_run_id=task_run)
-        dead = run_records.start_attempt(cfg, rd, self.id)
+        dead = run_records.start_attempt(self.tracker, rd, self.id)
         if dead and self.shipper is not None:
             self.shipper.mirror(dead, self.start + 1, r.failure.trained_to or self.start)
         resume_at = r.attempt.resumes_from or 0
         kept = max(0, resume_at - self.start)
         run_records.end_attempt(
-            cfg, rd, dead, run_records.attempt_outcome(False, r.kind, kept, 0.0, r.failure), self.id
+            self.tracker, rd, dead, run_records.attempt_outcome(False, r.kind, kept, 0.0, r.failure), self.id
         )
         say_replaced(self.logger, cfg, r, self.try_number, self.resources.notes.publish)
         append_record(
             rd, Resubmitted(chunk=self.chunk, attempt=r.dead_attempt.attempt, reason=REPLACED, resume_step=resume_at)
         )
         self.id, self.resumed_from = replace(r.attempt, task_run_id=task_run), resume_at
-        child = run_records.start_attempt(cfg, rd, self.id)
+        child = run_records.start_attempt(self.tracker, rd, self.id)
         if child and self.shipper is not None:
             self.shipper.mirror(child, resume_at + 1, self.end)
         append_record(

@@ -98,11 +98,17 @@ def attempt(cfg, run_dir: Path, chunk: int, number: int, start: int, end: int, k
     t0 = time.time()
     if kill_step is not None:
         kill_at(run_dir, end, kill_step)
-        end_attempt(child, AttemptOutcome("FAILED", "killed", steps=kill_step - 1 - start, seconds=time.time() - t0))
+        failed = AttemptOutcome("FAILED", "killed", steps=kill_step - 1 - start, seconds=time.time() - t0)
+        end_attempt(child, failed, config=cfg, run_dir=run_dir)
     else:
         code, out = run_worker(run_dir, end)
         assert code == 0, out
-        end_attempt(child, AttemptOutcome("FINISHED", None, steps=end - start, seconds=time.time() - t0))
+        end_attempt(
+            child,
+            AttemptOutcome("FINISHED", None, steps=end - start, seconds=time.time() - t0),
+            config=cfg,
+            run_dir=run_dir,
+        )
     report = shipper.stop(drain_s=30)
     assert report.waiting == 0 and report.error is None, report
     refresh_audit(cfg, run_dir)

@@ -313,7 +313,13 @@ class OrchestrationConfig(_Strict):
 class TrackingConfig(_Strict):
     """MLflow tracking and DVC versioning."""
 
+    #: Record the run in its tracking backend (``backend``); false records nothing there (the
+    #: run's own files, ``audit/`` included, are written either way).  Named when MLflow was the
+    #: only backend.
     mlflow: bool = True
+    #: The tracking backend: the module ``tasks/records/<backend>_tracker.py`` whose tracker records
+    #: the run (:class:`tasks.records.tracker.Tracker`); ``mlflow`` is the one there is.
+    backend: str = Field("mlflow", pattern=r"^[a-z][a-z0-9_]*$")
     #: Tracking URI; empty = $MLFLOW_TRACKING_URI or sqlite:///mlflow.db in the working directory.
     mlflow_uri: str = ""
     #: Where the MLflow UI of a local store (sqlite:/file) is served, for the links convoy prints;

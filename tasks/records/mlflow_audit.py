@@ -1,11 +1,13 @@
 """Resume audit in MLflow: chunk attempts as nested runs, resume/failure tags, table, timeline.
 
-Called by the flow and its chunk tasks (never by the worker), through :mod:`tasks.records.run_records`:
+Called by the flow and its chunk tasks (never by the worker), through :mod:`tasks.records.run_records`
+and the MLflow tracker (:class:`tasks.records.mlflow_tracker.MlflowTracker`, which holds what an
+attempt run was opened in until it is ended; no state lives in this module):
 
 * :func:`start_attempt` / :func:`end_attempt` — each chunk attempt is a child run of the training
   run's MLflow run (tag ``mlflow.parentRunId``), ended FINISHED or FAILED with the failure kind,
   the steps trained and the seconds spent.
-* :func:`refresh_audit` — reads ``events.jsonl`` and ``metrics.jsonl``; sets the parent's
+* :func:`refresh_audit` — :func:`write_audit_files` reads ``events.jsonl`` and ``metrics.jsonl``; sets the parent's
   ``convoy.resumes`` / ``convoy.failures`` / ``convoy.steps_lost`` (and ``convoy.nondeterministic``
   when a replay did not reproduce the logged values); replaces the table artifact
   ``convoy/resume_events.json`` (MLflow table format, one row per recovery) and the picture
@@ -24,18 +26,18 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 from tasks.records.run_links import attempt_links, attempts_oldest_first, flow_runs_markdown
+from tasks.records.tracker import AttemptOutcome
 from training.config import RunConfig
 from training.event_records import EventLog
 from training.events import FailureKind
 from training.fsutil import atomic_write_json
 from training.rundir import run_info
-from training.tracking.attempts import AttemptId, attempt_name, outcome_label
+from training.tracking.attempts import AttemptId, attempt_name
 from training.tracking.failure_record import FailureDetails, RecordedFailure
 from training.tracking.resume_audit import ResumeAudit, analyse, describe_passed_over, read_loss, render_timeline
 
@@ -69,10 +71,6 @@ TABLE_COLUMNS = [
 ]
 
 
-#: child run id → tracking URI, so that :func:`end_attempt` needs only the id (same process).
-_child_uris: dict[str, str] = {}
-
-
 # ---------------------------------------------------------------------------------- MLflow side
 def client_and_parent(config: RunConfig, run_dir: Path) -> tuple[Any, str, str]:
     """The MLflow client and the training run's MLflow run (imported here: MLflow takes ~3 s, and
@@ -95,7 +93,7 @@ def start_attempt(config: RunConfig, run_dir: str | Path, attempt: AttemptId) ->
     from tasks.records import mlflow_runs
 
     run_dir = Path(run_dir)
-    client, parent_id, uri = client_and_parent(config, run_dir)
+    client, parent_id, _ = client_and_parent(config, run_dir)
     parent = client.get_run(parent_id)
     if parent.info.status != "RUNNING":
         client.update_run(parent_id, status="RUNNING")  # resumed after a FAILED/KILLED flow
@@ -113,7 +111,6 @@ def start_attempt(config: RunConfig, run_dir: str | Path, attempt: AttemptId) ->
         "mlflow.note.content": attempt_note(run_dir, attempt, "running"),
     }
     child = client.create_run(parent.info.experiment_id, run_name=attempt.name(), tags=tags)
-    _child_uris[child.info.run_id] = uri
     return child.info.run_id
 
 
@@ -173,31 +170,6 @@ def failure_tags(failure: FailureDetails) -> dict[str, str]:
     return {f"convoy.{k}": str(v) for k, v in facts.items() if v is not None}
 
 
-@dataclass(frozen=True)
-class AttemptOutcome:
-    """How one chunk attempt ended, as :func:`end_attempt` records it on the attempt's MLflow run.
-
-    ``status``: FINISHED, FAILED or KILLED; ``failure_kind``: the supervisor's name for the failure
-    (``killed``, ``hang``...); ``steps``: steps the attempt committed; ``seconds``: its duration;
-    ``failure``: the supervisor's details of a failed attempt (see :func:`failure_tags`);
-    ``end_step``: the step a successful attempt committed.
-    """
-
-    status: str
-    failure_kind: str | None = None
-    steps: int = 0
-    seconds: float = 0.0
-    failure: FailureDetails | None = None
-    end_step: int | None = None
-
-    def label(self) -> str:
-        """The outcome in the attempt's name: ``killed 290→200``, ``done→400``."""
-        if self.failure is None and self.failure_kind is None:
-            return outcome_label(None, resumed_from=self.end_step)
-        failure = self.failure or FailureDetails()
-        return outcome_label(self.failure_kind or "failed", failure.failed_at_step, failure.last_committed_step or 0)
-
-
 def _outcome_tags(outcome: AttemptOutcome) -> dict[str, str]:
     """The tags of an ended attempt, with a one-line account of a failure (the first line of its
     description in the MLflow UI)."""
@@ -230,13 +202,15 @@ def end_attempt(
     config: RunConfig | None = None,
     run_dir: str | Path | None = None,
     attempt: AttemptId | None = None,
+    uri: str | None = None,
 ) -> None:
     """End a child run FINISHED, FAILED or KILLED.  Tags: status, steps committed by the attempt,
     seconds, and for a failure (``outcome.failure`` = the supervisor's details) its kind, reason,
     failed-at and resumed-from steps, steps lost, the checkpoints passed over and the log path,
     with the log's tail as an artifact and a description, so a failed attempt explains itself in
     the MLflow UI.  With ``attempt`` (and ``config``, ``run_dir``): renamed ``killed 290→200
-    c2·a3``, its params logged and its description ending in its links."""
+    c2·a3``, its params logged and its description ending in its links.  ``uri``: the store the
+    run was opened in, where the caller kept it (the tracker that opened it); else the run's."""
     if not child_run_id:
         return
     if outcome.status not in ("FINISHED", "FAILED", "KILLED"):
@@ -246,8 +220,7 @@ def end_attempt(
     from tasks.records.mlflow_client import client_for, resolve_tracking_uri
     from tasks.records.mlflow_runs import MAX_BATCH_PARAMS
 
-    uri = _child_uris.get(child_run_id) or resolve_tracking_uri(config, run_dir)
-    client = client_for(uri)
+    client = client_for(uri or resolve_tracking_uri(config, run_dir))
     tags = _outcome_tags(outcome)
     params: list[Any] = []
     if attempt is not None and config is not None and run_dir is not None:
@@ -268,7 +241,6 @@ def end_attempt(
             path.write_text("\n".join(tail) + "\n")
             client.log_artifact(child_run_id, str(path), artifact_path=str(Path(LOG_TAIL_ARTIFACT).parent))
     client.set_terminated(child_run_id, status=outcome.status)
-    _child_uris.pop(child_run_id, None)
 
 
 def close_running_attempts(config: RunConfig, run_dir: str | Path, orphans: Sequence[RecordedFailure]) -> list[str]:
@@ -317,11 +289,10 @@ def _table_payload(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def refresh_audit(config: RunConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Recompute the audit from the event log and publish it (files always, MLflow if enabled).
-
-    Idempotent: the table and picture are replaced, not appended, so calling it at every chunk
-    end (and again after a crash) converges on the same artifacts."""
+def write_audit_files(config: RunConfig, run_dir: str | Path) -> tuple[ResumeAudit, dict[str, Any], Path]:
+    """Recompute the audit from the event log and write it under ``<run_dir>/audit/`` (the table,
+    the timeline picture): (the audit, the table, the picture's path).  No MLflow: a run tracked
+    nowhere gets these files at its end too (:func:`tasks.records.run_records.finish_run`)."""
     run_dir = Path(run_dir)
     audit = analyse(EventLog.read(run_dir))
     out_dir = run_dir / AUDIT_DIR
@@ -329,6 +300,16 @@ def refresh_audit(config: RunConfig, run_dir: str | Path) -> dict[str, Any]:
     table = _table_payload(audit.rows)
     atomic_write_json(out_dir / "resume_events.json", table, durable=False)
     png = render_timeline(run_dir, audit, out_dir / "timeline.png", title=config.run_name)
+    return audit, table, png
+
+
+def refresh_audit(config: RunConfig, run_dir: str | Path) -> dict[str, Any]:
+    """Recompute the audit from the event log and publish it (files always, MLflow if enabled).
+
+    Idempotent: the table and picture are replaced, not appended, so calling it at every chunk
+    end (and again after a crash) converges on the same artifacts."""
+    run_dir = Path(run_dir)
+    audit, table, png = write_audit_files(config, run_dir)
     if not config.tracking.mlflow:
         return audit.as_dict()
     try:

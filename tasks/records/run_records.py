@@ -1,22 +1,27 @@
-"""Glue from the orchestration to MLflow (training/tracking/resume_audit.py) and DVC (tasks/remote/dvc_version.py).
+"""The orchestration's one door to the run's records: tracking (MLflow today) and the resume audit.
 
 Why a separate module: the flow and the chunk task call these at fixed points (run start, every
 attempt, every committed chunk, run end) and each call must be *best effort* where the tracking
 side is an audit (a dead MLflow server must not fail a chunk that trained fine), while a failure
-to create the run's MLflow run at the start is reported before any training happens.  MLflow and
-DVC are imported lazily (~3 s each) and only when enabled in ``tracking``.
+to create the run's MLflow run at the start is reported before any training happens.  That policy
+is here, once; what each record is in the backend is the run's tracker's
+(:class:`tasks.records.tracker.Tracker`, chosen by ``tracking.backend``: :func:`tracker_for`), so
+no caller names a backend.  Every function but :func:`start_attempt` and :func:`end_attempt`
+takes the config and makes the tracker itself; those two take the tracker, which the chunk task
+makes once and keeps: the tracker that opened an attempt run ends it (it may hold where it opened
+it).  A tracker's backend (~3 s to import MLflow) and DVC are imported only when enabled in
+``tracking``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tasks.records.mlflow_audit import AttemptOutcome
+from tasks.records.tracker import AttemptOutcome, MetricFollower, Tracker, tracker_for
 from training.config import RunConfig
 from training.tracking.attempts import AttemptId
 from training.tracking.failure_record import FailureDetails, RecordedFailure
@@ -24,26 +29,27 @@ from training.tracking.failure_record import FailureDetails, RecordedFailure
 log = logging.getLogger("convoy.tracking")
 
 
+def _name(tracker: Tracker | None) -> str:
+    """The backend's name in a warning ("MLflow: ..."), or "tracking" before there is a tracker."""
+    return tracker.name if tracker is not None else "tracking"
+
+
 def begin_run(config: RunConfig, run_dir: Path) -> str | None:
-    """Create (or find) the run's MLflow run so workers log into it; None without MLflow."""
-    if not config.tracking.mlflow:
-        return None
-    from tasks.records.mlflow_runs import ensure_mlflow_run
-
-    return ensure_mlflow_run(config, run_dir)
+    """Create (or find) the run's run in the backend so chunks log into it; None without tracking.
+    Not caught: a run whose records cannot be opened stops before it trains."""
+    tracker = tracker_for(config)
+    return tracker.begin_run(run_dir) if tracker is not None else None
 
 
-def start_attempt(config: RunConfig, run_dir: Path, attempt: AttemptId) -> str | None:
-    """Nested MLflow run of one chunk attempt, tagged with its Prefect flow and task run (best
-    effort)."""
-    if not config.tracking.mlflow:
+def start_attempt(tracker: Tracker | None, run_dir: Path, attempt: AttemptId) -> str | None:
+    """The run of one chunk attempt, nested in the training run and tagged with its Prefect flow
+    and task run (best effort); ``tracker``: the chunk task's, which :func:`end_attempt` gets too."""
+    if tracker is None:
         return None
     try:
-        from tasks.records.mlflow_audit import start_attempt as _start
-
-        return _start(config, run_dir, attempt)
+        return tracker.start_attempt(run_dir, attempt)
     except Exception as exc:  # noqa: BLE001 - audit only
-        log.warning("MLflow: could not start the attempt run of chunk %d: %s", attempt.chunk, exc)
+        log.warning("%s: could not start the attempt run of chunk %d: %s", tracker.name, attempt.chunk, exc)
         return None
 
 
@@ -57,78 +63,98 @@ def attempt_outcome(
 ) -> AttemptOutcome:
     """The outcome of a chunk attempt as the chunk task knows it (ok or not, and the supervisor's
     failure kind and details, or the step it committed), in the form
-    :func:`tasks.records.mlflow_audit.end_attempt` records."""
+    :meth:`tasks.records.tracker.Tracker.end_attempt` records."""
     return AttemptOutcome("FINISHED" if ok else "FAILED", kind, steps, seconds, failure, end_step)
 
 
 def end_attempt(
-    config: RunConfig, run_dir: Path, child: str | None, outcome: AttemptOutcome, attempt: AttemptId | None = None
+    tracker: Tracker | None,
+    run_dir: Path,
+    child: str | None,
+    outcome: AttemptOutcome,
+    attempt: AttemptId | None = None,
 ) -> None:
-    """End the attempt's MLflow run, named after its outcome when ``attempt`` is given (best
-    effort); ``outcome``: see :func:`attempt_outcome`."""
-    if child is None:
+    """End the attempt's run, named after its outcome when ``attempt`` is given (best effort);
+    ``tracker``: the one whose :func:`start_attempt` opened ``child``; ``outcome``: see
+    :func:`attempt_outcome`."""
+    if tracker is None or child is None:
         return
     try:
-        from tasks.records.mlflow_audit import end_attempt as _end
-
-        _end(child, outcome, config=config, run_dir=run_dir, attempt=attempt)
+        tracker.end_attempt(run_dir, child, outcome, attempt)
     except Exception as exc:  # noqa: BLE001
-        log.warning("MLflow: could not end attempt run %s: %s", child, exc)
+        log.warning("%s: could not end attempt run %s: %s", tracker.name, child, exc)
 
 
 def close_orphaned_attempts(config: RunConfig, run_dir: Path, orphans: Sequence[RecordedFailure]) -> list[str]:
-    """End the MLflow runs of attempts whose flow died KILLED, named and described from their
+    """End the runs of attempts whose flow died KILLED, named and described from their
     ``orphaned`` failure events (best effort); returns their ids."""
-    if not config.tracking.mlflow:
-        return []
+    tracker = None
     try:
-        from tasks.records.mlflow_audit import close_running_attempts
-
-        return close_running_attempts(config, run_dir, orphans)
+        tracker = tracker_for(config)
+        return tracker.close_orphaned_attempts(run_dir, orphans) if tracker is not None else []
     except Exception as exc:  # noqa: BLE001 - audit only
-        log.warning("MLflow: could not close the attempt runs of a dead flow: %s", exc)
+        log.warning("%s: could not close the attempt runs of a dead flow: %s", _name(tracker), exc)
         return []
 
 
 def link_flow_run(config: RunConfig, run_dir: Path, tags: dict[str, str]) -> None:
-    """Tag the run's MLflow run with its Prefect flow runs, and say how each ended in its
+    """Tag the training run with its Prefect flow runs, and say how each ended in its
     description (best effort)."""
-    if not config.tracking.mlflow or not tags:
+    if not tags:
         return
+    tracker = None
     try:
-        from tasks.records.mlflow_audit import run_description
-        from tasks.records.mlflow_runs import set_run_tags
-
-        set_run_tags(config, run_dir, {**tags, "mlflow.note.content": run_description(run_dir)})
+        tracker = tracker_for(config)
+        if tracker is not None:
+            tracker.link_flow_run(run_dir, tags)
     except Exception as exc:  # noqa: BLE001
-        log.warning("MLflow: could not link the Prefect flow run: %s", exc)
+        log.warning("%s: could not link the Prefect flow run: %s", _name(tracker), exc)
+
+
+def follow_metrics(config: RunConfig, run_dir: Path, say: Callable[[str], None]) -> MetricFollower | None:
+    """The run's metric follower (MLflow's: :class:`tasks.records.metric_shipping.MetricShipper`),
+    started; None without tracking or without the run's run.  Not caught, as before the seam."""
+    tracker = tracker_for(config)
+    return tracker.follow_metrics(run_dir, say) if tracker is not None else None
+
+
+def log_goodput(config: RunConfig, run_dir: Path) -> list[int]:
+    """Log the goodput point of each chunk end the backend lacks (best effort); their steps."""
+    tracker = None
+    try:
+        tracker = tracker_for(config)
+        return tracker.log_goodput(run_dir) if tracker is not None else []
+    except Exception as exc:  # noqa: BLE001 - audit only
+        log.warning("%s: could not log the goodput of run %s: %s", _name(tracker), config.run_name, exc)
+        return []
 
 
 def log_model(config: RunConfig, run_dir: Path) -> dict[str, Any] | None:
-    """Log the finished run's model to MLflow and register it (:mod:`tasks.records.mlflow_model`; best
-    effort: the checkpoint and the DVC export hold it anyway)."""
-    if not config.tracking.mlflow or not config.tracking.log_model:
+    """Log the finished run's model and register it (MLflow: :mod:`tasks.records.mlflow_model`;
+    best effort: the checkpoint and the DVC export hold it anyway)."""
+    if not config.tracking.log_model:
         return None
+    tracker = None
     try:
-        from tasks.records.mlflow_audit import client_and_parent
-        from tasks.records.mlflow_model import log_final_model
-
-        client, run_id, _ = client_and_parent(config, run_dir)
-        return log_final_model(config, run_dir, client, run_id)
+        tracker = tracker_for(config)
+        return tracker.log_model(run_dir) if tracker is not None else None
     except Exception as exc:  # noqa: BLE001
-        log.warning("MLflow: could not log the final model: %s", exc)
+        log.warning("%s: could not log the final model: %s", _name(tracker), exc)
         return None
 
 
 def finish_run(config: RunConfig, run_dir: Path, ok: bool) -> dict[str, Any] | None:
-    """Recompute the resume audit (files under ``audit/``, MLflow if enabled) and end the run."""
+    """Recompute the resume audit (files under ``audit/``, the backend if tracking) and end the run."""
     summary = None
     try:
-        from tasks.records.mlflow_audit import finish_run as _finish
-        from tasks.records.mlflow_audit import refresh_audit
+        tracker = tracker_for(config)
+        if tracker is None:  # the files alone
+            from tasks.records.mlflow_audit import write_audit_files
 
-        summary = refresh_audit(config, run_dir)
-        _finish(config, run_dir, "FINISHED" if ok else "FAILED")
+            summary = write_audit_files(config, run_dir)[0].as_dict()
+        else:
+            summary = tracker.refresh_audit(run_dir)
+            tracker.finish_run(run_dir, ok)
     except Exception as exc:  # noqa: BLE001
         log.warning("audit: could not finish the run's audit: %s", exc)
     return summary
@@ -136,46 +162,34 @@ def finish_run(config: RunConfig, run_dir: Path, ok: bool) -> dict[str, Any] | N
 
 @contextlib.contextmanager
 def system_metrics(config: RunConfig, run_dir: Path) -> Iterator[None]:
-    """MLflow's own system metrics (``system/cpu_utilization_percentage``, memory, disk, network,
-    GPU where there is one) logged into the run's MLflow run while the flow trains, sampled on
-    the machine whose workers train (the local flow; in pool mode each chunk's flow).  Every
-    ``tracking.system_metrics_s`` seconds (``$MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` wins);
-    0 turns it off.  Their step is MLflow's sample counter, continued across flow runs.  Best
-    effort: monitoring never fails a run."""
-    monitor = None
-    if config.tracking.mlflow and config.tracking.system_metrics_s > 0:
+    """The backend's system metrics (MLflow's: ``system/cpu_utilization_percentage``, memory,
+    disk, network, GPU where there is one) logged into the training run while the flow trains,
+    sampled on the machine whose workers train (the local flow; in pool mode each chunk's flow).
+    Every ``tracking.system_metrics_s`` seconds; 0 turns it off.  Best effort: monitoring never
+    fails a run."""
+    stop: Callable[[], None] | None = None
+    if config.tracking.system_metrics_s > 0:
+        tracker = None
         try:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            from tasks.records.mlflow_client import resolve_tracking_uri
-            from tasks.records.mlflow_runs import ensure_mlflow_run
-
-            run_id = ensure_mlflow_run(config, run_dir)
-            uri = resolve_tracking_uri(config, run_dir)
-            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop chatter
-            monitor = SystemMetricsMonitor(
-                run_id, sampling_interval=config.tracking.system_metrics_s, resume_logging=True, tracking_uri=uri
-            )
-            monitor.start()
+            tracker = tracker_for(config)
+            stop = tracker.start_system_metrics(run_dir) if tracker is not None else None
         except Exception as exc:  # noqa: BLE001 - monitoring must never fail a chunk
-            log.warning("MLflow: could not start the system metrics: %s", exc)
-            monitor = None
+            log.warning("%s: could not start the system metrics: %s", _name(tracker), exc)
+            stop = None
     try:
         yield
     finally:
-        if monitor is not None:
+        if stop is not None:
             with contextlib.suppress(Exception):
-                monitor.finish()
+                stop()
 
 
 def refresh(config: RunConfig, run_dir: Path) -> None:
     """Refresh the resume audit (tags, table, timeline picture) at a chunk's end; best effort."""
-    if not config.tracking.mlflow:
-        return
     try:
-        from tasks.records.mlflow_audit import refresh_audit
-
-        refresh_audit(config, run_dir)
+        tracker = tracker_for(config)
+        if tracker is not None:
+            tracker.refresh_audit(run_dir)
     except Exception as exc:  # noqa: BLE001
         log.warning("audit: could not refresh: %s", exc)
 
@@ -192,21 +206,14 @@ def warm_up() -> None:
 
 def log_upload_lag(run_dir: Path, step: int, lag: dict[str, float]) -> None:
     """Record a published checkpoint's upload lag (``upload_lag_steps``, ``upload_lag_s``) in the
-    run's MLflow run at the checkpoint's step; once per published step, so one point per step.
+    training run at the checkpoint's step; once per published step, so one point per step.
     Best effort: the checkpoint is in the remote either way."""
-    from training.rundir import load_run_config, run_info
+    from training.rundir import load_run_config
 
+    tracker = None
     try:
-        config = load_run_config(run_dir)
-        run_id = (run_info(run_dir) or {}).get("mlflow_run_id")
-        if not config.tracking.mlflow or not run_id:
-            return
-        from mlflow.entities import Metric
-
-        from tasks.records.mlflow_client import client_for, resolve_tracking_uri
-
-        ts = int(time.time() * 1000)
-        metrics = [Metric(key, float(value), ts, int(step)) for key, value in sorted(lag.items())]
-        client_for(resolve_tracking_uri(config, run_dir)).log_batch(run_id, metrics=metrics, synchronous=True)
+        tracker = tracker_for(load_run_config(run_dir))
+        if tracker is not None:
+            tracker.log_metrics(run_dir, step, lag)
     except Exception as exc:  # noqa: BLE001 - audit only
-        log.warning("MLflow: could not record the upload lag of step %d: %s", step, exc)
+        log.warning("%s: could not record the upload lag of step %d: %s", _name(tracker), step, exc)
