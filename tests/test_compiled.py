@@ -102,3 +102,32 @@ def test_a_compiled_model_is_no_hang_survives_kills_in_and_after_its_compile(
     model.load_state_dict(weights)  # strict: the plain class
     assert torch.equal(model.head.weight, weights["head.weight"])
     print(f"\nkilled {kills}; failures {failures}")
+
+
+def test_the_vector_isa_probe_runs_once_per_run_and_machine(tmp_path: Path) -> None:
+    """Rule 4 of training/compiling.py: the first worker runs inductor's probe and records it beside
+    the cache; a later worker (a new interpreter) reads the verdict instead of probing, and tells
+    inductor only what the probe found."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys; from pathlib import Path\n"
+        "from training.compiling import settle_vec_isa\n"
+        "from torch._inductor import cpu_vec_isa, config\n"
+        "told = settle_vec_isa(Path(sys.argv[1]))\n"
+        "print(json.dumps([told, cpu_vec_isa.valid_vec_isa_list.cache_info().currsize, config.cpp.vec_isa_ok]))\n"
+    )
+    path = tmp_path / "vec-isa.json"
+
+    def worker() -> list[Any]:
+        done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True)
+        return json.loads(done.stdout.splitlines()[-1])
+
+    first = worker()
+    recorded = json.loads(path.read_text())
+    all_passed = recorded["probed"] == recorded["plain"]
+    assert first == [all_passed, 1, True if all_passed else None]  # probed (inductor's list computed)
+    second = worker()
+    assert second == ([True, 0, True] if all_passed else [False, 0, None]), (second, recorded)  # not probed

@@ -25,12 +25,19 @@ Rules:
    to the eager run of the same config.
 3. A published cache is complete (copied whole, then renamed into place); a private one is read
    by no other worker, and removed when its worker starts again or the next one publishes.
+4. Inductor's probe of the CPU's vector instruction sets (a C++ build and a new interpreter that
+   loads it, per set: most of a warm start's first step here) runs once per run and machine: its
+   verdict travels with the cache (``vec-isa.json``), and where every set the CPU reports passed,
+   each worker tells inductor so (``cpp.vec_isa_ok``) instead of probing again.  The setting is
+   part of inductor's cache key, so the compiling worker sets it too: all pick the same set.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import platform
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -90,7 +97,7 @@ class CompileCache:
         self.private = self.root / f"worker-{rank}-{os.getpid()}"  # a standby beside a worker has its own
         self.rank = rank
 
-    def open(self) -> Path:
+    def open(self, cpu: bool = True) -> Path:
         """Point torch's caches here (``TORCHINDUCTOR_CACHE_DIR``; Triton's lives under it), seeded
         from the newest published cache.  Called before anything compiles; removes the private
         caches of workers that are gone (a killed compile's files: never read, rule 3)."""
@@ -102,6 +109,8 @@ class CompileCache:
             shutil.copytree(newest[-1], self.private, symlinks=True)
         self.private.mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.private)
+        if cpu:  # C++ kernels: inductor probes the CPU's vector sets (rule 4)
+            settle_vec_isa(self.private / ISA_FILE)
         return self.private
 
     def publish(self) -> Path | None:
@@ -119,6 +128,35 @@ class CompileCache:
 
     def _published(self) -> list[Path]:
         return sorted(self.root.glob("published-*")) if self.root.is_dir() else []
+
+
+#: Inductor's vector-ISA verdict, beside the cache it compiled (rule 4).
+ISA_FILE = "vec-isa.json"
+
+
+def settle_vec_isa(path: Path) -> bool:
+    """Rule 4: the verdict recorded at ``path`` for this torch and CPU, probed (and recorded) where
+    there is none; True when inductor was told every vector set the CPU reports works."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpu_vec_isa as isa
+
+    if platform.machine() not in ("x86_64", "AMD64") or inductor_config.cpp.vec_isa_ok is not None:
+        return False  # elsewhere inductor's own list has no probe to spare; a user's setting wins
+    flags = isa.x86_isa_checker()
+    # What inductor lists with the probe skipped: every set whose flags the CPU reports.
+    plain = [str(s) for s in isa.supported_vec_isa_list if all(f in flags for f in str(s).split())]
+    machine = {"torch": torch.__version__, "flags": flags, "plain": plain}
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    if {k: recorded.get(k) for k in machine} != machine:
+        recorded = {**machine, "probed": [str(s) for s in isa.valid_vec_isa_list()]}  # inductor's own probe
+        path.write_text(json.dumps(recorded))
+    if recorded["probed"] != plain:
+        return False  # a set failed its probe here: inductor probes each time, as without convoy
+    inductor_config.cpp.vec_isa_ok = True
+    return True
 
 
 def _alive(pid: int) -> bool:
@@ -145,7 +183,7 @@ class FirstStep:
         if not is_compiled(model):
             return None
         cache = CompileCache(run_dir, rank)
-        cache.open()
+        cache.open(cpu=next(model.parameters(), torch.empty(0)).device.type == "cpu")
         return cls(cache)
 
     @contextlib.contextmanager
