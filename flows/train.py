@@ -365,7 +365,8 @@ class TrainingRun:
             **self.clock(final_step),
         )
         self.resources.goodput.join()
-        run_records.log_goodput(self.cfg, self.run_dir)  # every chunk end's goodput point, once
+        # every chunk end's goodput point, once; the run's journal reader reads on from the last pass
+        run_records.log_goodput(self.cfg, self.run_dir, journal=self.resources.journal)
         append_event(
             self.run_dir,
             Event.FLOW_DONE,

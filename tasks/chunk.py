@@ -45,7 +45,7 @@ from tasks.failure_reports import passed_over_clause, report_failure, say_replac
 from tasks.hooks import HookTarget
 from tasks.records import run_records
 from tasks.records.chunk_record import ChunkRecord
-from tasks.records.metric_shipping import MetricShipper
+from tasks.records.tracker import MetricFollower
 from tasks.remote import remote_checkpoints
 from tasks.remote.remote_index import node_name
 from tasks.retry_policy import attempts_explained, backoff_tag, retry_wait, should_retry, will_retry
@@ -154,9 +154,10 @@ class ChunkRun:
         self.resumed_from = 0
         #: A worker killed while parked before this task began, replaced at once (taken in :meth:`run`).
         self.replacement: Replacement | None = None
-        self.shipper: MetricShipper | None = None
-        #: The run's tracker for this task's attempts: the one that opens an attempt run ends it.
-        self.tracker = run_records.tracker_for(cfg)
+        self.shipper: MetricFollower | None = None
+        #: The tracker the run's resources hold for all its chunk tasks: the one that opens an
+        #: attempt run ends it (it holds where it opened it).
+        self.tracker = resources.tracker
 
     def run(self) -> State:
         if self.try_number == 1:

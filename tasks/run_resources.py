@@ -1,20 +1,25 @@
 """What lives across the chunk tasks of one run, in one object the flow holds and passes on.
 
-A flow run trains its chunks as Prefect tasks in its own process (threads), and seven things
-outlive a single chunk task: the run's checkpoint store with its verdicts (each unchanged
-checkpoint hashed once, :mod:`training.checkpointing.verified`), the pipelined worker parked at a
-chunk boundary for the next task (:class:`tasks.supervision.handoff.Parking`), the warm standby
+A flow run trains its chunks as Prefect tasks in its own process (threads), and nine things
+outlive a single chunk task: the run's tracker, which opens and ends each attempt's run in the
+tracking backend (:func:`tasks.records.tracker.tracker_for`), the follower that sends the
+worker's step metrics there (:class:`tasks.records.tracker.MetricFollower`), the run's checkpoint
+store with its verdicts (each unchanged checkpoint hashed once,
+:mod:`training.checkpointing.verified`), the pipelined worker parked at a chunk boundary for the
+next task (:class:`tasks.supervision.handoff.Parking`), the warm standby
 (:class:`tasks.supervision.standby.StandbySlot`), the worker zygote that forks every worker
-(:class:`tasks.supervision.worker_zygote.WorkerZygote`), the thread that uploads committed checkpoints
-(:class:`tasks.remote.remote_checkpoints.Uploader`), the boundary versioning still in flight
-(:class:`tasks.remote.dvc_version.Versioning`) and the reader of the run's step journal that goodput
-reads on (:class:`training.tracking.goodput.StepJournal`).
+(:class:`tasks.supervision.worker_zygote.WorkerZygote`), the thread that uploads committed
+checkpoints (:class:`tasks.remote.remote_checkpoints.Uploader`), the boundary versioning still in
+flight (:class:`tasks.remote.dvc_version.Versioning`) and the reader of the run's step journal
+that goodput reads on (:class:`training.tracking.goodput.StepJournal`).
 
 :class:`RunResources` is created when the flow opens the run, handed to every chunk task as a
 parameter (a plain object: Prefect passes it through, the task's cache policy is ``NO_CACHE`` so
 it is never hashed), and released once by :meth:`RunResources.close` on the flow's one exit path,
-whatever happened.  A chunk task called on its own (a pool node's chunk flow, a test) makes its
-own and closes it when it ends.  Nothing is looked up by run directory in a module registry, so a
+whatever happened.  A pool node's chunk flow makes its own for the one chunk it trains
+(:func:`flows.pool.train_chunk`), and a chunk task called on its own (a test) makes its own and
+closes it when it ends.  Every record goes through :mod:`tasks.records.run_records`, so no
+backend is named here.  Nothing is looked up by run directory in a module registry, so a
 signature says what a piece depends on.
 """
 
@@ -26,9 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tasks.artifacts import FailureNotes
-from tasks.records import goodput_metrics, run_records
+from tasks.records import run_records
 from tasks.records.background import OneAtATime
-from tasks.records.metric_shipping import MetricShipper
+from tasks.records.tracker import MetricFollower
 from tasks.remote.dvc_version import NotVersioned, Versioned, Versioning
 from tasks.remote.remote_checkpoints import Uploader
 from tasks.supervision.attempt import WorkerSlots
@@ -56,6 +61,9 @@ class RunResources:
 
     def __init__(self, config: RunConfig, run_dir: Path) -> None:
         self.config, self.run_dir = config, Path(run_dir).resolve()
+        #: The run's tracker (None: tracking off), one for all its chunk tasks, which open and end
+        #: their attempt runs with it (:func:`tasks.records.tracker.tracker_for`).
+        self.tracker = run_records.tracker_for(config)
         self.slots = WorkerSlots(Parking(), StandbySlot(self.run_dir), zygote_for(config, self.run_dir))
         #: The run's checkpoints as this process sees them: one store, so each unchanged checkpoint
         #: is verified once however many callers ask for the resume point.
@@ -63,16 +71,19 @@ class RunResources:
         self.versioning = Versioning(config, self.run_dir)
         #: The run's step journal as goodput reads it: each read parses only the rows since the last.
         self.journal = StepJournal(self.run_dir)
-        #: The resume audit in MLflow and the goodput points, written at each chunk end on threads
-        #: of their own: off the path between two chunk tasks (:mod:`tasks.records.background`).
+        #: The resume audit and the goodput points in the tracking backend, written at each chunk
+        #: end on threads of their own: off the path between two chunk tasks
+        #: (:mod:`tasks.records.background`); goodput reads the journal on through ``journal``.
         self.audit = OneAtATime(lambda: run_records.refresh(config, self.run_dir), "convoy-audit-refresh")
-        self.goodput = OneAtATime(lambda: goodput_metrics.log_points(config, self.run_dir), "convoy-goodput")
+        self.goodput = OneAtATime(
+            lambda: run_records.log_goodput(config, self.run_dir, journal=self.journal), "convoy-goodput"
+        )
         if config.tracking.mlflow:  # the refresh's imports, now, while the run's first worker starts
             OneAtATime(run_records.warm_up, "convoy-records-warm-up").request()
         #: Failure notes (Prefect artifacts), published off the path from a failure to its retry.
         self.notes = FailureNotes()
         self._uploader: Uploader | None = None
-        self._shipper: MetricShipper | None = None
+        self._follower: MetricFollower | None = None
         self._lock = threading.Lock()
         self.closed = False
 
@@ -88,17 +99,18 @@ class RunResources:
                 self._uploader = Uploader(self.config, self.run_dir)
             return self._uploader
 
-    def follow_metrics(self, say: Callable[[str], None]) -> MetricShipper | None:
-        """The run's metric shipper (:mod:`tasks.records.metric_shipping`), started by the first
-        chunk task and kept for the run: a shipper per chunk made each chunk's end wait up to 2 s
-        for it and each chunk's start read the MLflow history again, between two chunk tasks,
-        where a worker that dies waits to be replaced.  ``say``: the current chunk's log."""
+    def follow_metrics(self, say: Callable[[str], None]) -> MetricFollower | None:
+        """The run's metric follower, the backend's (:func:`tasks.records.run_records.follow_metrics`;
+        MLflow's: :class:`tasks.records.metric_shipping.MetricShipper`), started by the first chunk
+        task and kept for the run: a shipper per chunk made each chunk's end wait up to 2 s for it
+        and each chunk's start read the MLflow history again, between two chunk tasks, where a
+        worker that dies waits to be replaced.  ``say``: the current chunk's log."""
         with self._lock:
-            if self._shipper is None:
-                self._shipper = MetricShipper.for_run(self.config, self.run_dir, say=say)
+            if self._follower is None:
+                self._follower = run_records.follow_metrics(self.config, self.run_dir, say=say)
             else:
-                self._shipper.say = say
-            return self._shipper
+                self._follower.say = say
+            return self._follower
 
     def close(self, grace_s: float = 10.0) -> tuple[bool, list[Versioned | NotVersioned], Versioned | None]:
         """Release everything, in the order that loses nothing: stop the parked worker (only one a
@@ -110,9 +122,9 @@ class RunResources:
         self.closed = True
         stopped = self.slots.release(grace_s)
         with self._lock:
-            shipper, self._shipper = self._shipper, None
-        if shipper is not None:  # what the last worker logged, before the run's final records
-            shipper.stop(self.config.tracking.ship_drain_s)
+            follower, self._follower = self._follower, None
+        if follower is not None:  # what the last worker logged, before the run's final records
+            follower.stop(self.config.tracking.ship_drain_s)
         self.audit.join()
         self.goodput.join()
         self.notes.close()

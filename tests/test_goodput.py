@@ -296,9 +296,10 @@ def test_each_chunk_end_is_logged_once_however_often_it_is_asked(tmp_path: Path)
     off = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"mlflow": False})})
     assert goodput_metrics.log_points(off, run_dir) == []
     assert client.get_metric_history(run_id, "goodput") == []
-    assert goodput_metrics.log_points(cfg, run_dir) == [4]
+    journal = StepJournal(run_dir)  # the run's reader, as the run's resources pass it
+    assert goodput_metrics.log_points(cfg, run_dir, journal) == [4]
     write_run(run_dir, events, steps)  # the run went on: chunk 2 ended too
-    logger = OneAtATime(lambda: goodput_metrics.log_points(cfg, run_dir), "goodput")  # as the run's resources hold it
+    logger = OneAtATime(lambda: goodput_metrics.log_points(cfg, run_dir, journal), "goodput")  # reads on
     logger.request()  # at the chunk end, on a thread
     logger.join()
     assert goodput_metrics.log_points(cfg, run_dir) == []  # the thread logged step 12

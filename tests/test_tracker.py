@@ -24,17 +24,20 @@ from tasks.records.tracker import AttemptOutcome, Tracker, tracker_for
 from training.config import RunConfig, load_config
 from training.tracking.attempts import AttemptId
 from training.tracking.failure_record import FailureDetails, RecordedFailure
+from training.tracking.goodput import StepJournal
 
 
 class Follower:
-    """A metric follower that follows nothing."""
+    """A metric follower that follows nothing; ``stopped``: the drain time it was stopped with."""
 
     say: Callable[[str], None] = print
+    stopped: float | None = None
 
     def mirror(self, run_id: str, first_step: int, last_step: int) -> None:
         pass
 
     def stop(self, drain_s: float) -> Any:
+        self.stopped = drain_s
         return None
 
 
@@ -47,6 +50,8 @@ class RecordingTracker:
         self.config = config
         self.calls: list[tuple[Any, ...]] = []
         self.fail: set[str] = set()
+        #: The journal reader each ``log_goodput`` was given (the calls record the run only).
+        self.journals: list[StepJournal | None] = []
 
     def _record(self, op: str, *args: Any) -> None:
         self.calls.append((op, *args))
@@ -80,7 +85,8 @@ class RecordingTracker:
     def log_metrics(self, run_dir: Path, step: int, metrics: dict[str, float]) -> None:
         self._record("log_metrics", run_dir, step, metrics)
 
-    def log_goodput(self, run_dir: Path) -> list[int]:
+    def log_goodput(self, run_dir: Path, journal: StepJournal | None = None) -> list[int]:
+        self.journals.append(journal)
         self._record("log_goodput", run_dir)
         return [10]
 
@@ -193,3 +199,30 @@ def test_tracking_off_asks_no_backend_and_still_writes_the_audit_files(tmp_path:
     assert summary is not None and summary["failures"] == 0
     assert (tmp_path / "audit" / "resume_events.json").is_file() and (tmp_path / "audit" / "timeline.png").is_file()
     assert fake.calls == []
+
+
+def test_the_run_s_resources_hold_its_tracker_and_send_it_metrics_and_goodput(
+    tmp_path: Path, fake: RecordingTracker
+) -> None:
+    """The run's resources send a backend that is not MLflow the worker's step metrics (one
+    follower for the run, stopped at its end) and each chunk end's goodput, read through the
+    resources' journal reader; every chunk task's attempts go to the one tracker they hold."""
+    from tasks.chunk import ChunkRun
+    from tasks.run_resources import RunResources
+
+    cfg = fake_config("orchestration.zygote=false")
+    resources = RunResources(cfg, tmp_path)
+    try:
+        assert resources.tracker is fake
+        assert ChunkRun(cfg, tmp_path, (0, 0, 10), resources, logging.getLogger("test")).tracker is fake
+        follower = resources.follow_metrics(print)
+        assert isinstance(follower, Follower) and resources.follow_metrics(print) is follower
+        resources.goodput.request()  # at a chunk end, on a thread
+        resources.goodput.join()
+        assert run_records.log_goodput(cfg, tmp_path, journal=resources.journal) == [10]  # the flow's last call
+    finally:
+        resources.close()
+    assert follower.stopped == cfg.tracking.ship_drain_s
+    run_dir = resources.run_dir
+    assert fake.calls == [("follow_metrics", run_dir), ("log_goodput", run_dir), ("log_goodput", tmp_path)]
+    assert fake.journals == [resources.journal, resources.journal]

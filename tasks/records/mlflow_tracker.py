@@ -16,13 +16,16 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tasks.records.tracker import AttemptOutcome, MetricFollower
 from training.config import RunConfig
 from training.rundir import run_info
 from training.tracking.attempts import AttemptId
 from training.tracking.failure_record import RecordedFailure
+
+if TYPE_CHECKING:
+    from training.tracking.goodput import StepJournal
 
 
 class MlflowTracker:
@@ -33,7 +36,7 @@ class MlflowTracker:
     def __init__(self, config: RunConfig) -> None:
         self.config = config
         #: Attempt run id → the tracking URI it was opened in, so :meth:`end_attempt` ends it in
-        #: that store; held by whoever holds this tracker (a chunk task), not by a module.
+        #: that store; held by whoever holds this tracker (the run's resources), not by a module.
         self._attempt_uris: dict[str, str] = {}
 
     def begin_run(self, run_dir: Path) -> str | None:
@@ -88,10 +91,10 @@ class MlflowTracker:
         points = [Metric(key, float(value), ts, int(step)) for key, value in sorted(metrics.items())]
         client_for(resolve_tracking_uri(self.config, run_dir)).log_batch(run_id, metrics=points, synchronous=True)
 
-    def log_goodput(self, run_dir: Path) -> list[int]:
+    def log_goodput(self, run_dir: Path, journal: StepJournal | None = None) -> list[int]:
         from tasks.records import goodput_metrics
 
-        return goodput_metrics.log_points(self.config, run_dir)
+        return goodput_metrics.log_points(self.config, run_dir, journal)
 
     def start_system_metrics(self, run_dir: Path) -> Callable[[], None]:
         """MLflow's own monitor (``system/cpu_utilization_percentage``, ...), every

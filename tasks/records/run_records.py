@@ -7,10 +7,10 @@ to create the run's MLflow run at the start is reported before any training happ
 is here, once; what each record is in the backend is the run's tracker's
 (:class:`tasks.records.tracker.Tracker`, chosen by ``tracking.backend``: :func:`tracker_for`), so
 no caller names a backend.  Every function but :func:`start_attempt` and :func:`end_attempt`
-takes the config and makes the tracker itself; those two take the tracker, which the chunk task
-makes once and keeps: the tracker that opened an attempt run ends it (it may hold where it opened
-it).  A tracker's backend (~3 s to import MLflow) and DVC are imported only when enabled in
-``tracking``.
+takes the config and makes the tracker itself; those two take the tracker, which the run's
+resources make once (``RunResources.tracker``) for every chunk task of the run: the tracker that
+opened an attempt run ends it (it may hold where it opened it).  A tracker's backend (~3 s to
+import MLflow) and DVC are imported only when enabled in ``tracking``.
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tasks.records.tracker import AttemptOutcome, MetricFollower, Tracker, tracker_for
 from training.config import RunConfig
 from training.tracking.attempts import AttemptId
 from training.tracking.failure_record import FailureDetails, RecordedFailure
+
+if TYPE_CHECKING:
+    from training.tracking.goodput import StepJournal
 
 log = logging.getLogger("convoy.tracking")
 
@@ -118,12 +121,14 @@ def follow_metrics(config: RunConfig, run_dir: Path, say: Callable[[str], None])
     return tracker.follow_metrics(run_dir, say) if tracker is not None else None
 
 
-def log_goodput(config: RunConfig, run_dir: Path) -> list[int]:
-    """Log the goodput point of each chunk end the backend lacks (best effort); their steps."""
+def log_goodput(config: RunConfig, run_dir: Path, journal: StepJournal | None = None) -> list[int]:
+    """Log the goodput point of each chunk end the backend lacks (best effort); their steps.
+    ``journal``: the run's reader of its step journal (``RunResources.journal``), so each pass
+    reads only the steps since the last; None reads the journal whole."""
     tracker = None
     try:
         tracker = tracker_for(config)
-        return tracker.log_goodput(run_dir) if tracker is not None else []
+        return tracker.log_goodput(run_dir, journal=journal) if tracker is not None else []
     except Exception as exc:  # noqa: BLE001 - audit only
         log.warning("%s: could not log the goodput of run %s: %s", _name(tracker), config.run_name, exc)
         return []
