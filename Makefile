@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 
 .PHONY: install demo check test test-fast lint format bench clean
 
-# Third-party stream libraries (training/stream_adapters/), without their own pins (they would pull
+# Third-party stream libraries (training/datapipe/stream_adapters/), without their own pins (they would pull
 # another torch); the few packages they import are the `streams` extra.
 STREAM_LIBS := litdata==0.2.76 mosaicml-streaming==0.13.0
 

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.config import load_config  # noqa: E402
-from training.corpus import prepare  # noqa: E402
+from training.datapipe.corpus import prepare  # noqa: E402
 from training.rundir import open_run  # noqa: E402
 
 PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"

@@ -303,7 +303,7 @@ class Bench:
         subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=self.project, check=True)
         (self.project / "data").mkdir()
         from training.config import load_config
-        from training.corpus import prepare
+        from training.datapipe.corpus import prepare
 
         cfg = load_config(None, [f"data.prepared_dir={self.project / 'data'}", "data.seq_len=16"])
         prepare(cfg.data, cfg.train.seed)  # for tasks that read the corpus

@@ -34,7 +34,7 @@ PREVIOUS = ["task_args.dropout=0.1", "train.lr=0.003", "train.batch_size=16"]
 def train_once(tmp: Path, name: str, overrides: list[str], threads: int) -> dict[str, float]:
     """One worker from step 0 to the end on params.yaml with ``overrides``: wall time and losses."""
     from training.config import load_config
-    from training.corpus import entropy_floor, prepare
+    from training.datapipe.corpus import entropy_floor, prepare
     from training.rundir import open_run
     from training.tracking.metrics import metric_rows
 

@@ -33,7 +33,7 @@ from tasks.supervision.supervisor import ChunkFailed, supervise, worker_command
 from tasks.supervision.worker_liveness import DetectionLimits
 from training.checkpointing.store import CheckpointStore
 from training.config import load_config
-from training.corpus import prepare
+from training.datapipe.corpus import prepare
 from training.events import read_events
 from training.heartbeat import read_heartbeat
 from training.rundir import open_run

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from training import run_memory  # noqa: E402
 from training.checkpointing.store import CheckpointStore  # noqa: E402
 from training.config import load_config  # noqa: E402
-from training.corpus import prepare  # noqa: E402
+from training.datapipe.corpus import prepare  # noqa: E402
 from training.rundir import open_run  # noqa: E402
 
 PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"

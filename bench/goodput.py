@@ -34,7 +34,7 @@ from tasks.supervision.worker_zygote import WorkerZygote
 from training import run_memory
 from training.checkpointing.store import CheckpointStore
 from training.config import load_config
-from training.corpus import prepare
+from training.datapipe.corpus import prepare
 from training.events import append_event, read_events
 from training.rundir import open_run
 from training.tracking.goodput import Goodput, run_goodput

@@ -10,9 +10,9 @@ and a random crop (padding 4) from torch's global RNG, and a brightness jitter. 
 the same samples in the same order (convoy's ``ResumableBatchSampler``):
 
 * ``baseline`` — a plain ``DataLoader`` over the dataset with the sampler's index batches;
-* ``seeded``   — ``training.data.make_loader``: each sample fetched under its seed (its global
+* ``seeded``   — ``training.datapipe.data.make_loader``: each sample fetched under its seed (its global
   position): torch's CPU generator seeded before every sample, numpy's and python's when the
-  sample draws from them (``training/sample_rng.py``), and, in the training process, the
+  sample draws from them (``training/datapipe/sample_rng.py``), and, in the training process, the
   trainer's generators saved and restored around each batch.
 
 Three pipelines: ``torch+numpy`` draws flip/crop from torch and the brightness from numpy, with
@@ -50,8 +50,8 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.data import Cursor, LoaderSpec, ResumableBatchSampler, make_loader, sample_seed  # noqa: E402
-from training.sample_rng import HOST_RNGS, seed_host_rngs  # noqa: E402
+from training.datapipe.data import Cursor, LoaderSpec, ResumableBatchSampler, make_loader, sample_seed  # noqa: E402
+from training.datapipe.sample_rng import HOST_RNGS, seed_host_rngs  # noqa: E402
 
 #: pipeline name -> (whether the brightness is drawn from torch instead of numpy, sample_rngs)
 PIPELINES: dict[str, tuple[bool, tuple[str, ...]]] = {
@@ -164,7 +164,7 @@ def worker_work(args: argparse.Namespace) -> None:
     per pipeline x {plain, default, declared}, each region between two ``math.lgamma`` calls: run
     under ``valgrind --tool=callgrind --dump-before=math_lgamma`` for instruction counts, which
     the machine's load does not move (a dump per region, in the order printed)."""
-    from training.sample_rng import SeededSamples
+    from training.datapipe.sample_rng import SeededSamples
 
     sampler = ResumableBatchSampler(args.batch * 50, LoaderSpec(args.batch, seed=1, start=Cursor()))
     batches = list(itertools.islice(sampler.keyed(), 8))

@@ -46,8 +46,8 @@ def setup(args: argparse.Namespace) -> tuple[Any, str, Any, Callable[[], dict[st
 
     from tasks.records.mlflow_client import client_for
     from training.config import load_config
-    from training.corpus import prepare
-    from training.data import Cursor, LoaderSpec, make_loader
+    from training.datapipe.corpus import prepare
+    from training.datapipe.data import Cursor, LoaderSpec, make_loader
     from training.state import configure_determinism, seed_everything
     from training.task import build_task
 

@@ -45,7 +45,7 @@ def bare_setup(cfg: Any) -> tuple[Any, Any, Any]:
     """The same model, optimizer, scheduler and data order as the worker builds, without convoy."""
     import torch
 
-    from training.data import Cursor, LoaderSpec, make_loader
+    from training.datapipe.data import Cursor, LoaderSpec, make_loader
     from training.state import configure_determinism, seed_everything
     from training.task import build_task
 
@@ -115,7 +115,7 @@ def alternating_steps(cfg: Any, run_dir: Path, n: int) -> tuple[list[float], lis
     """Single steps of ``Worker.train_step`` and of the bare step on identical models, alternated
     one by one (who goes first flips each round), so load drifts cancel: the per-step work
     convoy adds to the update itself (tree map, autocast/scaler no-ops, accumulation loop, LRs)."""
-    from training.data import LoaderSpec, make_loader
+    from training.datapipe.data import LoaderSpec, make_loader
     from training.worker import Worker
 
     worker = Worker(run_dir, cfg.train.total_steps)
@@ -168,7 +168,7 @@ def parse_args() -> argparse.Namespace:
 def measure_blocks(args: argparse.Namespace, base: list[str], blocks: int) -> dict[str, dict[str, list[float]]]:
     """Per variant (no eval, eval): bare and convoy step times over ``blocks`` interleaved blocks."""
     from training.config import load_config
-    from training.corpus import prepare
+    from training.datapipe.corpus import prepare
     from training.rundir import open_run
 
     variants = {"no eval": 0, "eval": args.eval_every}
@@ -201,7 +201,7 @@ def measure_memory_tier(args: argparse.Namespace, base: list[str]) -> tuple[list
 
     from training.checkpointing.schedule import MemorySchedule
     from training.config import load_config
-    from training.corpus import prepare
+    from training.datapipe.corpus import prepare
     from training.rundir import open_run
 
     steps = args.memory_steps

@@ -66,7 +66,7 @@ sys.path.insert(0, str(REPO))
 
 from training.checkpointing.store import CheckpointStore  # noqa: E402
 from training.config import load_config  # noqa: E402
-from training.corpus import prepare  # noqa: E402
+from training.datapipe.corpus import prepare  # noqa: E402
 from training.events import Event, WorkerSays, read_events  # noqa: E402
 from training.heartbeat import read_heartbeat  # noqa: E402
 

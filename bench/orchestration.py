@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from training.config import load_config
-from training.corpus import prepare
+from training.datapipe.corpus import prepare
 from training.rundir import open_run
 
 MODEL = [

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from training.checkpointing.store import CheckpointStore
 from training.config import load_config
-from training.corpus import prepare
+from training.datapipe.corpus import prepare
 from training.events import read_events
 from training.rundir import open_run
 

@@ -138,7 +138,7 @@ def fetch_bench(tmp: Path, params: float, repeats: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- upload lag
 def lag_run(tmp: Path, interval: int, steps: int, d_model: int) -> dict[str, Any]:
     """Train ``steps`` steps checkpointing every ``interval`` while the uploader follows."""
-    from training.corpus import prepare
+    from training.datapipe.corpus import prepare
 
     machine = dvc_repo(tmp / f"lag-{interval}")
     extra = [

@@ -69,7 +69,7 @@ def setup(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
         torch.set_num_threads(args.threads)
     from training.checkpointing.memory.memory_tier import MemoryTier
     from training.config import load_config
-    from training.corpus import prepare
+    from training.datapipe.corpus import prepare
     from training.run_memory import tier_root
     from training.rundir import open_run
     from training.runtime import build_runtime
@@ -98,7 +98,7 @@ def main() -> None:
     args = parse_args()
     runtime, cfg, tiers = setup(args)
     from training.checkpointing.schedule import MemorySchedule
-    from training.data import Cursor, LoaderSpec, make_loader
+    from training.datapipe.data import Cursor, LoaderSpec, make_loader
     from training.step import train_step
 
     state, schedule = runtime.state, MemorySchedule("auto", 0.03)

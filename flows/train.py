@@ -43,7 +43,7 @@ from tasks.supervision.supervisor import ChunkFailed
 from tasks.takeover import mlflow_flow_tags, take_over
 from training import chunk_boundary, memory_budget
 from training.config import ConfigError, RunConfig, load_config
-from training.corpus import entropy_floor
+from training.datapipe.corpus import entropy_floor
 from training.events import Event, append_event, read_events
 from training.locks import holding
 from training.memory_sweep import free_orphans, freed_line

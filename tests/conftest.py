@@ -250,7 +250,7 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example corpus, prepared once for every end-to-end test."""
     from tests.flow_util import config, params
-    from training.corpus import prepare
+    from training.datapipe.corpus import prepare
 
     d = tmp_path_factory.mktemp("data")
     cfg = config(params(d, d, "prep"))

@@ -1,7 +1,7 @@
 """Tasks for the elastic-stream tests (tests/test_elastic_streams.py), written as a user would.
 
 * ``build_global``: an endless stream in one canonical global order (sample ``g`` has id ``g``)
-  that implements convoy's global-order protocol (``iter_global``, training/stream_position.py);
+  that implements convoy's global-order protocol (``iter_global``, training/datapipe/stream_position.py);
   each sample carries noise drawn from torch's global RNG (convoy seeds it per global index).
 * ``build_sharded``: the sharded stateful counter of tests/pipeline_tasks.py (positions per rank
   and loader worker), which convoy must refuse to resume on another layout.
@@ -25,7 +25,7 @@ from torch.utils.data import IterableDataset
 
 from tests.pipeline_tasks import CLASSES, ShardedCounter
 from training.config import RunConfig
-from training.streams import rank_and_world
+from training.datapipe.streams import rank_and_world
 from training.task import TaskParts
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from training.checkpointing.store import CheckpointStore
 from training.config import load_config
-from training.corpus import prepare
+from training.datapipe.corpus import prepare
 from training.heartbeat import read_heartbeat
 from training.rundir import open_run
 

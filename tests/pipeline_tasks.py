@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from training.config import RunConfig
-from training.streams import rank_and_world
+from training.datapipe.streams import rank_and_world
 from training.task import TaskParts
 
 IMAGES, SIDE, CLASSES = 96, 10, 4
@@ -254,7 +254,7 @@ def write_litdata(out: str) -> None:
 
 def write_mds(out: str) -> None:
     """Write the samples into ``out`` with MosaicML's ``MDSWriter`` (several small shards)."""
-    from training.stream_adapters.mosaic import streaming_base
+    from training.datapipe.stream_adapters.mosaic import streaming_base
 
     columns = {"id": "int", "x": "ndarray:float32:8"}
     with streaming_base().MDSWriter(out=out, columns=columns, size_limit=1 << 11) as writer:
@@ -282,7 +282,7 @@ def build_litdata(config: RunConfig, device: torch.device) -> TaskParts:
     """A shuffled ``litdata.StreamingDataset`` over ``task_args.dir``, augmented by its transform."""
     import litdata
 
-    from training.stream_adapters.litdata import LitDataStream
+    from training.datapipe.stream_adapters.litdata import LitDataStream
 
     ds = litdata.StreamingDataset(config.task_args["dir"], shuffle=True, seed=7, transform=add_noise)
     return _id_task(config, device, LitDataStream(ds))
@@ -292,7 +292,7 @@ def build_mosaic(config: RunConfig, device: torch.device) -> TaskParts:
     """A shuffled MosaicML ``StreamingDataset`` over ``task_args.dir``; its ``__getitem__``
     augments (a subclass, as MosaicML's examples do).  ``task_args.batch``: build it for another
     batch size than the run's (convoy refuses it)."""
-    from training.stream_adapters.mosaic import MosaicStream, streaming_base
+    from training.datapipe.stream_adapters.mosaic import MosaicStream, streaming_base
 
     class Augmented(streaming_base().StreamingDataset):
         def __getitem__(self, i: int) -> dict[str, Any]:
@@ -311,7 +311,7 @@ def build_hf_map(config: RunConfig, device: torch.device) -> TaskParts:
     """An HF ``datasets`` stream of the samples (4 shards, endless) augmented by ``.map``."""
     import datasets
 
-    from training.stream_adapters.hf_datasets import HFStream
+    from training.datapipe.stream_adapters.hf_datasets import HFStream
 
     rows = [stream_sample(i) for i in range(STREAM_SAMPLES)]
     table = datasets.Dataset.from_dict({"id": [r["id"] for r in rows], "x": [r["x"].tolist() for r in rows]})

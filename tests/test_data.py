@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from training.data import Cursor, LoaderSpec, ResumableBatchSampler, TokenWindows, epoch_order, make_loader
+from training.datapipe.data import Cursor, LoaderSpec, ResumableBatchSampler, TokenWindows, epoch_order, make_loader
 
 
 class CountingDataset(Dataset):

@@ -20,8 +20,8 @@ from torch.utils.data import Dataset
 
 from tests.pipeline_util import BASE, TOTAL, cli, side_by_side, step_ids
 from training.config import ConfigError
-from training.data import Cursor, LoaderSpec, make_loader
-from training.streams import check_stream, make_stream_loader
+from training.datapipe.data import Cursor, LoaderSpec, make_loader
+from training.datapipe.streams import check_stream, make_stream_loader
 
 CNN = [*BASE, "task=tests.pipeline_tasks:build_cnn"]
 COUNTER = [*BASE, "task=tests.pipeline_tasks:build_counter"]

@@ -5,7 +5,7 @@ refused in one line, never silently another sample sequence (issue 28, Deliver 2
   is refused by ``convoy train`` before anything is touched: 2→1 ranks, 1→2 ranks, 2→0 workers,
   each one line, exit 2, no attempt, the run directory unchanged; a worker started on such a
   run directly (any way around the CLI) refuses it too.
-* A stream in one canonical global order (``iter_global``, training/stream_position.py) resumes
+* A stream in one canonical global order (``iter_global``, training/datapipe/stream_position.py) resumes
   after 2→1 ranks (through ``convoy train``), 1→2 ranks and 2→0→4 workers, killed on the way:
   every sample id once, in the uninterrupted run's global order; with the world size unchanged
   the final digest is the uninterrupted run's; after a world-size change the losses differ only
@@ -34,9 +34,9 @@ from tests.elastic_tasks import GlobalCounter
 from tests.engine_util import SMALL, final_digest, make_run, wait_for_step
 from tests.torchrun_util import finish, losses, torchrun_cmd
 from training.config import ConfigError, load_config
+from training.datapipe.stream_position import ReaderPlan, SavedLayout, check_resume, make_global_loader
 from training.events import read_events
 from training.rundir import open_run
-from training.stream_position import ReaderPlan, SavedLayout, check_resume, make_global_loader
 
 TOTAL, BATCH = 16, 8
 BASE = [

@@ -28,7 +28,7 @@ def test_entropy_floor_is_the_chains_entropy_rate() -> None:
     the generating chain itself (the best any model can do) agrees with it to sampling noise."""
     import numpy as np
 
-    from training.corpus import ALPHABET, chain, synthetic_text
+    from training.datapipe.corpus import ALPHABET, chain, synthetic_text
 
     text, floor = synthetic_text(200_000, 7)
     probs, k = chain(7), len(ALPHABET)
@@ -46,7 +46,7 @@ def test_the_demo_learns_to_near_the_entropy_floor(tmp_path: Path) -> None:
     from statistics import mean
 
     from training.config import load_config
-    from training.corpus import entropy_floor, prepare
+    from training.datapipe.corpus import entropy_floor, prepare
     from training.rundir import open_run
     from training.tracking.progress import run_status
 

@@ -77,7 +77,7 @@ def test_llama_family_builds_offline_with_ln_vocab_loss(tmp_path: Path) -> None:
     import torch
 
     from training.config import load_config
-    from training.corpus import prepare
+    from training.datapipe.corpus import prepare
     from training.state import seed_everything
     from training.task import build_task
 

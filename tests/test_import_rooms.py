@@ -48,7 +48,7 @@ TRAINING_BASE = {
     "training.parts",
     "training.paths",
     "training.release",
-    "training.sample_rng",
+    "training.datapipe.sample_rng",
     "training.sharding",
     "training.trajectory",
 }
@@ -189,7 +189,7 @@ def test_the_layer_check_finds_each_kind_of_wrong_import() -> None:
         "training.checkpointing.memory.memory_tier": {"training.rundir", "training.paths"},
         "training.checkpointing.store": {"training.checkpointing.memory.slot_files", "training.config"},
         "training.paths": {"training.state"},
-        "training.state": {"training.checkpointing.sharded", "training.data"},
+        "training.state": {"training.checkpointing.sharded", "training.datapipe.data"},
     }
     assert layer_violations(edges) == [
         "training.checkpointing.memory.memory_tier imports training.rundir (not training's base)",

@@ -31,10 +31,10 @@ from tests.engine_util import (
     wait_for_step,
 )
 from tests.torchrun_util import finish, torchrun
-from training.batch import batch_len, to_device, tree_map
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig, load_config
-from training.data import Cursor, LoaderSpec, ResumableBatchSampler
+from training.datapipe.batch import batch_len, to_device, tree_map
+from training.datapipe.data import Cursor, LoaderSpec, ResumableBatchSampler
 from training.events import read_events
 from training.examples import char_gpt
 from training.task import TaskParts

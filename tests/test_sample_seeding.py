@@ -1,4 +1,4 @@
-"""Lazy per-sample seeding (training/sample_rng.py): numpy's and python's generators are seeded only
+"""Lazy per-sample seeding (training/datapipe/sample_rng.py): numpy's and python's generators are seeded only
 for the samples that draw from them, and each sample still gets exactly what seeding all three
 generators before its fetch gives it, with any ``num_workers`` and whatever it draws.
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from training.data import Cursor, LoaderSpec, ResumableBatchSampler, make_loader, sample_seed
-from training.sample_rng import HOST_RNGS, SEED_MASK, SampleKey, SeededBatch, SeededSamples, seed_host_rngs
+from training.datapipe.data import Cursor, LoaderSpec, ResumableBatchSampler, make_loader, sample_seed
+from training.datapipe.sample_rng import HOST_RNGS, SEED_MASK, SampleKey, SeededBatch, SeededSamples, seed_host_rngs
 
 SPEC = LoaderSpec(8, 3, Cursor(1, 8))
 BATCHES = 6
@@ -135,7 +135,7 @@ def test_a_batch_carries_its_first_seed_and_its_seeds_are_the_positions_seeds() 
 def test_numpy_is_read_in_place_and_any_draw_or_reseed_unparks_it() -> None:
     """The in-place view of numpy's state is the state ``MT19937.state`` reports; parked, it says
     so until anything draws (a uniform, a gaussian, one integer) or re-seeds numpy."""
-    from training.sample_rng import _PARK_SEED, _numpy_parked, _numpy_state, _seed_numpy
+    from training.datapipe.sample_rng import _PARK_SEED, _numpy_parked, _numpy_state, _seed_numpy
 
     view = _numpy_state()
     assert view is not None
@@ -151,7 +151,7 @@ def test_numpy_is_read_in_place_and_any_draw_or_reseed_unparks_it() -> None:
 def test_a_replaced_numpy_bit_generator_is_read_afresh_or_seeded_eagerly() -> None:
     """``np.random.set_bit_generator`` swaps the generator behind ``np.random.*``: the view follows
     it (an MT19937) or numpy is seeded before every sample (another kind: no view)."""
-    from training.sample_rng import _numpy_state
+    from training.datapipe.sample_rng import _numpy_state
 
     original = np.random.get_bit_generator()
     try:

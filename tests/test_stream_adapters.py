@@ -1,4 +1,4 @@
-"""Third-party streams resumed exactly through convoy's adapters (training/stream_adapters/):
+"""Third-party streams resumed exactly through convoy's adapters (training/datapipe/stream_adapters/):
 Lightning's ``litdata.StreamingDataset`` over a dataset written by ``litdata.optimize``, MosaicML's
 ``StreamingDataset`` over one written by ``MDSWriter`` and an HF ``datasets.IterableDataset`` with
 ``.map`` augmentation — every dataset written here, in a temporary directory.
@@ -29,7 +29,7 @@ from tests.pipeline_tasks import add_noise, write_mds
 from tests.pipeline_util import BASE, TOTAL, cli, side_by_side, step_ids
 from training.checkpointing.store import CheckpointStore
 from training.config import ConfigError
-from training.streams import make_stream_loader
+from training.datapipe.streams import make_stream_loader
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def mds_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The samples written by MosaicML's ``MDSWriter``.  Afterwards, the shared memory that this
     module's killed MosaicML processes left behind is removed (a run of the suite left ~40 files;
     ``clean_stale_shared_memory`` stops at the first free prefix, so it misses most of them)."""
-    from training.stream_adapters.mosaic import streaming_base
+    from training.datapipe.stream_adapters.mosaic import streaming_base
 
     try:
         streaming_base()
@@ -73,13 +73,13 @@ def mds_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def lit_stream(path: str) -> Any:
     import litdata
 
-    from training.stream_adapters.litdata import LitDataStream
+    from training.datapipe.stream_adapters.litdata import LitDataStream
 
     return LitDataStream(litdata.StreamingDataset(path, shuffle=True, seed=7, transform=add_noise))
 
 
 def mosaic_stream(path: str, batch: int = 4) -> Any:
-    from training.stream_adapters.mosaic import MosaicStream, streaming_base
+    from training.datapipe.stream_adapters.mosaic import MosaicStream, streaming_base
 
     class Augmented(streaming_base().StreamingDataset):
         def __getitem__(self, i: int) -> dict[str, Any]:
@@ -130,8 +130,8 @@ def test_what_an_adapter_cannot_resume_exactly_is_refused_in_one_line(lit_dir: s
     """litdata resumed with other loader workers, a MosaicML dataset partitioned for another batch
     size, an HF stream with a shuffle buffer or fewer shards than workers, a foreign dataset."""
     datasets = pytest.importorskip("datasets")
-    from training.stream_adapters.hf_datasets import HFStream
-    from training.stream_adapters.litdata import LitDataStream
+    from training.datapipe.stream_adapters.hf_datasets import HFStream
+    from training.datapipe.stream_adapters.litdata import LitDataStream
 
     _, state = read(lit_stream(lit_dir), 2, 3)
     table = datasets.Dataset.from_dict({"id": list(range(8))})

@@ -30,7 +30,7 @@ from typing import Any
 
 from training.config import RunConfig
 
-#: The tasks that read convoy's synthetic corpus (``training.corpus.load_corpus``); for any other
+#: The tasks that read convoy's synthetic corpus (``training.datapipe.corpus.load_corpus``); for any other
 #: task the corpus generator has no effect.  tests/test_release_gate.py checks the list against
 #: every example that calls ``load_corpus``.
 CORPUS_READERS = (

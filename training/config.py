@@ -48,7 +48,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-#: Version of the synthetic corpus generator (``training/corpus.py``), part of the fingerprint of a
+#: Version of the synthetic corpus generator (``training/datapipe/corpus.py``), part of the fingerprint of a
 #: synthetic run: a run trained on the old corpus is not resumed on a regenerated, different one.
 SYNTHETIC_GENERATOR = 2
 
@@ -93,7 +93,7 @@ class TrainConfig(_Strict):
     the global batch and the per-sample seeding put the same samples, with the same augmentation,
     in every global batch at any world size; a resume on another world size then differs only by
     the floating-point order of the gradient sum, ~1e-7 in loss, and, with dropout, by the masks
-    each rank draws; a stream positioned per shard is refused, see ``training.stream_position``)."""
+    each rank draws; a stream positioned per shard is refused, see ``training.datapipe.stream_position``)."""
 
     total_steps: Annotated[int, Trajectory()] = Field(600, gt=0)
     #: Steps per Prefect chunk task; a failure re-runs only the chunk it happened in.

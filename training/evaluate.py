@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from training.batch import batch_len
 from training.checkpointing import sharded
 from training.checkpointing.safetensors_io import write_file
 from training.checkpointing.store import CheckpointStore
 from training.config import ConfigError, RunConfig, load_config
+from training.datapipe.batch import batch_len
 from training.event_records import EventLog
 from training.events import EXIT_CONFIG
 from training.fsutil import atomic_replace, atomic_write_bytes
@@ -239,7 +239,7 @@ def validation_loss(
 
 
 def _entropy_floor(config: RunConfig) -> float | None:
-    from training.corpus import entropy_floor
+    from training.datapipe.corpus import entropy_floor
 
     return entropy_floor(config.data, config.task)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from training.sample_rng import HOST_RNGS
+from training.datapipe.sample_rng import HOST_RNGS
 from training.sharding import ShardUnits
 
 
@@ -29,13 +29,13 @@ class TaskParts:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     #: A map-style ``Dataset``, or a stream: an ``IterableDataset`` with ``state_dict()`` and
     #: ``load_state_dict()`` (an endless one, sharded by rank and loader worker; see
-    #: :mod:`training.streams`).  Each sample is fetched with python, numpy and torch's CPU
-    #: generator seeded by its place in the run (:mod:`training.sample_rng`).
+    #: :mod:`training.datapipe.streams`).  Each sample is fetched with python, numpy and torch's CPU
+    #: generator seeded by its place in the run (:mod:`training.datapipe.sample_rng`).
     train_data: Dataset
     #: ``loss_fn(model, batch) -> scalar loss``: ``batch`` is what the DataLoader yields (after
     #: ``collate_fn``) with every tensor moved to the device, whatever its structure: a tensor, a
     #: tuple/list, a dict such as ``{"input_ids", "attention_mask", "labels"}``, or a nesting of
-    #: those (:mod:`training.batch`).  With gradient accumulation it is called once per
+    #: those (:mod:`training.datapipe.batch`).  With gradient accumulation it is called once per
     #: micro-batch and must return the micro-batch's mean loss; convoy scales it.
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
     val_data: Dataset | None = None
@@ -55,7 +55,7 @@ class TaskParts:
     #: ``"torch"`` (CPU), ``"numpy"``, ``"python"``.  All three by default; a task whose
     #: ``__getitem__`` draws only from torch (torchvision-style transforms) may name just
     #: ``("torch",)`` (the default already seeds numpy and python only for samples that draw
-    #: from them, :mod:`training.sample_rng`).  A generator left out is
+    #: from them, :mod:`training.datapipe.sample_rng`).  A generator left out is
     #: seeded once per loader worker only: drawing from it makes samples depend on the worker.
     sample_rngs: tuple[str, ...] = HOST_RNGS
     #: With ``train.parallel: fsdp``, the units FSDP2 shards before the root: module classes (e.g.

@@ -31,15 +31,15 @@ from training.checkpointing.errors import CheckpointRejected
 from training.checkpointing.memory.memory_tier import merged
 from training.checkpointing.store import Candidate, Checkpoint
 from training.config import ConfigError
-from training.data import mix_seed
+from training.datapipe.data import mix_seed
+from training.datapipe.stream_position import SavedLayout, check_resume, is_global
+from training.datapipe.streams import is_main_positioned
 from training.events import Event, append_event, read_events
 from training.parts import TaskParts
 from training.paths import RunPaths
 from training.rundir import continues, describe_change, recorded_trajectories, run_info
 from training.runtime import Runtime
 from training.state import seed_everything
-from training.stream_position import SavedLayout, check_resume, is_global
-from training.streams import is_main_positioned
 
 
 @dataclass(frozen=True)

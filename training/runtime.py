@@ -35,7 +35,7 @@ from training.checkpointing.state_check import ExpectedState, checkpoint_validat
 from training.checkpointing.store import CheckpointStore, WriterGroup
 from training.compiling import FirstStep
 from training.config import ConfigError, RunConfig
-from training.data import mix_seed
+from training.datapipe.data import mix_seed
 from training.parts import TaskParts
 from training.paths import RunPaths
 from training.run_memory import open_tier

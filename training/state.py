@@ -4,7 +4,7 @@ Complete means everything that influences the next update: model, optimizer, LR 
 (its position is the global step, checked on restore), AMP GradScaler, every RNG (python, numpy,
 torch CPU, the CUDA device this rank trains on — per rank), the data cursor (and, for a stream,
 each rank's stream position: every loader worker's state, or for a global-order stream the global
-samples trained, the same on every rank: ``training.stream_position``), the global step and tokens seen.
+samples trained, the same on every rank: ``training.datapipe.stream_position``), the global step and tokens seen.
 Part ``state`` is replicated (rank 0 writes it); part ``rank-<r>`` holds that rank's RNG and stream.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import xxhash
 
-from training.data import Cursor
+from training.datapipe.data import Cursor
 from training.device_rng import select_cuda_rng
 from training.ema import EMA
 from training.numpy_rng import legacy_state
@@ -134,7 +134,7 @@ class TrainState:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     #: What restore did with the device RNG (logged by the worker).
     rng_note: str = ""
-    #: A stream's loader (``training.streams.StreamBatches``): its position is this rank's to save.
+    #: A stream's loader (``training.datapipe.streams.StreamBatches``): its position is this rank's to save.
     stream: Any = None
     #: This rank's stream position as restored (None: map-style data, or a fresh start).
     stream_saved: dict[str, Any] | None = None

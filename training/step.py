@@ -15,14 +15,14 @@ import torch
 from torch.utils.data import default_collate
 
 from training import distributed, faults, sharding
-from training.batch import to_device
 from training.config import ConfigError
-from training.data import LoaderSpec, validation_keys
+from training.datapipe.batch import to_device
+from training.datapipe.data import LoaderSpec, validation_keys
+from training.datapipe.sample_rng import SeededSamples
+from training.datapipe.streams import is_stream, train_batches
 from training.ema import EMA, WeightEMA
 from training.runtime import Runtime
-from training.sample_rng import SeededSamples
 from training.state import capture_rng, restore_rng
-from training.streams import is_stream, train_batches
 
 
 def _nothing() -> None:

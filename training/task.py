@@ -19,10 +19,10 @@ import torch
 from training import sharding
 from training.compiling import compile_model, unwrap_compiled
 from training.config import ConfigError, DataMissing, RunConfig, resolve_task_factory
+from training.datapipe.sample_rng import check_rngs
+from training.datapipe.streams import check_stream, is_stream
 from training.ema import EMA, WeightEMA
 from training.parts import TaskParts
-from training.sample_rng import check_rngs
-from training.streams import check_stream, is_stream
 
 __all__ = ["TaskParts", "build_task", "check_task"]
 
@@ -99,7 +99,7 @@ def check_task(config: RunConfig, fetch: bool = False, resume_dir: Path | None =
     """Build the task without training it, so ``task_args`` and the factory's own checks fail
     before a run directory exists (``convoy validate``, ``convoy train``, ``open_run``).
     ``fetch``: also fetch and collate the first training batch and one validation batch on the
-    CPU (:func:`training.preflight.fetch_first_batches`), so a dataset or collate error is a
+    CPU (:func:`training.datapipe.preflight.fetch_first_batches`), so a dataset or collate error is a
     one-line config error too; with ``resume_dir`` (the run directory that trains ``config``) a
     stream's saved position there must fit this layout (one line otherwise).
 
@@ -117,7 +117,7 @@ def check_task(config: RunConfig, fetch: bool = False, resume_dir: Path | None =
             except ValueError as exc:
                 raise ConfigError(f"task = {config.task!r}, train.parallel = fsdp: {exc}") from None
     if parts is not None and fetch:  # outside the meta context: samples are read as the worker reads them
-        from training.preflight import fetch_first_batches
+        from training.datapipe.preflight import fetch_first_batches
 
         fetch_first_batches(config, parts, resume_dir)
     return parts

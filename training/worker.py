@@ -33,6 +33,7 @@ from training.checkpointing.schedule import MemorySchedule, SaveSchedule
 from training.chunk_boundary import wait_for_previous_boundary
 from training.claim import Claim, claim_run
 from training.config import ConfigError
+from training.datapipe.streams import is_stream
 from training.events import (
     EXIT_CONFIG,
     EXIT_PREEMPTED,
@@ -55,7 +56,6 @@ from training.rundir import RunBusy, load_run_config, run_info
 from training.runtime import Runtime, Session, amp_dtype, build_runtime, pick_device, reached, start_device
 from training.state import TrainState
 from training.step import micro_batches, throughput, train_step, validation_enabled, validation_losses
-from training.streams import is_stream
 from training.task import unhonoured
 from training.tracking.metrics import JsonlBackend, MetricBackend, StepMetricLogger
 

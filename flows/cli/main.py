@@ -89,7 +89,7 @@ def _host_memory_or_exit(cfg: RunConfig, built: object) -> object:
 @app.command()
 def prepare(params: ParamsArg = Path("params.yaml"), set_: SetOpt = None) -> None:
     """Write the training corpus (synthetic, or a copy of data.path) to data.prepared_dir."""
-    from training.corpus import prepare as prepare_corpus
+    from training.datapipe.corpus import prepare as prepare_corpus
 
     cfg = config_or_exit(params, set_)
     path = prepare_corpus(cfg.data, cfg.train.seed)

@@ -145,7 +145,7 @@ def corpus_dataset(config: RunConfig) -> Any | None:
 
     from mlflow.entities import Dataset
 
-    from training.corpus import CORPUS_FILE, entropy_floor
+    from training.datapipe.corpus import CORPUS_FILE, entropy_floor
 
     path = Path(config.data.prepared_dir) / CORPUS_FILE
     try:

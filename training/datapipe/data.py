@@ -10,7 +10,7 @@
   would be; the cursor and the epoch's dropped tail count whole optimizer batches of A·B, so
   ``accum 4 x B`` and ``accum 1 x 4B`` see exactly the same samples at every step.
 * Every sample is fetched with the host generators seeded from ``sample_seed(seed, epoch,
-  position)``, its position in the epoch's global order (:mod:`training.sample_rng`): augmentation
+  position)``, its position in the epoch's global order (:mod:`training.datapipe.sample_rng`): augmentation
   drawn in ``__getitem__`` is the same whichever process, loader worker or rank fetches it, and
   after any resume.  The DataLoader gets a generator of its own, so its start-up never consumes
   the trainer's global RNG (it would, once per process, and a resumed run would drift).
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from training.sample_rng import HOST_RNGS, SEED_MASK, SampleKey, SeededBatch, SeededSamples
+from training.datapipe.sample_rng import HOST_RNGS, SEED_MASK, SampleKey, SeededBatch, SeededSamples
 
 _GOLDEN = 0x9E3779B97F4A7C15
 #: Salts keep the sample streams apart from every other use of ``mix_seed`` (epoch orders, ranks).
@@ -175,7 +175,7 @@ class KeyedBatches(Sampler[SeededBatch]):
 
 
 def worker_init(worker_id: int) -> None:
-    """Loader worker start-up.  Each sample is seeded on its own (:mod:`training.sample_rng`);
+    """Loader worker start-up.  Each sample is seeded on its own (:mod:`training.datapipe.sample_rng`);
     seeding the worker's streams too keeps a draw outside any sample (a stream's own start-up)
     reproducible.  SIGTERM is ignored here: preemption is handled by the main process (emergency
     checkpoint), and a worker dying first would abort that step."""

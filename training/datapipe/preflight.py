@@ -23,11 +23,11 @@ from torch.utils.data import default_collate
 from training.checkpointing.errors import CheckpointRejected
 from training.checkpointing.verify import load_checkpoint, parse_step
 from training.config import ConfigError, RunConfig
-from training.data import Cursor, LoaderSpec, validation_keys
+from training.datapipe.data import Cursor, LoaderSpec, validation_keys
+from training.datapipe.sample_rng import SeededSamples
+from training.datapipe.stream_position import SavedLayout, check_resume, is_global
+from training.datapipe.streams import is_main_positioned, is_stream, train_batches
 from training.paths import RunPaths
-from training.sample_rng import SeededSamples
-from training.stream_position import SavedLayout, check_resume, is_global
-from training.streams import is_main_positioned, is_stream, train_batches
 
 
 def _line(exc: BaseException) -> str:
@@ -90,7 +90,7 @@ def newest_stream_layout(run_dir: Path) -> SavedLayout | None:
 
 def check_stream_resume(run_dir: Path, config: RunConfig, train_data: Any) -> None:
     """Refuse (one line) resuming the run ``config`` trains when its stream was saved by another
-    world size or ``data.num_workers`` (:func:`training.stream_position.check_resume`)."""
+    world size or ``data.num_workers`` (:func:`training.datapipe.stream_position.check_resume`)."""
     if not is_stream(train_data):
         return
     layout = newest_stream_layout(run_dir)

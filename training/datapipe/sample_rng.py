@@ -23,7 +23,7 @@ recording in a checkpoint.  A dataset whose fetch has side effects sees one extr
 process for each of numpy and python it draws from.  What the checks cannot see: a fetch that
 draws from numpy or python and then puts that generator's state back (``set_state`` /
 ``setstate`` to what it found) drew from the parked stream unnoticed.  Streams
-(:mod:`training.streams`) cannot fetch an item twice: they seed eagerly.
+(:mod:`training.datapipe.streams`) cannot fetch an item twice: they seed eagerly.
 
 What a task author may rely on: draw from torch's (or numpy's, or python's) global RNG in
 ``__getitem__``; the draws are the same for every ``num_workers``, world size and resume.  A task
@@ -52,7 +52,7 @@ from torch.utils.data import Dataset, get_worker_info
 _NP = np.random.mtrand._rand  # the RandomState behind np.random.*
 _PY = random._inst  # type: ignore[attr-defined] # the Random behind random.*
 
-#: Sample seeds are 63-bit (``training.data.sample_seed``).
+#: Sample seeds are 63-bit (``training.datapipe.data.sample_seed``).
 SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
 
 

@@ -1,7 +1,7 @@
 """Streams positioned by a global sample index: resumable after any change of world size or workers.
 
 Why: a stream that keeps its own position (``state_dict()``/``load_state_dict()``,
-:mod:`training.streams`) keeps one position per rank and loader worker, each the position *in its
+:mod:`training.datapipe.streams`) keeps one position per rank and loader worker, each the position *in its
 shard*.  Another world size or ``data.num_workers`` cuts the stream into other shards, and no
 shard position says where the new shards are; convoy refuses such a resume (one line, up front:
 :func:`check_resume`) rather than train other samples than the uninterrupted run.
@@ -26,7 +26,7 @@ run's order:
 * the DataLoader hands out batches round-robin over its workers, so worker ``k`` reads the
   micro-batches ``n0 + k, n0 + k + K, ...`` (``n0`` = the micro-batch the run resumes at);
 * each sample is fetched with the host generators seeded from (run seed, ``g``) alone
-  (:mod:`training.sample_rng`), so augmentation in the stream replays at any world size too.
+  (:mod:`training.datapipe.sample_rng`), so augmentation in the stream replays at any world size too.
 
 What stays approximate after a world-size change is floating-point: the same samples form each
 global batch, but the gradient is summed over another number of ranks (all-reduce), so losses
@@ -43,8 +43,8 @@ from typing import Any, Protocol, runtime_checkable
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from training.config import ConfigError
-from training.data import loader_generator, mix_seed, worker_init
-from training.sample_rng import HOST_RNGS, check_rngs, preserved_host_rngs, seed_host_rngs
+from training.datapipe.data import loader_generator, mix_seed, worker_init
+from training.datapipe.sample_rng import HOST_RNGS, check_rngs, preserved_host_rngs, seed_host_rngs
 
 GLOBAL_SALT = 0x6C0B_A15A
 #: The key of a global position in a rank's checkpoint part (``{"global_sample": g}``).
@@ -203,14 +203,14 @@ def check_resume(
     a per-shard stream position read by another world size or ``data.num_workers``, or a
     position whose kind does not fit the task's stream.  A global position fits any layout; a
     stream whose library deals the rest of its order out again to the loader workers after a
-    resume (``restripes``: MosaicML, :class:`training.streams.MainPositioned`) fits any
+    resume (``restripes``: MosaicML, :class:`training.datapipe.streams.MainPositioned`) fits any
     ``num_workers``."""
     if saved.is_global != stream_is_global:
         kind = "a global sample index" if saved.is_global else "per-rank shard positions"
         raise ConfigError(
             f"the checkpoint of step {saved.step} holds the train_data stream's position as {kind}, but the "
             f"task's stream {'does not implement' if saved.is_global else 'implements'} iter_global() "
-            "(training/stream_position.py); resume with the stream that saved it, or start a new run"
+            "(training/datapipe/stream_position.py); resume with the stream that saved it, or start a new run"
         )
     if saved.is_global:
         return
@@ -225,5 +225,5 @@ def check_resume(
         f"another layout would train other samples; resume with the saved values "
         f"(train.ranks x train.nnodes = {saved.world_size}, -S data.num_workers={saved.num_workers}), "
         "start a new run (-S run_name=<new name>), or give the stream iter_global() "
-        "(training/stream_position.py) to resume on any layout"
+        "(training/datapipe/stream_position.py) to resume on any layout"
     )

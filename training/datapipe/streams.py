@@ -18,7 +18,7 @@ How the checkpointed position stays consistent with what was trained (invariant 
   so :class:`StreamBatches` holds back batches of workers whose turn has not come (at most
   ``num_workers - 1`` batches) and hands them out in the saved round-robin order.
 * Every sample is drawn with the host generators seeded from (run seed, rank, worker, samples that
-  worker's stream yielded), like map-style samples (:mod:`training.sample_rng`), so augmentation
+  worker's stream yielded), like map-style samples (:mod:`training.datapipe.sample_rng`), so augmentation
   in the stream replays exactly too.
 
 How a stream learns its shard: convoy sets nothing on it.  The rank and world size are torchrun's
@@ -26,12 +26,12 @@ How a stream learns its shard: convoy sets nothing on it.  The rank and world si
 factory (``datasets.distributed.split_dataset_by_node``); the loader worker is
 ``torch.utils.data.get_worker_info()``, read by the stream in ``__iter__`` (HF datasets does
 that itself).  So ``data.num_workers`` and the world size are part of a stream's position: a
-resume with other values is refused (one line, up front: ``training.preflight``), not guessed.
-A stream in one canonical global order (``iter_global``, :mod:`training.stream_position`) has
+resume with other values is refused (one line, up front: ``training.datapipe.preflight``), not guessed.
+A stream in one canonical global order (``iter_global``, :mod:`training.datapipe.stream_position`) has
 no such shards in its position and resumes exactly on any layout.
 
 Streams positioned in the training process (:class:`MainPositioned`: litdata's and MosaicML's,
-through :mod:`training.stream_adapters`): their libraries compute the position from the number
+through :mod:`training.datapipe.stream_adapters`): their libraries compute the position from the number
 of samples trained, in the training process (litdata refuses ``state_dict`` in a loader worker).
 :class:`StreamBatches` counts the batches it handed to training and saves the library's state for
 that count (``"main"``); a resume gives it back to the stream before the DataLoader starts.  A
@@ -50,9 +50,9 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from training.config import ConfigError
-from training.data import LoaderSpec, loader_generator, make_loader, mix_seed, worker_init
-from training.sample_rng import HOST_RNGS, check_rngs, preserved_host_rngs, seed_host_rngs
-from training.stream_position import GLOBAL_KEY, ReaderPlan, is_global, make_global_loader
+from training.datapipe.data import LoaderSpec, loader_generator, make_loader, mix_seed, worker_init
+from training.datapipe.sample_rng import HOST_RNGS, check_rngs, preserved_host_rngs, seed_host_rngs
+from training.datapipe.stream_position import GLOBAL_KEY, ReaderPlan, is_global, make_global_loader
 
 STREAM_SALT = 0x57AE_A3ED
 #: HF ``datasets`` iterables whose state does not hold what they need to resume exactly.
@@ -96,7 +96,7 @@ def _type_name(obj: Any) -> str:
 
 def check_stream(data: Any, name: str = "train_data") -> None:
     """Refuse a stream convoy cannot position exactly (one line: what, its type, what to do).
-    A stream in a global order (:mod:`training.stream_position`) needs no state of its own; one
+    A stream in a global order (:mod:`training.datapipe.stream_position`) needs no state of its own; one
     positioned in the training process (:class:`MainPositioned`) keeps its library's."""
     if not is_stream(data) or is_global(data) or is_main_positioned(data):
         return

@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
 from training.config import ConfigError, RunConfig, format_validation_error
-from training.corpus import load_corpus
-from training.data import TokenWindows
+from training.datapipe.corpus import load_corpus
+from training.datapipe.data import TokenWindows
 from training.task import TaskParts
 
 VOCAB = 256  # bytes

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.utils.data import Dataset
 
 from training.config import ConfigError, RunConfig, format_validation_error
-from training.corpus import load_corpus
+from training.datapipe.corpus import load_corpus
 from training.task import TaskParts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched at run time

@@ -4,7 +4,7 @@ The usual shape of a pre-training corpus: an endless stream, sharded over ranks
 (``datasets.distributed.split_dataset_by_node``) and over loader workers (``datasets`` does that
 itself from ``torch.utils.data.get_worker_info()``), whose position is its ``state_dict()``.
 convoy saves every rank's and every loader worker's position with each checkpoint
-(:mod:`training.streams`).  The data is generated here from the prepared corpus (``convoy
+(:mod:`training.datapipe.streams`).  The data is generated here from the prepared corpus (``convoy
 prepare``): windows of ``seq_len + 1`` bytes in a ``datasets.Dataset``, made a stream with
 ``.to_iterable_dataset(num_shards=...)`` and ``.repeat(None)``; nothing is downloaded.  The
 model is the char GPT of :mod:`training.examples.char_gpt`.
@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from training.config import ConfigError, RunConfig, format_validation_error
-from training.corpus import load_corpus
+from training.datapipe.corpus import load_corpus
+from training.datapipe.streams import rank_and_world
 from training.examples.char_gpt import VOCAB, CharGPT, CharGPTArgs, warmup_cosine
-from training.streams import rank_and_world
 from training.task import TaskParts
 
 

@@ -31,7 +31,7 @@ import psutil
 from training.checkpointing.errors import CheckpointRejected
 from training.checkpointing.store import CheckpointStore
 from training.config import RunConfig
-from training.corpus import entropy_floor
+from training.datapipe.corpus import entropy_floor
 from training.event_records import (
     CheckpointFetched,
     CheckpointPublished,

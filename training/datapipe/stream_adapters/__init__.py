@@ -2,7 +2,7 @@
 
 Why adapters: each library keeps a stream's position with its own protocol, called where the
 library says, and none of them is convoy's no-argument ``state_dict()`` called in each loader
-worker (:mod:`training.streams`):
+worker (:mod:`training.datapipe.streams`):
 
 * :mod:`.litdata` — Lightning's ``litdata.StreamingDataset``: ``state_dict(num_samples_yielded,
   num_workers, batch_size)``, computed in the training process (it raises in a loader worker);

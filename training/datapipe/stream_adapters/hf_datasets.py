@@ -2,7 +2,7 @@
 
 ``datasets`` keeps the position itself, per loader worker: each worker iterates its own shards
 (from ``get_worker_info()``) and its ``state_dict()``/``load_state_dict()`` are called in that
-worker (:mod:`training.streams` does it for every batch).  A ``.map`` function runs lazily as
+worker (:mod:`training.datapipe.streams` does it for every batch).  A ``.map`` function runs lazily as
 each example is drawn, so augmentation drawn from the host generators in it is seeded per sample
 and replays exactly after a resume.
 
@@ -19,7 +19,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from training.config import ConfigError
-from training.streams import check_stream
+from training.datapipe.streams import check_stream
 
 
 class HFStream(IterableDataset):

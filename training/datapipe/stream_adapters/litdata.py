@@ -4,7 +4,7 @@ litdata's position is ``state_dict(num_samples_yielded, num_workers, batch_size)
 the training process from the samples the DataLoader yielded (it raises inside a loader worker);
 ``load_state_dict(state)`` is given back in the training process before the DataLoader starts,
 and each loader worker then continues its own chunks (``_replay_sampling``: batches dealt
-round-robin from worker 0).  convoy's :class:`training.streams.StreamBatches` counts the batches
+round-robin from worker 0).  convoy's :class:`training.datapipe.streams.StreamBatches` counts the batches
 it handed to training, so the state describes exactly what was trained (batches prefetched but not
 trained are read again after a resume), and it hands the workers' batches out in the saved
 round-robin order.
@@ -30,7 +30,7 @@ from training.config import ConfigError
 
 class LitDataStream(IterableDataset):
     """``dataset`` (a ``litdata.StreamingDataset``) positioned in the training process
-    (:class:`training.streams.MainPositioned`)."""
+    (:class:`training.datapipe.streams.MainPositioned`)."""
 
     restripes = False  # each loader worker continues its own chunks after a resume
 

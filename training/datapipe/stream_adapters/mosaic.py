@@ -57,7 +57,7 @@ def streaming_base() -> ModuleType:
 
 class MosaicStream(IterableDataset):
     """``dataset`` (a MosaicML ``StreamingDataset``) positioned in the training process
-    (:class:`training.streams.MainPositioned`)."""
+    (:class:`training.datapipe.streams.MainPositioned`)."""
 
     restripes = True  # the rest of the global order is dealt out again from loader worker 0
     #: Threads MosaicML runs in the process that iterates it (the training process with
@@ -87,6 +87,6 @@ class MosaicStream(IterableDataset):
     def main_state_dict(self, samples: int, num_workers: int, batch_size: int) -> dict[str, Any]:
         """MosaicML's state after this rank trained ``samples`` samples (the world trained
         ``samples * world size``: every rank trains as many), counted from the epoch's start."""
-        from training.streams import rank_and_world
+        from training.datapipe.streams import rank_and_world
 
         return dict(self.dataset.state_dict(samples * rank_and_world()[1], True))
