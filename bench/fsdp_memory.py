@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Peak host memory of FSDP2 over 2 CPU ranks, convoy's defaults against the bare loop, and
-whether the memory watch (training/memory_watch.py, rule 5) gave the copies up.
+whether the memory watch (training/loop/memory_watch.py, rule 5) gave the copies up.
 
 Run from the repository root::
 

@@ -70,9 +70,9 @@ def setup(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     from training.checkpointing.memory.memory_tier import MemoryTier
     from training.config import load_config
     from training.datapipe.corpus import prepare
+    from training.loop.runtime import build_runtime
     from training.run_memory import tier_root
     from training.rundir import open_run
-    from training.runtime import build_runtime
     from training.state import configure_determinism
 
     params = Path(__file__).resolve().parents[1] / "params.yaml"
@@ -99,7 +99,7 @@ def main() -> None:
     runtime, cfg, tiers = setup(args)
     from training.checkpointing.schedule import MemorySchedule
     from training.datapipe.data import Cursor, LoaderSpec, make_loader
-    from training.step import train_step
+    from training.loop.step import train_step
 
     state, schedule = runtime.state, MemorySchedule("auto", 0.03)
 

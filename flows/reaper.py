@@ -2,7 +2,7 @@
 
     python -m flows.reaper <read-fd> <pid> <create-time> <grace-s>
 
-It imports only psutil and :mod:`training.lifeline`'s wait (it starts beside every ``convoy train``), holds
+It imports only psutil and :mod:`training.loop.lifeline`'s wait (it starts beside every ``convoy train``), holds
 nothing else open, and exits once the process is gone.  The process is stopped only if its pid
 still names the process created at ``create-time`` (invariant 2 of :mod:`flows.ephemeral_api`).
 """
@@ -13,7 +13,7 @@ import sys
 
 import psutil
 
-from training.lifeline import wait_for_hangup
+from training.loop.lifeline import wait_for_hangup
 
 
 def stop(pid: int, created: float, grace_s: float) -> None:

@@ -33,9 +33,9 @@ def main(run_dir: Path, out: Path) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from training.checkpointing.codec import split_tree
-    from training.restore import restore_newest
+    from training.loop.restore import restore_newest
+    from training.loop.runtime import build_runtime, start_device
     from training.rundir import load_run_config
-    from training.runtime import build_runtime, start_device
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

@@ -109,7 +109,7 @@ def test_a_worker_runs_only_its_own_threads_and_no_network_client(tmp_path: Path
     are the ones docs/architecture.md names, no network client library was imported, and no
     save saw a thread of no known purpose."""
     from tests.engine_util import make_run, run_worker
-    from training.hermetic import is_known
+    from training.loop.hermetic import is_known
 
     run_dir = make_run(
         tmp_path, "threads", ["train.total_steps=20", "train.chunk_steps=20", "tracking.mlflow=true", *extra]
@@ -140,7 +140,7 @@ def test_a_thread_of_no_known_purpose_is_named_at_the_first_save(tmp_path: Path)
 
 
 def test_an_unnamed_thread_is_known_only_by_its_target() -> None:
-    from training.hermetic import is_known
+    from training.loop.hermetic import is_known
 
     assert is_known("Thread-3 (_pin_memory_loop)") and is_known("convoy-ckpt")
     assert not is_known("Thread-3 (_jitter)") and not is_known("Thread-3")

@@ -183,7 +183,7 @@ def test_a_run_that_cannot_keep_its_tiers_says_so_trains_and_resumes_bitwise(
 
 
 def test_a_worker_short_of_memory_before_a_copy_gives_its_copies_up_and_resumes_bitwise(tmp_path: Path) -> None:
-    """Rule 5 (training/memory_watch.py): a budget the start-up projection fits (it knows the state,
+    """Rule 5 (training/loop/memory_watch.py): a budget the start-up projection fits (it knows the state,
     not the worker's own interpreter and activations) is found short by the worker before its first
     copy: every copy given up in one line and one event, the tier's slot freed, saves synchronous;
     a kill then resumes from disk, and the run ends bitwise on the uninterrupted one."""

@@ -407,7 +407,7 @@ def test_a_launcher_report_names_the_rank_and_its_exception() -> None:
         "  exitcode  : 1 (pid: 4242)",
         "  error_file: /tmp/torchelastic_x/none_y/attempt_0/1/error.json",
         "  traceback : Traceback (most recent call last):",
-        '    File "/work/training/step.py", line 80, in accumulate',
+        '    File "/work/training/loop/step.py", line 80, in accumulate',
         "      loss = parts.loss_fn(runtime.model, batch)",
         "  ValueError: rank 1 saw a batch of the wrong shape in step 3",
         "  ",

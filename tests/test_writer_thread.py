@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from training import hermetic
 from training.checkpointing.memory import memory_tier
 from training.checkpointing.writer_thread import NAME, WriterThread
+from training.loop import hermetic
 
 
 def test_jobs_run_in_order_on_one_known_thread_and_errors_reach_the_caller() -> None:

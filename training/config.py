@@ -149,7 +149,7 @@ class TrainConfig(_Strict):
     #: A loss that is not finite (NaN, inf) ``nonfinite_steps`` optimizer steps in a row: ``stop``
     #: ends the run in one line (no checkpoint of those steps is written), or, within that many
     #: steps of a resume, refuses the checkpoint resumed from and retries from the one before it
-    #: (:mod:`training.nonfinite`); ``continue`` trains on.
+    #: (:mod:`training.loop.nonfinite`); ``continue`` trains on.
     on_nonfinite: Literal["stop", "continue"] = "stop"
     nonfinite_steps: int = Field(3, ge=1)
     #: Evaluate on the validation split every this many optimizer steps (0 = never); ``val_loss``

@@ -47,7 +47,7 @@ EXIT_PREEMPTED = 75
 #: Set in a worker forked by the run's zygote (:mod:`training.zygote`) to the zygote's pid; the
 #: worker records where it came from in its ``started``/``resumed`` event (``origin``).
 FORKED_BY_ENV = "CONVOY_FORKED_BY"
-#: The fd of a forked worker's lifeline (:mod:`training.lifeline`): the read end of a pipe only the
+#: The fd of a forked worker's lifeline (:mod:`training.loop.lifeline`): the read end of a pipe only the
 #: flow process can write to, so its hang-up says the flow is gone.
 LIFELINE_FD_ENV = "CONVOY_LIFELINE_FD"
 
@@ -75,7 +75,7 @@ class Event(StrEnum):
     CHUNK_FLOW_RUN_FAILED = "chunk_flow_run_failed"
     CONFIG_CHANGED = "config_changed"
     CONFIG_ERROR = "config_error"
-    #: The run's own loss turned non-finite: stopped, not retried (training.nonfinite rule 4).
+    #: The run's own loss turned non-finite: stopped, not retried (training.loop.nonfinite rule 4).
     DIVERGED = "diverged"
     FAILURE = "failure"
     FIRST_STEP = "first_step"
@@ -91,7 +91,7 @@ class Event(StrEnum):
     FOREIGN_THREADS = "foreign_threads"
     FORKED = "forked"
     #: A worker found the node short of host memory before a copy of the state and gave its
-    #: copies up: tier off, saves synchronous (training.memory_watch rule 5).
+    #: copies up: tier off, saves synchronous (training.loop.memory_watch rule 5).
     HOST_MEMORY_SHORT = "host_memory_short"
     INTERVAL_CHOSEN = "interval_chosen"
     MEMORY_SNAPSHOT_REFUSED = "memory_snapshot_refused"

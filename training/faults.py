@@ -164,7 +164,7 @@ def withheld() -> frozenset[str]:
 def poison_weights(step: int, model: Any) -> None:
     """``nan_weights_at=STEP``: after the update of optimizer step STEP, every floating weight is
     NaN (its loss was finite): a save of that step holds NaN weights under valid hashes, and the
-    next step's loss is NaN (``training.nonfinite``)."""
+    next step's loss is NaN (``training.loop.nonfinite``)."""
     if str(step) != _faults().get("nan_weights_at"):
         return
     import torch

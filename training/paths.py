@@ -115,7 +115,7 @@ class RunPaths:
     def stop_request(self) -> Path:
         """Written by the supervisor stopping an attempt from outside (the flow ending): every rank
         that claimed the run before its time saves an emergency checkpoint and exits 75, as on
-        SIGTERM (:class:`training.claim.Preempt`), also a rank no signal reaches whole (``srun``
+        SIGTERM (:class:`training.loop.claim.Preempt`), also a rank no signal reaches whole (``srun``
         turns a SIGTERM into a SIGKILL of its tasks)."""
         return self.heartbeats / "stop-request"
 

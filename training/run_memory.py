@@ -96,7 +96,7 @@ def remove(run_dir: str | Path) -> bool:
 def discard_snapshot(tier: MemoryTier, step: int) -> None:
     """Drop this rank's snapshot of ``step`` by its header (a slot without one is no candidate,
     memory tier rule 4): a snapshot whose bytes verified but whose state trained into a
-    non-finite loss (:mod:`training.nonfinite`)."""
+    non-finite loss (:mod:`training.loop.nonfinite`)."""
     mine = tier.headers().get(step, {}).get(tier.rank)
     if mine is not None:
         header_path(tier.root, tier.rank, mine[0]).unlink(missing_ok=True)

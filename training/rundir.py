@@ -179,7 +179,7 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
     manifest is a new file naming the child's fingerprint and ``forked_from``, without the
     parent's MLflow run id (the child logs to its own run).  Built in a temporary sibling and
     renamed, then ``LATEST`` (invariant 1).  The worker restores it like any checkpoint and then
-    takes the optimisation settings of the child's config (:mod:`training.restore`)."""
+    takes the optimisation settings of the child's config (:mod:`training.loop.restore`)."""
     from training.checkpointing.errors import CheckpointRejected
     from training.checkpointing.install import install
     from training.checkpointing.store import MANIFEST, CheckpointStore

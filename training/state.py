@@ -170,7 +170,7 @@ class TrainState:
     ) -> None:
         """``loaded`` is ``CheckpointStore.load``'s parts.  ``load_weights``: model and optimizer
         are loaded by the caller, not from ``loaded["state"]`` (a sharded checkpoint, read
-        collectively from its directory by :mod:`training.restore`: every rank calls this).
+        collectively from its directory by :mod:`training.loop.restore`: every rank calls this).
 
         ``withheld``: components (:data:`COMPONENTS`, ``optimizer.<buffer>``, ``extra.<name>``)
         left as the fresh task has them, with the checks about them: the negative controls of

@@ -3,15 +3,15 @@
 ``python -m training.worker --run-dir D --until-step N`` (also ``convoy worker``), configured by
 the run directory's ``config.json``.  Exit codes (the supervisor contract): ``0`` reached N and
 committed it; ``75`` preempted (SIGTERM) after an emergency checkpoint; ``78`` configuration or
-data error, or a diverged loss (:mod:`training.nonfinite`); anything else is a crash.
+data error, or a diverged loss (:mod:`training.loop.nonfinite`); anything else is a crash.
 
 ``--standby`` (``orchestration.standby``): start, import and build the task, then wait on stdin for
 one JSON line ``{"until_step": N, "pipelined": bool}`` from the chunk supervisor that hands it a
 failed worker's place; only then take the run's lease, beat, restore and train as a fresh worker
 would.  End of input without an order ends the standby quietly (:mod:`tasks.supervision.standby`).
 
-It trains with :mod:`training.runtime`, one step by :mod:`training.step`, resumes by
-:mod:`training.restore`, and holds the lifecycle (:class:`Worker`): lease, heartbeat, preemption, loop, saves.
+It trains with :mod:`training.loop.runtime`, one step by :mod:`training.loop.step`, resumes by
+:mod:`training.loop.restore`, and holds the lifecycle (:class:`Worker`): lease, heartbeat, preemption, loop, saves.
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from typing import Any
 import torch
 from filelock import FileLock
 
-from training import distributed, faults, hermetic
+from training import distributed, faults
 from training.checkpointing.schedule import MemorySchedule, SaveSchedule
 from training.chunk_boundary import wait_for_previous_boundary
-from training.claim import Claim, claim_run
 from training.config import ConfigError
 from training.datapipe.streams import is_stream
 from training.events import (
@@ -45,17 +44,19 @@ from training.events import (
     append_event,
 )
 from training.heartbeat import Heartbeat
+from training.loop import hermetic
+from training.loop.claim import Claim, claim_run
+from training.loop.memory_watch import MemoryWatch, give_up_copies
+from training.loop.nonfinite import NonFiniteWatch
+from training.loop.restore import Restored, restore_newest
+from training.loop.runtime import Runtime, Session, amp_dtype, build_runtime, pick_device, reached, start_device
+from training.loop.step import micro_batches, throughput, train_step, validation_enabled, validation_losses
 from training.memory_budget import StateSize
 from training.memory_snapshots import MemorySnapshots
-from training.memory_watch import MemoryWatch, give_up_copies
-from training.nonfinite import NonFiniteWatch
 from training.parts import TaskParts
 from training.paths import RunPaths
-from training.restore import Restored, restore_newest
 from training.rundir import RunBusy, load_run_config, run_info
-from training.runtime import Runtime, Session, amp_dtype, build_runtime, pick_device, reached, start_device
 from training.state import TrainState
-from training.step import micro_batches, throughput, train_step, validation_enabled, validation_losses
 from training.task import unhonoured
 from training.tracking.metrics import JsonlBackend, MetricBackend, StepMetricLogger
 
@@ -67,21 +68,21 @@ class Worker:
     happen at different times:
 
     1. ``__init__``: read the run's config, check ``until``; then :meth:`claim` unless standing by.
-    2. :meth:`claim` — take the run (:mod:`training.claim`): the lease first (a second worker on
+    2. :meth:`claim` — take the run (:mod:`training.loop.claim`): the lease first (a second worker on
        this run must change nothing), then beat and catch SIGTERM (from here on a stop is a
        preemption with an emergency save).  A standby claims only when ordered (:meth:`stand_by`).
-    3. :meth:`prepare` — build the :class:`~training.runtime.Runtime` (device, task, model,
+    3. :meth:`prepare` — build the :class:`~training.loop.runtime.Runtime` (device, task, model,
        scaler, empty train state, checkpoint store).  Touches nothing of the run's state, so a
        standby does it *before* it is called, and a called one skips it.
     4. :meth:`setup` — what needs the claim: stale temp dirs removed, the save schedule
        (:class:`Session`).
     5. :meth:`restore` — the newest checkpoint that verifies and restores
-       (:mod:`training.restore`); the runtime may be replaced by a fresh one (a fallback).
+       (:mod:`training.loop.restore`); the runtime may be replaced by a fresh one (a fallback).
     6. :meth:`run` — train to ``until``, saving on the policy's schedule; the final save.
     7. :meth:`finish` (or :meth:`emergency_exit` on SIGTERM) — report, stop beating, leave.
 
     Each stage's result is held in one object (:class:`Claim`, :class:`Runtime`,
-    :class:`Session`, :class:`~training.restore.Restored`), None until the stage ran; reading one
+    :class:`Session`, :class:`~training.loop.restore.Restored`), None until the stage ran; reading one
     too early is an error that names the stage."""
 
     def __init__(
@@ -104,7 +105,7 @@ class Worker:
         self._session: Session | None = None
         self.snapshots = MemorySnapshots(self.log, self._drop_memory)
         self._restored: Restored | None = None
-        self.memory_watch: MemoryWatch  # set by setup (training.memory_watch)
+        self.memory_watch: MemoryWatch  # set by setup (training.loop.memory_watch)
         #: Warns once of a thread of no known purpose beside training (invariant 12).
         self.threads = hermetic.ThreadWatch(run_dir, rank)
         if not standby:
@@ -153,7 +154,7 @@ class Worker:
         return until_step
 
     def claim(self) -> None:
-        """Take the run (:func:`training.claim.claim_run`: lease, last beat, beat, SIGTERM)."""
+        """Take the run (:func:`training.loop.claim.claim_run`: lease, last beat, beat, SIGTERM)."""
         self._claim = claim_run(self.run_dir, self.rank, self.config)
 
     def stand_by(self, order: Callable[[], str]) -> bool:
@@ -204,7 +205,7 @@ class Worker:
         return self._session
 
     def restore(self) -> Restored:
-        """Newest checkpoint that verifies, fits the task and restores (:mod:`training.restore`);
+        """Newest checkpoint that verifies, fits the task and restores (:mod:`training.loop.restore`);
         each one passed over is recorded and its reason printed.  None at all: step 0."""
         claimed = self.claimed
         claimed.heartbeat.set(phase=Phase.LOAD)
@@ -287,11 +288,11 @@ class Worker:
 
     # ------------------------------------------------------------------ the loop's parts
     def train_step(self, micro_batches: list[Any]) -> dict[str, float]:
-        """One optimizer step (:func:`training.step.train_step`)."""
+        """One optimizer step (:func:`training.loop.step.train_step`)."""
         return train_step(self.runtime, micro_batches)
 
     def evaluate(self) -> dict[str, float]:
-        """In-loop validation (:func:`training.step.validation_losses`), its own phase and limit."""
+        """In-loop validation (:func:`training.loop.step.validation_losses`), its own phase and limit."""
         self.hb.set(phase=Phase.EVAL)
         try:
             return validation_losses(self.runtime)
@@ -367,11 +368,11 @@ class Worker:
         return self.restored.checkpoint.step if self.restored.checkpoint is not None else 0
 
     def batches(self) -> Iterator[Any]:
-        """This rank's micro-batches from the restored cursor on (:func:`training.step.micro_batches`)."""
+        """This rank's micro-batches from the restored cursor on (:func:`training.loop.step.micro_batches`)."""
         return micro_batches(self.runtime, resumed=self.resumed_step() > 0)
 
     def evaluating(self) -> bool:
-        """Whether in-loop validation runs (:func:`training.step.validation_enabled`)."""
+        """Whether in-loop validation runs (:func:`training.loop.step.validation_enabled`)."""
         return validation_enabled(self.runtime, self.log)
 
     def take_step(self, batches: Iterator[Any], metrics: StepMetricLogger, evaluating: bool) -> float:

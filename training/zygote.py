@@ -261,7 +261,7 @@ def become_worker(request: ForkRequest, fds: list[int], zygote: Zygote) -> int:
     os.environ[FORKED_BY_ENV] = str(zygote_pid)
     reset_process_state(threads_before)
     sys.argv = ["-m training.worker", *request.argv]
-    from training.lifeline import watch_lifeline
+    from training.loop.lifeline import watch_lifeline
     from training.worker import main
 
     watch_lifeline()

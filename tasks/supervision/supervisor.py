@@ -44,10 +44,10 @@ from tasks.supervision.worker_liveness import Watch, failure_verdict, fresh_beat
 from tasks.supervision.worker_log import LogFollower
 from tasks.supervision.worker_source import Acquired, Source, WorkerSource, clock
 from training import chunk_boundary, run_memory
-from training.claim import request_stop
 from training.events import EXIT_CONFIG, Event, FailureKind, Phase, append_event
 from training.fsutil import file_size
 from training.heartbeat import read_heartbeat
+from training.loop.claim import request_stop
 from training.paths import RunPaths
 from training.tracking.failure_record import FailureDetails
 from training.tracking.resume_audit import steps_lost, trained_high_water

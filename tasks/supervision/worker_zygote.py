@@ -15,7 +15,7 @@ the worker writes as it exits; a worker that left neither was killed (reported a
 
 The zygote's own death (end of the control socket) is seen by the reader thread, which starts a
 replacement at once, off the critical path: workers it forked train on (their tie to the flow is
-the lifeline pipe, :mod:`training.lifeline`, not the zygote), and a worker needed before the new
+the lifeline pipe, :mod:`training.loop.lifeline`, not the zygote), and a worker needed before the new
 zygote is ready is spawned the old way.  Local mode and one rank only: a multi-rank worker is a
 torchrun group, and a pool node runs one chunk per process.
 """

@@ -1,7 +1,7 @@
 """One named thread that runs the memory tier's slot writes while the loop goes on.
 
 Why not ``concurrent.futures.ThreadPoolExecutor``: its threads are named ``<prefix>_<n>``, and the
-worker audits every thread alive beside training by its exact name (``training.hermetic``:
+worker audits every thread alive beside training by its exact name (``training.loop.hermetic``:
 nothing outside the loop may draw from ``random``).  This one is ``convoy-memory``; it copies
 and hashes, and draws nothing.  It is started at its first job, in the worker, never in
 the zygote (which must not hold threads when it forks).

@@ -193,7 +193,7 @@ class StepMetricLogger:
         exact: bool = True,
         hold: int = 0,
     ) -> None:
-        #: Rows whose loss is not finite wait, up to this many in a row (``training.nonfinite``
+        #: Rows whose loss is not finite wait, up to this many in a row (``training.loop.nonfinite``
         #: rule 2): a streak that trips the watch after a resume is dropped with its state.
         self.hold = hold
         self._held: list[tuple[int, dict[str, float]]] = []
@@ -221,7 +221,7 @@ class StepMetricLogger:
             self._log_now(*row)
 
     def drop_held(self) -> list[int]:
-        """Forget the rows held (their state was refused: ``training.nonfinite`` rule 3); their steps."""
+        """Forget the rows held (their state was refused: ``training.loop.nonfinite`` rule 3); their steps."""
         steps, self._held = [s for s, _ in self._held], []
         return steps
 

@@ -8,7 +8,7 @@ back and forth at every torch call: measured with the demo at one torch thread
 (``bench/snapshot_cost.py``), each millisecond of Python on the writer thread during the next
 step's fetch and forward slowed that step by about three.  The backward holds no lock (autograd
 runs in C++), so a job that starts there runs beside it for free: the loop tells the writer with
-:meth:`BesideCopy.backward_begins` (``training.step.accumulate`` calls it before the first
+:meth:`BesideCopy.backward_begins` (``training.loop.step.accumulate`` calls it before the first
 backward; until then the writer thread sleeps, woken by nothing), and :meth:`BesideCopy.take`
 hands over a job no backward did (a task's own ``train_step``, which has no such call: its
 snapshots are copied while the loop waits).  A backward shorter than the job (a model far smaller

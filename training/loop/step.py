@@ -1,4 +1,4 @@
-"""The math of one optimizer step and of in-loop validation, on a :class:`~training.runtime.Runtime`,
+"""The math of one optimizer step and of in-loop validation, on a :class:`~training.loop.runtime.Runtime`,
 and the micro-batches the steps take.
 
 No heartbeat, no checkpoint, no metrics logger here: the worker (:mod:`training.worker`) owns
@@ -21,7 +21,7 @@ from training.datapipe.data import LoaderSpec, validation_keys
 from training.datapipe.sample_rng import SeededSamples
 from training.datapipe.streams import is_stream, train_batches
 from training.ema import EMA, WeightEMA
-from training.runtime import Runtime
+from training.loop.runtime import Runtime
 from training.state import capture_rng, restore_rng
 
 

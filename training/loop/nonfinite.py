@@ -16,7 +16,7 @@ Rules (``train.on_nonfinite: stop``, the default; ``continue`` turns the watch o
    dropped, with the streak's held rows; the worker then fails as a crash, and the retry
    resumes from the one before.  Bounded: each refusal removes a candidate, and with none left the
    run fails loudly
-   (:func:`training.restore.refuse_fresh_start`), never at step 0.
+   (:func:`training.loop.restore.refuse_fresh_start`), never at step 0.
 4. Tripped later, the run diverged by itself: it stops in one line (exit 78, not retried: the
    same steps would diverge the same way), recorded as ``diverged``.
 """
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from training.checkpointing.store import Checkpoint
 from training.config import ConfigError, RunConfig
 from training.events import Event, append_event
-from training.restore import Restored
+from training.loop.restore import Restored
+from training.loop.runtime import Runtime
 from training.run_memory import discard_snapshot
-from training.runtime import Runtime
 from training.state import TrainState
 from training.tracking.metrics import StepMetricLogger
 

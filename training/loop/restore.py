@@ -35,10 +35,10 @@ from training.datapipe.data import mix_seed
 from training.datapipe.stream_position import SavedLayout, check_resume, is_global
 from training.datapipe.streams import is_main_positioned
 from training.events import Event, append_event, read_events
+from training.loop.runtime import Runtime
 from training.parts import TaskParts
 from training.paths import RunPaths
 from training.rundir import continues, describe_change, recorded_trajectories, run_info
-from training.runtime import Runtime
 from training.state import seed_everything
 
 

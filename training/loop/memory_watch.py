@@ -33,6 +33,7 @@ from pathlib import Path
 from training.checkpointing.memory.slot_files import SLOTS, data_path, header_path
 from training.config import RunConfig
 from training.events import Event, append_event
+from training.loop.runtime import Runtime
 from training.memory_budget import (
     CONVOY_PROCESSES,
     GB,
@@ -43,7 +44,6 @@ from training.memory_budget import (
     project,
     size_text,
 )
-from training.runtime import Runtime
 
 
 def _status_bytes(*keys: str) -> dict[str, int]:

@@ -30,7 +30,7 @@ KNOWN_THREADS: dict[str, str] = {
     "convoy-ckpt": "persists a snapshot taken by the main thread: writes checkpoints/, fsyncs, renames",
     "convoy-hash": "hashes the tensor bytes of a checkpoint being written",
     "convoy-memory": "copies a memory-tier snapshot the main thread took into its slot and hashes it",
-    "convoy-lifeline": "a forked worker's wait for the flow's death (training.lifeline): one poll, then SIGTERM",
+    "convoy-lifeline": "a forked worker's wait for the flow's death (training.loop.lifeline): one poll, then SIGTERM",
     "QueueFeederThread": "multiprocessing queues of DataLoader workers: pickles and sends batches",
 }
 #: Threads started without a name, as Python names them (``Thread-7 (<target>)``), by target.

@@ -115,7 +115,7 @@ def reached(result: T | None, stage: str) -> T:
 @dataclass(frozen=True)
 class FreshSettings:
     """The optimisation settings the config asks for, taken before a restore overwrites them
-    with the checkpoint's: a forked child run applies its own (:func:`training.restore.adopt_child_settings`)."""
+    with the checkpoint's: a forked child run applies its own (:func:`training.loop.restore.adopt_child_settings`)."""
 
     #: Each optimizer parameter group's hyper-parameters (everything but ``params``).
     groups: list[dict[str, Any]]
