@@ -4,7 +4,10 @@ no circle between product modules, no import against the rooms' direction
 remote -> records), Prefect only in the Prefect rooms, MLflow never in ``training``, and no two
 product modules with the same name.  Inside ``training``: its checkpoint rooms stand on
 training's base alone, the memory tier's room (``training.checkpointing.memory``) above the rest
-of ``training.checkpointing``, and the state imports no checkpoint room."""
+of ``training.checkpointing``, and the state imports no checkpoint room; the data room
+(``training.datapipe``) stands on training's base and the checkpoint rooms alone, and the worker
+loop's room (``training.loop``) is imported, in ``training``, only by the two entry points above it
+(``training.worker``, ``training.zygote``), which it never imports."""
 
 from __future__ import annotations
 
@@ -56,6 +59,13 @@ CHECKPOINTING = "training.checkpointing"
 MEMORY = "training.checkpointing.memory"
 #: What checkpointing stores: any store must be able to take it, so it imports no checkpoint room.
 STATE = {"training.state", "training.task", "training.parts"}
+#: The data room (order, streams, per-sample seeding, adapters): what a step trains on stands on
+#: training's base and the checkpoint rooms alone (its ``sample_rng`` is one of the base's modules).
+DATA = "training.datapipe"
+#: The worker loop's room, below the entry points that start a worker by name: in ``training`` only
+#: they import it, and it never imports them.
+LOOP = "training.loop"
+LOOP_ENTRIES = {"training.worker", "training.zygote"}
 
 
 def module_name(path: Path) -> str:
@@ -175,12 +185,22 @@ def layer_violations(edges: dict[str, set[str]]) -> list[str]:
             wrong += [f"{module} (base) imports {d}" for d in mine if d not in TRAINING_BASE]
         if module in STATE:
             wrong += [f"{module} (the state) imports {d}" for d in mine if within(d, CHECKPOINTING)]
+        if within(module, DATA):
+            wrong += [
+                f"{module} (data room) imports {d}"
+                for d in mine
+                if not (within(d, DATA) or within(d, CHECKPOINTING) or d in TRAINING_BASE)
+            ]
+        if within(module, LOOP):
+            wrong += [f"{module} (loop room) imports the entry point {d}" for d in mine if d in LOOP_ENTRIES]
+        elif module not in LOOP_ENTRIES:
+            wrong += [f"{module} imports the loop room's {d}" for d in mine if within(d, LOOP)]
     return sorted(wrong)
 
 
 def test_training_keeps_its_inner_layers() -> None:
     edges = {m: deps - {m.rpartition(".")[0]} for m, deps in graph().items() if within(m, "training")}
-    assert set(TRAINING_BASE) <= edges.keys()  # a base module renamed away is said here
+    assert set(TRAINING_BASE) | {DATA, LOOP} | LOOP_ENTRIES <= edges.keys()  # a module renamed away is said here
     assert layer_violations(edges) == []
 
 
@@ -190,12 +210,19 @@ def test_the_layer_check_finds_each_kind_of_wrong_import() -> None:
         "training.checkpointing.store": {"training.checkpointing.memory.slot_files", "training.config"},
         "training.paths": {"training.state"},
         "training.state": {"training.checkpointing.sharded", "training.datapipe.data"},
+        "training.datapipe.streams": {"training.state", "training.config", "training.checkpointing.verify"},
+        "training.loop.step": {"training.worker", "training.loop.runtime", "training.datapipe.data"},
+        "training.tracking.progress": {"training.loop.claim"},
+        "training.worker": {"training.loop.step"},
     }
     assert layer_violations(edges) == [
         "training.checkpointing.memory.memory_tier imports training.rundir (not training's base)",
         "training.checkpointing.store imports the memory room's training.checkpointing.memory.slot_files",
+        "training.datapipe.streams (data room) imports training.state",
+        "training.loop.step (loop room) imports the entry point training.worker",
         "training.paths (base) imports training.state",
         "training.state (the state) imports training.checkpointing.sharded",
+        "training.tracking.progress imports the loop room's training.loop.claim",
     ]
 
 
