@@ -49,6 +49,7 @@ from training.locks import holding
 from training.memory_sweep import free_orphans, freed_line
 from training.paths import RunPaths
 from training.rundir import keyed_config, link_current, open_run, run_info, update_run_info
+from training.tracking import resume_audit
 from training.tracking.attempts import chunk_history, recorded_digest
 from training.tracking.goodput import chunk_ends
 
@@ -395,6 +396,7 @@ def train(
     flow_run = (str(fr.id), fr.name) if fr is not None else (None, None)
     with run_lock(cfg.run_dir, cfg.run_name):
         run = TrainingRun.open(cfg, flow_run, allow_config_change, get_run_logger())
+        resume_audit.import_plotting_beside()  # the audit's timeline, drawn at the end
         ok = False
         try:
             local = cfg.orchestration.mode == "local"  # in pool mode each chunk's flow samples its machine

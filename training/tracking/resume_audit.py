@@ -19,6 +19,7 @@ A *recovery* is a worker start (``started``/``resumed``) that follows a failure:
 from __future__ import annotations
 
 import datetime as _dt
+import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -355,6 +356,23 @@ def _save_png_atomically(fig: Any, out_path: str | Path) -> Path:
     with atomic_replace(out, durable=False) as tmp:
         fig.savefig(tmp, format="png")
     return out
+
+
+def import_plotting_beside() -> threading.Thread:
+    """Import the plotting library on a thread while the run trains: the timeline is drawn at the
+    run's end, where importing matplotlib cost 0.9 s of a 20-step run's 3.6 s wrap-up (profiled);
+    the flow's process only waits on its workers meanwhile.  Imports are safe across threads (the
+    import lock): :func:`render_timeline` finds it imported, or waits for the import to finish."""
+
+    def load() -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+
+    thread = threading.Thread(target=load, name="convoy-import-plotting", daemon=True)
+    thread.start()
+    return thread
 
 
 def render_timeline(run_dir: str | Path, summary: ResumeAudit, out_path: str | Path, title: str = "") -> Path:
