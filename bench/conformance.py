@@ -518,7 +518,7 @@ def mlflow_differences(run_dir: Path, uri: str) -> list[str]:
     from training.rundir import run_info
     from training.tracking.metrics import read_journal
 
-    run_id = (run_info(run_dir) or {}).get("mlflow_run_id")
+    run_id = getattr(run_info(run_dir), "mlflow_run_id", None)
     if not run_id:
         return ["no MLflow run"]
     rows, _ = read_journal(run_dir / "metrics.jsonl")

@@ -46,6 +46,7 @@ from tasks.supervision.supervisor import ChunkFailed
 from training.config import ConfigError, RunConfig
 from training.event_records import CheckpointFetched, event_time, typed
 from training.events import Event, FailureKind, append_event, carry_events, read_events
+from training.run_identity import RunInfo
 from training.rundir import open_run, run_info, update_run_info
 from training.tracking.failure_record import FailureDetails
 
@@ -65,7 +66,7 @@ def open_node_run(config: RunConfig, mlflow_run: dict[str, Any] | None) -> Path:
     everywhere), logging into the parent's MLflow run."""
     run_dir = open_run(config).resolve()
     wanted = {k: v for k, v in (mlflow_run or {}).items() if k in _MLFLOW_KEYS and v}
-    if wanted and any((run_info(run_dir) or {}).get(k) != v for k, v in wanted.items()):
+    if wanted and any((run_info(run_dir) or RunInfo()).to_json().get(k) != v for k, v in wanted.items()):
         update_run_info(run_dir, **wanted)
     return run_dir
 
@@ -190,7 +191,7 @@ def read_outcome(flow_run_id: Any) -> NodeOutcome | None:
 
 
 def _parameters(config: RunConfig, run_dir: Path, chunk: int, start: int, end: int) -> dict[str, Any]:
-    info = run_info(run_dir) or {}
+    info = (run_info(run_dir) or RunInfo()).to_json()
     return {
         "config": config.model_dump(mode="json"),
         "chunk": chunk,

@@ -38,16 +38,17 @@ def mlflow_link(run_dir: str | Path) -> tuple[str | None, str | None]:
     default address without it) and the hint the command that serves that store there."""
     from urllib.parse import urlsplit
 
+    from training.run_identity import RunInfo
     from training.rundir import run_info
 
-    info = run_info(run_dir) or {}
-    run_id, exp_id, uri = info.get("mlflow_run_id"), info.get("mlflow_experiment_id"), info.get("mlflow_tracking_uri")
+    info = run_info(run_dir) or RunInfo()
+    run_id, exp_id, uri = info.mlflow_run_id, info.mlflow_experiment_id, info.mlflow_tracking_uri
     if not run_id or not uri:
         return None, None
     path = f"#/experiments/{exp_id}/runs/{run_id}?{ML_VIEW}" if exp_id else f"#/runs/{run_id}?{ML_VIEW}"
     if uri.startswith(("http://", "https://")):
         return f"{uri.rstrip('/')}/{path}", None
-    ui = (info.get("mlflow_ui") or MLFLOW_UI_DEFAULT).rstrip("/")
+    ui = (info.mlflow_ui or MLFLOW_UI_DEFAULT).rstrip("/")
     where = urlsplit(ui)
     serve = f" --host {where.hostname}" if where.hostname not in (None, "127.0.0.1", "localhost") else ""
     serve += f" --port {where.port}" if where.port not in (None, 5000) else ""

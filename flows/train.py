@@ -48,6 +48,7 @@ from training.events import Event, append_event, read_events
 from training.locks import holding
 from training.memory_sweep import free_orphans, freed_line
 from training.paths import RunPaths
+from training.run_identity import RunInfo
 from training.rundir import keyed_config, link_current, open_run, run_info, update_run_info
 from training.tracking import resume_audit
 from training.tracking.attempts import chunk_history, recorded_digest
@@ -144,7 +145,8 @@ class TrainingRun:
         self.committed = 0
         self.fetched: dict[str, Any] | None = None
         #: The step a ``--from`` child starts at: its chunks up to there are the parent's.
-        self.parent_step = int(((run_info(run_dir) or {}).get("parent") or {}).get("step") or 0)
+        parent = (run_info(run_dir) or RunInfo()).parent
+        self.parent_step = parent.step if parent is not None else 0
 
     @classmethod
     def open(

@@ -226,7 +226,7 @@ def test_two_machines_pool_mode_resume_on_the_other_node(
 
     from mlflow.tracking import MlflowClient
 
-    client, run_id = MlflowClient(mlflow_server), run_info(parent_dir)["mlflow_run_id"]
+    client, run_id = MlflowClient(mlflow_server), run_info(parent_dir).mlflow_run_id
     history = client.get_metric_history(run_id, "loss")
     assert sorted(int(h.step) for h in history) == list(range(1, 61)), "not exactly one loss point per step"
     lag = [int(h.step) for h in client.get_metric_history(run_id, "upload_lag_steps")]

@@ -110,7 +110,7 @@ def test_steps_lost_agree_everywhere_and_failed_attempts_explain_themselves(
         assert any(f"steps lost: {lost})" in n for n in notes), notes
 
     client = client_for(uri)
-    run_id = run_info(run_dir)["mlflow_run_id"]
+    run_id = run_info(run_dir).mlflow_run_id
     parent = client.get_run(run_id)
     assert parent.data.tags["convoy.steps_lost"] == str(total)
     assert "2 failure(s)" in parent.data.tags["mlflow.note.content"]

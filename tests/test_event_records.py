@@ -202,3 +202,33 @@ def test_one_read_typed_several_ways_keeps_the_logs_order(tmp_path: Path) -> Non
     assert [e.event_kind for e in every] == ["attempt_started", "checkpoint_saved", "failure", "chunk_done"]
     assert isinstance(every[0], er.OtherEvent) and every[0].extra == {"chunk": 1, "attempt": 1}
     assert every[0].as_json() == events[0] and er.EventLog.view(log) is log and len(er.EventLog.read(tmp_path)) == 4
+
+
+def test_run_json_reads_as_a_run_info_old_files_included(tmp_path: Path) -> None:
+    """``run.json`` of every landed release fixture reads as a :class:`RunInfo` with the same values;
+    a written one (every key, a lineage, a key this release does not know) round-trips, and an
+    update keeps every other key as it was on disk."""
+    from training.fsutil import read_json
+    from training.paths import RunPaths
+    from training.run_identity import Lineage, RunInfo
+    from training.rundir import run_info, update_run_info
+
+    releases = sorted((Path(__file__).parent / "releases").glob("*/run"))
+    assert len(releases) >= 4
+    for run in releases:
+        raw, info = read_json(RunPaths(run).run_file), run_info(run)
+        assert info is not None and (info.name, info.fingerprint, info.created) == (
+            raw["name"],
+            raw["fingerprint"],
+            raw["created"],
+        )
+        assert dict(info.trajectories) == raw.get("trajectories", {}) and info.mlflow_run_id is None
+    parent = Lineage("runs/p", "p", 20, "d" * 16, "f" * 16, "abc", None)
+    full = RunInfo("r", "fp", ("old",), {"fp": {"train.lr": 0.1}}, 12.5, parent, "id", "uri", "1", "ui", "pui")
+    full = RunInfo(**{**full.__dict__, "other": {"future_key": [1, 2]}})
+    assert RunInfo.from_json(full.to_json()) == full
+    assert full.to_json()["parent"]["step"] == 20 and full.to_json()["future_key"] == [1, 2]
+    (tmp_path / "run.json").write_text(json.dumps({"name": "r", "fingerprint": "fp", "future_key": 1}))
+    assert update_run_info(tmp_path, mlflow_run_id="x").mlflow_run_id == "x"
+    on_disk = read_json(RunPaths(tmp_path).run_file)
+    assert on_disk == {"name": "r", "fingerprint": "fp", "future_key": 1, "mlflow_run_id": "x"}

@@ -304,7 +304,7 @@ def check_takeover(run_dir: Path, uri: str, before: list[int], corrupted: int) -
     links = artifacts("convoy-flowkill-flow-runs")
     assert any(dead.name in str(a.data) for a in links if str(a.flow_run_id) == new), links
     client = MlflowClient(uri)
-    parent = client.get_run(run_info(run_dir)["mlflow_run_id"])
+    parent = client.get_run(run_info(run_dir).mlflow_run_id)
     assert parent.info.status == "FINISHED" and old in parent.data.tags["convoy.flows"]
     assert parent.data.tags["convoy.flow_run"] == new
     runs = client.search_runs([parent.info.experiment_id])
@@ -365,7 +365,7 @@ def test_finished_run_trains_nothing_and_is_tracked_in_mlflow(prefect_api: str, 
     from training.rundir import run_info
 
     client = MlflowClient(uri)
-    parent = client.get_run(run_info(cfg.run_dir)["mlflow_run_id"])
+    parent = client.get_run(run_info(cfg.run_dir).mlflow_run_id)
     assert parent.info.status == "FINISHED"
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     assert sorted(r.data.tags["convoy.chunk"] for r in children) == ["1", "2"]

@@ -349,7 +349,7 @@ def test_a_real_sigkill_adds_up_and_mlflow_has_one_goodput_point_per_chunk_end(
     print(f"\ngoodput {summary['goodput']} of {summary['wall_s']} s, productive {summary['productive_s']} s: {badput}")
     assert RunSummary.from_dict(summary).measured_goodput is not None
 
-    client, run_id = MlflowClient(uri), run_info(run_dir)["mlflow_run_id"]
+    client, run_id = MlflowClient(uri), run_info(run_dir).mlflow_run_id
     steps = sorted(m.step for m in client.get_metric_history(run_id, "goodput"))
     assert steps == [CHUNK, 2 * CHUNK, TOTAL]
     assert sorted(m.step for m in client.get_metric_history(run_id, "badput/wasted_progress")) == steps

@@ -43,7 +43,7 @@ def points(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
 def check_mlflow(uri: str, run_dir: Path, reference: list[tuple[int, dict[str, float]]]) -> None:
     """One point per (metric, step) for every metric the worker journaled, the losses the
     reference's."""
-    run_id = run_info(run_dir)["mlflow_run_id"]
+    run_id = run_info(run_dir).mlflow_run_id
     rows, _ = read_journal(run_dir / "metrics.jsonl")
     keys = {k for r in rows for k in r.metrics}
     assert {"loss", "lr", "grad_norm", "step_time_s"} <= keys

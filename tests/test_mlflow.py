@@ -133,7 +133,7 @@ def test_two_kills_exactly_one_point_per_step_and_audit(tmp_path: Path, tracking
 
     assert final_digest(run_dir) == final_digest(ref_dir)
     # The same MLflow run was used by every worker (id in run.json).
-    assert run_info(run_dir)["mlflow_run_id"] == run_id
+    assert run_info(run_dir).mlflow_run_id == run_id
     assert ensure_mlflow_run(cfg, run_dir) == run_id
     # Exactly one point per (metric, step), 1..N, equal to the uninterrupted run's values.
     for key in KEYS:

@@ -79,14 +79,14 @@ def test_convoy_train_reopens_an_older_run_as_an_upgrade_not_a_change(
 
     (fixture,) = [f for f in FIXTURES if f.name.startswith("2026-12-02")]
     run_dir = _place(fixture, tmp_path)
-    old = run_info(run_dir)["fingerprint"]
+    old = run_info(run_dir).fingerprint
     monkeypatch.chdir(tmp_path)
     config = load_run_config(RUN)
     assert config.fingerprint() != old  # today's reading of the same settings hashes the generator
     open_run(config)
     (upgraded,) = read_events(run_dir, Event.RELEASE_UPGRADED)
     assert (upgraded["old"], upgraded["new"]) == (old, config.fingerprint())
-    assert old in run_info(run_dir)["accepted_fingerprints"]
+    assert old in run_info(run_dir).accepted_fingerprints
     assert not read_events(run_dir, Event.CONFIG_CHANGED)
 
 

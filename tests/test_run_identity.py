@@ -243,8 +243,8 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     cfg, a = child("child-a")
     code, out = run_worker(a, 40)
     assert code == 0 and "resumed from step 20" in out and "forked from" in out, out
-    lineage = run_info(a)["parent"]
-    assert lineage["step"] == 20 and lineage["digest"] == final_digest(parent) and lineage["run_name"] == "parent"
+    lineage = run_info(a).parent
+    assert lineage.step == 20 and lineage.digest == final_digest(parent) and lineage.run_name == "parent"
     rows = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows][0] == 21 and rows[-1]["step"] == 40
     from training.examples.char_gpt import warmup_cosine
@@ -283,7 +283,7 @@ def test_from_a_finished_run_trains_longer_with_lineage_and_resumes_bitwise(tmp_
     )
     tags = client_for(tracked.tracking.mlflow_uri).get_run(ensure_mlflow_run(tracked, a)).data.tags
     assert tags["convoy.parent_run"] == "parent" and tags["convoy.parent_step"] == "20"
-    assert tags["convoy.parent_digest"] == lineage["digest"]
+    assert tags["convoy.parent_digest"] == lineage.digest
 
 
 def _dvc_exp_run_twice_gives_two_experiments_with_their_own_runs(clone: Path, env: dict[str, str]) -> None:

@@ -36,6 +36,7 @@ from training.datapipe.batch import batch_len
 from training.event_records import EventLog
 from training.events import EXIT_CONFIG
 from training.fsutil import atomic_replace, atomic_write_bytes
+from training.run_identity import RunInfo
 from training.rundir import continues, describe_change, keyed_config, recorded_trajectories, run_info
 from training.tracking.metrics import metric_rows
 from training.tracking.resume_audit import analyse
@@ -148,8 +149,8 @@ def train_info(config: RunConfig, run_dir: str | Path, export: dict[str, Any]) -
 def _check_trained_with(config: RunConfig, run_dir: Path, fingerprint: str) -> None:
     """The exported model must come from these params' trajectory: a pipeline must never record
     params.yaml's values against a model trained with others (the keys that differ are named)."""
-    info = run_info(run_dir) or {}
-    if not fingerprint or fingerprint in (config.fingerprint(), *info.get("accepted_fingerprints", [])):
+    info = run_info(run_dir) or RunInfo()
+    if not fingerprint or fingerprint in (config.fingerprint(), *info.accepted_fingerprints):
         return
     old = recorded_trajectories(run_dir, info).get(fingerprint)
     if continues(old, config):  # an earlier release's checkpoint of the same trajectory

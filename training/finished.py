@@ -37,7 +37,7 @@ def finished_run(config: RunConfig) -> Finished | None:
     """The run ``config`` trains, if it has nothing left to do (the module's rules), else None."""
     run_dir = config.run_dir
     info = run_info(run_dir)
-    if info is None or info.get("fingerprint") != config.fingerprint():
+    if info is None or info.fingerprint != config.fingerprint():
         return None
     flows = EventLog.read(run_dir).of(FlowStarted, FlowDone)
     done = flows[-1] if flows else None

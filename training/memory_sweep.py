@@ -62,7 +62,7 @@ def judge(folder: TierFolder, keep_hours: float, now: float, current: Path | Non
     info = run_info(run_dir) if run_dir.is_dir() else None
     if info is None:  # rule 2
         return TierVerdict(folder, True, f"its run directory {run_dir} is gone")
-    if str(info.get("created", "")) != owner.created:
+    if info.created_text != owner.created:
         return TierVerdict(folder, True, f"its run directory {run_dir} was made again (another run)")
     if (pid := flow_holder(run_dir)) is not None:  # rule 1
         return TierVerdict(folder, False, f"its run's flow is alive (pid {pid})")

@@ -25,12 +25,13 @@ from training.checkpointing.memory.tier_folders import TierOwner
 from training.checkpointing.verify import parse_step
 from training.config import RunConfig
 from training.paths import RunPaths
+from training.run_identity import RunInfo
 from training.rundir import load_run_config, run_info
 
 
 def owner(run_dir: str | Path) -> TierOwner:
     """Whose a tier is: the run directory (resolved) and its creation time (``run.json``)."""
-    return TierOwner(str(Path(run_dir).resolve()), str((run_info(run_dir) or {}).get("created", "")))
+    return TierOwner(str(Path(run_dir).resolve()), (run_info(run_dir) or RunInfo()).created_text)
 
 
 def tier_root(run_dir: str | Path) -> Path | None:

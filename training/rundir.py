@@ -20,6 +20,7 @@ from training.events import Event, append_event
 from training.fsutil import atomic_replace, atomic_write_json, read_json
 from training.locks import take_lock
 from training.paths import CONFIG_FILE, RunPaths
+from training.run_identity import RunInfo
 from training.trajectory import trajectory_changes
 
 
@@ -44,16 +45,19 @@ def take_worker_lease(run_dir: Path, wait_s: float = 5.0) -> FileLock:
     return take_lock(RunPaths(run_dir).worker_lease, wait_s, refuse)
 
 
-def run_info(run_dir: str | Path) -> dict[str, Any] | None:
+def run_info(run_dir: str | Path) -> RunInfo | None:
+    """The run's ``run.json`` (:class:`~training.run_identity.RunInfo`); None before it exists."""
     path = RunPaths(run_dir).run_file
-    return read_json(path) if path.exists() else None
+    return RunInfo.from_json(read_json(path)) if path.exists() else None
 
 
-def update_run_info(run_dir: str | Path, **fields: Any) -> dict[str, Any]:
-    info = run_info(run_dir) or {}
-    info.update(fields)
-    atomic_write_json(RunPaths(run_dir).run_file, info)
-    return info
+def update_run_info(run_dir: str | Path, **fields: Any) -> RunInfo:
+    """``fields`` set in ``run.json`` (by its keys; every other key, known or not, kept)."""
+    path = RunPaths(run_dir).run_file
+    data = read_json(path) if path.exists() else {}
+    data.update(fields)
+    atomic_write_json(path, data)
+    return RunInfo.from_json(data)
 
 
 def keyed_config(config: RunConfig) -> RunConfig:
@@ -68,7 +72,7 @@ def keyed_config(config: RunConfig) -> RunConfig:
         return config
     fp = config.fingerprint()
     legacy = config.run_dir
-    if legacy.is_dir() and not legacy.is_symlink() and (run_info(legacy) or {}).get("fingerprint") == fp:
+    if legacy.is_dir() and not legacy.is_symlink() and (run_info(legacy) or RunInfo()).fingerprint == fp:
         return config
     return config.model_copy(update={"run_name": f"{config.run_name}@{fp[:8]}"})
 
@@ -147,9 +151,9 @@ def child_config(config: RunConfig, spec: str) -> RunConfig:
     already at ``train.total_steps`` is refused: the child would train nothing."""
     path, step = _split_from(spec)
     info = run_info(path) if step is None and RunPaths(path).run_file.exists() else None
-    if info and info.get("parent") and RunPaths(path).config_file.exists():
+    if info and info.parent and RunPaths(path).config_file.exists():
         same = config.model_copy(update={"init_from": load_run_config(path).init_from, "on_config_change": "new_run"})
-        if same.init_from is not None and same.fingerprint() == info.get("fingerprint"):
+        if same.init_from is not None and same.fingerprint() == info.fingerprint:
             return same
     parent = resolve_parent(spec)
     if parent.step >= config.train.total_steps:
@@ -201,7 +205,7 @@ def fork_checkpoint(config: RunConfig, run_dir: Path) -> dict[str, Any]:
         "step": ck.step,
         "digest": ck.digest,
         "fingerprint": ck.manifest.get("fingerprint"),
-        "mlflow_run_id": (run_info(parent) or {}).get("mlflow_run_id"),
+        "mlflow_run_id": (run_info(parent) or RunInfo()).mlflow_run_id,
         "dvc_md5": _parent_dvc_md5(ckpt),
     }
     if final.is_dir():  # forked before, killed before run.json was written
@@ -225,12 +229,12 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def recorded_trajectories(run_dir: Path, info: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def recorded_trajectories(run_dir: Path, info: RunInfo) -> dict[str, dict[str, Any]]:
     """``{fingerprint: trajectory settings}`` of every config this run was opened with.
 
     Runs created before ``run.json`` kept them: the trajectory is re-derived from ``config.json``,
     which still holds the config the run was last opened with."""
-    known = dict(info.get("trajectories") or {})
+    known = dict(info.trajectories)
     if not known and RunPaths(run_dir).config_file.exists():
         try:
             previous = load_run_config(run_dir)
@@ -238,7 +242,7 @@ def recorded_trajectories(run_dir: Path, info: dict[str, Any]) -> dict[str, dict
             return known
         # Keyed by the fingerprint the writing release recorded (its checkpoints carry that one),
         # read as that release had it (training.compat, invariant 5).
-        known[info.get("fingerprint") or previous.fingerprint()] = as_written_before(previous.trajectory())
+        known[info.fingerprint or previous.fingerprint()] = as_written_before(previous.trajectory())
     return known
 
 
@@ -257,7 +261,7 @@ def describe_change(old: dict[str, Any] | None, config: RunConfig) -> str:
     return f"{changes} ({hint})" if hint else changes or "no key differs (another code version?)"
 
 
-def mismatch_message(config: RunConfig, info: dict[str, Any], old: dict[str, Any] | None) -> str:
+def mismatch_message(config: RunConfig, info: RunInfo, old: dict[str, Any] | None) -> str:
     """One line: which run, which keys changed (old → new), and the commands that do what the
     user may have meant (docs/architecture.md, invariant 7)."""
     return (
@@ -282,15 +286,13 @@ def _refuse_finished(config: RunConfig, run_dir: Path, changes: str) -> None:
         )
 
 
-def _accept_change(
-    config: RunConfig, run_dir: Path, info: dict[str, Any], old: dict[str, Any] | None, allowed: bool
-) -> None:
+def _accept_change(config: RunConfig, run_dir: Path, info: RunInfo, old: dict[str, Any] | None, allowed: bool) -> None:
     """Reopen a run under another fingerprint: silently where only a later release's reading of
     its settings differs (``training.compat``), recorded as ``release_upgraded``; where the
     settings changed, only with ``--allow-config-change``, recorded as ``config_changed``."""
     fp = config.fingerprint()
     if continues(old, config):  # written by an earlier release; trained as this one would train it
-        append_event(run_dir, Event.RELEASE_UPGRADED, old=info.get("fingerprint"), new=fp)
+        append_event(run_dir, Event.RELEASE_UPGRADED, old=info.fingerprint, new=fp)
         return
     if not allowed:
         raise ConfigError(mismatch_message(config, info, old))
@@ -298,7 +300,7 @@ def _accept_change(
     append_event(
         run_dir,
         Event.CONFIG_CHANGED,
-        old=info.get("fingerprint"),
+        old=info.fingerprint,
         new=fp,
         changes=trajectory_changes(old, config.trajectory()) if old else None,
     )
@@ -317,8 +319,8 @@ def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
 
         check_task(config)  # bad task_args fail here, before the run is pinned to their fingerprint
     known = recorded_trajectories(run_dir, info) if info is not None else {}
-    if info is not None and info.get("fingerprint") != fp:
-        _accept_change(config, run_dir, info, known.get(info.get("fingerprint", "")), allow_config_change)
+    if info is not None and info.fingerprint != fp:
+        _accept_change(config, run_dir, info, known.get(info.fingerprint or ""), allow_config_change)
     RunPaths(run_dir).checkpoints.mkdir(parents=True, exist_ok=True)
     RunPaths(run_dir).heartbeats.mkdir(exist_ok=True)
     known[fp] = config.trajectory()
@@ -333,11 +335,11 @@ def open_run(config: RunConfig, allow_config_change: bool = False) -> Path:
             trajectories=known,
             **({"parent": parent} if parent else {}),
         )
-    elif info.get("fingerprint") != fp:
+    elif info.fingerprint != fp:
         # The user explicitly accepted the change: checkpoints of the old config may be resumed.
-        accepted = sorted({*info.get("accepted_fingerprints", []), info.get("fingerprint")} - {None})
+        accepted = sorted({*info.accepted_fingerprints, info.fingerprint} - {None})
         update_run_info(run_dir, fingerprint=fp, accepted_fingerprints=accepted, trajectories=known)
-    elif info.get("trajectories") != known:
+    elif dict(info.trajectories) != known:
         update_run_info(run_dir, trajectories=known)
     atomic_write_json(RunPaths(run_dir).config_file, config.model_dump(mode="json"))
     return run_dir

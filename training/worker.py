@@ -55,7 +55,7 @@ from training.memory_budget import StateSize
 from training.memory_snapshots import MemorySnapshots
 from training.parts import TaskParts
 from training.paths import RunPaths
-from training.rundir import RunBusy, load_run_config, run_info
+from training.rundir import RunBusy, RunInfo, load_run_config, run_info
 from training.state import TrainState
 from training.task import unhonoured
 from training.tracking.metrics import JsonlBackend, MetricBackend, StepMetricLogger
@@ -195,7 +195,7 @@ class Worker:
         cfg = self.config
         if self.rank == 0:
             runtime.store.cleanup_stale_temp()
-        mlflow_run_id = (run_info(self.run_dir) or {}).get("mlflow_run_id")
+        mlflow_run_id = (run_info(self.run_dir) or RunInfo()).mlflow_run_id
         distributed.barrier()  # no rank starts saving before rank 0 cleaned up
         schedule = SaveSchedule.for_run(cfg.checkpoint, cfg.train.chunk_steps, self.run_dir, runtime.memory is not None)
         memory = MemorySchedule.for_run(cfg.checkpoint, self.run_dir)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from training.config import RunConfig
 from training.event_records import EventLog
+from training.run_identity import RunInfo
 from training.rundir import run_info
 from training.tracking.goodput import StepJournal, chunk_ends, chunk_points, journal_steps
 
@@ -46,7 +47,7 @@ def log_points(config: RunConfig, run_dir: Path, journal: StepJournal | None = N
         return []
     with _passing:
         try:
-            run_id = (run_info(run_dir) or {}).get("mlflow_run_id")
+            run_id = (run_info(run_dir) or RunInfo()).mlflow_run_id
             return _log_missing(config, run_dir, run_id, journal) if run_id else []
         except Exception as exc:  # noqa: BLE001 - audit only
             log.warning("MLflow: could not log the goodput of run %s: %s", config.run_name, exc)

@@ -43,6 +43,7 @@ from typing import Any
 
 from training.config import RunConfig
 from training.paths import RunPaths
+from training.run_identity import RunInfo
 from training.rundir import run_info
 from training.tracking.metrics import JournalRow, read_journal
 
@@ -135,7 +136,7 @@ class MetricShipper:
     @classmethod
     def for_run(cls, config: RunConfig, run_dir: Path, say: Callable[[str], None] = print) -> MetricShipper | None:
         """The shipper of a run, started; None when MLflow is off or the run has no MLflow run."""
-        run_id = (run_info(run_dir) or {}).get("mlflow_run_id") if config.tracking.mlflow else None
+        run_id = (run_info(run_dir) or RunInfo()).mlflow_run_id if config.tracking.mlflow else None
         if not run_id:
             return None
         from tasks.records.mlflow_client import client_for, resolve_tracking_uri  # imports MLflow: slow

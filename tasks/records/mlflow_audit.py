@@ -36,6 +36,7 @@ from training.config import RunConfig
 from training.event_records import EventLog
 from training.events import FailureKind
 from training.fsutil import atomic_write_json
+from training.run_identity import RunInfo
 from training.rundir import run_info
 from training.tracking.attempts import AttemptId, attempt_name
 from training.tracking.failure_record import FailureDetails, RecordedFailure
@@ -334,7 +335,7 @@ def timeline_picture(run_dir: Path) -> str:
     on the run's Overview page, the page a user opens first: MLflow renders the markdown image
     from the run's own artifact (a relative address, so any host and path prefix of the UI
     serves it).  Empty until the picture has been published once."""
-    run_id = (run_info(run_dir) or {}).get("mlflow_run_id")
+    run_id = (run_info(run_dir) or RunInfo()).mlflow_run_id
     if not run_id or not (run_dir / AUDIT_DIR / "timeline.png").exists():
         return ""
     address = f"get-artifact?path={quote(TIMELINE_ARTIFACT, safe='')}&run_uuid={run_id}"

@@ -22,6 +22,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from training.config import RunConfig
+from training.run_identity import RunInfo
 from training.rundir import run_info
 
 TAG_PREFIX = "convoy."
@@ -49,7 +50,7 @@ def resolve_tracking_uri(config: RunConfig | None = None, run_dir: str | Path | 
     if run_dir is None and config is not None:
         run_dir = config.run_dir
     if run_dir is not None:
-        stored = (run_info(run_dir) or {}).get("mlflow_tracking_uri")
+        stored = (run_info(run_dir) or RunInfo()).mlflow_tracking_uri
         if stored:
             return stored
     return default_tracking_uri()

@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 from tasks.records.mlflow_client import TAG_PREFIX, client_for, resolve_tracking_uri
 from training.config import RunConfig
 from training.paths import RunPaths
+from training.run_identity import RunInfo
 from training.rundir import run_info, update_run_info
 
 MAX_BATCH_PARAMS = 100
@@ -248,11 +249,11 @@ def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> s
     run_dir = Path(run_dir) if run_dir is not None else config.run_dir
     uri = resolve_tracking_uri(config, run_dir)
     client = client_for(uri)
-    info = run_info(run_dir) or {}
-    run_id = info.get("mlflow_run_id") or run_id_from_checkpoints(run_dir)
+    info = run_info(run_dir) or RunInfo()
+    run_id = info.mlflow_run_id or run_id_from_checkpoints(run_dir)
     ui = config.tracking.mlflow_ui_url or None
-    if run_id and info.get("mlflow_tracking_uri", uri) == uri and _run_exists(client, run_id):
-        if info.get("mlflow_run_id") != run_id or info.get("mlflow_tracking_uri") != uri or info.get("mlflow_ui") != ui:
+    if run_id and (info.mlflow_tracking_uri or uri) == uri and _run_exists(client, run_id):
+        if (info.mlflow_run_id, info.mlflow_tracking_uri, info.mlflow_ui) != (run_id, uri, ui):
             update_run_info(run_dir, mlflow_run_id=run_id, mlflow_tracking_uri=uri, mlflow_ui=ui)
         return run_id
     if run_id:
@@ -272,7 +273,7 @@ def ensure_mlflow_run(config: RunConfig, run_dir: str | Path | None = None) -> s
         f"{TAG_PREFIX}resumes": "0",
         f"{TAG_PREFIX}failures": "0",
         f"{TAG_PREFIX}steps_lost": "0",
-        **lineage_tags(info.get("parent")),
+        **lineage_tags(info.parent.to_json() if info.parent else None),
         **git_tags(),
         **created_by(),
     }

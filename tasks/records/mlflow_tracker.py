@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.records.tracker import AttemptOutcome, MetricFollower
 from training.config import RunConfig
+from training.run_identity import RunInfo
 from training.rundir import run_info
 from training.tracking.attempts import AttemptId
 from training.tracking.failure_record import RecordedFailure
@@ -80,7 +81,7 @@ class MlflowTracker:
 
     def log_metrics(self, run_dir: Path, step: int, metrics: dict[str, float]) -> None:
         """Into the MLflow run ``run.json`` names; nothing when it names none."""
-        run_id = (run_info(run_dir) or {}).get("mlflow_run_id")
+        run_id = (run_info(run_dir) or RunInfo()).mlflow_run_id
         if not run_id:
             return
         from mlflow.entities import Metric

@@ -14,12 +14,13 @@ from pathlib import Path
 from urllib.parse import quote
 
 from training.event_records import EventLog, FlowCrashed, FlowDone, FlowFailed, FlowStarted, FlowTakenOver
+from training.run_identity import RunInfo
 from training.rundir import run_info
 
 
 def prefect_ui(run_dir: str | Path) -> str | None:
     """The Prefect UI's base address the flow recorded, or None (no server)."""
-    ui = (run_info(run_dir) or {}).get("prefect_ui")
+    ui = (run_info(run_dir) or RunInfo()).prefect_ui
     return str(ui).rstrip("/") if ui else None
 
 
@@ -84,7 +85,7 @@ def attempt_links(run_dir: str | Path, log: EventLog, prefect: tuple[str | None,
     """An attempt's way back: its Prefect flow run and task run, and the training run's MLflow
     run; ``prefect``: (flow run id, task run id)."""
     flow_run_id, task_run_id = prefect
-    info = run_info(run_dir) or {}
+    info = run_info(run_dir) or RunInfo()
     ui = prefect_ui(run_dir)
     parts = []
     if flow_run_id:
@@ -92,7 +93,7 @@ def attempt_links(run_dir: str | Path, log: EventLog, prefect: tuple[str | None,
     if task_run_id:
         parts.append(task_run_link(ui, task_run_id, "task run"))
     prefect_part = "Prefect: " + " · ".join(parts) if parts else ""
-    parent = mlflow_run_link(info.get("mlflow_experiment_id"), info.get("mlflow_run_id"), "the training run")
+    parent = mlflow_run_link(info.mlflow_experiment_id, info.mlflow_run_id, "the training run")
     return " · ".join(p for p in (prefect_part, f"part of {parent}") if p)
 
 
@@ -100,8 +101,8 @@ def attempts_oldest_first(run_dir: str | Path) -> str:
     """A link to the runs list showing only this training run's attempts, oldest first (MLflow
     lists a parent's children newest first, and a run's story reads from its start); empty
     before the run has an MLflow run."""
-    info = run_info(run_dir) or {}
-    experiment, run_id = info.get("mlflow_experiment_id"), info.get("mlflow_run_id")
+    info = run_info(run_dir) or RunInfo()
+    experiment, run_id = info.mlflow_experiment_id, info.mlflow_run_id
     if not experiment or not run_id:
         return ""
     query = quote(f"tags.mlflow.parentRunId = '{run_id}'")

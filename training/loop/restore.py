@@ -38,6 +38,7 @@ from training.events import Event, append_event, read_events
 from training.loop.runtime import Runtime
 from training.parts import TaskParts
 from training.paths import RunPaths
+from training.run_identity import RunInfo
 from training.rundir import continues, describe_change, recorded_trajectories, run_info
 from training.state import seed_everything
 
@@ -85,11 +86,11 @@ def restore_newest(runtime: Runtime, run_dir: Path, log: Callable[[str], None]) 
         if checkpoint.manifest.get("forked_from"):
             adopt_child_settings(runtime, checkpoint.manifest["forked_from"], log)
         return Restored(runtime, checkpoint, world_changed, time.perf_counter() - t0, in_memory)
-    parent = (run_info(run_dir) or {}).get("parent")
+    parent = (run_info(run_dir) or RunInfo()).parent
     if parent:  # a child trained from scratch would be another run under the child's name
         why = (skipped or ["none was found"])[0] + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else "")
         raise ConfigError(
-            f"run {runtime.config.run_name} starts from {parent['run']} step {parent['step']}, but no "
+            f"run {runtime.config.run_name} starts from {parent.run} step {parent.step}, but no "
             f"checkpoint here restores: {why}; fork it again"
         )
     refuse_fresh_start(runtime, run_dir, skipped)
@@ -155,9 +156,9 @@ def check_fingerprint(runtime: Runtime, run_dir: Path, checkpoint: Checkpoint) -
     """Refuse a checkpoint of another trajectory, naming the keys that differ (old → new)
     from what ``run.json`` recorded for the checkpoint's fingerprint."""
     config = runtime.config
-    info = run_info(run_dir) or {}
+    info = run_info(run_dir) or RunInfo()
     saved = checkpoint.manifest.get("fingerprint")
-    if saved in (config.fingerprint(), *info.get("accepted_fingerprints", [])):
+    if saved in (config.fingerprint(), *info.accepted_fingerprints):
         return
     old = recorded_trajectories(run_dir, info).get(saved)
     if continues(old, config):  # an earlier release's checkpoint, trained as this one would train it
