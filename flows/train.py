@@ -311,7 +311,7 @@ class TrainingRun:
         except (VersioningError, ValueError, OSError) as exc:
             self.logger.warning("could not read the remote index: %s", exc)
             return 0, None
-        return (entry["step"], entry["digest"]) if entry else (0, None)
+        return (entry.step, entry.digest) if entry else (0, None)
 
     def final_checkpoint(self) -> tuple[int, str | None]:
         """(step, digest) of the run's newest checkpoint, verified once.

@@ -7,11 +7,13 @@ share only the DVC remote (a local directory).  Real workers, real DVC, real SIG
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +60,8 @@ def flip_remote_byte(run_dir: Path, step: int, member: str) -> None:
     from dvc_data.hashfile.tree import Tree
 
     remote = open_remote(load_run_config(run_dir), run_dir)
-    entry = next(e for e in remote.read_index()["checkpoints"] if e["step"] == step)
-    tree = Tree.load(remote.odb, HashInfo("md5", entry["dvc_md5"]))
+    entry = next(e for e in remote.read_index().checkpoints if e.step == step)
+    tree = Tree.load(remote.odb, HashInfo("md5", entry.dvc_md5))
     oid = next(hi.value for key, _, hi in tree if key == (member,))
     path = remote.odb.oid_to_path(oid)
     data = bytearray(remote.fs.cat_file(path))
@@ -86,7 +88,7 @@ def kill_mid_upload(run_dir: Path, step: int, remote: str, flag: Path) -> None:
 
 
 def uploaded_steps(run_dir: Path) -> list[int]:
-    return [e["step"] for e in open_remote(load_run_config(run_dir), run_dir).read_index()["checkpoints"]]
+    return [e.step for e in open_remote(load_run_config(run_dir), run_dir).read_index().checkpoints]
 
 
 @pytest.mark.slow
@@ -156,7 +158,7 @@ def test_uploader_follows_the_newest_committed_checkpoint(tmp_path: Path) -> Non
 def test_index_is_written_last_and_read_back(tmp_path: Path) -> None:
     """The index's own contract, without DVC objects: entries only added, a step re-published with
     the same digest is not written again, metric rows travel in segments up to the entry's step."""
-    from tasks.remote.remote_index import RemoteRun, metric_rows_through, publish
+    from tasks.remote.remote_index import IndexEntry, RemoteRun, metric_rows_through, publish
 
     class LocalRemote:
         from dvc_objects.fs.local import LocalFileSystem
@@ -167,13 +169,16 @@ def test_index_is_written_last_and_read_back(tmp_path: Path) -> None:
 
     run = RemoteRun.of(LocalRemote(), "test remote", "demo@1a2b3c4d", "f" * 16)
     rows = [(s, {"loss": 1.0 / s}) for s in range(1, 13)]
-    entry = {"step": 5, "digest": "d5", "dvc_md5": "x.dir", "uploaded": 1.0}
+    entry = IndexEntry(step=5, digest="d5", dvc_md5="x.dir", uploaded=1.0)
     assert publish(run, entry, rows) is True
-    assert publish(run, dict(entry), rows) is False  # same step, same digest: nothing written
-    assert publish(run, {**entry, "step": 10, "digest": "d10"}, rows) is True
+    assert publish(run, replace(entry), rows) is False  # same step, same digest: nothing written
+    assert publish(run, replace(entry, step=10, digest="d10"), rows) is True
     index = run.read_index()
-    assert [e["step"] for e in index["checkpoints"]] == [5, 10]
-    assert [(m["from"], m["through"]) for m in index["metrics"]] == [(1, 5), (6, 10)]
+    assert [e.step for e in index.checkpoints] == [5, 10]
+    assert [(m.first, m.through) for m in index.metrics] == [(1, 5), (6, 10)]
+    on_disk = json.loads((Path(run.root) / "index.json").read_text())  # the keys as before
+    assert [(m["from"], m["through"]) for m in on_disk["metrics"]] == [(1, 5), (6, 10)]
+    assert on_disk["checkpoints"][0] == {**entry.to_json()} and on_disk["updated"] == 1.0
     assert metric_rows_through(run, index, 7) == rows[:7]
     assert not list(Path(run.root).glob(".*tmp*")), "a temporary file was left next to the index"
     (Path(run.root) / "index.json").write_text("{not json")

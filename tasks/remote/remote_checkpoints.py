@@ -46,7 +46,14 @@ from tasks.remote.dvc_version import (
     resolve_remote,
     version_checkpoint,
 )
-from tasks.remote.remote_index import RemoteCopyRefused, RemoteRun, metric_rows_through, node_name
+from tasks.remote.remote_index import (
+    IndexEntry,
+    RemoteCopyRefused,
+    RemoteIndex,
+    RemoteRun,
+    metric_rows_through,
+    node_name,
+)
 from training.checkpointing.errors import CheckpointRejected
 from training.checkpointing.install import install
 from training.config import ConfigError, RunConfig
@@ -75,10 +82,9 @@ def open_remote(config: RunConfig, run_dir: Path) -> RemoteRun:
         raise VersioningError(f"the DVC remote of {run_dir.name}: {type(exc).__name__}: {exc}") from exc
 
 
-def newest_uploaded(config: RunConfig, run_dir: Path) -> dict[str, Any] | None:
+def newest_uploaded(config: RunConfig, run_dir: Path) -> IndexEntry | None:
     """The newest entry of the run's remote index (None: nothing uploaded yet)."""
-    entries = open_remote(config, run_dir).read_index()["checkpoints"]
-    return max(entries, key=lambda e: e["step"]) if entries else None
+    return open_remote(config, run_dir).read_index().newest()
 
 
 # ---------------------------------------------------------------------------------- fetch
@@ -114,21 +120,21 @@ def _install(stage: Path, final: Path, run_dir: Path) -> None:
     install(stage, final, files_synced=False)  # DVC's download does not fsync what it wrote
 
 
-def _download_verified(remote: RemoteRun, entry: dict[str, Any], store: Any) -> dict[str, Any]:
+def _download_verified(remote: RemoteRun, entry: IndexEntry, store: Any) -> dict[str, Any]:
     """Download one indexed checkpoint, verify it, install it; returns its bytes and the seconds
     of each part.  CheckpointRejected (does not verify), RemoteCopyRefused (unsafe listing, not
     the indexed digest) or FileNotFoundError (objects missing) when the remote copy is unusable."""
-    step = int(entry["step"])
+    step = entry.step
     root = store.root
     stage = root / f"{FETCH_PREFIX}{checkpoint_name(step)}"
     shutil.rmtree(stage, ignore_errors=True)
     try:
         t0 = time.perf_counter()
-        nbytes = remote.download(str(entry["dvc_md5"]), stage)
+        nbytes = remote.download(entry.dvc_md5, stage)
         t1 = time.perf_counter()
         ck = store.verify(stage, step=step)  # the resume's own validation
-        if ck.digest != entry.get("digest"):
-            raise RemoteCopyRefused(f"its digest {ck.digest} is not the {entry.get('digest')} the index recorded")
+        if ck.digest != entry.digest:
+            raise RemoteCopyRefused(f"its digest {ck.digest} is not the {entry.digest} the index recorded")
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -136,7 +142,7 @@ def _download_verified(remote: RemoteRun, entry: dict[str, Any], store: Any) -> 
     return {"bytes": nbytes, "download_s": round(t1 - t0, 4), "verify_s": round(time.perf_counter() - t1, 4)}
 
 
-def _fill_metrics(remote: RemoteRun, index: dict[str, Any], run_dir: Path, step: int) -> int:
+def _fill_metrics(remote: RemoteRun, index: RemoteIndex, run_dir: Path, step: int) -> int:
     """Append the uploaded metric rows up to ``step`` that this machine's ``metrics.jsonl`` lacks."""
     from training.tracking.metrics import JsonlBackend, read_metric_lines
 
@@ -149,7 +155,7 @@ def _fill_metrics(remote: RemoteRun, index: dict[str, Any], run_dir: Path, step:
     return len(rows)
 
 
-def _newer_entries(remote: RemoteRun, run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _newer_entries(remote: RemoteRun, run_dir: Path) -> tuple[RemoteIndex, list[IndexEntry]]:
     """The index and its entries newer than anything here, newest first.  Cheap first (manifests
     only); the local files are hashed only when the remote has something newer."""
     from training.checkpointing.store import CheckpointStore
@@ -160,11 +166,11 @@ def _newer_entries(remote: RemoteRun, run_dir: Path) -> tuple[dict[str, Any], li
         raise VersioningError(str(exc)) from None
     store = CheckpointStore(run_dir)
     readable = [s for s, p in store.step_dirs() if _manifest_reads(store, p)]
-    if not any(e["step"] > max(readable, default=0) for e in index["checkpoints"]):
+    if not any(e.step > max(readable, default=0) for e in index.checkpoints):
         return index, []
     local = store.latest_valid(record=False)
-    newer = [e for e in index["checkpoints"] if e["step"] > (local.step if local else 0)]
-    return index, sorted(newer, key=lambda e: -e["step"])
+    newer = [e for e in index.checkpoints if e.step > (local.step if local else 0)]
+    return index, sorted(newer, key=lambda e: -e.step)
 
 
 def _manifest_reads(store: Any, path: Path) -> bool:
@@ -194,21 +200,21 @@ def fetch_newest(config: RunConfig, run_dir: Path, say: Callable[[str], None] = 
         try:
             got = _download_verified(remote, entry, store)
         except (CheckpointRejected, RemoteCopyRefused, FileNotFoundError) as exc:
-            refused.append(_refuse(run_dir, remote, entry["step"], str(exc) or type(exc).__name__, say))
+            refused.append(_refuse(run_dir, remote, entry.step, str(exc) or type(exc).__name__, say))
             continue
         result = {
-            "step": entry["step"],
-            "digest": entry["digest"],
+            "step": entry.step,
+            "digest": entry.digest,
             **got,
             "fetch_s": round(time.perf_counter() - t0, 4),
-            "metric_rows": _fill_metrics(remote, index, run_dir, entry["step"]),
-            "from_node": entry.get("node"),
+            "metric_rows": _fill_metrics(remote, index, run_dir, entry.step),
+            "from_node": entry.node,
             "node": node_name(),
             "remote": remote.label,
             "refused": refused,
         }
         append_event(run_dir, Event.CHECKPOINT_FETCHED, **result)
-        say(f"fetched checkpoint of step {entry['step']} ({got['bytes']:,} bytes) in {result['fetch_s']:.2f} s")
+        say(f"fetched checkpoint of step {entry.step} ({got['bytes']:,} bytes) in {result['fetch_s']:.2f} s")
         return result
     return {"step": None, "refused": refused, "fetch_s": round(time.perf_counter() - t0, 4)}
 
@@ -267,7 +273,7 @@ class Uploader:
         except (VersioningError, ValueError, OSError) as exc:
             log.warning("uploader of %s: cannot read the remote index yet: %s", self.run_dir.name, exc)
             return 0
-        return int(entry["step"]) if entry else 0
+        return entry.step if entry else 0
 
     def upload_newest(self) -> Versioned | None:
         """Upload the newest committed checkpoint if it is newer than the last one handled."""

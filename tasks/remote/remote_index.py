@@ -35,7 +35,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +58,81 @@ def node_name() -> str:
     return os.environ.get("CONVOY_NODE") or os.uname().nodename
 
 
-def empty_index(run_name: str, fingerprint: str) -> dict[str, Any]:
-    return {"format": INDEX_FORMAT, "run": run_name, "fingerprint": fingerprint, "checkpoints": [], "metrics": []}
+@dataclass(frozen=True)
+class IndexEntry:
+    """One uploaded checkpoint in the index (the JSON keys above)."""
+
+    step: int
+    digest: str
+    #: DVC's hash of the checkpoint's directory (``<md5>.dir``): how its files are found.
+    dvc_md5: str
+    bytes: int = 0
+    nfiles: int = 0
+    #: The fingerprint its manifest records.
+    fingerprint: str | None = None
+    node: str | None = None
+    uploaded: float = 0.0
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> IndexEntry:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MetricSegment:
+    """The metric rows of steps ``first``..``through`` (JSON ``from``/``through``), in ``object``."""
+
+    first: int
+    through: int
+    object: str
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MetricSegment:
+        return cls(int(data["from"]), int(data["through"]), str(data["object"]))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"from": self.first, "through": self.through, "object": self.object}
+
+
+@dataclass(frozen=True)
+class RemoteIndex:
+    """A run's ``index.json`` (layout above): its uploaded checkpoints in step order and the
+    segments of its metric rows.  Read and written whole (keys as on disk)."""
+
+    run: str
+    fingerprint: str
+    checkpoints: tuple[IndexEntry, ...] = ()
+    metrics: tuple[MetricSegment, ...] = ()
+    updated: float | None = None
+    format: int = INDEX_FORMAT
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RemoteIndex:
+        if not isinstance(data.get("checkpoints"), list):
+            raise ValueError("no 'checkpoints' list")
+        return cls(
+            str(data.get("run", "")),
+            str(data.get("fingerprint", "")),
+            tuple(IndexEntry.from_json(e) for e in data["checkpoints"]),
+            tuple(MetricSegment.from_json(m) for m in data.get("metrics") or []),
+            data.get("updated"),
+            int(data.get("format", INDEX_FORMAT)),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": self.format, "run": self.run, "fingerprint": self.fingerprint}
+        out["checkpoints"] = [e.to_json() for e in self.checkpoints]
+        out["metrics"] = [m.to_json() for m in self.metrics]
+        if self.updated is not None:
+            out["updated"] = self.updated
+        return out
+
+    def newest(self) -> IndexEntry | None:
+        return max(self.checkpoints, key=lambda e: e.step, default=None)
 
 
 @dataclass
@@ -84,7 +157,7 @@ class RemoteRun:
     def path(self, rel: str) -> str:
         return self.fs.join(self.root, *rel.split("/"))
 
-    def read_index(self) -> dict[str, Any]:
+    def read_index(self) -> RemoteIndex:
         """The run's index (an empty one if nothing was uploaded yet).  A damaged index is an
         error naming it: guessing the newest checkpoint from the objects would be exactly what
         the index exists to avoid."""
@@ -92,15 +165,11 @@ class RemoteRun:
         try:
             raw = self.fs.cat_file(path)
         except FileNotFoundError:
-            return empty_index(self.run_name, self.fingerprint)
+            return RemoteIndex(self.run_name, self.fingerprint)
         try:
-            index = json.loads(raw)
-            if not isinstance(index.get("checkpoints"), list):
-                raise ValueError("no 'checkpoints' list")
-        except (ValueError, AttributeError) as exc:
+            return RemoteIndex.from_json(json.loads(raw))
+        except (ValueError, AttributeError, KeyError, TypeError) as exc:
             raise ValueError(f"{path} in {self.label} is not a convoy index ({exc})") from None
-        index.setdefault("metrics", [])
-        return index
 
     def put(self, rel: str, data: bytes) -> None:
         """Write one file of the run's folder whole: a reader sees all of it or the old one."""
@@ -115,8 +184,8 @@ class RemoteRun:
     def get(self, rel: str) -> bytes:
         return self.fs.cat_file(self.path(rel))
 
-    def write_index(self, index: dict[str, Any]) -> None:
-        self.put(INDEX_NAME, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
+    def write_index(self, index: RemoteIndex) -> None:
+        self.put(INDEX_NAME, (json.dumps(index.to_json(), indent=1, sort_keys=True) + "\n").encode())
 
     def download(self, dvc_md5: str, dest: Path) -> int:
         """Copy the files of the checkpoint whose DVC directory hash is ``dvc_md5`` into
@@ -143,48 +212,47 @@ class RemoteRun:
         return sum(Path(t).stat().st_size for t in targets)
 
 
-def entry_for(step: int, digest: str, out: Any, manifest: dict[str, Any]) -> dict[str, Any]:
+def entry_for(step: int, digest: str, out: Any, manifest: dict[str, Any]) -> IndexEntry:
     """The index entry of a checkpoint DVC just pushed (``out``: the ``.dvc`` file's output)."""
     meta = getattr(out, "meta", None)
-    return {
-        "step": step,
-        "digest": digest,
-        "dvc_md5": out.hash_info.value,
-        "bytes": int(getattr(meta, "size", 0) or 0),
-        "nfiles": int(getattr(meta, "nfiles", 0) or 0),
-        "fingerprint": manifest.get("fingerprint"),
-        "node": node_name(),
-        "uploaded": round(time.time(), 3),
-    }
+    return IndexEntry(
+        step=step,
+        digest=digest,
+        dvc_md5=out.hash_info.value,
+        bytes=int(getattr(meta, "size", 0) or 0),
+        nfiles=int(getattr(meta, "nfiles", 0) or 0),
+        fingerprint=manifest.get("fingerprint"),
+        node=node_name(),
+        uploaded=round(time.time(), 3),
+    )
 
 
-def publish(run: RemoteRun, entry: dict[str, Any], metric_rows: list[tuple[int, dict[str, float]]]) -> bool:
+def publish(run: RemoteRun, entry: IndexEntry, metric_rows: list[tuple[int, dict[str, float]]]) -> bool:
     """Add ``entry`` to the run's index, after the metric rows not uploaded yet; False (nothing
     written) when the index already lists that step with that digest."""
     index = run.read_index()
-    if any(e.get("step") == entry["step"] and e.get("digest") == entry["digest"] for e in index["checkpoints"]):
+    if any(e.step == entry.step and e.digest == entry.digest for e in index.checkpoints):
         return False
-    through = max((int(m["through"]) for m in index["metrics"]), default=0)
-    rows = [(s, m) for s, m in metric_rows if through < s <= entry["step"]]
+    through = max((m.through for m in index.metrics), default=0)
+    rows = [(s, m) for s, m in metric_rows if through < s <= entry.step]
+    segments = index.metrics
     if rows:
-        rel = f"metrics/{entry['step']:09d}.jsonl"
+        rel = f"metrics/{entry.step:09d}.jsonl"
         run.put(rel, "".join(json.dumps({"step": s, "metrics": m}, sort_keys=True) + "\n" for s, m in rows).encode())
-        index["metrics"].append({"from": rows[0][0], "through": entry["step"], "object": rel})
-    index["checkpoints"] = sorted(
-        [e for e in index["checkpoints"] if e.get("step") != entry["step"]] + [entry], key=lambda e: e["step"]
-    )
-    index["updated"] = entry["uploaded"]
-    run.write_index(index)  # last: only now is the checkpoint visible
+        segments = (*segments, MetricSegment(rows[0][0], entry.step, rel))
+    others = [e for e in index.checkpoints if e.step != entry.step]
+    checkpoints = tuple(sorted([*others, entry], key=lambda e: e.step))
+    run.write_index(replace(index, checkpoints=checkpoints, metrics=segments, updated=entry.uploaded))  # last
     return True
 
 
-def metric_rows_through(run: RemoteRun, index: dict[str, Any], step: int) -> list[tuple[int, dict[str, float]]]:
+def metric_rows_through(run: RemoteRun, index: RemoteIndex, step: int) -> list[tuple[int, dict[str, float]]]:
     """The uploaded metric rows of steps up to ``step``, in step order (first value of a step wins)."""
     rows: dict[int, dict[str, float]] = {}
-    for segment in sorted(index.get("metrics", []), key=lambda m: int(m["from"])):
-        if int(segment["from"]) > step:
+    for segment in sorted(index.metrics, key=lambda m: m.first):
+        if segment.first > step:
             continue
-        for line in run.get(segment["object"]).decode().splitlines():
+        for line in run.get(segment.object).decode().splitlines():
             rec = json.loads(line)
             if int(rec["step"]) <= step:
                 rows.setdefault(int(rec["step"]), {k: float(v) for k, v in rec["metrics"].items()})
