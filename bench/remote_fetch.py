@@ -92,8 +92,8 @@ def remote_objects(cfg: RunConfig, run_dir: Path) -> list[tuple[str, str]]:
     from dvc_data.hashfile.tree import Tree
 
     remote = remote_checkpoints.open_remote(cfg, run_dir)
-    entry = remote.read_index()["checkpoints"][-1]
-    tree = Tree.load(remote.odb, HashInfo("md5", entry["dvc_md5"]))
+    entry = remote.read_index().checkpoints[-1]
+    tree = Tree.load(remote.odb, HashInfo("md5", entry.dvc_md5))
     return [(remote.odb.oid_to_path(hi.value), "/".join(key)) for key, _, hi in tree]
 
 
