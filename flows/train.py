@@ -44,7 +44,8 @@ from tasks.takeover import mlflow_flow_tags, take_over
 from training import chunk_boundary, memory_budget
 from training.config import ConfigError, RunConfig, load_config
 from training.datapipe.corpus import entropy_floor
-from training.events import Event, append_event, read_events
+from training.event_records import EventLog
+from training.events import Event, append_event
 from training.locks import holding
 from training.memory_sweep import free_orphans, freed_line
 from training.paths import RunPaths
@@ -220,7 +221,7 @@ class TrainingRun:
                 row.status = "skipped (committed)"
             # Retention may have removed an older boundary since: its commit recorded the digest.
             row.digest = committed_digest(self.run_dir, end, self.resources.checkpoints) or recorded_digest(
-                read_events(self.run_dir), chunk
+                EventLog.read(self.run_dir), chunk
             )
             row.loss = loss_at(self.run_dir, end)
             # A flow that died after the commit but before versioning left it unversioned
@@ -245,7 +246,7 @@ class TrainingRun:
         """The chunk's attempts and failure kinds in every flow run of this training run (a
         restarted flow's table must not say "1 attempt, no failures" of a chunk the dead flow
         tried three times)."""
-        history = chunk_history(read_events(self.run_dir), row.chunk)
+        history = chunk_history(EventLog.read(self.run_dir), row.chunk)
         row.record_history(history.attempts, list(history.failure_kinds))
 
     def train_chunk(self, chunk: int, start: int, end: int) -> ChunkRecord:
@@ -330,7 +331,7 @@ class TrainingRun:
         """The summary's one wall clock: the run's goodput measured to its last chunk's end when it
         is finished (the cut MLflow's last ``goodput`` point is computed at: the same value), else
         to now; ``seconds`` is that wall clock (this command's own when goodput cannot be measured)."""
-        ends = chunk_ends(read_events(self.run_dir))
+        ends = chunk_ends(EventLog.read(self.run_dir))
         done = bool(ends) and ends[-1][0] >= final_step == self.cfg.train.total_steps
         until = ends[-1][1] if done else time.time()
         fields = goodput_fields(self.run_dir, until=until, journal=self.resources.journal)

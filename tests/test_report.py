@@ -174,7 +174,7 @@ def test_attempts_are_numbered_per_chunk_across_flow_runs_and_named_by_outcome()
     ]
     log = EventLog(events)
     assert next_attempt(log, 1) == 2 and next_attempt(log, 2) == 4 and next_attempt(log, 3) == 1
-    assert chunk_history(events, 2) == ChunkHistory(3, ("killed", "preempted"))
+    assert chunk_history(log, 2) == ChunkHistory(3, ("killed", "preempted"))
     assert [(e.chunk, e.attempt) for e in open_attempts(log)] == [(2, 3)]
     name = attempt_name(2, 3, outcome_label("killed", 290, 200))
     assert name == "killed 290→200 c2·a3" and name[:14] == "killed 290→200"  # what MLflow's table shows
@@ -383,7 +383,7 @@ def test_a_dead_flow_runs_chunks_and_a_removed_boundarys_digest_come_from_the_ev
     assert (one["status"], one["attempts"], one["failure_kinds"], one["digest"]) == ("trained", 2, ["killed"], "d1")
     assert (one["start_step"], one["end_step"], one["seconds"]) == (0, 20, 5.0)
     assert (two["status"], two["attempts"], two["failure_kinds"]) == ("died with this flow run", 1, ["orphaned"])
-    assert recorded_digest(events, 1) == "d1" and recorded_digest(events, 2) is None
+    assert recorded_digest(EventLog(events), 1) == "d1" and recorded_digest(EventLog(events), 2) is None
 
 
 def test_a_launcher_report_names_the_rank_and_its_exception() -> None:

@@ -13,10 +13,8 @@ because MLflow's runs table shows about sixteen.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from training.event_records import AttemptRecorded, AttemptStarted, ChunkDone, EventLog, append_record
 from training.tracking.failure_record import RecordedFailure
@@ -90,19 +88,16 @@ class ChunkHistory:
     failure_kinds: tuple[str, ...]
 
 
-def chunk_history(events: EventLog | Iterable[Mapping[str, Any]], chunk: int) -> ChunkHistory:
-    """The chunk's :class:`ChunkHistory`, read from the run's events (a log, or the lines of one
-    whole-log read: flows/train.py passes those)."""
-    log = EventLog.view(events)
+def chunk_history(log: EventLog, chunk: int) -> ChunkHistory:
+    """The chunk's :class:`ChunkHistory`, read from the run's events."""
     kinds = [str(f.kind) for f in log.of(RecordedFailure) if f.chunk == chunk]
     return ChunkHistory(next_attempt(log, chunk) - 1, tuple(kinds))
 
 
-def recorded_digest(events: EventLog | Iterable[Mapping[str, Any]], chunk: int) -> str | None:
+def recorded_digest(log: EventLog, chunk: int) -> str | None:
     """The digest the chunk's commit recorded (its newest ``chunk_done``), for a chunk whose
-    boundary checkpoint retention has since removed; None if it never committed (a log, or the
-    lines of one whole-log read: flows/train.py passes those)."""
-    done = [e for e in EventLog.view(events).of(ChunkDone) if e.chunk == chunk and e.digest]
+    boundary checkpoint retention has since removed; None if it never committed."""
+    done = [e for e in log.of(ChunkDone) if e.chunk == chunk and e.digest]
     return str(done[-1].digest) if done else None
 
 

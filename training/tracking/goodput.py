@@ -65,7 +65,7 @@ from __future__ import annotations
 import os
 import threading
 from bisect import bisect_left
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -465,11 +465,10 @@ class Point:
         return out | {f"badput/{k}": v for k, v in self.cumulative.badput_s.items()}
 
 
-def chunk_ends(events: ev.EventLog | Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
-    """(end step, time) of each chunk's first ``chunk_done``, by step (a log, or the lines of one
-    whole-log read: flows/train.py passes those)."""
+def chunk_ends(log: ev.EventLog) -> list[tuple[int, float]]:
+    """(end step, time) of each chunk's first ``chunk_done``, by step."""
     done: dict[int, float] = {}
-    for e in sorted(ev.EventLog.view(events).of(ev.ChunkDone), key=lambda e: e.time):
+    for e in sorted(log.of(ev.ChunkDone), key=lambda e: e.time):
         if e.end_step is not None:
             done.setdefault(int(e.end_step), e.time)
     return sorted(done.items())
