@@ -196,15 +196,15 @@ class TrainingRun:
         from the remote (``tracking.dvc``: this machine may be new to the run, invariant 10); in
         pool mode the newest uploaded one (the nodes train and upload; nothing is fetched here)."""
         cfg, run_dir = self.cfg, self.run_dir
-        if cfg.tracking.dvc and cfg.orchestration.mode == "local":
+        if cfg.tracking.dvc and self.resources.plan.local:
             self.fetched = remote_checkpoints.fetch_before_resume(cfg, run_dir, self.logger.info)
         committed = self.resources.checkpoints.resume_point().step or 0
-        if cfg.tracking.dvc and cfg.orchestration.mode == "pool":
+        if cfg.tracking.dvc and self.resources.plan.pool:
             committed = max(committed, self.uploaded_final()[0])
         return committed
 
     def version(self, end: int, only_if_missing: bool = False) -> version.PendingVersion | None:
-        if self.cfg.orchestration.mode == "pool":
+        if self.resources.plan.pool:
             return None  # the node that trained the chunk uploaded it before reporting
         return self.resources.versioning.submit(end, only_if_missing=only_if_missing)
 
@@ -250,7 +250,7 @@ class TrainingRun:
         row.record_history(history.attempts, list(history.failure_kinds))
 
     def train_chunk(self, chunk: int, start: int, end: int) -> ChunkRecord:
-        if self.cfg.orchestration.mode == "pool":
+        if self.resources.plan.pool:
             from flows.pool import dispatch_chunk
 
             return dispatch_chunk(self.cfg, self.run_dir, chunk, start, end)
@@ -305,7 +305,7 @@ class TrainingRun:
     def uploaded_final(self) -> tuple[int, str | None]:
         """(step, digest) of the newest uploaded checkpoint: in pool mode without shared storage the
         checkpoints are on the nodes and in the remote, not here."""
-        if not (self.cfg.tracking.dvc and self.cfg.orchestration.mode == "pool"):
+        if not (self.cfg.tracking.dvc and self.resources.plan.pool):
             return 0, None
         try:
             entry = remote_checkpoints.newest_uploaded(self.cfg, self.run_dir)
@@ -402,7 +402,7 @@ def train(
         resume_audit.import_plotting_beside()  # the audit's timeline, drawn at the end
         ok = False
         try:
-            local = cfg.orchestration.mode == "local"  # in pool mode each chunk's flow samples its machine
+            local = run.resources.plan.local  # in pool mode each chunk's flow samples its machine
             with run_records.system_metrics(cfg, run.run_dir) if local else contextlib.nullcontext():
                 for chunk, start, end in run.chunks:
                     run.chunk(chunk, start, end)

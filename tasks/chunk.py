@@ -41,6 +41,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.states import Completed, State
 
+from tasks.execution_plan import ChunkSpan
 from tasks.failure_reports import passed_over_clause, report_failure, say_replaced
 from tasks.hooks import HookTarget
 from tasks.records import run_records
@@ -118,11 +119,11 @@ def run_chunk(run_dir: str, chunk: int, start_step: int, end_step: int, resource
     Its failure hook is the submitter's to bind (:func:`audited`).
     """
     rd = Path(run_dir)
-    cfg = load_run_config(rd)
+    cfg = resources.config if resources is not None else load_run_config(rd)  # passed, not re-read
     own = resources is None
     held = resources or RunResources(cfg, rd)
     try:
-        return ChunkRun(cfg, rd, (chunk, start_step, end_step), held, get_run_logger()).run()
+        return ChunkRun(cfg, rd, ChunkSpan(chunk, start_step, end_step), held, get_run_logger()).run()
     finally:
         if own:
             held.close()
@@ -133,12 +134,10 @@ class ChunkRun:
     re-spawned at once, see the module docstring), then the committed boundary verified and
     recorded."""
 
-    def __init__(
-        self, cfg: RunConfig, run_dir: Path, steps: tuple[int, int, int], resources: RunResources, logger: Any
-    ) -> None:
-        """``steps``: (chunk, start step, end step)."""
+    def __init__(self, cfg: RunConfig, run_dir: Path, span: ChunkSpan, resources: RunResources, logger: Any) -> None:
         self.cfg, self.run_dir, self.logger = cfg, run_dir, logger
-        self.chunk, self.start, self.end = steps
+        self.span = span
+        self.chunk, self.start, self.end = span.chunk, span.start, span.end
         self.resources = resources
         self.parking = resources.slots.parking
         #: Prefect's run count in this flow run (what the retry policy counts); ``attempt``: this
@@ -146,8 +145,7 @@ class ChunkRun:
         self.try_number, flow_run_id, task_run_id = _prefect_ids()
         #: The worker attempt under way (numbered by :meth:`begin_attempt`), with the Prefect runs.
         self.id = AttemptId(self.chunk, 0, self.start, self.end, flow_run_id, task_run_id)
-        self.pipelined = cfg.orchestration.pipeline and cfg.orchestration.mode == "local"
-        self.standby = cfg.orchestration.standby and cfg.orchestration.mode == "local" and cfg.train.world_size == 1
+        self.pipelined, self.standby = resources.plan.pipelined, resources.plan.standby
         self.preemptions = 0
         #: Attempts re-spawned inside this task run for a worker killed while parked (at most 1).
         self.replaced = 0
@@ -384,8 +382,8 @@ class ChunkRun:
         ``retries: 0``: a replacement is a retry, and a run told not to retry fails on the kill."""
         if self.cfg.orchestration.retries < 1:
             return None
-        end = min(self.end + self.cfg.train.chunk_steps, self.cfg.train.total_steps)
-        nxt = AttemptId(self.chunk + 1, 0, self.end, end, self.id.flow_run_id, None)
+        nxt_span = self.span.following(self.cfg.train.chunk_steps, self.cfg.train.total_steps)
+        nxt = AttemptId(nxt_span.chunk, 0, nxt_span.start, nxt_span.end, self.id.flow_run_id, None)
         return replace_parked(dead, since, nxt, self.spec_for)
 
     def echo(self, line: str) -> None:

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tasks.artifacts import FailureNotes
+from tasks.execution_plan import ExecutionPlan
 from tasks.records import run_records
 from tasks.records.background import OneAtATime
 from tasks.records.tracker import MetricFollower
@@ -47,13 +48,10 @@ from training.tracking.goodput import StepJournal
 log = logging.getLogger("convoy.run")
 
 
-def zygote_for(config: RunConfig, run_dir: Path) -> WorkerZygote | None:
+def zygote_for(plan: ExecutionPlan, run_dir: Path) -> WorkerZygote | None:
     """The run's worker zygote, started now so its imports overlap the flow's start-up; None where
     workers are not forked (``orchestration.zygote`` off, pool mode, more than one rank)."""
-    o, t = config.orchestration, config.train
-    if not o.zygote or o.mode != "local" or t.world_size != 1 or t.nnodes != 1:
-        return None
-    return WorkerZygote(run_dir)
+    return WorkerZygote(run_dir) if plan.zygote else None
 
 
 class RunResources:
@@ -64,7 +62,9 @@ class RunResources:
         #: The run's tracker (None: tracking off), one for all its chunk tasks, which open and end
         #: their attempt runs with it (:func:`tasks.records.tracker.tracker_for`).
         self.tracker = run_records.tracker_for(config)
-        self.slots = WorkerSlots(Parking(), StandbySlot(self.run_dir), zygote_for(config, self.run_dir))
+        #: How the run's chunks execute, decided once (:mod:`tasks.execution_plan`).
+        self.plan = ExecutionPlan.of(config)
+        self.slots = WorkerSlots(Parking(), StandbySlot(self.run_dir), zygote_for(self.plan, self.run_dir))
         #: The run's checkpoints as this process sees them: one store, so each unchanged checkpoint
         #: is verified once however many callers ask for the resume point.
         self.checkpoints = CheckpointStore(self.run_dir)

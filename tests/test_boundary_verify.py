@@ -13,6 +13,7 @@ import pytest
 from engine_util import make_run, run_worker
 
 from tasks.chunk import ChunkRun
+from tasks.execution_plan import ChunkSpan
 from tasks.run_resources import RunResources
 from tasks.supervision.supervisor import ChunkFailed, Outcome
 from tasks.supervision.worker_handle import spawn
@@ -44,7 +45,7 @@ def test_a_boundary_that_does_not_verify_releases_the_parked_worker(tmp_path: Pa
         parking = resources.slots.parking
         parking.park(parked, cmd)
         assert parking.parked_pid() == parked.pid
-        run = ChunkRun(cfg, run_dir, (1, 0, 20), resources, _Log())
+        run = ChunkRun(cfg, run_dir, ChunkSpan(1, 0, 20), resources, _Log())
         with pytest.raises(ChunkFailed, match="no valid checkpoint at step 20") as failed:
             run.committed(time.time(), Outcome(0, 1.0, 20, tmp_path / "parked.log"))
         assert failed.value.details.last_committed_step == 10
@@ -75,7 +76,7 @@ def test_a_retry_sets_a_corrupt_boundary_aside_and_trains_to_it_again(tmp_path: 
     cfg = load_run_config(run_dir)
     resources = RunResources(cfg, run_dir)
     try:
-        run = ChunkRun(cfg, run_dir, (1, 0, 20), resources, _Log())
+        run = ChunkRun(cfg, run_dir, ChunkSpan(1, 0, 20), resources, _Log())
         assert run.pipelined
         outcome = run.supervised_attempt()
         assert outcome is not None and outcome.seconds > 0.5, outcome  # a worker trained 10 -> 20

@@ -208,13 +208,14 @@ def test_the_run_s_resources_hold_its_tracker_and_send_it_metrics_and_goodput(
     follower for the run, stopped at its end) and each chunk end's goodput, read through the
     resources' journal reader; every chunk task's attempts go to the one tracker they hold."""
     from tasks.chunk import ChunkRun
+    from tasks.execution_plan import ChunkSpan
     from tasks.run_resources import RunResources
 
     cfg = fake_config("orchestration.zygote=false")
     resources = RunResources(cfg, tmp_path)
     try:
         assert resources.tracker is fake
-        assert ChunkRun(cfg, tmp_path, (0, 0, 10), resources, logging.getLogger("test")).tracker is fake
+        assert ChunkRun(cfg, tmp_path, ChunkSpan(0, 0, 10), resources, logging.getLogger("test")).tracker is fake
         follower = resources.follow_metrics(print)
         assert isinstance(follower, Follower) and resources.follow_metrics(print) is follower
         resources.goodput.request()  # at a chunk end, on a thread
