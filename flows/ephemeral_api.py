@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -71,6 +72,21 @@ class EarlyStart:
 
     def join(self) -> None:
         self._thread.join()
+
+
+def stop_quietly() -> None:
+    """Stop this process's temporary server now, without Prefect's "Stopping temporary server" log
+    line: a command refused after :class:`EarlyStart` started it says only its one-line error.
+    Prefect's exit hook then finds nothing to stop; the reaper, nothing to reap."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    logger = logging.getLogger("prefect")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        SubprocessASGIServer().stop()
+    finally:
+        logger.setLevel(level)
 
 
 def start_tied_prefect_api() -> int | None:

@@ -146,7 +146,7 @@ def train(
         if getattr(slurm_stop, "warned_at", None) is not None:
             raise typer.Exit(EXIT_PREEMPTED)  # requeued: Slurm ends this allocation now
     except ConfigError as exc:
-        raise fail(str(exc)) from None
+        raise _refused(exc) from None
     except ChunkFailed as exc:
         first, *rest = failure_lines(exc)
         err.print(f"[bold red]training failed:[/] {escape(first)}", highlight=False, soft_wrap=True)
@@ -162,15 +162,27 @@ def train(
         console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
+def _refused(exc: ConfigError) -> typer.Exit:
+    """A refusal after Prefect's early start: one line, the temporary server stopped without one."""
+    from flows.ephemeral_api import stop_quietly
+
+    stop_quietly()
+    return fail(str(exc))
+
+
 def _checked_beside_prefect(params: Path, set_: list[str] | None) -> RunConfig:
     """The config with its task built and checked, while Prefect's temporary API starts."""
-    from flows.ephemeral_api import EarlyStart
+    from flows.ephemeral_api import EarlyStart, stop_quietly
 
     api = EarlyStart()
     try:
         return config_or_exit(params, set_, build_task=True)
+    except typer.Exit:
+        api.join()  # the error is printed first; the server is tied before the process ends
+        stop_quietly()  # and stopped without a line of Prefect's: the error stays the only line
+        raise
     finally:
-        api.join()  # the error (if any) is printed first; the server is tied before the process ends
+        api.join()
 
 
 def _in_slurm_job(cfg: RunConfig) -> tuple[RunConfig, Any]:
