@@ -147,6 +147,24 @@ def test_retention_spares_a_newer_invalid_dir_and_leaves_it_alone(tmp_path: Path
     assert [s for s, _ in store.step_dirs()] == [90, 30]
 
 
+def test_a_checkpoint_a_resume_passed_over_does_not_count_toward_keep_last(tmp_path: Path) -> None:
+    """training/checkpointing/retention.py: the chaos test's sequence.  Step 140 corrupt and passed
+    over by a resume; the commit of 150 keeps 130 (the newest one that verifies besides 150) and
+    leaves 140 for inspection, so that when 150 goes missing the run still resumes from 130."""
+    store = CheckpointStore(tmp_path, CheckpointConfig(keep_last=2))
+    fill(store, [120, 130, 140])
+    corrupt_flip(store.root / "step-000000140")
+    os.utime(store.root / "step-000000140" / MANIFEST, (1.0, 1.0))  # written before the resume below
+    assert store.latest_valid(record=True).step == 130  # the resume passes 140 over and records it
+    assert [e["checkpoint"] for e in read_events(tmp_path, "checkpoint_skipped")] == ["step-000000140"]
+    fill(store, [150])
+    assert [s for s, _ in store.step_dirs()] == [150, 140, 130]
+    shutil.rmtree(store.root / "step-000000150")
+    assert store.latest_valid(record=False).step == 130
+    fill(store, [160, 170])  # 140 stays, never counted; 130 goes once two newer ones verify
+    assert [s for s, _ in store.step_dirs()] == [170, 160, 140]
+
+
 def test_background_save_error_surfaces_at_next_check(tmp_path: Path, monkeypatch) -> None:
     store = CheckpointStore(tmp_path)
     fill(store, [10])

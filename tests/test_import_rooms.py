@@ -44,6 +44,7 @@ TRAINING_BASE = {
     "training.config",
     "training.config_text",
     "training.device_rng",
+    "training.event_records",
     "training.events",
     "training.faults",
     "training.fsutil",

@@ -32,6 +32,7 @@ from training.checkpointing import sharded
 from training.checkpointing.codec import split_tree
 from training.checkpointing.errors import CheckpointError, CheckpointRejected
 from training.checkpointing.install import install, point_latest
+from training.checkpointing.retention import kept
 from training.checkpointing.staged import Staged
 from training.checkpointing.verified import Candidate, PassedOver, ResumePoint, Verdicts, with_missing
 from training.checkpointing.verify import (
@@ -47,7 +48,6 @@ from training.checkpointing.verify import (
     state_digest,
     writer_versions,
 )
-from training.chunk_boundary import boundary_to_keep
 from training.config import CheckpointConfig
 from training.events import Event, append_event, read_events
 from training.fsutil import atomic_write_bytes, atomic_write_json, read_json
@@ -432,7 +432,8 @@ class CheckpointStore:
     # ------------------------------------------------------------------ retention
     def apply_retention(self, protect: Checkpoint) -> list[str]:
         """Delete committed checkpoints outside the policy; never ``protect`` (newest verified),
-        never a directory that does not verify at manifest level (left for inspection)."""
+        never a directory that does not verify at manifest level, or that a resume passed over
+        (left for inspection, :mod:`training.checkpointing.retention`)."""
         pol = self.policy
         candidates: list[tuple[int, Path, int]] = []
         for step, path in self.step_dirs():
@@ -443,9 +444,7 @@ class CheckpointStore:
             except CheckpointRejected:
                 continue
             candidates.append((step, path, sum(f["size"] for f in manifest["files"].values())))
-        keep_recent = {p for _, p, _ in candidates[: max(pol.keep_last - 1, 0)]}
-        boundary = boundary_to_keep(protect.step, (s for s, _, _ in candidates), self.boundary_every)
-        keep_recent |= {p for s, p, _ in candidates if s == boundary}
+        keep_recent, boundary = kept(self.run_dir, protect.step, candidates, pol.keep_last, self.boundary_every)
         deleted: list[str] = []
         survivors = []
         for step, path, size in candidates:
